@@ -1,0 +1,35 @@
+"""Shared fixtures: one small trained model per test session, reused by export and serve tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def run_cli(*argv: str) -> int:
+    from torchship.cli import main
+
+    return main([str(a) for a in argv])
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> Path:
+    """A tiny CNN trained for a few epochs on the digits: the checkpoint directory."""
+    from torchship.config import build
+    from train.config import TrainConfig
+    from train.loop import train
+
+    out = tmp_path_factory.mktemp("trained")
+    res = train(build(TrainConfig, {"arch": "tiny_cnn", "epochs": 6, "lr": 3e-2, "batch_size": 32, "out": str(out),
+                                    "progress": False, "seed": 0}))
+    return res.best
+
+
+def python() -> str:
+    return sys.executable

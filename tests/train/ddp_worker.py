@@ -1,0 +1,29 @@
+"""Run under torchrun by test_distributed: records each rank's sample indices and final weights."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from torchship.config import build
+from train.config import TrainConfig
+from train.loop import train
+
+out = Path(sys.argv[1])
+seen: list[int] = []
+final: dict = {}
+
+
+def on_step(info):
+    seen.extend(int(i) for i in info["indices"])
+    final["model"] = info["model"]
+    final["rank"] = info["rank"]
+
+
+cfg = build(TrainConfig, {"arch": "tiny_cnn", "data": "synthetic", "synthetic_samples": 96, "epochs": 1,
+                          "batch_size": 16, "out": str(out / "train"), "progress": False, "overwrite": True})
+train(cfg, on_step=on_step)
+rank = final["rank"]
+torch.save({k: v.detach().clone() for k, v in final["model"].state_dict().items()}, out / f"rank{rank}.pt")
+(out / f"rank{rank}.json").write_text(json.dumps(seen))

@@ -1,0 +1,92 @@
+"""Every bad training input is a one-line error naming the problem, and nothing is overwritten."""
+
+import shutil
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+BASE = ["train", "--arch", "tiny_cnn", "--epochs", "1", "--no-progress"]
+
+
+def test_missing_data_folder(tmp_path, capsys):
+    assert run_cli(*BASE, "--data", tmp_path / "nope", "--out", tmp_path / "o") == 2
+    assert "no such directory" in err_line(capsys)
+
+
+def test_empty_data_folder(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    assert run_cli(*BASE, "--data", tmp_path / "data", "--out", tmp_path / "o") == 2
+    assert "no images found" in err_line(capsys)
+
+
+def test_single_class_folder(tmp_path, capsys):
+    from PIL import Image
+
+    (tmp_path / "data" / "cat").mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(tmp_path / "data" / "cat" / f"{i}.png")
+    assert run_cli(*BASE, "--data", tmp_path / "data", "--out", tmp_path / "o") == 2
+    assert "only one class" in err_line(capsys)
+
+
+def test_image_folder_trains(tmp_path, capsys):
+    from PIL import Image
+
+    for c, color in (("red", (255, 0, 0)), ("blue", (0, 0, 255))):
+        (tmp_path / "data" / c).mkdir(parents=True)
+        for i in range(8):
+            Image.new("RGB", (20, 20), tuple(max(0, v - 9 * i) for v in color)).save(tmp_path / "data" / c / f"{i}.png")
+    assert run_cli(*BASE, "--data", tmp_path / "data", "--image-size", "16", "--batch-size", "4",
+                   "--out", tmp_path / "o") == 0
+    assert "weights:" in capsys.readouterr().out
+
+
+def test_corrupt_resume_checkpoint(trained, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(trained, bad)
+    (bad / "train_state.pt").write_bytes(b"not a checkpoint")
+    assert run_cli(*BASE, "--data", "digits", "--resume", bad, "--out", tmp_path / "o") == 2
+    assert "corrupt or truncated" in err_line(capsys)
+
+
+def test_checkpoint_of_another_architecture(trained, tmp_path, capsys):
+    assert run_cli(*BASE[:2], "resnet18", *BASE[3:], "--resume", trained, "--out", tmp_path / "o") == 2
+    assert "holds tiny_cnn with 10 classes" in err_line(capsys)
+
+
+def test_checkpoint_of_another_class_count(trained, tmp_path, capsys):
+    assert run_cli(*BASE, "--data", "synthetic", "--num-classes", "3", "--resume", trained, "--out", tmp_path / "o") == 2
+    assert "with 3 classes" in err_line(capsys)
+
+
+def test_fp16_without_cuda(tmp_path, capsys):
+    assert run_cli(*BASE, "--amp", "fp16", "--out", tmp_path / "o") == 2
+    assert "--amp fp16 needs CUDA" in err_line(capsys)
+
+
+def test_resume_that_does_not_exist(tmp_path, capsys):
+    assert run_cli(*BASE, "--resume", tmp_path / "missing", "--out", tmp_path / "o") == 2
+    assert "does not exist" in err_line(capsys)
+    assert not (tmp_path / "o").exists(), "a missing --resume must not start a fresh run"
+
+
+def test_batch_smaller_than_world_size(tmp_path, capsys):
+    assert run_cli(*BASE, "--batch-size", "1", "--nproc", "2", "--out", tmp_path / "o") == 2
+    assert "smaller than the world size 2" in err_line(capsys)
+
+
+def test_existing_output_is_not_overwritten(trained, tmp_path, capsys):
+    out = trained.parent.parent
+    before = (out / "checkpoints" / "index.json").read_text()
+    assert run_cli(*BASE, "--out", out) == 2
+    assert "already holds checkpoints" in err_line(capsys)
+    assert (out / "checkpoints" / "index.json").read_text() == before

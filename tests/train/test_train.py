@@ -1,0 +1,125 @@
+"""Training behaviour on CPU: AMP, exact resume, checkpoint contents and crash safety."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from torchship.config import build
+from torchship.errors import CheckpointError
+from train import checkpoint as ck
+from train.config import TrainConfig
+from train.loop import train
+from train.models import build_model
+
+
+def cfg(tmp_path, **kw) -> TrainConfig:
+    base = {"arch": "tiny_cnn", "data": "synthetic", "synthetic_samples": 128, "epochs": 2, "batch_size": 16,
+            "lr": 1e-2, "out": str(tmp_path), "progress": False}
+    base.update(kw)
+    return build(TrainConfig, base)
+
+
+def losses(out) -> list[float]:
+    return [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_bf16_amp_loss_goes_down(tmp_path):
+    seen = []
+    res = train(cfg(tmp_path, amp="bf16", epochs=6), on_step=lambda i: seen.append(i["step"]))
+    ls = losses(tmp_path)
+    assert all(b < a for a, b in zip(ls, ls[1:])), ls
+    assert ls[-1] < 0.85 * ls[0], ls
+    assert json.loads((res.latest / ck.META).read_text())["amp"] == "bf16"
+
+
+def weights(ckpt_dir):
+    return torch.load(ckpt_dir / ck.WEIGHTS, weights_only=True)
+
+
+def run_resumed(tmp_path, name, stop_at, tamper=None):
+    first = train(cfg(tmp_path / name, max_steps=stop_at))
+    if tamper:
+        tamper(first.latest)
+    return train(cfg(tmp_path / name, resume=str(tmp_path / name)))
+
+
+def test_resume_is_bit_exact(tmp_path):
+    full = train(cfg(tmp_path / "full", save_every=5))
+    resumed = run_resumed(tmp_path, "resumed", stop_at=11)  # 8 steps/epoch: stops mid-epoch 2
+    assert resumed.steps == full.steps
+    a, b = weights(full.latest), weights(resumed.latest)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+
+
+def test_resume_check_catches_a_planted_fault(tmp_path):
+    """Skip one batch in the saved position: the bit-exact comparison must notice."""
+    full = train(cfg(tmp_path / "full"))
+
+    def skip_a_batch(d):
+        st = torch.load(d / ck.STATE, weights_only=True)
+        st["step_in_epoch"] += 1
+        torch.save(st, d / ck.STATE)
+
+    resumed = run_resumed(tmp_path, "bad", stop_at=11, tamper=skip_a_batch)
+    a, b = weights(full.latest), weights(resumed.latest)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_loads_weights_only_into_a_fresh_model(trained):
+    meta = json.loads((trained / ck.META).read_text())
+    sd = torch.load(trained / ck.WEIGHTS, weights_only=True)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in sd)
+    for key in ("arch", "model_args", "classes", "preprocessing", "input_shape", "metrics", "torch_version", "git_revision"):
+        assert key in meta
+    model = build_model(meta["arch"], meta["num_classes"], meta["input_shape"][0], meta["model_args"]).eval()
+    model.load_state_dict(sd, strict=True)
+    held = np.load(trained / ck.HELDOUT)
+    x = torch.from_numpy(held["images"][:8])
+    from train.models import WithPreprocessing
+
+    pre = meta["preprocessing"]
+    out1 = WithPreprocessing(model, pre["mean"], pre["std"]).eval()(x)
+    model2 = build_model(meta["arch"], meta["num_classes"], meta["input_shape"][0], meta["model_args"]).eval()
+    ck.load_into(model2, ck.load_weights(trained), "test")
+    out2 = WithPreprocessing(model2, pre["mean"], pre["std"]).eval()(x)
+    assert torch.equal(out1, out2)
+    assert (out1.argmax(1).numpy() == held["labels"][:8]).mean() > 0.5
+
+
+def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    first = train(cfg(tmp_path, epochs=1))
+    before = (tmp_path / "checkpoints" / ck.INDEX).read_text()
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        with open(f, "r+b") as fh:  # leave a truncated file behind, then die
+            fh.truncate(100)
+        raise KeyboardInterrupt("power cut")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg(tmp_path, epochs=2, resume=str(tmp_path)))
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoints" / ck.INDEX).read_text() == before
+    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+    d = ck.resolve_checkpoint(tmp_path, which="latest")
+    assert d == first.latest
+    ck.load_weights(d)  # sha256 matches and it loads
+
+
+def test_corrupt_weights_are_reported(trained, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(trained, bad)
+    with open(bad / ck.WEIGHTS, "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(CheckpointError, match="truncated or altered"):
+        ck.load_weights(bad)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        ck.load_weights(bad, check_hash=False)

@@ -1,0 +1,61 @@
+"""The ``torchship`` console script: thin subcommands over each stage's plain functions."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import warnings
+
+from .errors import TorchshipError
+
+# subcommand -> (module, help). Modules are imported lazily so `torchship --help` is fast.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train.launch", "train a model with DDP/AMP and write checkpoints"),
+    "export": ("export.cli", "export a checkpoint to TorchScript, ExportedProgram, AOTInductor and ONNX, then verify"),
+    "verify": ("export.cli", "re-verify an export directory (hashes, then parity against eager)"),
+    "repo": ("serve.cli", "build a Triton model repository from an export manifest"),
+    "serve": ("serve.cli", "start the embedded Triton Inference Server on a repository"),
+    "infer": ("serve.cli", "send images or reference inputs to a Triton server over gRPC"),
+    "bench": ("serve.bench_cli", "benchmark in-process and served latency/throughput, or compare two results"),
+    "run": ("torchship.run", "train, export, verify, serve, check and benchmark in one run folder"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchship", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="From a PyTorch model to a verified, served and benchmarked Triton deployment.",
+        epilog="Run 'torchship COMMAND --help' for each command's options and defaults.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        if only == name:
+            mod = importlib.import_module(module)
+            getattr(mod, f"add_{name}_arguments", getattr(mod, "add_arguments", None))(p)
+            p.set_defaults(_handler=getattr(mod, f"main_{name}", getattr(mod, "main_cli", None)))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    ns = parser.parse_args(argv)
+    if not getattr(ns, "_handler", None):
+        parser.print_help()
+        return 0 if not argv else 2
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
+    try:
+        return int(ns._handler(ns) or 0)
+    except TorchshipError as e:
+        print(f"torchship {ns.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"torchship {ns.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The typed errors every stage raises; the CLI prints them as one line and exits non-zero."""
+
+
+class TorchshipError(Exception):
+    """A problem the user can act on. ``str(err)`` is the one line the CLI prints."""
+
+    exit_code = 2
+
+
+class ConfigError(TorchshipError):
+    """An option or config file value is invalid; the message names the flag to change."""
+
+
+class DataError(TorchshipError):
+    """The dataset is missing, empty or unusable."""
+
+
+class CheckpointError(TorchshipError):
+    """A checkpoint is missing, corrupt, or does not match the model it is loaded into."""
+
+
+class ArtifactError(TorchshipError):
+    """An exported artifact or export directory is missing, altered or cannot be produced."""
+
+
+class ParityError(TorchshipError):
+    """Outputs of an artifact or a served model differ from eager beyond tolerance."""
+
+    exit_code = 3
+
+    def __init__(self, failures: list[str], what: str = "parity check"):
+        self.failures = list(failures)
+        head = f"{what} failed ({len(self.failures)} problem{'s' if len(self.failures) != 1 else ''}): "
+        super().__init__(head + "; ".join(self.failures))
+
+
+class ShapeError(TorchshipError):
+    """An input has the wrong rank, shape or dtype for the model contract."""
+
+
+class ServerError(TorchshipError):
+    """The Triton server could not be started, reached, or did not become ready."""
+
+
+class ClientError(TorchshipError):
+    """A request to a served model failed."""
+
+
+class BenchError(TorchshipError):
+    """A benchmark could not run or its inputs are unusable (partial results are kept)."""
+
+
+class GateError(TorchshipError):
+    """A pipeline gate failed in ``torchship run``; the message names the stage."""
+
+    exit_code = 3

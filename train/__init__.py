@@ -1,0 +1,1 @@
+"""Training stage: DDP + AMP training that writes weights-only checkpoints plus metadata."""

@@ -1,0 +1,7 @@
+"""``torchrun --nproc-per-node=N -m train [FLAGS]``: one training rank."""
+
+import sys
+
+from .launch import rank_main
+
+sys.exit(rank_main())

@@ -1,0 +1,73 @@
+"""TrainConfig: every training option, its unit and its cross-field checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from torchship.config import opt
+from torchship.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    arch: str = opt("resnet18", "model: resnet18, resnet50, mobilenet_v3_small, tiny_cnn, or package.module:factory")
+    data: str = opt("digits", "dataset: 'digits' (scikit-learn's 8x8 digits, no download), 'synthetic', or an ImageFolder PATH")
+    image_size: Optional[int] = opt(None, "input height and width in pixels (default: 32 for digits/synthetic, 224 for folders)")
+    epochs: int = opt(10, "number of passes over the training split")
+    batch_size: int = opt(64, "global batch size, split evenly across DDP ranks")
+    lr: float = opt(2e-3, "peak learning rate of AdamW (warm-up then cosine decay)")
+    weight_decay: float = opt(5e-4, "AdamW weight decay")
+    amp: Literal["off", "bf16", "fp16"] = opt("off", "autocast precision: bf16 on CPU/CUDA, fp16 (with GradScaler) on CUDA only")
+    nproc: int = opt(1, "DDP processes to launch through torchrun on this machine (0: one per GPU, or 2 on a CPU with the cores)")
+    out: str = opt("runs/train", "output directory for checkpoints, metrics.jsonl and the log")
+    resume: Optional[str] = opt(None, "resume exactly from this checkpoint directory (or an output directory: its latest)")
+    seed: int = opt(0, "seed for initialisation, data order and the train/validation split")
+    val_fraction: float = opt(0.2, "fraction of the data held out for validation (stratified)")
+    synthetic_samples: int = opt(512, "number of samples for --data synthetic")
+    num_classes: Optional[int] = opt(None, "classes for --data synthetic (default 10)")
+    workers: int = opt(0, "DataLoader worker processes per rank (ImageFolder data)")
+    grad_clip: Optional[float] = opt(None, "clip the global gradient norm to this value (unscaled first under fp16)")
+    compile: bool = opt(False, "wrap the model in torch.compile (the saved weights stay unwrapped)")
+    profile: bool = opt(False, "write a torch.profiler trace of a few steps to OUT/profile (Chrome/Perfetto/TensorBoard)")
+    channels_last: bool = opt(False, "use the channels_last memory format")
+    keep_last: int = opt(2, "keep this many most recent checkpoints (the best one is always kept)")
+    save_every: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)")
+    max_steps: Optional[int] = opt(None, "stop after this many optimizer steps in total, saving a resumable checkpoint")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "where to train: auto picks CUDA when present")
+    overwrite: bool = opt(False, "allow writing into an OUT directory that already holds checkpoints")
+    model_arg: tuple[str, ...] = opt((), "extra constructor argument for the model, KEY=JSON_VALUE (repeatable)")
+    progress: bool = opt(True, "show a progress bar on rank 0")
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ConfigError("--epochs must be at least 1")
+        if self.batch_size < 1:
+            raise ConfigError("--batch-size must be at least 1")
+        if self.nproc < 0:
+            raise ConfigError("--nproc must be 0 (auto) or more")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError("--val-fraction must be between 0 and 1")
+        if self.lr <= 0:
+            raise ConfigError("--lr must be positive")
+        if self.keep_last < 1:
+            raise ConfigError("--keep-last must be at least 1")
+        if self.image_size is not None and self.image_size < 8:
+            raise ConfigError("--image-size must be at least 8 pixels")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError("--max-steps must be at least 1")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError("--grad-clip must be positive")
+        if self.synthetic_samples < 4:
+            raise ConfigError("--synthetic-samples must be at least 4")
+
+    def check_world(self, world_size: int) -> None:
+        """Checks that need the world size: the global batch must split evenly across ranks."""
+        if self.batch_size < world_size:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is smaller than the world size {world_size}: "
+                f"every rank needs at least one sample per step; raise --batch-size or lower --nproc")
+        if self.batch_size % world_size:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} does not split evenly across {world_size} ranks; "
+                f"use a multiple of {world_size}")

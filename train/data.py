@@ -1,0 +1,186 @@
+"""Datasets: scikit-learn's digits (default, no download), synthetic, or an ImageFolder.
+
+Every dataset yields float32 NCHW images in [0, 1] at the model's input size. Normalization
+(mean/std) is applied by the model wrapper, so the exported graph and training share it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+from torchship.errors import DataError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+
+@dataclass
+class Preprocessing:
+    """The input contract shared by training, export and serving."""
+
+    image_size: list[int]          # [height, width] after resizing, pixels
+    channels: int                  # channels fed to the model (grayscale is replicated to 3)
+    mean: list[float]              # per-channel mean subtracted from [0, 1] pixels
+    std: list[float]               # per-channel std the result is divided by
+    layout: str = "NCHW"
+    dtype: str = "float32"
+    value_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    resize: str = "bilinear"       # interpolation used to reach image_size
+    source_scale: str = "pixel / 255"  # how raw pixels become [0, 1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DataSplit:
+    train: Dataset
+    val: Dataset
+    classes: list[str]
+    preprocessing: Preprocessing
+    source: str
+
+
+def _stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic stratified split: same seed, same indices, on every rank and every run."""
+    rng = np.random.default_rng(seed)
+    train_idx, val_idx = [], []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        rng.shuffle(idx)
+        n_val = max(1, int(round(len(idx) * val_fraction))) if len(idx) > 1 else 0
+        val_idx.append(idx[:n_val])
+        train_idx.append(idx[n_val:])
+    return np.sort(np.concatenate(train_idx)), np.sort(np.concatenate(val_idx))
+
+
+def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    if x.shape[-1] == size and x.shape[-2] == size:
+        return x
+    return torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+
+
+def _channel_stats(x: torch.Tensor) -> tuple[list[float], list[float]]:
+    mean = x.mean(dim=(0, 2, 3))
+    std = x.std(dim=(0, 2, 3)).clamp_min(1e-3)
+    return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
+
+
+def _tensor_split(x: torch.Tensor, y: torch.Tensor, classes: list[str], val_fraction: float, seed: int,
+                  source: str, source_scale: str) -> DataSplit:
+    tr, va = _stratified_split(y.numpy(), val_fraction, seed)
+    mean, std = _channel_stats(x[tr])
+    pre = Preprocessing(image_size=[x.shape[-2], x.shape[-1]], channels=x.shape[1], mean=mean, std=std,
+                        source_scale=source_scale)
+    return DataSplit(TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va]), classes, pre, source)
+
+
+def load_digits(image_size: int, val_fraction: float, seed: int) -> DataSplit:
+    """scikit-learn's 1,797 handwritten digits (8x8, 17 grey levels), upsampled and made RGB."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    bunch = sk_digits()
+    x = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
+    x = _resize(x, image_size).clamp_(0.0, 1.0).repeat(1, 3, 1, 1).contiguous()
+    y = torch.from_numpy(bunch.target.astype(np.int64))
+    return _tensor_split(x, y, [str(c) for c in range(10)], val_fraction, seed, "digits", "pixel / 16")
+
+
+def make_synthetic(samples: int, num_classes: int, image_size: int, val_fraction: float, seed: int) -> DataSplit:
+    """Learnable synthetic images: each class is a fixed random pattern plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    protos = torch.rand(num_classes, 3, image_size, image_size, generator=g)
+    y = torch.arange(samples) % num_classes
+    x = (0.7 * protos[y] + 0.3 * torch.rand(samples, 3, image_size, image_size, generator=g)).clamp_(0, 1)
+    return _tensor_split(x, y, [f"class_{i}" for i in range(num_classes)], val_fraction, seed, "synthetic", "pixel / 255")
+
+
+class ImageFolderDataset(Dataset):
+    """Images from an ImageFolder tree, resized to a square and scaled to [0, 1] RGB."""
+
+    def __init__(self, files: list[tuple[str, int]], image_size: int):
+        self.files = files
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        path, label = self.files[i]
+        try:
+            with Image.open(path) as im:
+                im = im.convert("RGB").resize((self.image_size, self.image_size), Image.BILINEAR)
+                arr = np.asarray(im, dtype=np.float32) / 255.0
+        except OSError as e:
+            raise DataError(f"cannot read image {path}: {e}") from None
+        return torch.from_numpy(arr).permute(2, 0, 1).contiguous(), label
+
+
+def load_image_file(path: str | Path, image_size: int) -> np.ndarray:
+    """One image file as a float32 CHW array in [0, 1], preprocessed as in training."""
+    return ImageFolderDataset([(str(path), 0)], image_size)[0][0].numpy()
+
+
+def scan_image_folder(root: str | Path) -> tuple[list[tuple[str, int]], list[str]]:
+    """List (file, class index) pairs of an ImageFolder tree; DataError if unusable."""
+    root = Path(root)
+    if not root.exists():
+        raise DataError(f"--data {root}: no such directory")
+    if not root.is_dir():
+        raise DataError(f"--data {root}: not a directory (expected one sub-folder per class)")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    files: list[tuple[str, int]] = []
+    for i, c in enumerate(classes):
+        for p in sorted((root / c).rglob("*")):
+            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES:
+                files.append((str(p), i))
+    if not files:
+        raise DataError(f"--data {root}: no images found (expected {root}/<class>/<image>.png ...)")
+    present = sorted({label for _, label in files})
+    if len(present) < 2:
+        only = classes[present[0]] if present else "?"
+        raise DataError(f"--data {root}: only one class with images ('{only}'); a classifier needs at least two")
+    return files, classes
+
+
+def load_image_folder(root: str, image_size: int, val_fraction: float, seed: int, stats_samples: int = 256) -> DataSplit:
+    files, classes = scan_image_folder(root)
+    labels = np.array([label for _, label in files])
+    tr, va = _stratified_split(labels, val_fraction, seed)
+    ds = ImageFolderDataset(files, image_size)
+    rng = np.random.default_rng(seed)
+    sample = rng.choice(tr, size=min(stats_samples, len(tr)), replace=False)
+    mean, std = _channel_stats(torch.stack([ds[int(i)][0] for i in sample]))
+    pre = Preprocessing(image_size=[image_size, image_size], channels=3, mean=mean, std=std)
+    return DataSplit(Subset(ds, tr.tolist()), Subset(ds, va.tolist()), classes, pre, str(Path(root).resolve()))
+
+
+def load_data(data: str, image_size: int | None, val_fraction: float, seed: int,
+              synthetic_samples: int = 512, num_classes: int | None = None) -> DataSplit:
+    """Resolve --data into a train/validation split (see module docstring)."""
+    if data == "digits":
+        return load_digits(image_size or 32, val_fraction, seed)
+    if data == "synthetic":
+        return make_synthetic(synthetic_samples, num_classes or 10, image_size or 32, val_fraction, seed)
+    return load_image_folder(data, image_size or 224, val_fraction, seed)
+
+
+def heldout_samples(ds: Dataset, limit_bytes: int = 8 << 20, max_count: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """The first validation samples (at most ``max_count`` and ``limit_bytes``) for export checks."""
+    x0, _ = ds[0]
+    per = x0.numel() * 4
+    n = max(1, min(len(ds), max_count, limit_bytes // per))
+    xs, ys = zip(*(ds[i] for i in range(n)))
+    return torch.stack(xs).numpy().astype(np.float32), np.array([int(y) for y in ys], dtype=np.int64)
+
+
+def steps_per_epoch(n_train: int, batch_size: int) -> int:
+    return max(1, math.floor(n_train / batch_size))

@@ -1,0 +1,113 @@
+"""``torchship train``: checks the config up front, then trains here or launches torchrun ranks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from torchship.config import add_dataclass_arguments, build, namespace_overrides, to_argv
+from torchship.errors import TorchshipError
+
+from . import checkpoint as ck
+from .config import TrainConfig
+from .data import scan_image_folder
+from .loop import TrainResult, prepare_out, resolve_device, train
+
+ERROR_FILE_ENV = "TORCHSHIP_ERROR_FILE"
+
+
+def auto_nproc(device: str) -> int:
+    """One rank per GPU; on CPU two ranks when the machine has at least two cores, else one."""
+    if device == "cuda":
+        return max(1, torch.cuda.device_count())
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+def preflight(cfg: TrainConfig, world: int) -> None:
+    """Every check that needs no process group, so mistakes surface before ranks start."""
+    resolve_device(cfg)
+    cfg.check_world(world)
+    prepare_out(cfg)
+    if cfg.resume:
+        d = ck.resolve_checkpoint(cfg.resume, which="latest")
+        ck.load_meta(d)
+        ck.load_train_state(d)
+    if cfg.data not in ("digits", "synthetic"):
+        scan_image_folder(cfg.data)
+
+
+def run_train(cfg: TrainConfig) -> TrainResult | None:
+    """Train in this process, or relaunch as ``cfg.nproc`` torchrun ranks.
+
+    Returns the TrainResult when training ran in this process, None after a torchrun launch
+    (results are on disk under cfg.out). Raises TorchshipError subclasses for user mistakes.
+    """
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    nproc = cfg.nproc or auto_nproc(device)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if nproc <= 1 or under_torchrun:
+        return train(cfg)
+    preflight(cfg, nproc)
+    launch_torchrun(["-m", "train", *to_argv(cfg, exclude=("nproc",))], nproc)
+    return None
+
+
+def launch_torchrun(module_argv: list[str], nproc: int, extra: list[str] | None = None) -> None:
+    """Run ``torchrun --standalone --nproc-per-node=N <module_argv>`` and turn a rank's
+    one-line error back into a TorchshipError here."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: 2 per rank oversubscribes small machines
+    with tempfile.TemporaryDirectory(prefix="torchship-ranks-") as tmp:
+        os.environ[ERROR_FILE_ENV] = str(Path(tmp) / "error")
+        args = get_args_parser().parse_args(
+            ["--standalone", f"--nproc-per-node={nproc}", *(extra or []), "--no-python", sys.executable, "-u", *module_argv])
+        try:
+            run(args)
+        except ChildFailedError:
+            msgs = sorted(Path(tmp).glob("error*"))
+            if msgs:
+                raise TorchshipError(msgs[0].read_text().strip()) from None
+            raise TorchshipError("a training rank failed; see its traceback above") from None
+        finally:
+            os.environ.pop(ERROR_FILE_ENV, None)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_dataclass_arguments(p, TrainConfig)
+
+
+def main_cli(ns: argparse.Namespace) -> int:
+    cfg = build(TrainConfig, namespace_overrides(ns, TrainConfig))
+    run_train(cfg)
+    return 0
+
+
+def rank_main(argv: list[str] | None = None) -> int:
+    """Entry point for ``torchrun ... -m train FLAGS`` (the user's own torchrun line)."""
+    p = argparse.ArgumentParser(prog="python -m train", description="torchship training, one rank per process")
+    add_dataclass_arguments(p, TrainConfig, exclude=("nproc",))
+    try:
+        cfg = build(TrainConfig, namespace_overrides(p.parse_args(argv), TrainConfig), {"nproc": 1})
+        train(cfg)
+    except TorchshipError as e:
+        rank = os.environ.get("RANK", "0")
+        msg = f"rank {rank}: {e}" if os.environ.get("WORLD_SIZE", "1") != "1" else str(e)
+        if os.environ.get(ERROR_FILE_ENV):
+            Path(os.environ[ERROR_FILE_ENV] + f".{rank}").write_text(str(e) + "\n")
+        print(f"torchship: error: {msg}", file=sys.stderr)
+        return e.exit_code
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+

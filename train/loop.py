@@ -1,0 +1,385 @@
+"""The training loop: one function, ``train(cfg)``, that runs alone or as one torchrun rank."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from torchship.config import as_dict
+from torchship.errors import CheckpointError, ConfigError, DataError
+from torchship.io import git_revision
+
+from . import checkpoint as ck
+from .config import TrainConfig
+from .data import DataSplit, heldout_samples, load_data
+from .models import Normalize, build_model, parse_model_args
+
+
+@dataclass
+class TrainResult:
+    best: Path              # checkpoint directory with the best validation accuracy
+    latest: Path            # most recent checkpoint directory (resumable)
+    val_acc: float          # validation accuracy of the last evaluation, 0..1
+    best_val_acc: float
+    steps: int              # optimizer steps taken in total (including before a resume)
+    wall_s: float           # seconds spent in this call
+    images_per_s: float     # training throughput of this call, all ranks together
+    world_size: int
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    initialized: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(cfg: TrainConfig) -> str:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible")
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if cfg.amp == "fp16" and device != "cuda":
+        raise ConfigError("--amp fp16 needs CUDA (fp16 autocast with GradScaler); on CPU use --amp bf16 or --amp off")
+    return device
+
+
+def init_distributed(device: str) -> Dist:
+    """Join the process group torchrun describes in the environment, if any."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Dist()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "cuda":
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return Dist(rank, local, world, True)
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    n = s["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
+    py = s["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _batches(ds_len: int, d: Dist, per_rank: int, epoch: int, seed: int, shuffle: bool) -> list[list[int]]:
+    """This rank's index batches for one epoch: a disjoint shard, same order on every run."""
+    if shuffle:
+        g = torch.Generator().manual_seed(seed + epoch)
+        order = torch.randperm(ds_len, generator=g).tolist()
+        usable = (ds_len // (per_rank * d.world)) * per_rank * d.world   # drop the ragged tail
+        mine = order[:usable][d.rank::d.world]
+        return [mine[i:i + per_rank] for i in range(0, len(mine), per_rank)]
+    mine = list(range(d.rank, ds_len, d.world))    # validation: every sample exactly once overall
+    return [mine[i:i + per_rank] for i in range(0, len(mine), per_rank)]
+
+
+def _loader(ds, batches: list[list[int]], workers: int, seed: int) -> DataLoader:
+    return DataLoader(ds, batch_sampler=batches, num_workers=workers,
+                      generator=torch.Generator().manual_seed(seed), persistent_workers=False)
+
+
+class _Log:
+    def __init__(self, out: Path, main: bool):
+        self.main = main
+        self.file = open(out / "train.log", "a", encoding="utf-8") if main else None
+
+    def __call__(self, msg: str) -> None:
+        if self.main:
+            print(msg, flush=True)
+            self.file.write(msg + "\n")
+            self.file.flush()
+
+    def metrics(self, out: Path, record: dict[str, Any]) -> None:
+        if self.main:
+            with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, norm: Normalize, ds, d: Dist, per_rank: int, device: str, autocast) -> tuple[float, float]:
+    """Validation loss and accuracy, summed over all ranks (each sample counted once)."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for x, y in _loader(ds, _batches(len(ds), d, per_rank, 0, 0, shuffle=False), 0, 0):
+        x, y = x.to(device), y.to(device)
+        with autocast():
+            logits = model(norm(x))
+        totals[0] += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += y.numel()
+    if d.initialized:
+        dist.all_reduce(totals)
+    model.train()
+    n = max(1.0, totals[2].item())
+    return totals[0].item() / n, totals[1].item() / n
+
+
+def _lr_lambda(total_steps: int, warmup: int) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def prepare_out(cfg: TrainConfig) -> Path:
+    """Refuse to mix a new run into an existing one unless --overwrite or --resume says so."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file")
+    if (out / "checkpoints" / ck.INDEX).exists() and not cfg.overwrite and not cfg.resume:
+        raise ConfigError(f"--out {out} already holds checkpoints; pass --resume {out} to continue, "
+                          "--overwrite to start over, or another --out")
+    return out
+
+
+def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] = None) -> TrainResult:
+    """Train ``cfg.arch`` on ``cfg.data`` and write checkpoints under ``cfg.out``.
+
+    Runs as a single process, or as one rank when started by torchrun. ``on_step`` is called
+    on every rank after each optimizer step with {rank, epoch, step, indices, model} (tests use it).
+    Raises ConfigError, DataError or CheckpointError for user mistakes.
+    """
+    t_start = time.perf_counter()
+    device = resolve_device(cfg)
+    out = prepare_out(cfg)
+    resume_dir = None
+    if cfg.resume:
+        resume_dir = ck.resolve_checkpoint(cfg.resume, which="latest")
+    d = init_distributed(device)
+    cfg.check_world(d.world)
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        if cfg.overwrite and not cfg.resume:
+            for name in ("metrics.jsonl", "train.log"):
+                (out / name).unlink(missing_ok=True)
+    if d.initialized:
+        dist.barrier()
+    log = _Log(out, d.main)
+    try:
+        return _train(cfg, d, device, out, resume_dir, log, on_step, t_start)
+    finally:
+        if log.file:
+            log.file.close()
+
+
+def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log: _Log, on_step, t_start) -> TrainResult:
+    seed_everything(cfg.seed)
+    data: DataSplit = load_data(cfg.data, cfg.image_size, cfg.val_fraction, cfg.seed, cfg.synthetic_samples, cfg.num_classes)
+    per_rank = cfg.batch_size // d.world
+    n_classes = len(data.classes)
+    if len(data.train) < cfg.batch_size:
+        raise DataError(f"the training split has {len(data.train)} samples, fewer than --batch-size {cfg.batch_size}")
+    steps_per_epoch = len(_batches(len(data.train), d, per_rank, 0, cfg.seed, True))
+    total_steps = steps_per_epoch * cfg.epochs
+    in_ch = data.preprocessing.channels
+    model_args = parse_model_args(cfg.model_arg)
+    model = build_model(cfg.arch, n_classes, in_ch, model_args)
+
+    state = None
+    if resume_dir is not None:
+        meta = ck.load_meta(resume_dir)
+        if meta.get("arch") != cfg.arch or meta.get("num_classes") != n_classes:
+            raise CheckpointError(
+                f"--resume {resume_dir} holds {meta.get('arch')} with {meta.get('num_classes')} classes, "
+                f"but this run trains {cfg.arch} with {n_classes} classes")
+        ck.load_into(model, ck.load_weights(resume_dir), f"--resume {resume_dir}")
+        state = ck.load_train_state(resume_dir)
+    model.to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    norm = Normalize(data.preprocessing.mean, data.preprocessing.std).to(device)
+    plain = model
+    if d.initialized:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if device == "cuda" else None)
+    if cfg.compile:
+        model = torch.compile(model)
+
+    opt = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, max(1, min(100, total_steps // 10))))
+    scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
+
+    def autocast():
+        return torch.autocast(device_type=device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+
+    start_epoch, start_step, global_step, best_acc = 0, 0, 0, -1.0
+    val_loss, val_acc = float("nan"), 0.0
+    if state is not None:
+        if state.get("world_size") != d.world:
+            log(f"warning: resuming with world size {d.world}, saved with {state.get('world_size')}: "
+                "training continues but is not bit-identical to an uninterrupted run")
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        start_epoch, start_step, global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        best_acc = state.get("best_acc", -1.0)
+        val_acc = state.get("val_acc", 0.0)
+        rngs = state["rng"]
+        set_rng_state(rngs[d.rank % len(rngs)])
+        log(f"resumed from {resume_dir} at epoch {start_epoch + 1}, step {global_step}")
+
+    held = heldout_samples(data.val) if d.main else None
+    base_meta = {
+        "arch": cfg.arch, "num_classes": n_classes, "model_args": model_args, "classes": data.classes,
+        "input_shape": [in_ch, *data.preprocessing.image_size], "preprocessing": data.preprocessing.to_dict(),
+        "data": {"source": data.source, "train_samples": len(data.train), "val_samples": len(data.val),
+                 "val_fraction": cfg.val_fraction, "seed": cfg.seed},
+        "train_config": as_dict(cfg), "world_size": d.world, "device": device, "amp": cfg.amp,
+        "torch_version": torch.__version__, "git_revision": git_revision(),
+    }
+
+    def save(epoch: int, step_in_epoch: int, metrics: dict[str, Any], is_eval: bool) -> Path | None:
+        rngs = [None] * d.world
+        if d.initialized:
+            dist.all_gather_object(rngs, rng_state())
+        else:
+            rngs = [rng_state()]
+        path = None
+        if d.main:
+            st = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
+                  "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step, "rng": rngs,
+                  "world_size": d.world, "best_acc": best_acc, "val_acc": val_acc}
+            meta = dict(base_meta, epoch=epoch, step=global_step, metrics=metrics)
+
+            def write_heldout(p: Path) -> None:
+                with open(p, "wb") as f:
+                    np.savez(f, images=held[0], labels=held[1])
+            path = ck.save_checkpoint(out / "checkpoints", f"step-{global_step:07d}", ck.clean_state_dict(plain), meta, st,
+                                      write_heldout, metrics.get("val_acc") if is_eval else None, cfg.keep_last)
+        if d.initialized:
+            dist.barrier()
+        return path
+
+    if d.main:
+        log(f"training {cfg.arch} on {data.source}: {len(data.train)} train / {len(data.val)} val images, "
+            f"{n_classes} classes, input {in_ch}x{data.preprocessing.image_size[0]}x{data.preprocessing.image_size[1]}, "
+            f"world size {d.world}, device {device}, amp {cfg.amp}, {steps_per_epoch} steps/epoch")
+
+    prof = None
+    if cfg.profile and d.main:
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        prof = profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                       on_trace_ready=tensorboard_trace_handler(str(out / "profile")), record_shapes=True)
+        prof.start()
+
+    images_done, t_loop = 0, time.perf_counter()
+    stopped = False
+    model.train()
+    last_saved_step = -1
+    for epoch in range(start_epoch, cfg.epochs):
+        batches = _batches(len(data.train), d, per_rank, epoch, cfg.seed, True)
+        skip = start_step if epoch == start_epoch else 0
+        bar = None
+        if d.main and cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(batches), initial=skip, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
+                       dynamic_ncols=True, file=sys.stderr)
+        loss_sum, loss_n, gnorm = 0.0, 0, float("nan")
+        step_in_epoch = skip
+        for idx, (x, y) in zip(batches[skip:], _loader(data.train, batches[skip:], cfg.workers, cfg.seed + epoch)):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if cfg.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with autocast():
+                loss = nn.functional.cross_entropy(model(norm(x)), y)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # so the norm (and the clip) see true gradients
+            gnorm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.grad_clip or float("inf")))
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            global_step += 1
+            step_in_epoch += 1
+            images_done += x.shape[0] * d.world
+            loss_sum += loss.item()
+            loss_n += 1
+            if prof is not None:
+                prof.step()
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.get_last_lr()[0]:.2e}", gnorm=f"{gnorm:.2f}")
+                bar.update(1)
+            if on_step is not None:
+                on_step({"rank": d.rank, "epoch": epoch, "step": global_step, "indices": idx, "model": plain})
+            if cfg.max_steps is not None and global_step >= cfg.max_steps:
+                stopped = True
+                break
+            if cfg.save_every and global_step % cfg.save_every == 0 and step_in_epoch < len(batches):
+                save(epoch, step_in_epoch, {"train_loss": loss_sum / loss_n}, False)
+                last_saved_step = global_step
+        if bar is not None:
+            bar.close()
+        if prof is not None:
+            prof.stop()
+            prof = None
+            log(f"profiler trace written to {out / 'profile'} (open in https://ui.perfetto.dev or TensorBoard)")
+        val_loss, val_acc = evaluate(model, norm, data.val, d, max(1, per_rank), device, autocast)
+        best_acc = max(best_acc, val_acc)
+        elapsed = time.perf_counter() - t_loop
+        record = {"epoch": epoch + 1, "step": global_step, "train_loss": loss_sum / max(1, loss_n),
+                  "val_loss": val_loss, "val_acc": val_acc, "lr": sched.get_last_lr()[0], "grad_norm": gnorm,
+                  "images_per_s": images_done / max(elapsed, 1e-9), "elapsed_s": elapsed}
+        log.metrics(out, record)
+        log(f"epoch {epoch + 1}/{cfg.epochs}  step {global_step}  train_loss {record['train_loss']:.4f}  "
+            f"val_loss {val_loss:.4f}  val_acc {100 * val_acc:.2f}%  grad_norm {gnorm:.3f}  "
+            f"{record['images_per_s']:.0f} img/s")
+        if stopped and step_in_epoch < len(batches):
+            save(epoch, step_in_epoch, {"val_loss": val_loss, "val_acc": val_acc}, True)
+        else:
+            save(epoch + 1, 0, {"val_loss": val_loss, "val_acc": val_acc}, True)
+        last_saved_step = global_step
+        if stopped:
+            break
+    del last_saved_step
+    wall = time.perf_counter() - t_start
+    index = ck.read_index(out / "checkpoints")
+    result = TrainResult(best=out / "checkpoints" / index.get("best", ""), latest=out / "checkpoints" / index.get("latest", ""),
+                         val_acc=val_acc, best_val_acc=max(best_acc, 0.0), steps=global_step, wall_s=wall,
+                         images_per_s=images_done / max(time.perf_counter() - t_loop, 1e-9), world_size=d.world)
+    if d.main:
+        log(f"done in {wall:.1f}s: best val_acc {100 * result.best_val_acc:.2f}%; weights: {result.best / ck.WEIGHTS}")
+    return result

@@ -1,0 +1,103 @@
+"""Model builders by name (torchvision, a tiny CNN, or a user's package.module:factory)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchship.errors import CheckpointError, ConfigError
+
+TORCHVISION_ARCHS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "efficientnet_b0")
+
+
+class TinyCNN(nn.Module):
+    """A ~25k-parameter CNN for fast tests and smoke runs."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 16):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.classifier = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class Normalize(nn.Module):
+    """(x - mean) / std per channel. Used in training and baked into exported graphs,
+    so both apply exactly the same arithmetic."""
+
+    def __init__(self, mean: list[float], std: list[float]):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+class WithPreprocessing(nn.Module):
+    """The deployable model: raw [0, 1] images in, logits out (normalization inside)."""
+
+    def __init__(self, model: nn.Module, mean: list[float], std: list[float]):
+        super().__init__()
+        self.normalize = Normalize(mean, std)
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(self.normalize(images))
+
+
+def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """KEY=JSON_VALUE pairs from --model-arg into a dict."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--model-arg {pair!r} must look like KEY=VALUE")
+        key, raw = pair.split("=", 1)
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def build_model(arch: str, num_classes: int, in_channels: int = 3, extra: dict[str, Any] | None = None) -> nn.Module:
+    """Build an untrained model. Raises ConfigError for an unknown name or a broken factory."""
+    extra = dict(extra or {})
+    if arch == "tiny_cnn":
+        return TinyCNN(num_classes=num_classes, in_channels=in_channels, **extra)
+    if ":" in arch:
+        module_name, _, attr = arch.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"--arch {arch}: cannot import the factory ({e}); is the package on PYTHONPATH?") from None
+        model = factory(num_classes=num_classes, **extra)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"--arch {arch}: the factory returned {type(model).__name__}, not an nn.Module")
+        return model
+    if arch in TORCHVISION_ARCHS:
+        import torchvision
+
+        if in_channels != 3:
+            raise ConfigError(f"--arch {arch} expects 3 input channels, the data has {in_channels}")
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
+    raise ConfigError(f"--arch {arch!r} is unknown; use one of {', '.join(TORCHVISION_ARCHS + ('tiny_cnn',))} "
+                      "or package.module:factory")
+
+
+def model_from_meta(meta: dict[str, Any]) -> nn.Module:
+    """Rebuild the (untrained) model a checkpoint's metadata describes."""
+    try:
+        return build_model(meta["arch"], meta["num_classes"], meta["input_shape"][0], meta.get("model_args"))
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint metadata lacks {e}; it was not written by torchship train") from None
