@@ -33,3 +33,16 @@ def trained(tmp_path_factory) -> Path:
 
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def exported(trained, tmp_path_factory) -> Path:
+    """Every format exported (example batch 2, max batch 8, buckets 1/8) and verified."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from torchship.config import build
+
+    out = tmp_path_factory.mktemp("exported") / "export"
+    run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(out), "max_batch": 8, "buckets": [1, 8],
+                                    "odd_batch": 5}), log=lambda *a: None)
+    return out

@@ -1,0 +1,1 @@
+"""Export stage: a checkpoint in, verified deployable artifacts plus manifest.json out."""

@@ -1,0 +1,44 @@
+"""``torchship export`` and ``torchship verify``: thin layers over run_export and verify_export."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from torchship.config import add_dataclass_arguments, build, namespace_overrides
+from torchship.manifest import PARITY_MD
+
+from .config import ExportConfig
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint directory, its model.pt, or a training output directory (uses its best)")
+    add_dataclass_arguments(p, ExportConfig)
+
+
+def main_export(ns: argparse.Namespace) -> int:
+    from .pipeline import run_export
+
+    cfg = build(ExportConfig, namespace_overrides(ns, ExportConfig), {"checkpoint": ns.checkpoint})
+    m = run_export(cfg)
+    if "verification" in m:
+        print((Path(cfg.out) / PARITY_MD).read_text())
+    print(f"exported {len(m['artifacts'])} artifacts to {cfg.out}" +
+          (f"; could not export: {', '.join(f['format'] for f in m['export_failures'])}" if m["export_failures"] else ""))
+    return 0
+
+
+def add_verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("export_dir", help="an export directory written by torchship export")
+    p.add_argument("--device", default=None, help="device to verify on (default: the one the manifest was exported for)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per verification process")
+    p.add_argument("--only", nargs="+", default=None, metavar="ARTIFACT", help="verify only these artifacts")
+
+
+def main_verify(ns: argparse.Namespace) -> int:
+    from .verify import verify_export
+
+    verify_export(ns.export_dir, device=ns.device, threads=ns.threads, only=ns.only)
+    print((Path(ns.export_dir) / PARITY_MD).read_text())
+    print(f"verify: PASS ({ns.export_dir})")
+    return 0

@@ -1,0 +1,44 @@
+"""Fresh-process artifact runner: ``python -m export.runner SPEC.json`` loads one artifact the way a
+deployment would and writes its outputs on the reference inputs (the verifier compares them)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    from torchship import runtime
+
+    d = Path(spec["export_dir"])
+    a = spec["artifact"]
+    result: dict = {"ok": False}
+    try:
+        buckets = {int(b): str(d / f) for b, f in a.get("buckets", {}).items()} or None
+        r = runtime.load(a["format"], str(d / a["file"]), spec["inputs"], spec["outputs"], device=spec["device"],
+                         threads=spec["threads"], buckets=buckets)
+        result["input_names"] = r.input_names
+        result["output_names"] = r.output_names
+        ref = np.load(d / spec["reference"])
+        outs = {}
+        for key in spec["sets"]:
+            x = ref[f"input/{key}"]
+            chunks = [r.run({spec["inputs"][0]: x[i:i + spec["max_batch"]]}) for i in range(0, len(x), spec["max_batch"])]
+            for name in chunks[0]:
+                outs[f"{key}/{name}"] = np.concatenate([c[name] for c in chunks])
+        np.savez(spec["out"], **outs)
+        result["ok"] = True
+    except Exception as e:  # reported to the verifier as this artifact's failure
+        result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

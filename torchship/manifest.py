@@ -1,0 +1,65 @@
+"""manifest.json: the contract an export directory hands to verification, serving and benchmarks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import ArtifactError
+from .io import atomic_write_json, sha256_file
+
+MANIFEST = "manifest.json"
+REFERENCE = "reference.npz"
+PARITY_MD = "parity.md"
+FORMAT = "torchship.export/1"
+
+
+def read_manifest(export_dir: str | Path) -> dict[str, Any]:
+    """Load and sanity-check an export directory's manifest; ArtifactError if unusable."""
+    d = Path(export_dir)
+    path = d / MANIFEST
+    if not d.is_dir():
+        raise ArtifactError(f"{d} is not an export directory (run torchship export first)")
+    if not path.exists():
+        raise ArtifactError(f"{d} has no {MANIFEST}: not an export directory, or an interrupted export")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path} is corrupt: {e}") from None
+    if m.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: unknown format {m.get('format')!r} (expected {FORMAT})")
+    return m
+
+
+def write_manifest(export_dir: str | Path, manifest: dict[str, Any]) -> None:
+    atomic_write_json(Path(export_dir) / MANIFEST, manifest)
+
+
+def artifact_files(artifact: dict[str, Any]) -> dict[str, str]:
+    """relative path -> sha256 for every file an artifact consists of."""
+    return dict(artifact["files"])
+
+
+def check_hashes(export_dir: str | Path, manifest: dict[str, Any]) -> list[str]:
+    """Re-hash every file the manifest lists; one message per missing or altered file."""
+    d = Path(export_dir)
+    problems: list[str] = []
+    listed = {REFERENCE: manifest["reference"]["sha256"]}
+    for a in manifest["artifacts"]:
+        for rel, sha in artifact_files(a).items():
+            listed[rel] = sha
+    for rel, sha in listed.items():
+        p = d / rel
+        if not p.exists():
+            problems.append(f"{rel} is missing")
+        elif sha256_file(p) != sha:
+            problems.append(f"{rel} was altered or truncated (sha256 differs from the manifest)")
+    return problems
+
+
+def artifact(manifest: dict[str, Any], name: str) -> dict[str, Any]:
+    for a in manifest["artifacts"]:
+        if a["name"] == name:
+            return a
+    raise ArtifactError(f"the manifest has no artifact {name!r}; it has {', '.join(a['name'] for a in manifest['artifacts'])}")

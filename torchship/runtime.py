@@ -1,0 +1,134 @@
+"""Load an exported artifact and run it on numpy batches: the one loader per format that the
+verifier (in a fresh process) and the Triton Python backends both use.
+
+Kept free of torchship imports so the serving backends can carry a copy of this file.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+
+FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
+
+
+class Runner:
+    """A loaded artifact. ``run({input_name: array}) -> {output_name: array}``.
+
+    ``input_names``/``output_names`` are what the artifact itself exposes where the format
+    records names (ONNX graph, TorchScript schema, ExportedProgram signature); otherwise None.
+    """
+
+    input_names: list[str] | None = None
+    output_names: list[str] | None = None
+
+    def __init__(self, fn: Callable[[np.ndarray], list[np.ndarray]], inputs: Sequence[str], outputs: Sequence[str]):
+        self._fn = fn
+        self.contract_inputs = list(inputs)
+        self.contract_outputs = list(outputs)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = feeds[self.contract_inputs[0]]
+        return dict(zip(self.contract_outputs, self._fn(x)))
+
+
+def _torch_setup(threads: int):
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass  # already set in this process
+    return torch
+
+
+def _torch_fn(module, device: str, dtype: str = "float32"):
+    import torch
+
+    def fn(x: np.ndarray) -> list[np.ndarray]:
+        with torch.inference_mode():
+            t = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+            out = module(t)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        return [o.detach().float().cpu().numpy() for o in outs]
+    return fn
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds ``n`` rows (ValueError if none does)."""
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    raise ValueError(f"batch {n} exceeds the largest bucket {max(buckets)}")
+
+
+def padded_call(fns: dict[int, Callable[[np.ndarray], list[np.ndarray]]], x: np.ndarray) -> list[np.ndarray]:
+    """Run ``x`` through static-batch functions keyed by batch size: pad up to the next bucket
+    with copies of the last row, run, and return only the real rows. Batches above the
+    largest bucket are split into chunks."""
+    largest = max(fns)
+    n = x.shape[0]
+    if n > largest:
+        parts = [padded_call(fns, x[i:i + largest]) for i in range(0, n, largest)]
+        return [np.concatenate([p[k] for p in parts]) for k in range(len(parts[0]))]
+    b = bucket_for(n, fns)
+    if b != n:
+        x = np.concatenate([x, np.repeat(x[-1:], b - n, axis=0)])
+    return [o[:n] for o in fns[b](x)]
+
+
+def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], device: str = "cpu",
+         threads: int = 1, buckets: dict[int, str] | None = None, ort_providers: Sequence[str] | None = None) -> Runner:
+    """Load ``path`` (a file, or for aoti_buckets a dict of batch size -> file in ``buckets``)."""
+    if fmt == "onnx":
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = max(1, threads)
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        providers = list(ort_providers or (["CUDAExecutionProvider", "CPUExecutionProvider"]
+                                           if device.startswith("cuda") else ["CPUExecutionProvider"]))
+        sess = ort.InferenceSession(path, so, providers=providers)
+        out_names = [o.name for o in sess.get_outputs()]
+
+        def fn(x: np.ndarray) -> list[np.ndarray]:
+            return sess.run(out_names, {sess.get_inputs()[0].name: x})
+        r = Runner(fn, inputs, outputs)
+        r.input_names = [i.name for i in sess.get_inputs()]
+        r.output_names = out_names
+        r.session = sess
+        return r
+
+    torch = _torch_setup(threads)
+    if fmt == "torchscript":
+        m = torch.jit.load(path, map_location=device).eval()
+        r = Runner(_torch_fn(m, device), inputs, outputs)
+        r.input_names = [a.name for a in m.forward.schema.arguments[1:]]
+        return r
+    if fmt == "exported_program":
+        ep = torch.export.load(path)
+        m = ep.module().to(device)
+        r = Runner(_torch_fn(m, device), inputs, outputs)
+        r.input_names = list(ep.graph_signature.user_inputs)
+        return r
+    if fmt == "aoti":
+        m = torch._inductor.aoti_load_package(path)
+        return Runner(_torch_fn(m, device), inputs, outputs)
+    if fmt == "aoti_buckets":
+        if not buckets:
+            raise ValueError("aoti_buckets needs the bucket files")
+        fns = {int(b): _torch_fn(torch._inductor.aoti_load_package(f), device) for b, f in buckets.items()}
+        return Runner(lambda x: padded_call(fns, x), inputs, outputs)
+    raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def default_threads() -> int:
+    return int(os.environ.get("TORCHSHIP_THREADS", "1"))
