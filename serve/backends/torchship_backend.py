@@ -1,0 +1,138 @@
+"""Python-based stand-ins for Triton's native onnxruntime and pytorch backends.
+
+Triton loads <backend-dir>/<backend>/model.py for every model whose platform maps to that backend
+when the native library is absent. config.pbtxt is the single source of truth: tensor names, dtypes,
+batching, threads and the instance kind all come from it. A bad request gets its own error
+response; the instance keeps serving the others.
+"""
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import torchship_runtime as rt
+
+
+def _params(cfg):
+    return {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+
+
+class BackendModel:
+    """Shared execute() logic; subclasses say which artifact format they load."""
+
+    default_filename = "model.onnx"
+
+    def runner_format(self, path, params):
+        raise NotImplementedError
+
+    def initialize(self, args):
+        cfg = json.loads(args["model_config"])
+        params = _params(cfg)
+        self.name = args["model_name"]
+        self.inputs = [i["name"] for i in cfg["input"]]
+        self.outputs = [o["name"] for o in cfg["output"]]
+        self.out_dtypes = [pb_utils.triton_string_to_numpy(o["data_type"]) for o in cfg["output"]]
+        self.batching = int(cfg.get("max_batch_size", 0)) > 0
+        self.reject_non_finite = params.get("reject_non_finite", "true").lower() != "false"
+        threads = int(params.get("intra_op_thread_count") or params.get("INTRA_OP_THREAD_COUNT") or 1)
+        device = "cpu"
+        if args.get("model_instance_kind") == "GPU" and self.cuda_available():
+            device = f"cuda:{args.get('model_instance_device_id', 0)}"
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        path = os.path.join(version_dir, cfg.get("default_model_filename") or self.default_filename)
+        fmt = self.runner_format(path, params)
+        buckets = None
+        if fmt == "aoti_buckets":
+            buckets = {}
+            for item in params["buckets"].split(","):
+                size, fname = item.split(":")
+                buckets[int(size)] = os.path.join(version_dir, fname)
+        self.runner = rt.load(fmt, path, self.inputs, self.outputs, device=device, threads=threads, buckets=buckets,
+                              ort_providers=self.ort_providers(cfg, device))
+        self.device = device
+        pb_utils.Logger.log_info(f"{self.name}: {fmt} from {path} on {device}, {threads} intra-op thread(s)")
+
+    @staticmethod
+    def cuda_available():
+        try:
+            import torch
+
+            return torch.cuda.is_available()
+        except ImportError:
+            return False
+
+    def ort_providers(self, cfg, device):
+        return None
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        arrays, owners = [], []
+        for i, request in enumerate(requests):
+            t = pb_utils.get_input_tensor_by_name(request, self.inputs[0])
+            if t is None:
+                responses[i] = self.error(f"missing input '{self.inputs[0]}'")
+                continue
+            x = t.as_numpy()
+            if self.reject_non_finite and not np.isfinite(x).all():
+                responses[i] = self.error(f"input '{self.inputs[0]}' contains NaN or Inf values; "
+                                          "send finite pixel values in [0, 1]")
+                continue
+            arrays.append(x)
+            owners.append(i)
+        if arrays:
+            batch = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            try:
+                outs = self.runner.run({self.inputs[0]: batch})
+            except Exception as e:  # the model failed on this batch: fail its requests, keep serving
+                for i in owners:
+                    responses[i] = self.error(f"inference failed: {type(e).__name__}: {e}")
+                return responses
+            start = 0
+            for x, i in zip(arrays, owners):
+                n = x.shape[0]
+                tensors = [pb_utils.Tensor(name, np.ascontiguousarray(outs[name][start:start + n], dtype=dt))
+                           for name, dt in zip(self.outputs, self.out_dtypes)]
+                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
+                start += n
+        return responses
+
+    def error(self, msg):
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{self.name}: {msg}"))
+
+    def finalize(self):
+        self.runner = None
+
+
+class OnnxRuntimeModel(BackendModel):
+    default_filename = "model.onnx"
+
+    def runner_format(self, path, params):
+        return "onnx"
+
+    def ort_providers(self, cfg, device):
+        if not device.startswith("cuda"):
+            return ["CPUExecutionProvider"]
+        providers = []
+        accs = cfg.get("optimization", {}).get("execution_accelerators", {}).get("gpu_execution_accelerator", [])
+        for acc in accs:
+            if acc.get("name") == "tensorrt":
+                p = acc.get("parameters", {})
+                providers.append(("TensorrtExecutionProvider", {
+                    "device_id": int(device.split(":")[1]),
+                    "trt_fp16_enable": p.get("precision_mode", "FP32") == "FP16",
+                    "trt_engine_cache_enable": p.get("trt_engine_cache_enable", "0") == "1",
+                    "trt_engine_cache_path": p.get("trt_engine_cache_path", "/tmp/trt_cache")}))
+        providers.append(("CUDAExecutionProvider", {"device_id": int(device.split(":")[1])}))
+        providers.append("CPUExecutionProvider")
+        return providers
+
+
+class PyTorchModel(BackendModel):
+    default_filename = "model.pt"
+
+    def runner_format(self, path, params):
+        if path.endswith(".pt2"):
+            return "aoti_buckets" if params.get("buckets") else "aoti"
+        return "torchscript"

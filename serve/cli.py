@@ -1,0 +1,155 @@
+"""``torchship repo``, ``torchship serve`` and ``torchship infer``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from torchship.config import add_dataclass_arguments, build, namespace_overrides
+from torchship.errors import ClientError, ShapeError
+
+from .config import RepoConfig, ServeConfig
+
+
+def add_repo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("export_dir", help="export directory (with manifest.json) written by torchship export")
+    add_dataclass_arguments(p, RepoConfig)
+
+
+def main_repo(ns: argparse.Namespace) -> int:
+    from .repository import build_repository
+
+    cfg = build(RepoConfig, namespace_overrides(ns, RepoConfig))
+    res = build_repository(ns.export_dir, cfg)
+    print(f"repository {res['path']}: " + ", ".join(f"{m} ({f})" for f, m in res["models"].items()))
+    if res["skipped"]:
+        print(f"not in the export, skipped: {', '.join(res['skipped'])}")
+    print(f"serve it: torchship serve {res['path']}   (official container: see {res['path']}/README.md)")
+    return 0
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("repo", nargs="?", default="model_repository", help="Triton model repository (default: model_repository)")
+    add_dataclass_arguments(p, ServeConfig)
+
+
+def main_serve(ns: argparse.Namespace) -> int:
+    from .server import TritonServer, describe
+
+    cfg = build(ServeConfig, namespace_overrides(ns, ServeConfig), {"repo": ns.repo})
+    server = TritonServer(cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    try:
+        info = describe(server)
+        print(f"Triton ready: gRPC {info['grpc']}  HTTP {info['http']}  metrics {info['metrics']}")
+        print(f"models: {', '.join(info['models'])}")
+        print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained)", flush=True)
+        while not stop.wait(0.5):
+            if server.proc.poll() is not None:
+                print(f"tritonserver exited with code {server.proc.returncode}:\n{server.log_tail()}", file=sys.stderr)
+                return 1
+    finally:
+        code = server.stop()
+    print(f"server stopped (exit code {code})")
+    return 0
+
+
+def add_infer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="*", help="image files (resized to the model's input) or .npy arrays (N,C,H,W or C,H,W)")
+    p.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address HOST:PORT")
+    p.add_argument("--model", default=None, help="model name (default: every served model with --check, else the first)")
+    p.add_argument("--version", default="", help="model version (default: the server's latest)")
+    p.add_argument("--top-k", type=int, default=3, help="classes to print per input (Triton classification extension)")
+    p.add_argument("--check", metavar="EXPORT_DIR", default=None,
+                   help="send the export's reference inputs to every served model and compare with eager; exit 3 on mismatch")
+    p.add_argument("--heldout", metavar="EXPORT_DIR", default=None, help="send N held-out samples of this export")
+    p.add_argument("-n", type=int, default=4, help="with --heldout: how many samples")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (async gRPC)")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+
+
+def main_infer(ns: argparse.Namespace) -> int:
+    from .client import TritonClient, check_served, served_markdown
+
+    if ns.check:
+        report = check_served(ns.url, ns.check, [ns.model] if ns.model else None)
+        print(json.dumps(report, indent=2) if ns.json else served_markdown(report))
+        print(f"served parity: PASS ({len(report['models'])} models at {ns.url})")
+        return 0
+    client = TritonClient(ns.url)
+    client.wait_ready(10)
+    model = ns.model or next(iter(client.ready_models()), None)
+    if model is None:
+        raise ClientError(f"no model is ready at {ns.url}")
+    cfg = client.config(model)
+    dims = [int(d) for d in cfg["input"][0]["dims"]]
+    chw = dims[1:] if int(cfg.get("max_batch_size", 0)) == 0 else dims
+    inputs, labels = _gather_inputs(ns, chw)
+    if not inputs:
+        raise ClientError("nothing to send: give image/.npy FILES, --heldout EXPORT_DIR or --check EXPORT_DIR")
+    results = _run_requests(client, model, inputs, ns)
+    rows = []
+    for (name, _), res, label in zip(inputs, results, labels):
+        top = [r.decode() if isinstance(r, bytes) else str(r) for r in np.asarray(res).reshape(-1, ns.top_k)[0]]
+        rows.append({"input": name, "top_k": [{"score": float(t.split(":")[0]), "index": int(t.split(":")[1]),
+                                               "label": t.split(":", 2)[2] if t.count(":") >= 2 else ""} for t in top],
+                     **({"true_label": label} if label is not None else {})})
+    if ns.json:
+        print(json.dumps({"model": model, "url": ns.url, "results": rows}, indent=2))
+    else:
+        for r in rows:
+            best = ", ".join(f"{t['label'] or t['index']} ({t['score']:.3f})" for t in r["top_k"])
+            truth = f"   [true: {r['true_label']}]" if "true_label" in r else ""
+            print(f"{r['input']}: {best}{truth}")
+    return 0
+
+
+def _gather_inputs(ns, chw: list[int]) -> tuple[list[tuple[str, np.ndarray]], list]:
+    from train.data import IMAGE_SUFFIXES, load_image_file
+
+    inputs, labels = [], []
+    for f in ns.files:
+        p = Path(f)
+        if not p.exists():
+            raise ClientError(f"{p}: no such file")
+        if p.suffix == ".npy":
+            arr = np.load(p)
+            arr = arr[None] if arr.ndim == 3 else arr
+            if arr.ndim != 4 or list(arr.shape[1:]) != chw:
+                raise ShapeError(f"{p}: shape {list(arr.shape)} does not match the model input [N, {', '.join(map(str, chw))}]")
+            for i, row in enumerate(arr):
+                inputs.append((f"{p.name}[{i}]", row[None].astype(np.float32)))
+                labels.append(None)
+        elif p.suffix.lower() in IMAGE_SUFFIXES:
+            inputs.append((p.name, load_image_file(p, chw[-1])[None]))
+            labels.append(None)
+        else:
+            raise ClientError(f"{p}: not an image or .npy file")
+    if ns.heldout:
+        from torchship.manifest import REFERENCE, read_manifest
+
+        m = read_manifest(ns.heldout)
+        ref = np.load(Path(ns.heldout) / REFERENCE)
+        x, y = ref["input/heldout"][: ns.n], ref["labels/heldout"][: ns.n]
+        for i, (row, label) in enumerate(zip(x, y)):
+            inputs.append((f"heldout[{i}]", row[None]))
+            labels.append(m["classes"][int(label)])
+    return inputs, labels
+
+
+def _run_requests(client, model: str, inputs, ns) -> list:
+    if ns.concurrency <= 1:
+        return [client.infer(model, x, version=ns.version, top_k=ns.top_k) for _, x in inputs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(ns.concurrency) as pool:
+        return list(pool.map(lambda item: client.infer(model, item[1], version=ns.version, top_k=ns.top_k), inputs))

@@ -1,0 +1,165 @@
+"""A thin typed layer over tritonclient.grpc, and the served-parity check (``infer --check``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from torchship.errors import ClientError, ParityError, ServerError, ShapeError
+from torchship.manifest import REFERENCE, read_manifest
+
+NP_TO_TRITON = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16", np.dtype("int64"): "INT64",
+                np.dtype("float64"): "FP64", np.dtype("int32"): "INT32", np.dtype("uint8"): "UINT8"}
+
+
+class TritonClient:
+    """gRPC client for one Triton server. Errors become ClientError (request refused) or
+    ServerError (server unreachable), each with the server's own message."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0):
+        import tritonclient.grpc as grpcclient
+
+        self.url = url
+        self.timeout_s = timeout_s
+        self._g = grpcclient
+        self.client = grpcclient.InferenceServerClient(url)
+        self._configs: dict[str, dict[str, Any]] = {}
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            return fn(*args, **kwargs)
+        except InferenceServerException as e:
+            status = str(e.status() or "")
+            if "UNAVAILABLE" in status or "failed to connect" in e.message().lower() or "connect" in status.lower():
+                raise ServerError(f"cannot reach Triton at {self.url} ({e.message().strip()}); is the server running?") from None
+            raise ClientError(f"{what}: {e.message().strip()}") from None
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.client.is_server_ready():
+                    return
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(f"Triton at {self.url} is not ready after {timeout_s:.0f}s; is the server running?")
+            time.sleep(0.2)
+
+    def ready_models(self) -> list[str]:
+        index = self._call("repository index", self.client.get_model_repository_index, as_json=True)
+        return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
+
+    def config(self, model: str) -> dict[str, Any]:
+        if model not in self._configs:
+            self._configs[model] = self._call(f"model {model}", self.client.get_model_config, model, as_json=True)["config"]
+        return self._configs[model]
+
+    def max_batch(self, model: str) -> int:
+        """0 for a model without batching (its dims include the batch of 1)."""
+        return int(self.config(model).get("max_batch_size", 0))
+
+    def make_inputs(self, model: str, x: np.ndarray, name: str | None = None):
+        cfg = self.config(model)
+        name = name or cfg["input"][0]["name"]
+        dtype = NP_TO_TRITON.get(x.dtype)
+        if dtype is None:
+            raise ShapeError(f"cannot send a {x.dtype} array")
+        inp = self._g.InferInput(name, list(x.shape), dtype)
+        inp.set_data_from_numpy(np.ascontiguousarray(x))
+        return [inp]
+
+    def infer(self, model: str, x: np.ndarray, version: str = "", top_k: int = 0, input_name: str | None = None,
+              output: str | None = None) -> np.ndarray:
+        """Send one batch; returns the output array (or, with top_k, Triton's 'score:index:label' rows)."""
+        cfg = self.config(model)
+        out = output or cfg["output"][0]["name"]
+        req = [self._g.InferRequestedOutput(out, class_count=top_k)] if top_k else [self._g.InferRequestedOutput(out)]
+        res = self._call(f"model {model}", self.client.infer, model, self.make_inputs(model, x, input_name),
+                         model_version=str(version), outputs=req, client_timeout=self.timeout_s)
+        return res.as_numpy(out)
+
+    def infer_batches(self, model: str, x: np.ndarray) -> np.ndarray:
+        """Run any number of rows, one request per chunk that fits the model's batching."""
+        return _served(self, model, x)
+
+    def statistics(self, model: str = "") -> dict[str, Any]:
+        return self._call("statistics", self.client.get_inference_statistics, model, as_json=True)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None = None,
+                 tolerances: dict[str, float] | None = None) -> dict[str, Any]:
+    """Send the export's reference inputs through gRPC to every served model of this export and
+    compare with the eager outputs under the manifest's tolerances.
+
+    Returns per-model results; raises ParityError listing every mismatch.
+    """
+    from export.verify import compare
+
+    d = Path(export_dir)
+    manifest = read_manifest(d)
+    tol = tolerances or manifest["tolerances"]
+    ref = np.load(d / REFERENCE)
+    client = TritonClient(url)
+    client.wait_ready()
+    models = list(models or [m for m in client.ready_models() if m.startswith(manifest["name"] + "_")])
+    if not models:
+        raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(client.ready_models()) or 'none'})")
+    results: dict[str, Any] = {}
+    failures: list[str] = []
+    out_name = manifest["outputs"][0]["name"]
+    for model in models:
+        rows = {}
+        for key, batch in manifest["reference"]["sets"].items():
+            x = ref[f"input/{key}"]
+            want = ref[f"expected/{key}/{out_name}"]
+            try:
+                got = _served(client, model, x)
+            except (ClientError, ShapeError) as e:
+                failures.append(f"{model}: {key}: {e}")
+                rows[key] = {"batch": batch, "pass": False, "error": str(e)}
+                continue
+            if got.shape != want.shape:
+                failures.append(f"{model}: {key} returned shape {list(got.shape)}, eager {list(want.shape)}")
+                rows[key] = {"batch": batch, "pass": False}
+                continue
+            row = {"batch": batch, **compare(got, want, tol["atol"], tol["rtol"])}
+            if key == "heldout":
+                agree = got.argmax(-1) == want.argmax(-1)
+                row["top1_agree"] = f"{int(agree.sum())}/{agree.size}"
+                row["pass"] = row["pass"] and bool(agree.all())
+            if not row["pass"]:
+                failures.append(f"{model}: {key} (batch {batch}) max abs diff {row['max_abs']:.3g} beyond tolerance")
+            rows[key] = row
+        results[model] = rows
+    client.close()
+    report = {"url": url, "export_dir": str(d), "tolerances": tol, "models": results, "pass": not failures, "failures": failures}
+    if failures:
+        err = ParityError(failures, what=f"served parity at {url}")
+        err.report = report
+        raise err
+    return report
+
+
+def _served(client: TritonClient, model: str, x: np.ndarray) -> np.ndarray:
+    if client.max_batch(model) == 0:  # batch-1 model: dims carry the leading 1
+        return np.concatenate([client.infer(model, x[i:i + 1]) for i in range(len(x))])
+    mb = client.max_batch(model)
+    return np.concatenate([client.infer(model, x[i:i + mb]) for i in range(0, len(x), mb)])
+
+
+def served_markdown(report: dict[str, Any]) -> str:
+    lines = ["| model | inputs | batch | max abs diff | top-1 agree | result |", "|---|---|---|---|---|---|"]
+    for model, rows in report["models"].items():
+        for key, r in rows.items():
+            abs_ = f"{r['max_abs']:.2e}" if "max_abs" in r else "-"
+            lines.append(f"| {model} | {key} | {r['batch']} | {abs_} | {r.get('top1_agree', '')} | {'pass' if r['pass'] else 'FAIL'} |")
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""RepoConfig and ServeConfig: how the Triton repository is written and how the server runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from torchship.config import opt
+from torchship.errors import ConfigError
+
+DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT = 8001, 8000, 8002
+
+
+@dataclass
+class RepoConfig:
+    out: str = opt("model_repository", "repository directory to write")
+    formats: tuple[str, ...] = opt(("onnx", "torchscript", "aoti"), "which exported formats become Triton models")
+    max_queue_delay_us: int = opt(100, "dynamic batching: longest a request waits for others, in microseconds")
+    instance_kind: Literal["auto", "cpu", "gpu"] = opt("auto", "instance_group kind: KIND_GPU when serving on GPU (auto: if CUDA is visible)")
+    instance_count: int = opt(1, "model instances per device")
+    threads: int = opt(1, "intra-op threads per instance (ONNX Runtime and PyTorch)")
+    version: int = opt(1, "version folder to write the artifacts into")
+    ort_accelerator: Literal["none", "cuda", "tensorrt"] = opt("none", "ONNX Runtime GPU execution accelerator to configure")
+    trt_fp16: bool = opt(True, "with --ort-accelerator tensorrt: allow FP16 engines")
+    trt_cache: str = opt("/tmp/trt_cache", "with --ort-accelerator tensorrt: engine cache directory inside the server")
+    max_batch: Optional[int] = opt(None, "max_batch_size (default: the export's max batch)")
+    overwrite: bool = opt(False, "replace an existing repository directory")
+
+    def __post_init__(self) -> None:
+        bad = [f for f in self.formats if f not in ("onnx", "torchscript", "aoti")]
+        if bad:
+            raise ConfigError(f"--formats: {', '.join(bad)} cannot be served; choose from onnx, torchscript, aoti")
+        if self.max_queue_delay_us < 0:
+            raise ConfigError("--max-queue-delay-us must be 0 or more")
+        if self.instance_count < 1 or self.threads < 1:
+            raise ConfigError("--instance-count and --threads must be at least 1")
+        if self.version < 1:
+            raise ConfigError("--version must be at least 1")
+
+
+@dataclass
+class ServeConfig:
+    repo: str = opt("model_repository", "Triton model repository to serve", cli=False)
+    host: str = opt("127.0.0.1", "address to bind (loopback by default)")
+    grpc_port: int = opt(0, "gRPC port (0: pick a free one)")
+    http_port: int = opt(0, "HTTP port (0: pick a free one)")
+    metrics_port: int = opt(0, "Prometheus metrics port (0: pick a free one)")
+    ready_timeout: float = opt(120.0, "seconds to wait for the server and every model to become ready")
+    log: Optional[str] = opt(None, "server log file (default: a file in the system temp directory)")
+    models: tuple[str, ...] = opt((), "load only these models (default: every model in the repository)")
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "http_port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a port number")

@@ -1,0 +1,222 @@
+"""Build a Triton model repository from an export manifest, with protobuf configs.
+
+Layout (one model per format, versions in numbered folders):
+  REPO/<name>_onnx/config.pbtxt, labels.txt, warmup/images, 1/model.onnx        platform onnxruntime_onnx
+  REPO/<name>_torchscript/...                               1/model.pt          platform pytorch_libtorch
+  REPO/<name>_aoti/config.pbtxt (+ embedded.pbtxt)          1/model.pt2 [+ model_bs*.pt2]   platform torch_aoti
+
+The official container's torch_aoti support (26.03+) does not batch, so <name>_aoti/config.pbtxt is a
+batch-1 model. Triton 2.51 inside nvidia-pytriton does not know torch_aoti at all; the embedded server
+loads embedded.pbtxt instead (same tensors, batched over static-batch bucket packages).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from torchship.errors import ArtifactError
+from torchship.io import staging_dir
+from torchship.manifest import REFERENCE, artifact, read_manifest
+
+from .config import RepoConfig
+
+EMBEDDED_CONFIG = "embedded.pbtxt"
+DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "int64": mc.TYPE_INT64}
+SUFFIX = {"onnx": "onnx", "torchscript": "torchscript", "aoti": "aoti"}
+
+
+def model_names(manifest: dict[str, Any], formats=("onnx", "torchscript", "aoti")) -> dict[str, str]:
+    """format -> Triton model name."""
+    return {f: f"{manifest['name']}_{SUFFIX[f]}" for f in formats}
+
+
+def _instance_kind(cfg: RepoConfig) -> int:
+    if cfg.instance_kind == "gpu":
+        return mc.ModelInstanceGroup.KIND_GPU
+    if cfg.instance_kind == "cpu":
+        return mc.ModelInstanceGroup.KIND_CPU
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    return mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU
+
+
+def _param(config: mc.ModelConfig, key: str, value: Any) -> None:
+    config.parameters[key].string_value = str(value)
+
+
+def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch: int, batch_one: bool = False) -> mc.ModelConfig:
+    """The config.pbtxt of one model. ``batch_one``: no batching, explicit batch dimension of 1."""
+    names = model_names(manifest)
+    c = mc.ModelConfig(name=names[fmt])
+    c.version_policy.latest.num_versions = 1
+    if fmt == "onnx":
+        c.platform = "onnxruntime_onnx"
+        c.default_model_filename = "model.onnx"
+    elif fmt == "torchscript":
+        c.platform = "pytorch_libtorch"
+        c.default_model_filename = "model.pt"
+    else:
+        c.platform = "torch_aoti"
+        c.default_model_filename = "model.pt2"
+    c.max_batch_size = 0 if batch_one else max_batch
+    lead = [1] if batch_one else []
+    for spec in manifest["inputs"]:
+        c.input.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + [int(d) for d in spec["shape"][1:]])
+    for spec in manifest["outputs"]:
+        c.output.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + [int(d) for d in spec["shape"][1:]],
+                     label_filename="labels.txt")
+    if not batch_one:
+        c.dynamic_batching.max_queue_delay_microseconds = cfg.max_queue_delay_us
+    kind = _instance_kind(cfg)
+    group = c.instance_group.add(kind=kind, count=cfg.instance_count)
+    if kind == mc.ModelInstanceGroup.KIND_GPU:
+        group.gpus.append(0)
+    if fmt == "onnx":  # parameter names of Triton's onnxruntime backend
+        _param(c, "intra_op_thread_count", cfg.threads)
+        _param(c, "inter_op_thread_count", 1)
+        if cfg.ort_accelerator != "none" and kind == mc.ModelInstanceGroup.KIND_GPU:
+            acc = c.optimization.execution_accelerators.gpu_execution_accelerator.add(name=cfg.ort_accelerator)
+            if cfg.ort_accelerator == "tensorrt":
+                acc.parameters["precision_mode"] = "FP16" if cfg.trt_fp16 else "FP32"
+                acc.parameters["trt_engine_cache_enable"] = "1"
+                acc.parameters["trt_engine_cache_path"] = cfg.trt_cache
+                acc.parameters["max_workspace_size_bytes"] = str(1 << 30)
+    else:  # parameter names of Triton's pytorch backend
+        _param(c, "INTRA_OP_THREAD_COUNT", cfg.threads)
+        _param(c, "INTER_OP_THREAD_COUNT", 1)
+        _param(c, "DISABLE_OPTIMIZED_EXECUTION", "false")
+    inp = manifest["inputs"][0]
+    w = c.model_warmup.add(name="real_sample", batch_size=1)
+    w.inputs[inp["name"]].data_type = DTYPES[inp["dtype"]]
+    w.inputs[inp["name"]].dims.extend(lead + [int(d) for d in inp["shape"][1:]])
+    w.inputs[inp["name"]].input_data_file = inp["name"]
+    return c
+
+
+def config_text(c: mc.ModelConfig) -> str:
+    return text_format.MessageToString(c)
+
+
+def read_config(path: str | Path) -> mc.ModelConfig:
+    return text_format.Parse(Path(path).read_text(), mc.ModelConfig())
+
+
+def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
+    """Write the repository for ``export_dir`` into ``cfg.out``; returns {format: model name}.
+
+    Raises ArtifactError when the export lacks a requested format or verification failed.
+    """
+    d = Path(export_dir)
+    manifest = read_manifest(d)
+    v = manifest.get("verification")
+    if v is not None and not v.get("pass"):
+        raise ArtifactError(f"{d} failed verification; fix the export before serving it ({'; '.join(v['failures'][:2])})")
+    out = Path(cfg.out)
+    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
+        raise ArtifactError(f"{out} already exists; pass --overwrite to replace it")
+    have = {a["format"] for a in manifest["artifacts"]}
+    formats = [f for f in cfg.formats if f in have or (f == "aoti" and "aoti_buckets" in have)]
+    missing = [f for f in cfg.formats if f not in formats]
+    if not formats:
+        raise ArtifactError(f"{d} has none of the formats {', '.join(cfg.formats)}")
+    max_batch = cfg.max_batch or manifest["max_batch"]
+    if max_batch > manifest["max_batch"]:
+        raise ArtifactError(f"--max-batch {max_batch} exceeds the export's max batch {manifest['max_batch']}")
+    ref = np.load(d / REFERENCE)
+    sample_key = "input/heldout" if "input/heldout" in ref else next(k for k in ref if k.startswith("input/"))
+    sample = np.ascontiguousarray(ref[sample_key][:1], dtype=np.float32)
+    names = model_names(manifest)
+    with staging_dir(out, overwrite=True) as tmp:
+        for fmt in formats:
+            mdir = tmp / names[fmt]
+            vdir = mdir / str(cfg.version)
+            vdir.mkdir(parents=True)
+            (mdir / "labels.txt").write_text("\n".join(manifest["classes"]) + "\n")
+            (mdir / "warmup").mkdir()
+            (mdir / "warmup" / manifest["inputs"][0]["name"]).write_bytes(sample.tobytes())
+            if fmt == "aoti":
+                _write_aoti(d, manifest, cfg, max_batch, mdir, vdir)
+                continue
+            a = artifact(manifest, fmt)
+            shutil.copy2(d / a["file"], vdir / ("model.onnx" if fmt == "onnx" else "model.pt"))
+            (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch)))
+        (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg))
+    return {"models": {f: names[f] for f in formats}, "skipped": missing, "path": str(out)}
+
+
+def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, mdir: Path, vdir: Path) -> None:
+    # the official container: model.pt2 is a batch-1 package
+    (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, batch_one=True)))
+    emb = build_config(manifest, "aoti", cfg, max_batch)
+    emb.platform = ""
+    emb.backend = "pytorch"
+    try:
+        b = artifact(manifest, "aoti_buckets")
+        files = {int(k): v for k, v in b["buckets"].items()}
+        if 1 not in files:
+            raise ArtifactError("aoti_buckets has no batch-1 bucket")
+        bucket_files = {}
+        for size, rel in sorted(files.items()):
+            if size > max_batch:
+                continue
+            name = "model.pt2" if size == 1 else f"model_bs{size}.pt2"
+            shutil.copy2(d / rel, vdir / name)
+            bucket_files[size] = name
+        emb.max_batch_size = max(bucket_files)
+        emb.dynamic_batching.preferred_batch_size.extend(sorted(s for s in bucket_files if s > 1))
+        _param(emb, "buckets", ",".join(f"{s}:{n}" for s, n in sorted(bucket_files.items())))
+    except ArtifactError:
+        # no buckets: the dynamic-batch package serves both (batch 1 in the container)
+        shutil.copy2(d / artifact(manifest, "aoti")["file"], vdir / "model.pt2")
+    (mdir / EMBEDDED_CONFIG).write_text(config_text(emb))
+
+
+def _readme(manifest, names, formats, cfg: RepoConfig) -> str:
+    inp, outp = manifest["inputs"][0], manifest["outputs"][0]
+    rows = "\n".join(f"| `{names[f]}` | {f} | `{read_platform(f)}` |" for f in formats)
+    return f"""# Triton model repository: {manifest['name']}
+
+Generated by `torchship repo` from an export manifest ({manifest['created']}, torch {manifest['torch_version']}).
+
+| model | format | platform |
+|---|---|---|
+{rows}
+
+Input `{inp['name']}`: {inp['dtype']} {inp['shape']} — {manifest['preprocessing']['contract']}.
+Output `{outp['name']}`: {outp['dtype']} {outp['shape']}, with class labels for Triton's classification extension.
+
+## Serve it with the official Triton container (GPU)
+
+```bash
+docker run --rm --gpus all -p 8000:8000 -p 8001:8001 -p 8002:8002 \\
+  -v "$PWD:/models:ro" nvcr.io/nvidia/tritonserver:26.03-py3 \\
+  tritonserver --model-repository=/models
+```
+
+26.03 or later is needed for `torch_aoti`; its PyTorch backend does not batch AOTInductor models yet, so
+`{names.get('aoti', manifest['name'] + '_aoti')}/config.pbtxt` declares a batch-1 model (`max_batch_size: 0`, dims `[1, ...]`).
+
+## Serve it without Docker or a GPU
+
+```bash
+torchship serve {cfg.out}
+```
+
+The embedded Triton 2.51 does not know the `torch_aoti` platform. `torchship serve` loads that model with
+`embedded.pbtxt` instead: the same tensors, batched (up to the largest bucket) over the static-batch
+AOTInductor packages `model.pt2`, `model_bs*.pt2`, padding each batch up to the next bucket.
+"""
+
+
+def read_platform(fmt: str) -> str:
+    return {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "aoti": "torch_aoti"}[fmt]

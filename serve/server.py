@@ -1,0 +1,251 @@
+"""The embedded Triton Inference Server: the binary shipped in the nvidia-pytriton wheel, run as a child
+process against a repository, with the environment its Python stub needs set up here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from google.protobuf import json_format
+
+from torchship.errors import ServerError
+
+from .config import ServeConfig
+from .repository import EMBEDDED_CONFIG, read_config
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def triton_home() -> tuple[Path, Path]:
+    """(pytriton/tritonserver directory, nvidia_pytriton.libs directory) from the installed wheel."""
+    try:
+        import pytriton
+    except ImportError:
+        raise ServerError("the embedded Triton server needs the nvidia-pytriton package: pip install nvidia-pytriton") from None
+    pkg = Path(pytriton.__file__).resolve().parent
+    home, libs = pkg / "tritonserver", pkg.parent / "nvidia_pytriton.libs"
+    if not (home / "bin" / "tritonserver").exists():
+        raise ServerError(f"no tritonserver binary under {home}; reinstall nvidia-pytriton")
+    return home, libs
+
+
+def backend_dir() -> Path:
+    """A backend directory: Triton's python backend + the stub for this Python, and torchship's
+    Python-based onnxruntime/pytorch backends. Built once per content hash and reused."""
+    home, _ = triton_home()
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = home / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServerError(f"the Triton Python stub has no build for Python {ver}; use Python 3.10-3.13")
+    sources = [HERE / "backends" / "torchship_backend.py", HERE.parent / "torchship" / "runtime.py",
+               HERE / "backends" / "onnxruntime" / "model.py", HERE / "backends" / "pytorch" / "model.py", stub]
+    h = hashlib.sha256()
+    for s in sources:
+        h.update(s.read_bytes())
+    root = Path(tempfile.gettempdir()) / f"torchship-backends-{os.getuid()}" / h.hexdigest()[:16]
+    if (root / ".complete").exists():
+        return root
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root.parent if root.parent.exists() else _mk(root.parent)))
+    (tmp / "python").mkdir()
+    for f in (home / "backends" / "python").iterdir():
+        if f.is_file():
+            shutil.copy2(f, tmp / "python" / f.name)
+    shutil.copy2(stub, tmp / "python" / "triton_python_backend_stub")
+    for name in ("onnxruntime", "pytorch"):
+        (tmp / name).mkdir()
+        shutil.copy2(HERE / "backends" / name / "model.py", tmp / name / "model.py")
+        shutil.copy2(HERE / "backends" / "torchship_backend.py", tmp / name / "torchship_backend.py")
+        shutil.copy2(HERE.parent / "torchship" / "runtime.py", tmp / name / "torchship_runtime.py")
+    (tmp / ".complete").touch()
+    try:
+        os.replace(tmp, root)
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def _mk(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def server_env() -> dict[str, str]:
+    """LD_LIBRARY_PATH for the wheel's libraries; this environment's bin/ first on PATH, because the
+    stub's embedded Python adopts the virtual environment found there (it ignores PYTHONPATH)."""
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        raise ServerError(f"numpy {numpy.__version__} is installed; the Triton Python stub needs numpy<2 "
+                          "(with numpy 2 every response comes back empty): pip install 'numpy<2'")
+    _, libs = triton_home()
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    env["PATH"] = os.pathsep.join((str(Path(sys.prefix) / "bin"), env.get("PATH", "")))
+    env.pop("PYTHONPATH", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+class TritonServer:
+    """Start/stop the embedded server. Use as a context manager; ``url`` is the gRPC address."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        self.repo = Path(cfg.repo).resolve()
+        if not self.repo.is_dir():
+            raise ServerError(f"repository {self.repo} does not exist (build one with torchship repo)")
+        self.grpc_port = cfg.grpc_port or free_port(cfg.host)
+        self.http_port = cfg.http_port or free_port(cfg.host)
+        self.metrics_port = cfg.metrics_port or free_port(cfg.host)
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = Path(cfg.log) if cfg.log else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.loaded: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return f"{self.cfg.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        home, _ = triton_home()
+        cmd = [str(home / "bin" / "tritonserver"), f"--model-repository={self.repo}",
+               f"--backend-directory={backend_dir()}", "--model-control-mode=explicit",
+               f"--grpc-address={self.cfg.host}", f"--grpc-port={self.grpc_port}",
+               f"--http-address={self.cfg.host}", f"--http-port={self.http_port}",
+               f"--metrics-address={self.cfg.host}", f"--metrics-port={self.metrics_port}",
+               "--allow-gpu-metrics=false", "--exit-on-error=false", "--strict-readiness=true",
+               "--exit-timeout-secs=20", "--log-verbose=0", f"--cache-directory={home / 'caches'}"]
+        if not _cuda_visible():
+            cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
+        return cmd
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no server log)"
+        keep = [l for l in text if "CudaDriverHelper" not in l]
+        return "\n".join(keep[-lines:])
+
+    def start(self) -> "TritonServer":
+        """Start the server, load every model (or cfg.models) and wait until all are ready.
+        Raises ServerError with the tail of the server log on failure."""
+        env = server_env()
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.cfg.ready_timeout
+        try:
+            client = self._client()
+            while True:
+                if self.proc.poll() is not None:
+                    raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}")
+                try:
+                    if client.is_server_live():
+                        break
+                except Exception:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerError(f"tritonserver not live after {self.cfg.ready_timeout:.0f}s:\n{self.log_tail()}")
+                time.sleep(0.1)
+            names = list(self.cfg.models or self.repository_models())
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:  # loads overlap their imports
+                for f in [pool.submit(self.load, n, None, deadline) for n in names]:
+                    f.result()
+            self.loaded.sort()
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def repository_models(self) -> list[str]:
+        return sorted(p.name for p in self.repo.iterdir() if (p / "config.pbtxt").exists())
+
+    def load(self, name: str, client=None, deadline: float | None = None) -> None:
+        """Load one model, with embedded.pbtxt as the config override where the repository has one."""
+        from tritonclient.utils import InferenceServerException
+
+        client = client or self._client()
+        override = self.repo / name / EMBEDDED_CONFIG
+        config = json_format.MessageToJson(read_config(override)) if override.exists() else None
+        try:
+            client.load_model(name, config=config)
+        except InferenceServerException as e:
+            raise ServerError(f"model {name} failed to load: {e.message()}\n{self.log_tail()}") from None
+        while not client.is_model_ready(name):
+            if deadline and time.monotonic() > deadline:
+                raise ServerError(f"model {name} not ready in time:\n{self.log_tail()}")
+            time.sleep(0.05)
+        if name not in self.loaded:
+            self.loaded.append(name)
+
+    def _client(self):
+        import tritonclient.grpc as grpcclient
+
+        return grpcclient.InferenceServerClient(self.url)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        # stub processes share the server's process group; make sure none outlives it
+        try:
+            os.killpg(self.proc.pid, 0)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.proc.returncode
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def describe(server: TritonServer) -> dict:
+    return {"grpc": server.url, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
+            "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None}
+
+
+def _json(o) -> str:
+    return json.dumps(o, indent=2)
