@@ -46,3 +46,25 @@ def exported(trained, tmp_path_factory) -> Path:
     run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(out), "max_batch": 8, "buckets": [1, 8],
                                     "odd_batch": 5}), log=lambda *a: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def repo(exported, tmp_path_factory) -> Path:
+    from serve.config import RepoConfig
+    from serve.repository import build_repository
+
+    out = tmp_path_factory.mktemp("repo") / "model_repository"
+    build_repository(exported, RepoConfig(out=str(out), max_queue_delay_us=2000))
+    return out
+
+
+@pytest.fixture(scope="session")
+def server(repo):
+    """One real embedded Triton server for the serve tests."""
+    from serve.config import ServeConfig
+    from serve.server import TritonServer
+
+    s = TritonServer(ServeConfig(repo=str(repo)))
+    s.start()
+    yield s
+    s.stop()

@@ -1,0 +1,225 @@
+"""A real Triton server over real gRPC: parity per format, batching, bad input, shutdown, model control."""
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from serve.client import TritonClient, check_served
+from serve.config import ServeConfig
+from serve.server import TritonServer
+from tests.conftest import run_cli
+from torchship import runtime
+from torchship.errors import ClientError, ParityError
+from torchship.manifest import read_manifest
+
+MODELS = {"tiny_cnn_onnx": "onnx", "tiny_cnn_torchscript": "torchscript", "tiny_cnn_aoti": "aoti_buckets"}
+
+
+def in_process(exported, fmt):
+    m = read_manifest(exported)
+    a = next(a for a in m["artifacts"] if a["format"] == fmt)
+    buckets = {int(b): str(exported / f) for b, f in a.get("buckets", {}).items()} or None
+    return runtime.load(fmt, str(exported / a["file"]), ["images"], ["logits"], buckets=buckets)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_served_equals_in_process(server, exported, model):
+    client = TritonClient(server.url)
+    local = in_process(exported, MODELS[model])
+    for n in (1, 5, 8):
+        x = np.random.default_rng(n).random((n, 3, 32, 32), dtype=np.float32)
+        got = client.infer(model, x)
+        want = local.run({"images": x})["logits"]
+        assert got.shape == (n, 10)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_served_parity_check_passes(server, exported):
+    report = check_served(server.url, exported)
+    assert report["pass"] and sorted(report["models"]) == sorted(MODELS)
+
+
+def check_each_response(inputs, outputs, reference):
+    """Per-request correctness: response i must equal the reference for request i."""
+    bad = [i for i, (x, y) in enumerate(zip(inputs, outputs)) if not np.allclose(y, reference(x), atol=1e-5, rtol=1e-5)]
+    if bad:
+        raise AssertionError(f"responses {bad} do not belong to their requests")
+
+
+def send_concurrently(url, model, inputs):
+    client = grpcclient.InferenceServerClient(url)
+    results = [None] * len(inputs)
+    done = threading.Semaphore(0)
+
+    def cb(i):
+        def f(result, error):
+            results[i] = error if error else result.as_numpy("logits")
+            done.release()
+        return f
+
+    for i, x in enumerate(inputs):
+        inp = grpcclient.InferInput("images", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        client.async_infer(model, [inp], callback=cb(i))
+    for _ in inputs:
+        assert done.acquire(timeout=60)
+    client.close()
+    return results
+
+
+def stats(url, model):
+    s = TritonClient(url).statistics(model)["model_stats"][0]
+    return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
+
+
+@pytest.mark.parametrize("model", ["tiny_cnn_onnx", "tiny_cnn_aoti"])
+def test_dynamic_batcher_merges_requests_and_routes_each_response(server, exported, model):
+    local = in_process(exported, MODELS[model])
+    rng = np.random.default_rng(7)
+    inputs = [rng.random((1 + i % 3, 3, 32, 32), dtype=np.float32) for i in range(48)]
+    inf0, exe0 = stats(server.url, model)
+    outputs = send_concurrently(server.url, model, inputs)
+    inf1, exe1 = stats(server.url, model)
+    assert not [o for o in outputs if isinstance(o, Exception)]
+    assert inf1 - inf0 == sum(len(x) for x in inputs)
+    assert exe1 - exe0 < len(inputs), "the dynamic batcher merged nothing"
+    check_each_response(inputs, outputs, lambda x: local.run({"images": x})["logits"])
+
+
+def test_per_request_check_catches_misrouted_responses(exported):
+    local = in_process(exported, "onnx")
+    rng = np.random.default_rng(3)
+    inputs = [rng.random((1, 3, 32, 32), dtype=np.float32) for _ in range(4)]
+    outputs = [local.run({"images": x})["logits"] for x in inputs]
+    check_each_response(inputs, outputs, lambda x: local.run({"images": x})["logits"])
+    swapped = [outputs[1], outputs[0], *outputs[2:]]  # a batcher that mixed up two requests
+    with pytest.raises(AssertionError, match=r"responses \[0, 1\]"):
+        check_each_response(inputs, swapped, lambda x: local.run({"images": x})["logits"])
+
+
+def raw_infer(url, model, name, shape, datatype, payload: bytes):
+    """A hand-built gRPC request, as a hostile or buggy client could send it."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name=model)
+    t = req.inputs.add(name=name, datatype=datatype)
+    t.shape.extend(shape)
+    req.raw_input_contents.append(payload)
+    with grpc.insecure_channel(url, options=[("grpc.max_send_message_length", 1 << 30)]) as ch:
+        return service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+
+
+BAD = {
+    "wrong input name": lambda c, u: c.infer("tiny_cnn_onnx", np.zeros((1, 3, 32, 32), np.float32), input_name="pixels"),
+    "wrong dtype": lambda c, u: c.infer("tiny_cnn_onnx", np.zeros((1, 3, 32, 32), np.float64)),
+    "wrong rank": lambda c, u: c.infer("tiny_cnn_onnx", np.zeros((3, 32, 32), np.float32)),
+    "wrong shape": lambda c, u: c.infer("tiny_cnn_torchscript", np.zeros((1, 3, 16, 16), np.float32)),
+    "batch over max_batch_size": lambda c, u: c.infer("tiny_cnn_onnx", np.zeros((9, 3, 32, 32), np.float32)),
+    "unknown model": lambda c, u: c.infer("no_such_model", np.zeros((1, 3, 32, 32), np.float32)),
+    "unknown version": lambda c, u: c.infer("tiny_cnn_onnx", np.zeros((1, 3, 32, 32), np.float32), version="7"),
+    "NaN-filled input": lambda c, u: c.infer("tiny_cnn_aoti", np.full((1, 3, 32, 32), np.nan, np.float32)),
+    "oversized message": lambda c, u: raw_infer(u, "tiny_cnn_onnx", "images", [1, 3, 32, 32], "FP32", b"\0" * (64 << 20)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_gets_an_error_and_the_server_keeps_answering(server, exported, case):
+    import grpc
+
+    client = TritonClient(server.url)
+    with pytest.raises((ClientError, grpc.RpcError)) as e:
+        BAD[case](client, server.url)
+    msg = str(e.value) if isinstance(e.value, ClientError) else e.value.details()
+    assert msg and len(msg.splitlines()) <= 3, msg
+    if case == "NaN-filled input":
+        assert "NaN" in msg
+    x = np.random.default_rng(0).random((2, 3, 32, 32), dtype=np.float32)
+    for model, fmt in MODELS.items():  # every model still answers correctly
+        np.testing.assert_allclose(client.infer(model, x), in_process(exported, fmt).run({"images": x})["logits"],
+                                   atol=1e-5, rtol=1e-5)
+    assert server.proc.poll() is None
+
+
+def test_explicit_model_control_unload_and_load(server, exported):
+    client = TritonClient(server.url)
+    client.client.unload_model("tiny_cnn_torchscript")
+    deadline = time.time() + 30
+    while client.client.is_model_ready("tiny_cnn_torchscript") and time.time() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(ClientError):
+        client.infer("tiny_cnn_torchscript", np.zeros((1, 3, 32, 32), np.float32))
+    server.load("tiny_cnn_torchscript")
+    x = np.random.default_rng(1).random((3, 3, 32, 32), dtype=np.float32)
+    np.testing.assert_allclose(client.infer("tiny_cnn_torchscript", x),
+                               in_process(exported, "torchscript").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_sigterm_during_a_stream_loses_no_completed_response(repo, exported):
+    server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",)))
+    server.start()
+    local = in_process(exported, "onnx")
+    completed, errors = [], []
+    stop = threading.Event()
+
+    def stream(seed):
+        c = TritonClient(server.url, timeout_s=20)
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            x = rng.random((1, 3, 32, 32), dtype=np.float32)
+            try:
+                completed.append((x, c.infer("tiny_cnn_onnx", x)))
+            except Exception as e:  # refused once shutdown begins
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    pgid = server.proc.pid
+    n_before = len(completed)
+    server.proc.send_signal(signal.SIGTERM)
+    code = server.proc.wait(60)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert code == 0
+    assert n_before > 0 and len(completed) >= n_before
+    for x, y in completed:  # every response that completed is correct
+        np.testing.assert_allclose(y, local.run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ProcessLookupError):  # no stub or server process left in its group
+        os.killpg(pgid, 0)
+
+
+def test_tampered_artifact_fails_served_parity(repo, exported, tmp_path, capsys):
+    import onnx
+
+    bad = tmp_path / "repo"
+    shutil.copytree(repo, bad)
+    path = bad / "tiny_cnn_onnx" / "1" / "model.onnx"
+    model = onnx.load(str(path))
+    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    arr = onnx.numpy_helper.to_array(init).copy()
+    arr.flat[: arr.size // 4] *= 1.5
+    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+    onnx.save(model, str(path))
+    with TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx",))) as s:
+        with pytest.raises(ParityError, match="tiny_cnn_onnx"):
+            check_served(s.url, exported)
+        capsys.readouterr()
+        assert run_cli("infer", "--url", s.url, "--check", exported) == 3
+        assert "served parity" in capsys.readouterr().err
+
+
+def test_unreachable_server_is_a_clear_error(capsys, exported):
+    from serve.server import free_port
+
+    assert run_cli("infer", "--url", f"127.0.0.1:{free_port()}", "--heldout", exported) == 2
+    assert "is the server running" in capsys.readouterr().err
