@@ -37,7 +37,9 @@ class TritonClient:
             status = str(e.status() or "")
             if "UNAVAILABLE" in status or "failed to connect" in e.message().lower() or "connect" in status.lower():
                 raise ServerError(f"cannot reach Triton at {self.url} ({e.message().strip()}); is the server running?") from None
-            raise ClientError(f"{what}: {e.message().strip()}") from None
+            msg = e.message().strip()
+            name = what.split()[-1]
+            raise ClientError(msg if msg.startswith(name + ":") else f"{what}: {msg}") from None
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

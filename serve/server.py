@@ -105,8 +105,9 @@ def server_env() -> dict[str, str]:
 class TritonServer:
     """Start/stop the embedded server. Use as a context manager; ``url`` is the gRPC address."""
 
-    def __init__(self, cfg: ServeConfig):
+    def __init__(self, cfg: ServeConfig, extra_repos: list[str | Path] = ()):
         self.cfg = cfg
+        self.extra_repos = [Path(r).resolve() for r in extra_repos]
         self.repo = Path(cfg.repo).resolve()
         if not self.repo.is_dir():
             raise ServerError(f"repository {self.repo} does not exist (build one with torchship repo)")
@@ -128,6 +129,7 @@ class TritonServer:
     def command(self) -> list[str]:
         home, _ = triton_home()
         cmd = [str(home / "bin" / "tritonserver"), f"--model-repository={self.repo}",
+               *[f"--model-repository={r}" for r in self.extra_repos],
                f"--backend-directory={backend_dir()}", "--model-control-mode=explicit",
                f"--grpc-address={self.cfg.host}", f"--grpc-port={self.grpc_port}",
                f"--http-address={self.cfg.host}", f"--http-port={self.http_port}",
@@ -185,13 +187,16 @@ class TritonServer:
     def repository_models(self) -> list[str]:
         return sorted(p.name for p in self.repo.iterdir() if (p / "config.pbtxt").exists())
 
-    def load(self, name: str, client=None, deadline: float | None = None) -> None:
-        """Load one model, with embedded.pbtxt as the config override where the repository has one."""
+    def load(self, name: str, client=None, deadline: float | None = None, override=None) -> None:
+        """Load (or reload) one model: with ``override`` (a ModelConfig) if given, else with
+        embedded.pbtxt where the repository has one, else with its config.pbtxt."""
         from tritonclient.utils import InferenceServerException
 
         client = client or self._client()
-        override = self.repo / name / EMBEDDED_CONFIG
-        config = json_format.MessageToJson(read_config(override)) if override.exists() else None
+        emb = self.repo / name / EMBEDDED_CONFIG
+        if override is None and emb.exists():
+            override = read_config(emb)
+        config = json_format.MessageToJson(override) if override is not None else None
         try:
             client.load_model(name, config=config)
         except InferenceServerException as e:

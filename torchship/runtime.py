@@ -46,7 +46,7 @@ def _torch_setup(threads: int):
     return torch
 
 
-def _torch_fn(module, device: str, dtype: str = "float32"):
+def torch_fn(module, device: str, dtype: str = "float32"):
     import torch
 
     def fn(x: np.ndarray) -> list[np.ndarray]:
@@ -110,22 +110,22 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
     torch = _torch_setup(threads)
     if fmt == "torchscript":
         m = torch.jit.load(path, map_location=device).eval()
-        r = Runner(_torch_fn(m, device), inputs, outputs)
+        r = Runner(torch_fn(m, device), inputs, outputs)
         r.input_names = [a.name for a in m.forward.schema.arguments[1:]]
         return r
     if fmt == "exported_program":
         ep = torch.export.load(path)
         m = ep.module().to(device)
-        r = Runner(_torch_fn(m, device), inputs, outputs)
+        r = Runner(torch_fn(m, device), inputs, outputs)
         r.input_names = list(ep.graph_signature.user_inputs)
         return r
     if fmt == "aoti":
         m = torch._inductor.aoti_load_package(path)
-        return Runner(_torch_fn(m, device), inputs, outputs)
+        return Runner(torch_fn(m, device), inputs, outputs)
     if fmt == "aoti_buckets":
         if not buckets:
             raise ValueError("aoti_buckets needs the bucket files")
-        fns = {int(b): _torch_fn(torch._inductor.aoti_load_package(f), device) for b, f in buckets.items()}
+        fns = {int(b): torch_fn(torch._inductor.aoti_load_package(f), device) for b, f in buckets.items()}
         return Runner(lambda x: padded_call(fns, x), inputs, outputs)
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
 

@@ -1,0 +1,656 @@
+"""The benchmark: in-process latency per format, served latency/throughput through gRPC, and the limits
+(FLOPs, device peak, the no-op round trip) to read them against. Results are JSON plus a report."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from torchship.errors import BenchError, ClientError, ServerError, TorchshipError
+from torchship.io import atomic_write_json, git_revision
+from torchship.manifest import REFERENCE, artifact, read_manifest
+
+from .bench_config import BenchConfig
+
+NOOP_MODEL = "_torchship_noop"
+
+
+# ---------------------------------------------------------------- statistics and machine
+def summarize(lat_s: list[float] | np.ndarray) -> dict[str, float]:
+    """Latency percentiles, mean and standard deviation in milliseconds."""
+    a = np.asarray(lat_s, dtype=np.float64) * 1e3
+    if a.size == 0:
+        return {"n": 0}
+    p = np.percentile(a, [50, 90, 95, 99])
+    return {"n": int(a.size), "p50_ms": p[0], "p90_ms": p[1], "p95_ms": p[2], "p99_ms": p[3],
+            "mean_ms": float(a.mean()), "std_ms": float(a.std()), "min_ms": float(a.min()), "max_ms": float(a.max())}
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+                            "python": sys.version.split()[0], "git_revision": git_revision(), "versions": {}}
+    for mod in ("torch", "torchvision", "onnx", "onnxruntime", "tritonclient", "numpy", "grpc"):
+        try:
+            info["versions"][mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+            info["nvidia_smi"] = out
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    else:
+        info["gpu"] = None
+    return info
+
+
+def flops_per_sample(model, shape: list[int]) -> float:
+    """FLOPs of one forward pass per sample, counted by torch's FlopCounterMode (2 per multiply-add)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.rand(2, *shape)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(x)
+    return fc.get_total_flops() / 2
+
+
+def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, float]:
+    """Measured matmul throughput (FLOP/s) in fp32 and bf16: the roofline to read results against."""
+    import torch
+
+    torch.set_num_threads(threads)
+    out = {}
+    n = 4096 if device.startswith("cuda") else 512
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.rand(n, n, device=device, dtype=dtype)
+        b = torch.rand(n, n, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        sync()
+        t0, k = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            k += 1
+            if device.startswith("cuda") and k % 10 == 0:
+                sync()
+        sync()
+        out[f"{name}_flops"] = 2 * n ** 3 * k / (time.perf_counter() - t0)
+    return out
+
+
+def real_inputs(export_dir: Path, manifest: dict, batch: int) -> np.ndarray:
+    """A batch drawn from the export's held-out real images (tiled if there are fewer)."""
+    ref = np.load(export_dir / REFERENCE)
+    key = "input/heldout" if "input/heldout" in ref else f"input/random_b{manifest['max_batch']}"
+    pool = ref[key]
+    reps = -(-batch // len(pool))
+    return np.ascontiguousarray(np.concatenate([pool] * reps)[:batch])
+
+
+# ---------------------------------------------------------------- in-process
+def load_variants(cfg: BenchConfig, export_dir: Path, manifest: dict, device: str) -> tuple[dict[str, Callable], dict]:
+    from torchship import runtime
+
+    runners: dict[str, Callable] = {}
+    notes: dict[str, str] = {}
+    ins, outs = [i["name"] for i in manifest["inputs"]], [o["name"] for o in manifest["outputs"]]
+    for v in cfg.variants:
+        try:
+            if v == "eager":
+                from export.pipeline import load_deployable
+
+                model, _, _ = load_deployable(manifest["source_checkpoint"]["path"])
+                fn = runtime.torch_fn(model.to(device), device)
+                runners[v] = lambda x, fn=fn: fn(x)
+                continue
+            a = artifact(manifest, v)
+            buckets = {int(b): str(export_dir / f) for b, f in a.get("buckets", {}).items()} or None
+            r = runtime.load(a["format"], str(export_dir / a["file"]), ins, outs, device=device, threads=cfg.threads,
+                             buckets=buckets)
+            runners[v] = lambda x, r=r, n=ins[0]: r.run({n: x})
+            if v == "onnx":
+                providers = r.session.get_providers()
+                notes[v] = f"ONNX Runtime providers: {', '.join(providers)}"
+        except TorchshipError as e:
+            notes[v] = f"skipped: {e}"
+        except Exception as e:
+            notes[v] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return runners, notes
+
+
+def bench_in_process(cfg: BenchConfig, export_dir: Path, manifest: dict, device: str, bar) -> dict[str, Any]:
+    """Latency per variant and batch size. Variants run in interleaved blocks so machine noise
+    falls on all of them alike."""
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    runners, notes = load_variants(cfg, export_dir, manifest, device)
+    rows = []
+    raw: dict[str, list[float]] = {}
+    per_block = max(1, cfg.iters // cfg.blocks)
+    for b in cfg.batch_sizes:
+        if b > manifest["max_batch"]:
+            notes[f"batch {b}"] = f"skipped: above the export's max batch {manifest['max_batch']}"
+            continue
+        x = real_inputs(export_dir, manifest, b)
+        lat: dict[str, list[float]] = {v: [] for v in runners}
+        for v, fn in runners.items():
+            for _ in range(cfg.warmup):
+                fn(x)
+        for _ in range(cfg.blocks):
+            for v, fn in runners.items():
+                for _ in range(per_block):
+                    t0 = time.perf_counter()
+                    fn(x)
+                    lat[v].append(time.perf_counter() - t0)
+                if bar:
+                    bar.update(per_block)
+        for v, ls in lat.items():
+            raw[f"{v}/b{b}"] = [round(t * 1e3, 4) for t in ls]
+            s = summarize(ls)
+            rows.append({"variant": v, "batch": b, **s, "images_per_s": b / (s["mean_ms"] / 1e3)})
+    return {"device": device, "threads": cfg.threads, "rows": rows, "notes": notes, "raw_ms": raw}
+
+
+# ---------------------------------------------------------------- served
+def stats_of(client, model: str) -> dict[str, Any]:
+    s = client.statistics(model)["model_stats"]
+    s = [m for m in s if m.get("name") == model] or s
+    return s[0] if s else {}
+
+
+def stats_delta(before: dict, after: dict) -> dict[str, float]:
+    """Triton's server-side time per request (µs) between two statistics snapshots."""
+    def get(d, *path):
+        for p in path:
+            d = d.get(p, {}) if isinstance(d, dict) else {}
+        return float(d) if not isinstance(d, dict) else 0.0
+
+    out: dict[str, float] = {}
+    ok = get(after, "inference_stats", "success", "count") - get(before, "inference_stats", "success", "count")
+    for part in ("queue", "compute_input", "compute_infer", "compute_output"):
+        ns = get(after, "inference_stats", part, "ns") - get(before, "inference_stats", part, "ns")
+        out[f"{part}_us"] = ns / 1e3 / ok if ok else 0.0
+    inf = get(after, "inference_count") - get(before, "inference_count")
+    exe = get(after, "execution_count") - get(before, "execution_count")
+    out["requests"] = ok
+    out["executions"] = exe
+    out["avg_batch"] = inf / exe if exe else 0.0
+    out["server_us"] = sum(out[f"{p}_us"] for p in ("queue", "compute_input", "compute_infer", "compute_output"))
+    return out
+
+
+def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int, n: int, input_name: str) -> dict[str, Any]:
+    """Keep ``concurrency`` requests in flight until ``n`` complete; per-request latency in seconds."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    lat: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    issued = [0]
+    finished = [0]
+
+    def make(x):
+        inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        return [inp]
+
+    prepared = [make(x) for x in inputs]
+
+    def issue():
+        with lock:
+            if issued[0] >= n:
+                return
+            i = issued[0]
+            issued[0] += 1
+        t0 = time.perf_counter()
+        # tritonclient calls back with keyword arguments: result=, error=
+        client.async_infer(model, prepared[i % len(prepared)],
+                           callback=lambda result, error, t0=t0: complete(result, error, t0))
+
+    def complete(result, error, t0):
+        dt = time.perf_counter() - t0
+        with lock:
+            if error is not None:
+                errors.append(str(error))
+            else:
+                lat.append(dt)
+            finished[0] += 1
+            last = finished[0] >= n
+        if last:
+            done.set()
+        else:
+            issue()
+
+    t_start = time.perf_counter()
+    for _ in range(min(concurrency, n)):
+        issue()
+    done.wait(timeout=max(60.0, n * 2.0))
+    wall = time.perf_counter() - t_start
+    client.close()
+    return {"latencies_s": lat, "errors": errors, "wall_s": wall, "completed": finished[0]}
+
+
+def open_loop(url: str, model: str, inputs: list[np.ndarray], rate: float, duration: float, input_name: str) -> dict:
+    """Poisson arrivals at ``rate`` requests/s for ``duration`` seconds (latency includes queueing)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    rng = np.random.default_rng(0)
+    lat, errors, pending = [], [], threading.Semaphore(0)
+    sent = 0
+    t_start = time.perf_counter()
+    next_t = t_start
+    while next_t - t_start < duration:
+        now = time.perf_counter()
+        if now < next_t:
+            time.sleep(next_t - now)
+        x = inputs[sent % len(inputs)]
+        inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        t0 = time.perf_counter()
+
+        def cb(result, error, t0=t0):  # called back with keyword arguments
+            (errors.append(str(error)) if error else lat.append(time.perf_counter() - t0))
+            pending.release()
+        client.async_infer(model, [inp], callback=cb)
+        sent += 1
+        next_t += rng.exponential(1.0 / rate)
+    for _ in range(sent):
+        pending.acquire(timeout=60)
+    wall = time.perf_counter() - t_start
+    client.close()
+    return {"rate_target": rate, "sent": sent, "achieved_rps": len(lat) / wall, **summarize(lat), "errors": len(errors)}
+
+
+def level_row(res: dict, delta: dict, concurrency: int, batch: int) -> dict[str, Any]:
+    s = summarize(res["latencies_s"])
+    row = {"concurrency": concurrency, "sent": res["completed"], "ok": len(res["latencies_s"]), "failed": len(res["errors"]),
+           **s, "requests_per_s": len(res["latencies_s"]) / res["wall_s"] if res["wall_s"] else 0.0,
+           "images_per_s": batch * len(res["latencies_s"]) / res["wall_s"] if res["wall_s"] else 0.0, "server": delta}
+    if s.get("n"):
+        row["client_side_us"] = s["mean_ms"] * 1e3 - delta.get("server_us", 0.0)
+    if res["errors"]:
+        row["first_error"] = res["errors"][0][:300]
+    return row
+
+
+def sweep(url: str, model: str, inputs: list[np.ndarray], cfg: BenchConfig, input_name: str, bar, client) -> list[dict]:
+    rows = []
+    for c in cfg.concurrency:
+        # warm the connection and the model at this level, untimed
+        closed_loop(url, model, inputs, c, min(cfg.requests, max(4, c * 2)), input_name)
+        before = stats_of(client, model)
+        res = closed_loop(url, model, inputs, c, cfg.requests, input_name)
+        after = stats_of(client, model)
+        rows.append(level_row(res, stats_delta(before, after), c, inputs[0].shape[0]))
+        if bar:
+            bar.update(cfg.requests)
+    return rows
+
+
+def noop_repo(out: Path, manifest: dict) -> Path:
+    """A repository with one Python model that returns zeros: the protocol floor, same tensor sizes."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    root = out / "noop_repo"
+    mdir = root / NOOP_MODEL
+    (mdir / "1").mkdir(parents=True, exist_ok=True)
+    c = mc.ModelConfig(name=NOOP_MODEL, backend="python", max_batch_size=manifest["max_batch"])
+    inp, outp = manifest["inputs"][0], manifest["outputs"][0]
+    c.input.add(name=inp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in inp["shape"][1:]])
+    c.output.add(name=outp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in outp["shape"][1:]])
+    c.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+    (mdir / "config.pbtxt").write_text(text_format.MessageToString(c))
+    (mdir / "1" / "model.py").write_text(f'''"""No-op: answers every request with zeros of the output shape."""
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            n = pb_utils.get_input_tensor_by_name(r, "{inp['name']}").as_numpy().shape[0]
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("{outp['name']}", np.zeros((n, {outp['shape'][1]}), np.float32))]))
+        return out
+''')
+    return root
+
+
+def served_models(client, manifest: dict, cfg: BenchConfig) -> list[str]:
+    ready = client.ready_models()
+    if cfg.models:
+        missing = [m for m in cfg.models if m not in ready]
+        if missing:
+            raise ClientError(f"model {', '.join(missing)} is not served at {client.url} (served: {', '.join(ready) or 'none'})")
+        return list(cfg.models)
+    mine = [m for m in ready if m.startswith(manifest["name"] + "_")]
+    if not mine:
+        raise ClientError(f"no model of {manifest['name']!r} is served at {client.url} (served: {', '.join(ready) or 'none'})")
+    return mine
+
+
+def _format_of(model: str, manifest: dict) -> str:
+    return model[len(manifest["name"]) + 1:]
+
+
+def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, server, bar, results: dict,
+                 save: Callable[[], None]) -> None:
+    from .client import TritonClient
+    from .repository import EMBEDDED_CONFIG, read_config
+
+    client = TritonClient(url)
+    client.wait_ready(15)
+    models = served_models(client, manifest, cfg)
+    input_name = manifest["inputs"][0]["name"]
+    served: dict[str, Any] = {"url": url, "embedded": server is not None, "models": {}, "batching_off": {}, "delays": {}}
+    results["served"] = served
+    pool = real_inputs(export_dir, manifest, 64)
+    for model in models:
+        mb = client.max_batch(model)
+        inputs = [pool[i:i + 1] if mb else pool[i:i + 1] for i in range(len(pool))]
+        cfgm = client.config(model)
+        served["models"][model] = {"max_batch_size": mb, "dynamic_batching": "dynamic_batching" in cfgm,
+                                   "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
+                                   "rows": sweep(url, model, inputs, cfg, input_name, bar, client)}
+        save()
+    if server is not None:
+        for model in models:
+            fmt = _format_of(model, manifest)
+            base_path = server.repo / model / (EMBEDDED_CONFIG if (server.repo / model / EMBEDDED_CONFIG).exists() else "config.pbtxt")
+            inputs = [pool[i:i + 1] for i in range(len(pool))]
+            if fmt in cfg.batching_compare:
+                off = read_config(base_path)
+                off.ClearField("dynamic_batching")
+                server.load(model, override=off)
+                served["batching_off"][model] = {"rows": sweep(url, model, inputs, cfg, input_name, bar, client)}
+            for delay in cfg.queue_delays_us:
+                c = read_config(base_path)
+                c.dynamic_batching.max_queue_delay_microseconds = delay
+                server.load(model, override=c)
+                served["delays"].setdefault(model, {})[str(delay)] = {"rows": sweep(url, model, inputs, cfg, input_name, bar, client)}
+            if fmt in cfg.batching_compare or cfg.queue_delays_us:
+                server.load(model)  # back to the repository's config
+            save()
+        # the floor: a no-op Python model with the same tensors
+        try:
+            server.load(NOOP_MODEL)
+            served["noop"] = {"rows": sweep(url, NOOP_MODEL, [pool[i:i + 1] for i in range(len(pool))],
+                                             _one_level(cfg), input_name, bar, client)}
+        except TorchshipError as e:
+            served["noop"] = {"error": str(e)}
+    elif NOOP_MODEL in client.ready_models():
+        served["noop"] = {"rows": sweep(url, NOOP_MODEL, [pool[i:i + 1] for i in range(len(pool))], _one_level(cfg),
+                                         input_name, bar, client)}
+    if cfg.rate:
+        served["open_loop"] = {m: open_loop(url, m, [pool[i:i + 1] for i in range(len(pool))], cfg.rate, cfg.duration_s,
+                                            input_name) for m in models}
+    pa = find_perf_analyzer(cfg.perf_analyzer)
+    if pa:
+        first = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
+        served["perf_analyzer"] = {first: run_perf_analyzer(pa, url, first, [1, max(cfg.concurrency)],
+                                                            {**manifest, "_dir": str(export_dir)})}
+    else:
+        served["perf_analyzer"] = {"skipped": "perf_analyzer not found (python -m serve.perf_analyzer install fetches it)"}
+    client.close()
+
+
+def _one_level(cfg: BenchConfig) -> BenchConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, concurrency=(1,))
+
+
+# ---------------------------------------------------------------- perf_analyzer
+def find_perf_analyzer(explicit: str | None) -> str | None:
+    from .perf_analyzer import locate
+
+    return locate(explicit)
+
+
+def run_perf_analyzer(binary: str, url: str, model: str, levels: list[int], manifest: dict) -> dict[str, Any]:
+    from .perf_analyzer import run
+
+    try:
+        return {"levels": run(binary, url, model, levels, manifest)}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+# ---------------------------------------------------------------- recommendation
+def recommend(results: dict, budget_ms: float | None, max_batch: int) -> dict[str, Any]:
+    """The served configuration with the highest throughput whose p99 meets the budget."""
+    cands = []
+    served = results.get("served", {})
+    for model, m in served.get("models", {}).items():
+        for r in m["rows"]:
+            cands.append((model, "on", m.get("max_queue_delay_us", 0), r))
+    for model, m in served.get("batching_off", {}).items():
+        for r in m["rows"]:
+            cands.append((model, "off", 0, r))
+    for model, d in served.get("delays", {}).items():
+        for delay, m in d.items():
+            for r in m["rows"]:
+                cands.append((model, "on", int(delay), r))
+    cands = [c for c in cands if c[3].get("n") and not c[3]["failed"]]
+    if not cands:
+        return {"error": "no served measurements to recommend from"}
+    ok = [c for c in cands if budget_ms is None or c[3]["p99_ms"] <= budget_ms]
+    if not ok:
+        best = min(cands, key=lambda c: c[3]["p99_ms"])
+        return {"error": f"no configuration meets p99 <= {budget_ms:g} ms; the lowest p99 measured was "
+                         f"{best[3]['p99_ms']:.2f} ms ({best[0]}, concurrency {best[3]['concurrency']})",
+                "budget_ms": budget_ms}
+    model, batching, delay, r = max(ok, key=lambda c: c[3]["requests_per_s"])
+    c = r["concurrency"]
+    mbs = min(max_batch, 1 << max(0, (c - 1).bit_length())) if batching == "on" else max_batch
+    if batching == "on":
+        why_batch = (f"{c} requests in flight form batches of at most {c}, so max_batch_size {mbs}"
+                     f"{' (the export caps it at ' + str(max_batch) + ')' if mbs < c else ''}")
+    else:
+        why_batch = "requests ran one by one faster than the dynamic batcher merged them at this load"
+    return {"budget_ms": budget_ms, "model": model, "dynamic_batching": batching == "on",
+            "max_batch_size": mbs, "max_queue_delay_microseconds": delay, "instance_count": 1,
+            "at_concurrency": c, "p99_ms": r["p99_ms"], "requests_per_s": r["requests_per_s"],
+            "why": (f"highest throughput with p99 {'<= ' + format(budget_ms, 'g') + ' ms' if budget_ms else '(no budget given)'}; "
+                    f"{why_batch}; "
+                    "one instance: instance counts were not swept (on a 2-core CPU a second instance only competes for cores)")}
+
+
+def write_recommendation(repo: Path, rec: dict) -> list[str]:
+    """Apply the recommended batching to the model's configs in the repository (atomic writes)."""
+    from .repository import EMBEDDED_CONFIG, config_text, read_config
+    from torchship.io import atomic_write_text
+
+    written = []
+    for name in ("config.pbtxt", EMBEDDED_CONFIG):
+        p = repo / rec["model"] / name
+        if not p.exists():
+            continue
+        c = read_config(p)
+        if c.max_batch_size == 0:  # a batch-1 config stays batch-1
+            continue
+        c.max_batch_size = max(1, min(c.max_batch_size, rec["max_batch_size"] or c.max_batch_size))
+        if rec["dynamic_batching"]:
+            c.dynamic_batching.max_queue_delay_microseconds = rec["max_queue_delay_microseconds"]
+        else:
+            c.ClearField("dynamic_batching")
+        atomic_write_text(p, config_text(c))
+        written.append(str(p))
+    return written
+
+
+# ---------------------------------------------------------------- the whole run
+def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
+    """Measure, then write OUT/results.json, OUT/report.md and plots. Partial results are written
+    even when a part fails; the failure is raised afterwards as BenchError/ServerError/ClientError."""
+    import torch
+
+    from .report import write_report
+
+    if not cfg.export_dir:
+        raise BenchError("give an EXPORT_DIR (its manifest names the model, inputs and reference data)")
+    export_dir = Path(cfg.export_dir)
+    manifest = read_manifest(export_dir)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = manifest.get("device", "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchError(f"{export_dir} was exported for CUDA; no GPU is visible here")
+    results: dict[str, Any] = {"format": "torchship.bench/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                               "export": {"dir": str(export_dir.resolve()), "name": manifest["name"],
+                                          "input_shape": manifest["inputs"][0]["shape"], "dtype": manifest.get("dtype")},
+                               "config": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(cfg).items()},
+                               "machine": machine_info(), "errors": []}
+
+    def save() -> None:
+        atomic_write_json(out / "results.json", results)
+
+    # limits: FLOPs per sample and the measured device peak
+    try:
+        from export.pipeline import load_deployable
+
+        model, _, _ = load_deployable(manifest["source_checkpoint"]["path"])
+        results["limits"] = {"flops_per_sample": flops_per_sample(model, manifest["inputs"][0]["shape"][1:]),
+                             **device_peak(device, cfg.threads)}
+    except TorchshipError as e:
+        results["limits"] = {"error": str(e)}
+    save()
+    n_in = 0 if cfg.skip_in_process else len(cfg.variants) * len([b for b in cfg.batch_sizes if b <= manifest["max_batch"]]) * \
+        (cfg.iters // cfg.blocks) * cfg.blocks
+    n_served = 0 if cfg.skip_served else cfg.requests * len(cfg.concurrency) * 4
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_in + n_served, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
+    failure: TorchshipError | None = None
+    try:
+        if not cfg.skip_in_process:
+            log("in-process: " + ", ".join(cfg.variants) + f" at batch {', '.join(map(str, cfg.batch_sizes))}")
+            results["in_process"] = bench_in_process(cfg, export_dir, manifest, device, bar)
+            save()
+        if not cfg.skip_served:
+            server = None
+            try:
+                if cfg.url:
+                    url = cfg.url
+                else:
+                    server, url = _start_embedded(cfg, export_dir, manifest, out)
+                log(f"served: {url}")
+                bench_served(cfg, export_dir, manifest, url, server, bar, results, save)
+            finally:
+                if server is not None:
+                    server.stop()
+    except TorchshipError as e:
+        failure = e
+        results["errors"].append(str(e))
+    finally:
+        if bar:
+            bar.close()
+    rec = recommend(results, cfg.p99_budget_ms, manifest["max_batch"]) if "served" in results else {"error": "no served results"}
+    results["recommendation"] = rec
+    if cfg.write_config and "error" not in rec:
+        repo = Path(cfg.repo) if cfg.repo else out / "repo"
+        rec["written"] = write_recommendation(repo, rec)
+    save()
+    write_report(results, out, plots=cfg.plots)
+    log(f"results: {out / 'results.json'}   report: {out / 'report.md'}")
+    if failure is not None:
+        raise type(failure)(f"{failure} (partial results kept in {out / 'results.json'})")
+    if "error" in rec and cfg.p99_budget_ms is not None:
+        raise BenchError(f"{rec['error']} (results kept in {out / 'results.json'})")
+    return results
+
+
+def _start_embedded(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Path):
+    from .config import RepoConfig, ServeConfig
+    from .repository import build_repository
+    from .server import TritonServer
+
+    repo = Path(cfg.repo) if cfg.repo else out / "repo"
+    if not cfg.repo:
+        build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
+    noop = noop_repo(out, manifest)
+    server = TritonServer(ServeConfig(repo=str(repo), log=str(out / "tritonserver.log")), extra_repos=[noop])
+    server.start()
+    return server, server.url
+
+
+# ---------------------------------------------------------------- compare
+def flatten(results: dict) -> dict[str, float]:
+    """Comparable figures: latency keys end in _ms (lower is better), throughput in _per_s."""
+    flat: dict[str, float] = {}
+    for r in results.get("in_process", {}).get("rows", []):
+        for k in ("p50_ms", "p99_ms", "images_per_s"):
+            if k in r:
+                flat[f"in_process/{r['variant']}/b{r['batch']}/{k}"] = r[k]
+    served = results.get("served", {})
+    for section in ("models", "batching_off"):
+        for model, m in served.get(section, {}).items():
+            for r in m.get("rows", []):
+                for k in ("p50_ms", "p99_ms", "requests_per_s"):
+                    if k in r:
+                        flat[f"served/{section}/{model}/c{r['concurrency']}/{k}"] = r[k]
+    return flat
+
+
+def compare(old: dict, new: dict, threshold: float = 1.2) -> tuple[list[dict], list[dict]]:
+    """Ratios new/old for every shared figure; a regression is latency x threshold or throughput / threshold."""
+    a, b = flatten(old), flatten(new)
+    rows, regressions = [], []
+    for key in sorted(set(a) & set(b)):
+        if not a[key]:
+            continue
+        ratio = b[key] / a[key]
+        worse = ratio > threshold if key.endswith("_ms") else ratio < 1 / threshold
+        row = {"key": key, "old": a[key], "new": b[key], "ratio": ratio, "regression": worse}
+        rows.append(row)
+        if worse:
+            regressions.append(row)
+    return rows, regressions
+
+
+def load_results(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise BenchError(f"{p}: no such results file")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise BenchError(f"{p} is not a bench results file: {e}") from None
+    if data.get("format") != "torchship.bench/1":
+        raise BenchError(f"{p} is not a torchship bench results file")
+    return data
+
+
+__all__ = ["run_bench", "compare", "load_results", "summarize", "shutil"]

@@ -1,0 +1,38 @@
+"""``torchship bench``: run the benchmark, or compare two results files."""
+
+from __future__ import annotations
+
+import argparse
+
+from torchship.config import add_dataclass_arguments, build, namespace_overrides
+
+from .bench_config import BenchConfig
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("export_dir", nargs="?", default=None, help="export directory to benchmark")
+    p.add_argument("--compare", nargs=2, metavar=("OLD.json", "NEW.json"), default=None,
+                   help="print new/old ratios of every shared figure; exit 1 on a regression beyond --threshold")
+    p.add_argument("--threshold", type=float, default=1.2,
+                   help="with --compare: latency ratio above this (or throughput below its inverse) is a regression")
+    add_dataclass_arguments(p, BenchConfig)
+
+
+def main_bench(ns: argparse.Namespace) -> int:
+    from .bench import compare, load_results, run_bench
+
+    if ns.compare:
+        rows, regressions = compare(load_results(ns.compare[0]), load_results(ns.compare[1]), ns.threshold)
+        if not rows:
+            print("no figures in common between the two results files")
+            return 1
+        width = max(len(r["key"]) for r in rows)
+        print(f"{'figure':<{width}}  {'old':>10}  {'new':>10}  {'new/old':>8}")
+        for r in rows:
+            flag = "  REGRESSION" if r["regression"] else ""
+            print(f"{r['key']:<{width}}  {r['old']:>10.3f}  {r['new']:>10.3f}  {r['ratio']:>8.2f}{flag}")
+        print(f"{len(regressions)} regression(s) beyond {ns.threshold:g}x out of {len(rows)} figures")
+        return 1 if regressions else 0
+    cfg = build(BenchConfig, namespace_overrides(ns, BenchConfig), {"export_dir": ns.export_dir})
+    run_bench(cfg)
+    return 0

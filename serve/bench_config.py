@@ -1,0 +1,54 @@
+"""BenchConfig: what to measure, how long, and the latency budget for the recommendation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torchship.config import opt
+from torchship.errors import ConfigError
+
+IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
+
+
+@dataclass
+class BenchConfig:
+    export_dir: Optional[str] = opt(None, "export directory to benchmark", cli=False)
+    url: Optional[str] = opt(None, "benchmark an already-running Triton at HOST:PORT instead of starting the embedded one")
+    repo: Optional[str] = opt(None, "repository for the embedded server (default: built from the export into OUT/repo)")
+    out: str = opt("runs/bench", "directory for results.json, report.md and the plots")
+    variants: tuple[str, ...] = opt(IN_PROCESS, "in-process variants: " + ", ".join(IN_PROCESS))
+    batch_sizes: tuple[int, ...] = opt((1, 8, 32), "in-process batch sizes to sweep")
+    iters: int = opt(200, "timed runs per in-process variant and batch size (split into interleaved blocks)")
+    blocks: int = opt(10, "interleaved blocks: each variant runs iters/blocks times per block, in turn")
+    warmup: int = opt(10, "untimed runs per variant and batch size before timing")
+    threads: int = opt(1, "intra-op threads for in-process runs (match the served instances)")
+    models: tuple[str, ...] = opt((), "served models to sweep (default: every served model of the export)")
+    concurrency: tuple[int, ...] = opt((1, 2, 4, 8, 16, 32), "closed-loop concurrency levels (requests in flight)")
+    requests: int = opt(200, "requests per concurrency level")
+    batching_compare: tuple[str, ...] = opt(("onnx",), "formats whose sweep is repeated with dynamic batching off (embedded server only)")
+    queue_delays_us: tuple[int, ...] = opt((), "extra max_queue_delay_microseconds values to sweep (embedded server only)")
+    rate: Optional[float] = opt(None, "also run an open-loop test at this many requests/s (Poisson arrivals)")
+    duration_s: float = opt(5.0, "open-loop test duration in seconds")
+    p99_budget_ms: Optional[float] = opt(None, "latency budget for the recommendation (p99, milliseconds)")
+    write_config: bool = opt(False, "write the recommended batching settings back into the repository's configs")
+    perf_analyzer: Optional[str] = opt(None, "path to Triton's perf_analyzer binary for a cross-check (default: look on PATH)")
+    skip_in_process: bool = opt(False, "skip the in-process part")
+    skip_served: bool = opt(False, "skip the served part")
+    plots: bool = opt(True, "draw the matplotlib plots")
+    progress: bool = opt(True, "show a live progress bar")
+
+    def __post_init__(self) -> None:
+        bad = [v for v in self.variants if v not in IN_PROCESS]
+        if bad:
+            raise ConfigError(f"--variants: unknown {', '.join(bad)}; choose from {', '.join(IN_PROCESS)}")
+        if self.iters < self.blocks or self.blocks < 1:
+            raise ConfigError("--iters must be at least --blocks, and --blocks at least 1")
+        if any(b < 1 for b in self.batch_sizes) or any(c < 1 for c in self.concurrency):
+            raise ConfigError("--batch-sizes and --concurrency must be positive")
+        if self.requests < 1:
+            raise ConfigError("--requests must be at least 1")
+        if self.p99_budget_ms is not None and self.p99_budget_ms <= 0:
+            raise ConfigError("--p99-budget-ms must be positive")
+        if self.rate is not None and self.rate <= 0:
+            raise ConfigError("--rate must be positive")

@@ -1,0 +1,102 @@
+"""Triton's perf_analyzer, for cross-checking torchship's own load generator.
+
+The binary ships inside the ``tritonclient==2.51.0`` manylinux1 wheel (the PyPI package
+``perf-analyzer`` is a placeholder). ``python -m serve.perf_analyzer install`` fetches that wheel
+with pip, unpacks the binary into a cache folder and links the two libraries it needs from the
+nvidia-pytriton wheel under their plain names.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchship" / "perf_analyzer"
+NEEDED = {"libb64.so.0d": "libb64-", "libcudart.so.12": "libcudart-"}
+
+
+def locate(explicit: str | None = None) -> str | None:
+    for cand in (explicit, os.environ.get("TORCHSHIP_PERF_ANALYZER"), str(CACHE / "bin" / "perf_analyzer"),
+                 shutil.which("perf_analyzer")):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def install() -> Path:
+    """Fetch perf_analyzer into the cache folder; returns the binary's path."""
+    from .server import triton_home
+
+    (CACHE / "bin").mkdir(parents=True, exist_ok=True)
+    (CACHE / "lib").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--platform", "manylinux1_x86_64", "tritonclient==2.51.0", "-d", tmp], check=True)
+        wheel = next(Path(tmp).glob("tritonclient-2.51.0-*.whl"))
+        with zipfile.ZipFile(wheel) as z, z.open("tritonclient-2.51.0.data/data/bin/perf_analyzer") as src, \
+                open(CACHE / "bin" / "perf_analyzer", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    os.chmod(CACHE / "bin" / "perf_analyzer", 0o755)
+    _, libs = triton_home()
+    for plain, prefix in NEEDED.items():
+        target = next(libs.glob(prefix + "*"))
+        link = CACHE / "lib" / plain
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return CACHE / "bin" / "perf_analyzer"
+
+
+def run(binary: str, url: str, model: str, levels: list[int], manifest: dict[str, Any], requests: int = 300) -> list[dict]:
+    """perf_analyzer at each concurrency level (count windows, and windows may differ by 50 %: the
+    defaults never settle on a small noisy machine). Returns per level: throughput and latency percentiles in ms, server breakdown in µs."""
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(CACHE / "lib"), env.get("LD_LIBRARY_PATH", "")) if p)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "input.json"
+        data.write_text(input_data_json(manifest))
+        for c in levels:
+            report = Path(tmp) / f"c{c}.csv"
+            cmd = [binary, "-m", model, "-u", url, "-i", "grpc", "-b", "1", f"--concurrency-range={c}:{c}",
+                   "--measurement-mode=count_windows", f"--measurement-request-count={requests}", "-f", str(report),
+                   f"--input-data={data}", "--stability-percentage=50", "--max-trials=20",
+                   "--percentile=99"]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+            if p.returncode != 0 or not report.exists():
+                raise RuntimeError(f"perf_analyzer exited {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}")
+            row = next(csv.DictReader(report.open()))
+            rows.append({"concurrency": c, "requests_per_s": float(row["Inferences/Second"]),
+                         "p50_ms": float(row["p50 latency"]) / 1e3, "p90_ms": float(row["p90 latency"]) / 1e3,
+                         "p95_ms": float(row["p95 latency"]) / 1e3, "p99_ms": float(row["p99 latency"]) / 1e3,
+                         "server_queue_us": float(row["Server Queue"]), "server_infer_us": float(row["Server Compute Infer"])})
+    return rows
+
+
+def input_data_json(manifest: dict[str, Any], count: int = 16) -> str:
+    """Real held-out images in perf_analyzer's JSON input format (random bytes would include NaNs)."""
+    import json
+
+    import numpy as np
+
+    from torchship.manifest import REFERENCE
+
+    ref = np.load(Path(manifest["_dir"]) / REFERENCE)
+    key = "input/heldout" if "input/heldout" in ref else next(k for k in ref if k.startswith("input/"))
+    name = manifest["inputs"][0]["name"]
+    rows = [{name: {"content": x.ravel().round(6).tolist(), "shape": list(x.shape)}} for x in ref[key][:count]]
+    return json.dumps({"data": rows})
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["install"]:
+        print(install())
+    else:
+        print(locate() or "perf_analyzer not installed; run: python -m serve.perf_analyzer install")

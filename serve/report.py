@@ -1,0 +1,208 @@
+"""The benchmark report: markdown tables, three plots, and which format wins where."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torchship.io import atomic_write_text
+
+
+def _f(v, spec=".2f", dash="-"):
+    return format(v, spec) if isinstance(v, (int, float)) else dash
+
+
+def wins(results: dict[str, Any]) -> list[str]:
+    lines = []
+    rows = results.get("in_process", {}).get("rows", [])
+    for b in sorted({r["batch"] for r in rows}):
+        at = [r for r in rows if r["batch"] == b and r.get("n")]
+        if at:
+            best = min(at, key=lambda r: r["p50_ms"])
+            eager = next((r for r in at if r["variant"] == "eager"), None)
+            vs = f" ({eager['p50_ms'] / best['p50_ms']:.1f}x faster than eager)" if eager and best is not eager else ""
+            lines.append(f"- In-process, batch {b}: **{best['variant']}** has the lowest p50, {best['p50_ms']:.2f} ms{vs}.")
+    served = results.get("served", {}).get("models", {})
+    levels = sorted({r["concurrency"] for m in served.values() for r in m["rows"]})
+    for c in levels:
+        at = [(name, r) for name, m in served.items() for r in m["rows"] if r["concurrency"] == c and r.get("n")]
+        if at:
+            name, r = max(at, key=lambda x: x[1]["requests_per_s"])
+            lines.append(f"- Served, concurrency {c}: **{name}** has the highest throughput, {r['requests_per_s']:.0f} req/s "
+                         f"(p99 {r['p99_ms']:.2f} ms).")
+    return lines
+
+
+def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path:
+    m = results["machine"]
+    lim = results.get("limits", {})
+    lines = [f"# Benchmark: {results['export']['name']}", "",
+             f"{results['created']} · CPU {m['cpu']} ({m['cores']} cores) · GPU {m.get('gpu') or 'none'} · "
+             f"torch {m['versions'].get('torch')} · onnxruntime {m['versions'].get('onnxruntime')} · "
+             f"git {m.get('git_revision') or '?'}", ""]
+    w = wins(results)
+    if w:
+        lines += ["## Which format wins where", "", *w, ""]
+    if "flops_per_sample" in lim:
+        lines += ["## Limits", "",
+                  f"- Model: {lim['flops_per_sample'] / 1e9:.3f} GFLOP per sample (counted with torch's FlopCounterMode).",
+                  f"- Device peak measured by a matmul: {lim['fp32_flops'] / 1e9:.1f} GFLOP/s fp32, "
+                  f"{lim['bf16_flops'] / 1e9:.1f} GFLOP/s bf16 ({results['config']['threads']} thread(s)).", ""]
+    ip = results.get("in_process")
+    if ip:
+        lines += ["## In-process latency", "",
+                  f"Device {ip['device']}, {ip['threads']} intra-op thread(s); real held-out images; variants interleaved in "
+                  f"{results['config']['blocks']} blocks after {results['config']['warmup']} warm-up runs each.", "",
+                  "| variant | batch | p50 ms | p90 ms | p95 ms | p99 ms | mean ms | std ms | images/s | % of fp32 peak |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in ip["rows"]:
+            frac = ""
+            if "flops_per_sample" in lim and r.get("n"):
+                frac = f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim['fp32_flops']:.1f}"
+            lines.append(f"| {r['variant']} | {r['batch']} | {_f(r.get('p50_ms'))} | {_f(r.get('p90_ms'))} | {_f(r.get('p95_ms'))} | "
+                         f"{_f(r.get('p99_ms'))} | {_f(r.get('mean_ms'))} | {_f(r.get('std_ms'))} | {_f(r.get('images_per_s'), '.0f')} | {frac} |")
+        for k, v in ip.get("notes", {}).items():
+            lines.append(f"\n- {k}: {v}")
+        lines.append("")
+    served = results.get("served")
+    if served:
+        floor = (served.get("noop", {}).get("rows") or [{}])[0]
+        lines += ["## Served through gRPC", "", f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}). "
+                  "Closed loop: each level keeps that many batch-1 requests in flight. Server columns are Triton's own "
+                  "statistics per request (µs); client-side = client mean latency minus the server's share "
+                  "(network, serialization, gRPC).", ""]
+        if floor.get("n"):
+            lines += [f"No-op round trip (the protocol floor, same tensors): p50 {floor['p50_ms']:.3f} ms, "
+                      f"p99 {floor['p99_ms']:.3f} ms.", ""]
+        for section, title in (("models", "dynamic batching as configured"), ("batching_off", "dynamic batching off")):
+            for model, mm in served.get(section, {}).items():
+                lines += [f"### {model} — {title}", "",
+                          "| concurrency | ok/sent | p50 ms | p90 ms | p99 ms | req/s | avg batch | queue µs | input µs | infer µs | output µs | client-side µs |",
+                          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                for r in mm["rows"]:
+                    s = r["server"]
+                    lines.append(f"| {r['concurrency']} | {r['ok']}/{r['sent']} | {_f(r.get('p50_ms'))} | {_f(r.get('p90_ms'))} | "
+                                 f"{_f(r.get('p99_ms'))} | {_f(r['requests_per_s'], '.0f')} | {_f(s['avg_batch'])} | "
+                                 f"{_f(s['queue_us'], '.0f')} | {_f(s['compute_input_us'], '.0f')} | {_f(s['compute_infer_us'], '.0f')} | "
+                                 f"{_f(s['compute_output_us'], '.0f')} | {_f(r.get('client_side_us'), '.0f')} |")
+                lines.append("")
+        for model, on in served.get("models", {}).items():
+            off = served.get("batching_off", {}).get(model)
+            if off:
+                lines += [f"Dynamic batching gain for {model} (throughput on / off):", ""]
+                for a, b in zip(on["rows"], off["rows"]):
+                    if b["requests_per_s"]:
+                        lines.append(f"- concurrency {a['concurrency']}: {a['requests_per_s'] / b['requests_per_s']:.2f}x")
+                lines.append("")
+        ol = served.get("open_loop")
+        if ol:
+            lines += ["### Open loop (Poisson arrivals)", "", "| model | target req/s | achieved | p50 ms | p99 ms | errors |", "|---|---|---|---|---|---|"]
+            lines += [f"| {k} | {v['rate_target']:g} | {v['achieved_rps']:.0f} | {_f(v.get('p50_ms'))} | {_f(v.get('p99_ms'))} | {v['errors']} |"
+                      for k, v in ol.items()]
+            lines.append("")
+        pa = served.get("perf_analyzer", {})
+        if "skipped" in pa:
+            lines += [f"perf_analyzer cross-check: {pa['skipped']}.", ""]
+        for model, res in pa.items():
+            if model == "skipped":
+                continue
+            lines += [f"### perf_analyzer cross-check: {model}", ""]
+            if "error" in res:
+                lines += [f"perf_analyzer failed: {res['error']}", ""]
+                continue
+            ours = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
+            lines += ["| concurrency | perf_analyzer req/s | torchship req/s | perf_analyzer p50 ms | torchship p50 ms | perf_analyzer p99 ms | torchship p99 ms |",
+                      "|---|---|---|---|---|---|---|"]
+            for r in res["levels"]:
+                o = ours.get(r["concurrency"], {})
+                lines.append(f"| {r['concurrency']} | {r['requests_per_s']:.0f} | {_f(o.get('requests_per_s'), '.0f')} | {r['p50_ms']:.2f} | "
+                             f"{_f(o.get('p50_ms'))} | {r['p99_ms']:.2f} | {_f(o.get('p99_ms'))} |")
+            lines.append("")
+    rec = results.get("recommendation", {})
+    if rec:
+        lines += ["## Recommendation", ""]
+        if "error" in rec:
+            lines.append(f"None: {rec['error']}")
+        else:
+            lines += [f"- model `{rec['model']}`: max_batch_size {rec['max_batch_size']}, dynamic batching "
+                      f"{'on' if rec['dynamic_batching'] else 'off'}, max_queue_delay_microseconds {rec['max_queue_delay_microseconds']}, "
+                      f"instance count {rec['instance_count']}",
+                      f"- measured: {rec['requests_per_s']:.0f} req/s at p99 {rec['p99_ms']:.2f} ms (concurrency {rec['at_concurrency']})",
+                      f"- why: {rec['why']}"]
+            if rec.get("written"):
+                lines.append(f"- written to: {', '.join(rec['written'])}")
+        lines.append("")
+    if results.get("errors"):
+        lines += ["## Errors", "", *[f"- {e}" for e in results["errors"]], ""]
+    if plots:
+        pngs = draw_plots(results, out)
+        if pngs:
+            lines += ["## Plots", "", *[f"![{p.stem}]({p.name})" for p in pngs], ""]
+    path = out / "report.md"
+    atomic_write_text(path, "\n".join(lines))
+    return path
+
+
+def draw_plots(results: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    made = []
+    rows = results.get("in_process", {}).get("rows", [])
+    raw = results.get("in_process", {}).get("raw_ms", {})
+    if rows:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        b0 = min(r["batch"] for r in rows)
+        for r in rows:
+            if r["batch"] != b0 or not r.get("n"):
+                continue
+            key = f"{r['variant']}/b{b0}"
+            if key in raw:
+                xs = np.sort(raw[key])
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=r["variant"])
+        ax.set_xlabel(f"latency at batch {b0} (ms)")
+        ax.set_ylabel("fraction of runs")
+        ax.set_title("In-process latency CDF per format")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        p = out / "latency_cdf.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        made.append(p)
+    served = results.get("served", {})
+    series = [(f"{m} (batching {'on' if s == 'models' else 'off'})", mm["rows"])
+              for s in ("models", "batching_off") for m, mm in served.get(s, {}).items()]
+    if series:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, rs in series:
+            ax.plot([r["concurrency"] for r in rs], [r["requests_per_s"] for r in rs], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel("throughput (requests/s)")
+        ax.set_title("Served throughput against concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        p = out / "throughput_vs_concurrency.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        made.append(p)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, rs in series:
+            rs = [r for r in rs if r.get("n")]
+            ax.plot([r["requests_per_s"] for r in rs], [r["p99_ms"] for r in rs], marker="o", label=label)
+        ax.set_xlabel("throughput (requests/s)")
+        ax.set_ylabel("p99 latency (ms)")
+        ax.set_title("p99 latency against throughput")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        p = out / "p99_vs_throughput.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        made.append(p)
+    return made

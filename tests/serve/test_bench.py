@@ -1,0 +1,103 @@
+"""Benchmark stage: well-formed results and report, ordered percentiles, --compare, and bad input."""
+
+import json
+import shutil
+
+import pytest
+
+from serve.bench import compare, run_bench
+from serve.bench_config import BenchConfig
+from tests.conftest import run_cli
+from torchship.config import build
+from torchship.errors import BenchError, ClientError, ServerError
+
+SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "iters": 8, "blocks": 2, "warmup": 1,
+         "concurrency": [1, 4], "requests": 16, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def bench_run(exported, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "rate": 50.0, "duration_s": 0.5})
+    return run_bench(cfg, log=lambda *a: None), out
+
+
+def ordered(row):
+    return row["min_ms"] <= row["p50_ms"] <= row["p90_ms"] <= row["p95_ms"] <= row["p99_ms"] <= row["max_ms"]
+
+
+def test_results_and_report_are_well_formed(bench_run):
+    results, out = bench_run
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["format"] == "torchship.bench/1" and not on_disk["errors"]
+    m = on_disk["machine"]
+    assert m["cpu"] and m["cores"] and m["versions"]["torch"] and "git_revision" in m
+    assert on_disk["limits"]["flops_per_sample"] > 0 and on_disk["limits"]["fp32_flops"] > 0
+    rows = on_disk["in_process"]["rows"]
+    assert {(r["variant"], r["batch"]) for r in rows} == {(v, b) for v in SHORT["variants"] for b in SHORT["batch_sizes"]}
+    for r in rows:
+        assert r["n"] == SHORT["iters"] and ordered(r) and r["images_per_s"] > 0
+    served = on_disk["served"]
+    assert set(served["models"]) == {"tiny_cnn_onnx", "tiny_cnn_torchscript", "tiny_cnn_aoti"}
+    for section in ("models", "batching_off"):
+        for model, mm in served[section].items():
+            assert [r["concurrency"] for r in mm["rows"]] == SHORT["concurrency"]
+            for r in mm["rows"]:
+                assert r["sent"] == r["ok"] == SHORT["requests"] and r["failed"] == 0, (model, r)
+                assert ordered(r)
+                assert r["server"]["requests"] == SHORT["requests"]
+                assert r["server"]["compute_infer_us"] > 0
+    assert served["batching_off"]["tiny_cnn_onnx"]["rows"][0]["server"]["avg_batch"] == 1.0
+    assert served["noop"]["rows"][0]["ok"] == SHORT["requests"]
+    assert all(v["errors"] == 0 and v["sent"] > 0 for v in served["open_loop"].values())
+    assert "model" in on_disk["recommendation"]
+    report = (out / "report.md").read_text()
+    for png in ("latency_cdf.png", "throughput_vs_concurrency.png", "p99_vs_throughput.png"):
+        assert (out / png).stat().st_size > 1000 and png in report
+    assert "Which format wins where" in report and "No-op round trip" in report
+
+
+def test_compare_detects_a_planted_2x_slowdown(bench_run, tmp_path, capsys):
+    results, out = bench_run
+    rows, regressions = compare(results, results)
+    assert rows and not regressions
+    slow = json.loads(json.dumps(results))
+    for r in slow["in_process"]["rows"]:
+        if r["variant"] == "onnx":
+            r["p50_ms"] *= 2
+            r["p99_ms"] *= 2
+            r["images_per_s"] /= 2
+    rows, regressions = compare(results, slow)
+    assert regressions and all("/onnx/" in r["key"] for r in regressions)
+    assert {round(r["ratio"], 3) for r in regressions} <= {2.0, 0.5}
+    (tmp_path / "new.json").write_text(json.dumps(slow))
+    capsys.readouterr()
+    assert run_cli("bench", "--compare", out / "results.json", tmp_path / "new.json") == 1
+    assert "REGRESSION" in capsys.readouterr().out
+    assert run_cli("bench", "--compare", out / "results.json", out / "results.json") == 0
+
+
+def test_unreachable_server_keeps_partial_results(exported, tmp_path):
+    from serve.server import free_port
+
+    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "variants": ["onnx"],
+                                     "url": f"127.0.0.1:{free_port()}"})
+    with pytest.raises(ServerError, match="partial results kept"):
+        run_bench(cfg, log=lambda *a: None)
+    kept = json.loads((tmp_path / "results.json").read_text())
+    assert kept["in_process"]["rows"] and kept["errors"]
+
+
+def test_unknown_model_is_a_clear_error(exported, server, tmp_path):
+    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "skip_in_process": True,
+                                     "url": server.url, "models": ["tiny_cnn_nope"]})
+    with pytest.raises(ClientError, match="tiny_cnn_nope is not served"):
+        run_bench(cfg, log=lambda *a: None)
+
+
+def test_budget_no_configuration_meets(exported, server, tmp_path, capsys):
+    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "skip_in_process": True,
+                                     "url": server.url, "models": ["tiny_cnn_onnx"], "p99_budget_ms": 0.001})
+    with pytest.raises(BenchError, match="no configuration meets p99 <= 0.001 ms"):
+        run_bench(cfg, log=lambda *a: None)
+    assert json.loads((tmp_path / "results.json").read_text())["served"]["models"]["tiny_cnn_onnx"]["rows"]
