@@ -1,0 +1,346 @@
+"""``torchship run``: train -> export (+verify) -> repository -> serve -> served parity -> bench -> stop,
+all in one run folder, each stage reading only what the previous ones wrote to disk."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import as_dict, build, load_config_file
+from .errors import ConfigError, GateError, TorchshipError
+from .io import atomic_write_json, atomic_write_text
+
+STAGES = ("train", "export", "repo", "check", "bench")
+ALIASES = {"serve": "check", "verify": "export"}
+
+# What `torchship run` uses when neither the config file nor the flags say otherwise.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "train": {"arch": "resnet18", "data": "digits", "epochs": 10, "nproc": 0, "amp": "bf16", "progress": True},
+    "export": {"max_batch": 32, "buckets": [1, 8, 32]},
+    "repo": {"max_queue_delay_us": 500},
+    "serve": {},
+    "bench": {"batch_sizes": [1, 32], "iters": 60, "blocks": 6, "warmup": 5, "concurrency": [1, 4, 16],
+              "requests": 150, "batching_compare": ["onnx"]},
+    "run": {"min_accuracy": 0.9},
+}
+
+
+def layout(run_dir: Path) -> dict[str, Path]:
+    return {"train": run_dir / "train", "export": run_dir / "export", "repo": run_dir / "model_repository",
+            "bench": run_dir / "bench", "logs": run_dir / "logs", "check": run_dir / "served_parity.json"}
+
+
+class RssSampler:
+    """Peak resident memory of this process and all its descendants together, sampled from /proc."""
+
+    def __init__(self, interval: float = 0.25):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, args=(interval,), daemon=True)
+
+    @staticmethod
+    def tree_rss(root: int) -> int:
+        children: dict[int, list[int]] = {}
+        rss: dict[int, int] = {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(d))
+                rss[int(d)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, IndexError, ValueError):
+                continue
+        total, stack = 0, [root]
+        while stack:
+            p = stack.pop()
+            total += rss.get(p, 0)
+            stack.extend(children.get(p, []))
+        return total
+
+    def _loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.peak = max(self.peak, self.tree_rss(os.getpid()))
+            except OSError:
+                return
+
+    def __enter__(self) -> "RssSampler":
+        if os.path.isdir("/proc"):
+            self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+
+def resolve_settings(file_cfg: dict[str, Any], sets: list[str], shortcuts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """DEFAULTS < config file < --set SECTION.KEY=VALUE < shortcut flags."""
+    out = {k: dict(v) for k, v in DEFAULTS.items()}
+    for section, values in file_cfg.items():
+        if section not in out:
+            raise ConfigError(f"--config: unknown section [{section}]; use {', '.join(out)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"--config: [{section}] must be a table of options")
+        out[section].update(values)
+    for item in sets:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set {item!r} must look like SECTION.KEY=VALUE (e.g. train.epochs=3)")
+        key, value = item.split("=", 1)
+        section, name = key.split(".", 1)
+        if section not in out:
+            raise ConfigError(f"--set {item}: unknown section {section!r}; use {', '.join(out)}")
+        out[section][name.replace("-", "_")] = _parse_value(value)
+    for section, name, value in (("train", k, v) for k, v in shortcuts.items() if v is not None):
+        out[section][name] = value
+    return out
+
+
+def _parse_value(v: str) -> Any:
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
+def _stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]):
+    from export.config import ExportConfig
+    from serve.bench_config import BenchConfig
+    from serve.config import RepoConfig, ServeConfig
+    from train.config import TrainConfig
+
+    train = build(TrainConfig, settings["train"], {"out": str(dirs["train"])})
+    export = build(ExportConfig, settings["export"], {"out": str(dirs["export"]), "checkpoint": str(dirs["train"])})
+    repo = build(RepoConfig, settings["repo"], {"out": str(dirs["repo"])})
+    serve = build(ServeConfig, settings["serve"], {"repo": str(dirs["repo"]), "log": str(dirs["logs"] / "tritonserver.log")})
+    bench = build(BenchConfig, settings["bench"], {"out": str(dirs["bench"]), "export_dir": str(dirs["export"])})
+    return train, export, repo, serve, bench
+
+
+def _require(stage: str, dirs: dict[str, Path], start: str) -> None:
+    """--from X: everything before X must be on disk already."""
+    need = {"export": (dirs["train"] / "checkpoints" / "index.json", "train"),
+            "repo": (dirs["export"] / "manifest.json", "export"),
+            "check": (dirs["repo"], "repo"),
+            "bench": (dirs["repo"], "repo")}
+    if stage in need:
+        path, producer = need[stage]
+        if not path.exists():
+            raise ConfigError(f"--from {start}: {path} is missing; run the '{producer}' stage first (or start --from {producer})")
+
+
+def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str = "train", log=print) -> dict[str, Any]:
+    """Run the stages from ``start`` on, in ``run_dir``. Returns the run record (also in run.json).
+    Raises GateError naming the stage whose gate failed."""
+    start = ALIASES.get(start, start)
+    if start not in STAGES:
+        raise ConfigError(f"--from {start}: choose one of {', '.join(STAGES)}")
+    dirs = layout(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dirs["logs"].mkdir(exist_ok=True)
+    first = STAGES.index(start)
+    if first > 0:
+        _require(start, dirs, start)
+    train_cfg, export_cfg, repo_cfg, serve_cfg, bench_cfg = _stage_configs(settings, dirs)
+    if first == 0 and dirs["train"].exists():
+        train_cfg.overwrite = True
+    record: dict[str, Any] = {"run_dir": str(run_dir), "from": start, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                              "settings": settings, "stages": {}, "gates": {}}
+    prev = run_dir / "run.json"
+    if first > 0 and prev.exists():  # keep what earlier stages recorded
+        old = json.loads(prev.read_text())
+        record["stages"] = {k: v for k, v in old.get("stages", {}).items() if STAGES.index(k) < first}
+        record["gates"] = {k: v for k, v in old.get("gates", {}).items() if STAGES.index(k) < first}
+    min_acc = float(settings["run"].get("min_accuracy", 0.0))
+    t_all = time.perf_counter()
+    sampler = RssSampler()
+    server = None
+
+    def stage(name: str):
+        log(f"\n== {name} " + "=" * (60 - len(name)))
+        return time.perf_counter()
+
+    def done(name: str, t0: float, **info) -> None:
+        record["stages"][name] = {"seconds": round(time.perf_counter() - t0, 1), **info}
+        atomic_write_json(prev, record)
+
+    def gate(name: str, ok: bool, detail: str) -> None:
+        record["gates"][name] = {"pass": ok, "detail": detail}
+        atomic_write_json(prev, record)
+        if not ok:
+            raise GateError(f"stage {name}: {detail}")
+
+    try:
+        with sampler:
+            if first <= 0:
+                from train import checkpoint as ck
+                from train.launch import run_train
+
+                t0 = stage("train")
+                run_train(train_cfg)
+                best = ck.resolve_checkpoint(dirs["train"], "best")
+                meta = ck.load_meta(best)
+                acc = float(meta.get("metrics", {}).get("val_acc", 0.0))
+                done("train", t0, val_acc=acc, checkpoint=str(best), arch=meta["arch"], world_size=meta["world_size"],
+                     amp=meta["amp"])
+                gate("train", acc >= min_acc, f"validation accuracy {100 * acc:.2f}% (gate: >= {100 * min_acc:.0f}%)")
+            if first <= 1:
+                from export.pipeline import run_export
+                from torchship.errors import ParityError
+
+                t0 = stage("export")
+                export_cfg.overwrite = True
+                with open(dirs["logs"] / "export.log", "w") as elog:
+                    def both(msg: str) -> None:
+                        log(msg)
+                        elog.write(msg + "\n")
+                    try:
+                        m = run_export(export_cfg, log=both)
+                    except ParityError as e:
+                        done("export", t0, error=str(e))
+                        gate("export", False, str(e))
+                v = m.get("verification", {})
+                done("export", t0, artifacts=[a["name"] for a in m["artifacts"]],
+                     export_seconds={a["name"]: a["export_seconds"] for a in m["artifacts"]},
+                     failures=m["export_failures"], bytes={a["name"]: a["bytes"] for a in m["artifacts"]})
+                gate("export", bool(v.get("pass")) and not m["export_failures"],
+                     "verification " + ("PASS" if v.get("pass") else "FAIL") +
+                     (f"; could not export {', '.join(f['format'] for f in m['export_failures'])}" if m["export_failures"] else ""))
+            if first <= 2:
+                from serve.repository import build_repository
+
+                t0 = stage("repo")
+                repo_cfg.overwrite = True
+                res = build_repository(dirs["export"], repo_cfg)
+                log(f"repository {res['path']}: {', '.join(res['models'].values())}")
+                done("repo", t0, models=res["models"])
+            from serve.client import check_served, served_markdown
+            from serve.server import TritonServer
+            from torchship.errors import ParityError
+
+            t0 = stage("serve + check")
+            server = TritonServer(serve_cfg)
+            server.start()
+            log(f"Triton ready at {server.url} with {', '.join(server.loaded)}")
+            if first <= 3:
+                try:
+                    report = check_served(server.url, dirs["export"])
+                except ParityError as e:
+                    atomic_write_json(dirs["check"], getattr(e, "report", {"failures": e.failures}))
+                    done("check", t0, error=str(e))
+                    gate("check", False, str(e))
+                atomic_write_json(dirs["check"], report)
+                log(served_markdown(report))
+                done("check", t0, models=list(report["models"]))
+                gate("check", True, f"served parity PASS ({len(report['models'])} models over gRPC)")
+            from serve.bench import run_bench
+
+            t0 = stage("bench")
+            bench_cfg.url = server.url
+            bench_cfg.repo = str(dirs["repo"])
+            results = run_bench(bench_cfg, log=log)
+            failed = sum(r["failed"] for m in results.get("served", {}).get("models", {}).values() for r in m["rows"])
+            done("bench", t0, report=str(dirs["bench"] / "report.md"))
+            gate("bench", failed == 0, f"{failed} failed requests")
+    finally:
+        if server is not None:
+            t0 = time.perf_counter()
+            code = server.stop()
+            record["server_exit_code"] = code
+            record["stages"].setdefault("stop", {"seconds": round(time.perf_counter() - t0, 1)})
+        record["total_seconds"] = round(time.perf_counter() - t_all, 1)
+        record["peak_rss_bytes"] = sampler.peak
+        atomic_write_json(prev, record)
+        summary = summarize(run_dir, record)
+        atomic_write_text(run_dir / "summary.md", summary)
+        log("\n" + summary)
+    return record
+
+
+def summarize(run_dir: Path, record: dict[str, Any]) -> str:
+    dirs = layout(run_dir)
+    ok = all(g["pass"] for g in record["gates"].values())
+    lines = [f"# torchship run: {run_dir}", "", f"**{'all gates passed' if ok else 'a gate FAILED'}**", "",
+             "| stage | seconds | result |", "|---|---|---|"]
+    for name, st in record["stages"].items():
+        g = record["gates"].get(name, {})
+        result = g.get("detail", "")
+        if name == "train":
+            result = f"{st['arch']}, {st['world_size']} rank(s), amp {st['amp']}: " + result
+        lines.append(f"| {name} | {st['seconds']} | {result} |")
+    lines.append(f"| total | {record.get('total_seconds', '')} | peak RSS of the whole run (all processes): "
+                 f"{record.get('peak_rss_bytes', 0) / 2**30:.2f} GiB |")
+    manifest = dirs["export"] / "manifest.json"
+    if manifest.exists():
+        m = json.loads(manifest.read_text())
+        v = m.get("verification")
+        if v:
+            lines += ["", "## Parity against eager (worst case over held-out and random batches)", "",
+                      "| artifact | max abs diff | max rel diff | top-1 agree | result |", "|---|---|---|---|---|"]
+            for name, e in v["artifacts"].items():
+                rows = e["sets"].values()
+                mx = max((r.get("max_abs", 0) for r in rows), default=0)
+                mr = max((r.get("max_rel", 0) for r in rows), default=0)
+                top = next((r.get("top1_agree") for r in rows if r.get("top1_agree")), "")
+                lines.append(f"| {name} | {mx:.2e} | {mr:.2e} | {top} | {'pass' if e['pass'] else 'FAIL'} |")
+    bench = dirs["bench"] / "results.json"
+    if bench.exists() and "bench" in record["stages"]:
+        b = json.loads(bench.read_text())
+        lines += ["", "## Served latency (gRPC, batch 1, one request in flight)", "",
+                  "| model | p50 ms | p99 ms | in-process p50 ms |", "|---|---|---|---|"]
+        inproc = {r["variant"]: r for r in b.get("in_process", {}).get("rows", []) if r["batch"] == 1}
+        for model, mm in b.get("served", {}).get("models", {}).items():
+            r = mm["rows"][0]
+            fmt = model.rsplit("_", 1)[-1]
+            ip = inproc.get("aoti_buckets" if fmt == "aoti" else fmt, {})
+            lines.append(f"| {model} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {ip.get('p50_ms', float('nan')):.2f} |")
+        noop = (b.get("served", {}).get("noop", {}).get("rows") or [{}])[0]
+        if noop.get("n"):
+            lines.append(f"| (no-op floor) | {noop['p50_ms']:.2f} | {noop['p99_ms']:.2f} | |")
+    lines += ["", f"Run folder: {run_dir}  ·  summary: {run_dir / 'summary.md'}  ·  bench report: {dirs['bench'] / 'report.md'}", ""]
+    return "\n".join(lines)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>; with --from: the newest run)")
+    p.add_argument("--config", default=None, help="TOML or YAML file with [train] [export] [repo] [serve] [bench] [run] sections")
+    p.add_argument("--from", dest="start", default="train", metavar="STAGE",
+                   help=f"start at this stage, reusing the run folder's earlier outputs: {', '.join(STAGES)}")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any stage option, e.g. --set train.epochs=3 --set bench.requests=50 (repeatable)")
+    p.add_argument("--arch", default=None, help="shortcut for --set train.arch=...")
+    p.add_argument("--data", default=None, help="shortcut for --set train.data=... (digits, synthetic or an ImageFolder path)")
+    p.add_argument("--epochs", type=int, default=None, help="shortcut for --set train.epochs=...")
+    p.add_argument("--nproc", type=int, default=None, help="shortcut for --set train.nproc=... (0: auto)")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default=None, help="shortcut for --set train.amp=...")
+
+
+def main_run(ns: argparse.Namespace) -> int:
+    file_cfg = load_config_file(ns.config) if ns.config else {}
+    shortcuts = {"arch": ns.arch, "data": ns.data, "epochs": ns.epochs, "nproc": ns.nproc, "amp": ns.amp}
+    settings = resolve_settings(file_cfg, ns.sets, shortcuts)
+    if ns.out:
+        run_dir = Path(ns.out)
+    elif ns.start != "train":
+        runs = sorted((p for p in Path("runs").glob("*") if (p / "run.json").exists()), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise ConfigError(f"--from {ns.start}: no earlier run under runs/; pass --out RUN_DIR")
+        run_dir = runs[-1]
+        print(f"--from {ns.start}: continuing {run_dir}")
+    else:
+        run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    _stage_configs(settings, layout(run_dir))  # validate every section before any work starts
+    run_pipeline(run_dir, settings, ns.start)
+    return 0
+
+
+
+
+__all__ = ["run_pipeline", "resolve_settings", "STAGES", "DEFAULTS", "as_dict", "sys", "TorchshipError"]
