@@ -34,7 +34,7 @@ class ExportConfig:
     verify: bool = opt(True, "verify every artifact in a fresh process after exporting")
     atol: Optional[float] = opt(None, "absolute parity tolerance (default per dtype: fp32 1e-5, bf16 0.15, fp16 2e-2)")
     rtol: Optional[float] = opt(None, "relative parity tolerance (default per dtype: fp32 1e-5, bf16 0.03, fp16 1e-2)")
-    threads: int = opt(1, "intra-op threads per verification process")
+    threads: int = opt(1, "intra-op threads the artifacts will be served with: AOTInductor CPU packages are compiled for it, and verification runs with it")
     seed: int = opt(0, "seed for the random verification inputs")
 
     def __post_init__(self) -> None:

@@ -169,15 +169,15 @@ def _export_one(fmt: str, model, ex, tmp: Path, cfg: ExportConfig, shape, device
     if fmt == "exported_program":
         return [f"{fmt}/model.pt2"], exporters.exported_program(model, ex, tmp / fmt / "model.pt2", cfg.max_batch)
     if fmt == "aoti":
-        extra = exporters.aoti(model, ex, tmp / fmt / "model.pt2", cfg.max_batch)
+        extra = exporters.aoti(model, ex, tmp / fmt / "model.pt2", cfg.max_batch, cfg.threads)
         return [f"{fmt}/model.pt2"], {**extra, "batch": {"min": 1, "max": cfg.max_batch}}
     if fmt == "aoti_buckets":
         files = {}
         for b in cfg.buckets:
             rel = f"{fmt}/bs{b}.pt2"
-            exporters.aoti(model, exporters.example(shape, b, device), tmp / rel, None)
+            extra = exporters.aoti(model, exporters.example(shape, b, device), tmp / rel, None, cfg.threads)
             files[str(b)] = rel
-        return list(files.values()), {"buckets": files, "freezing": True, "batch": {"buckets": list(cfg.buckets)}}
+        return list(files.values()), {**extra, "buckets": files, "batch": {"buckets": list(cfg.buckets)}}
     if fmt == "onnx":
         extra = exporters.onnx(model, ex, tmp / fmt / "model.onnx", cfg.max_batch, cfg.opset)
         return [f"{fmt}/model.onnx"], {**extra, "batch": {"min": 1, "max": cfg.max_batch}}

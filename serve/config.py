@@ -18,7 +18,7 @@ class RepoConfig:
     max_queue_delay_us: int = opt(100, "dynamic batching: longest a request waits for others, in microseconds")
     instance_kind: Literal["auto", "cpu", "gpu"] = opt("auto", "instance_group kind: KIND_GPU when serving on GPU (auto: if CUDA is visible)")
     instance_count: int = opt(1, "model instances per device")
-    threads: int = opt(1, "intra-op threads per instance (ONNX Runtime and PyTorch)")
+    threads: Optional[int] = opt(None, "intra-op threads per instance (default: the thread count the AOTInductor packages were compiled for, else 1)")
     version: int = opt(1, "version folder to write the artifacts into")
     ort_accelerator: Literal["none", "cuda", "tensorrt"] = opt("none", "ONNX Runtime GPU execution accelerator to configure")
     trt_fp16: bool = opt(True, "with --ort-accelerator tensorrt: allow FP16 engines")
@@ -32,7 +32,7 @@ class RepoConfig:
             raise ConfigError(f"--formats: {', '.join(bad)} cannot be served; choose from onnx, torchscript, aoti")
         if self.max_queue_delay_us < 0:
             raise ConfigError("--max-queue-delay-us must be 0 or more")
-        if self.instance_count < 1 or self.threads < 1:
+        if self.instance_count < 1 or (self.threads is not None and self.threads < 1):
             raise ConfigError("--instance-count and --threads must be at least 1")
         if self.version < 1:
             raise ConfigError("--version must be at least 1")

@@ -132,6 +132,9 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     max_batch = cfg.max_batch or manifest["max_batch"]
     if max_batch > manifest["max_batch"]:
         raise ArtifactError(f"--max-batch {max_batch} exceeds the export's max batch {manifest['max_batch']}")
+    if cfg.threads is None:
+        compiled = {a.get("compile_threads") for a in manifest["artifacts"] if a.get("compile_threads")}
+        cfg.threads = compiled.pop() if len(compiled) == 1 else 1
     ref = np.load(d / REFERENCE)
     sample_key = "input/heldout" if "input/heldout" in ref else next(k for k in ref if k.startswith("input/"))
     sample = np.ascontiguousarray(ref[sample_key][:1], dtype=np.float32)

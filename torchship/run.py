@@ -156,8 +156,9 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     prev = run_dir / "run.json"
     if first > 0 and prev.exists():  # keep what earlier stages recorded
         old = json.loads(prev.read_text())
-        record["stages"] = {k: v for k, v in old.get("stages", {}).items() if STAGES.index(k) < first}
-        record["gates"] = {k: v for k, v in old.get("gates", {}).items() if STAGES.index(k) < first}
+        earlier = set(STAGES[:first])
+        record["stages"] = {k: v for k, v in old.get("stages", {}).items() if k in earlier}
+        record["gates"] = {k: v for k, v in old.get("gates", {}).items() if k in earlier}
     min_acc = float(settings["run"].get("min_accuracy", 0.0))
     t_all = time.perf_counter()
     sampler = RssSampler()

@@ -1,0 +1,90 @@
+"""`torchship run` end to end on a tiny configuration: every stage, --from export, and a failing gate."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_cli
+from torchship.io import sha256_file
+
+CONFIG = Path(__file__).with_name("tiny.toml")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("e2e") / "run"
+    assert run_cli("run", "--out", d, "--config", CONFIG) == 0
+    return d
+
+
+def test_every_stage_output_exists_and_is_consistent(run_dir):
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert list(rec["stages"])[:5] == ["train", "export", "repo", "check", "bench"]
+    assert all(g["pass"] for g in rec["gates"].values())
+    assert rec["peak_rss_bytes"] > 0 and rec["server_exit_code"] == 0
+    index = json.loads((run_dir / "train/checkpoints/index.json").read_text())
+    assert (run_dir / "train/checkpoints" / index["best"] / "model.pt").exists()
+    m = json.loads((run_dir / "export/manifest.json").read_text())
+    assert len(m["artifacts"]) == 5 and m["verification"]["pass"]
+    for a in m["artifacts"]:
+        for rel, sha in a["files"].items():
+            assert sha256_file(run_dir / "export" / rel) == sha
+    assert sorted(p.name for p in (run_dir / "model_repository").iterdir() if p.is_dir()) == \
+        ["tiny_cnn_aoti", "tiny_cnn_onnx", "tiny_cnn_torchscript"]
+    parity = json.loads((run_dir / "served_parity.json").read_text())
+    assert parity["pass"] and len(parity["models"]) == 3
+    bench = json.loads((run_dir / "bench/results.json").read_text())
+    assert bench["format"] == "torchship.bench/1" and bench["in_process"]["rows"] and bench["served"]["models"]
+    assert (run_dir / "bench/report.md").exists() and (run_dir / "logs/tritonserver.log").exists()
+    summary = (run_dir / "summary.md").read_text()
+    for needle in ("all gates passed", "validation accuracy", "Parity against eager", "Served latency", "peak RSS"):
+        assert needle in summary
+
+
+def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
+    ckpts = run_dir / "train/checkpoints"
+    before = {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")}
+    log_before = (run_dir / "train/train.log").read_text()
+    assert run_cli("run", "--out", run_dir, "--config", CONFIG, "--from", "export",
+                   "--set", 'export.formats=["onnx","torchscript"]', "--set", "bench.variants=[\"onnx\"]") == 0
+    assert {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")} == before
+    assert (run_dir / "train/train.log").read_text() == log_before
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["from"] == "export" and "train" in rec["stages"]  # the train record is kept, not redone
+    m = json.loads((run_dir / "export/manifest.json").read_text())
+    assert {a["format"] for a in m["artifacts"]} == {"onnx", "torchscript"}
+
+
+def test_a_failing_gate_exits_non_zero_naming_the_stage(run_dir, tmp_path, capsys):
+    import onnx
+
+    bad = tmp_path / "run"
+    shutil.copytree(run_dir, bad)
+    path = bad / "model_repository/tiny_cnn_onnx/1/model.onnx"
+    model = onnx.load(str(path))
+    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    arr = onnx.numpy_helper.to_array(init).copy() * 1.5
+    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+    onnx.save(model, str(path))
+    capsys.readouterr()
+    assert run_cli("run", "--out", bad, "--config", CONFIG, "--from", "check") == 3
+    err = capsys.readouterr().err
+    assert "stage check:" in err and "tiny_cnn_onnx" in err
+    rec = json.loads((bad / "run.json").read_text())
+    assert rec["gates"]["check"]["pass"] is False and rec["server_exit_code"] == 0
+
+
+def test_from_a_stage_whose_inputs_are_missing(tmp_path, capsys):
+    assert run_cli("run", "--out", tmp_path / "empty", "--from", "repo") == 2
+    assert "run the 'export' stage first" in capsys.readouterr().err
+
+
+def test_config_errors_name_the_option(tmp_path, capsys):
+    assert run_cli("run", "--out", tmp_path / "r", "--set", "train.epochz=3") == 2
+    assert "unknown option 'epochz'" in capsys.readouterr().err
+    (tmp_path / "c.yaml").write_text("trainn:\n  epochs: 1\n")
+    assert run_cli("run", "--out", tmp_path / "r", "--config", tmp_path / "c.yaml") == 2
+    assert "unknown section [trainn]" in capsys.readouterr().err
