@@ -9,11 +9,14 @@ from torchship.config import opt
 from torchship.errors import ConfigError
 
 DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT = 8001, 8000, 8002
+# The official container the repository targets: 26.03+ serves torch_aoti; see deploy/README.md.
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.07-py3"
+REPOSITORY_DIR = "model_repository"
 
 
 @dataclass
 class RepoConfig:
-    out: str = opt("model_repository", "repository directory to write")
+    out: str = opt(REPOSITORY_DIR, "repository directory to write")
     formats: tuple[str, ...] = opt(("onnx", "torchscript", "aoti"), "which exported formats become Triton models")
     max_queue_delay_us: int = opt(100, "dynamic batching: longest a request waits for others, in microseconds")
     instance_kind: Literal["auto", "cpu", "gpu"] = opt("auto", "instance_group kind: KIND_GPU when serving on GPU (auto: if CUDA is visible)")

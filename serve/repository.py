@@ -24,7 +24,7 @@ from torchship.errors import ArtifactError
 from torchship.io import staging_dir
 from torchship.manifest import REFERENCE, artifact, read_manifest
 
-from .config import RepoConfig
+from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, RepoConfig
 
 EMBEDDED_CONFIG = "embedded.pbtxt"
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "int64": mc.TYPE_INT64}
@@ -201,8 +201,8 @@ Output `{outp['name']}`: {outp['dtype']} {outp['shape']}, with class labels for 
 ## Serve it with the official Triton container (GPU)
 
 ```bash
-docker run --rm --gpus all -p 8000:8000 -p 8001:8001 -p 8002:8002 \\
-  -v "$PWD:/models:ro" nvcr.io/nvidia/tritonserver:26.03-py3 \\
+docker run --rm --gpus all --shm-size=1g -p {DEFAULT_HTTP_PORT}:8000 -p {DEFAULT_GRPC_PORT}:8001 -p {DEFAULT_METRICS_PORT}:8002 \\
+  -v "$PWD:/models:ro" {TRITON_IMAGE} \\
   tritonserver --model-repository=/models
 ```
 

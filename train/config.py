@@ -21,7 +21,8 @@ class TrainConfig:
     amp: Literal["off", "bf16", "fp16"] = opt("off", "autocast precision: bf16 on CPU/CUDA, fp16 (with GradScaler) on CUDA only")
     nproc: int = opt(1, "DDP processes to launch through torchrun on this machine (0: one per GPU, or 2 on a CPU with the cores)")
     out: str = opt("runs/train", "output directory for checkpoints, metrics.jsonl and the log")
-    resume: Optional[str] = opt(None, "resume exactly from this checkpoint directory (or an output directory: its latest)")
+    resume: Optional[str] = opt(None, "resume exactly from this checkpoint directory (or an output directory: its latest); "
+                                      "'auto': resume from OUT's latest checkpoint if it has one, else start fresh (restartable jobs)")
     seed: int = opt(0, "seed for initialisation, data order and the train/validation split")
     val_fraction: float = opt(0.2, "fraction of the data held out for validation (stratified)")
     synthetic_samples: int = opt(512, "number of samples for --data synthetic")
@@ -60,6 +61,14 @@ class TrainConfig:
             raise ConfigError("--grad-clip must be positive")
         if self.synthetic_samples < 4:
             raise ConfigError("--synthetic-samples must be at least 4")
+
+    def resolved_resume(self) -> Optional[str]:
+        """--resume with 'auto' resolved: OUT when it already holds a checkpoint, else None."""
+        if self.resume != "auto":
+            return self.resume
+        from pathlib import Path
+
+        return self.out if (Path(self.out) / "checkpoints" / "index.json").exists() else None
 
     def check_world(self, world_size: int) -> None:
         """Checks that need the world size: the global batch must split evenly across ranks."""

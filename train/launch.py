@@ -33,8 +33,8 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     resolve_device(cfg)
     cfg.check_world(world)
     prepare_out(cfg)
-    if cfg.resume:
-        d = ck.resolve_checkpoint(cfg.resume, which="latest")
+    if cfg.resolved_resume():
+        d = ck.resolve_checkpoint(cfg.resolved_resume(), which="latest")
         ck.load_meta(d)
         ck.load_train_state(d)
     if cfg.data not in ("digits", "synthetic"):

@@ -167,7 +167,7 @@ def prepare_out(cfg: TrainConfig) -> Path:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file")
-    if (out / "checkpoints" / ck.INDEX).exists() and not cfg.overwrite and not cfg.resume:
+    if (out / "checkpoints" / ck.INDEX).exists() and not cfg.overwrite and not cfg.resolved_resume():
         raise ConfigError(f"--out {out} already holds checkpoints; pass --resume {out} to continue, "
                           "--overwrite to start over, or another --out")
     return out
@@ -184,13 +184,13 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
     device = resolve_device(cfg)
     out = prepare_out(cfg)
     resume_dir = None
-    if cfg.resume:
-        resume_dir = ck.resolve_checkpoint(cfg.resume, which="latest")
+    if cfg.resolved_resume():
+        resume_dir = ck.resolve_checkpoint(cfg.resolved_resume(), which="latest")
     d = init_distributed(device)
     cfg.check_world(d.world)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
-        if cfg.overwrite and not cfg.resume:
+        if cfg.overwrite and not cfg.resolved_resume():
             for name in ("metrics.jsonl", "train.log"):
                 (out / name).unlink(missing_ok=True)
     if d.initialized:
