@@ -70,7 +70,8 @@ def aoti(model: torch.nn.Module, ex: torch.Tensor, path: Path, max_batch: int | 
     ``max_batch`` None compiles a static-shape package for ``ex``'s batch size.
 
     On CPU the generated OpenMP kernels keep the thread count of the compiling process: a package
-    compiled with 2 threads and run with 1 was 6x slower here. So compile with the serving thread count.
+    compiled with 2 threads and run with 1 was several times slower here. So compile with the serving
+    thread count.
     """
     import torch._inductor.config as inductor_config
 

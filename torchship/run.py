@@ -23,7 +23,7 @@ ALIASES = {"serve": "check", "verify": "export"}
 DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {"arch": "resnet18", "data": "digits", "epochs": 10, "nproc": 0, "amp": "bf16", "progress": True},
     "export": {"max_batch": 32, "buckets": [1, 8, 32]},
-    "repo": {"max_queue_delay_us": 500},
+    "repo": {},
     "serve": {},
     "bench": {"batch_sizes": [1, 32], "iters": 60, "blocks": 6, "warmup": 5, "concurrency": [1, 4, 16],
               "requests": 150, "batching_compare": ["onnx"]},

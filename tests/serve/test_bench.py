@@ -12,7 +12,7 @@ from torchship.config import build
 from torchship.errors import BenchError, ClientError, ServerError
 
 SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "iters": 8, "blocks": 2, "warmup": 1,
-         "concurrency": [1, 4], "requests": 16, "progress": False}
+         "concurrency": [1, 4], "requests": 16, "progress": False, "cross_check": False}
 
 
 @pytest.fixture(scope="module")

@@ -123,3 +123,15 @@ def test_corrupt_weights_are_reported(trained, tmp_path):
         ck.load_weights(bad)
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         ck.load_weights(bad, check_hash=False)
+
+
+@pytest.mark.slow
+def test_compile_profile_and_channels_last_write_a_clean_checkpoint(tmp_path):
+    """torch.compile + DDP-free profile + channels_last: the saved keys carry no _orig_mod. prefix."""
+    res = train(cfg(tmp_path, epochs=1, compile=True, profile=True, channels_last=True))
+    sd = weights(res.latest)
+    assert sd and not any(k.startswith(("_orig_mod.", "module.")) for k in sd)
+    model = build_model("tiny_cnn", 10, 3)
+    model.load_state_dict(sd, strict=True)
+    traces = list((tmp_path / "profile").rglob("*.json*"))
+    assert traces, "no profiler trace written"
