@@ -70,7 +70,19 @@ def init_distributed(device: str) -> Dist:
     if device == "cuda":
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        backend = "nccl" if device == "cuda" else "gloo"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            # torchrun's agent store outlives a worker restart: without a per-attempt prefix a restarted
+            # rank can read the dead round's addresses and fail to connect ("Connection refused").
+            from datetime import timedelta
+
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                                  is_master=False, timeout=timedelta(minutes=10))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"torchship/attempt_{attempt}", store),
+                                    rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend)
     return Dist(rank, local, world, True)
 
 
