@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from torchship.errors import BenchError, ClientError, ServerError, TorchshipError
+from torchship.errors import BenchError, ClientError, TorchshipError
 from torchship.io import atomic_write_json, git_revision
 from torchship.manifest import REFERENCE, artifact, read_manifest
 
@@ -377,10 +376,9 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     results["served"] = served
     pool = real_inputs(export_dir, manifest, 64)
     for model in models:
-        mb = client.max_batch(model)
-        inputs = [pool[i:i + 1] if mb else pool[i:i + 1] for i in range(len(pool))]
+        inputs = [pool[i:i + 1] for i in range(len(pool))]  # batch-1 requests fit batching and batch-1 models alike
         cfgm = client.config(model)
-        served["models"][model] = {"max_batch_size": mb, "dynamic_batching": "dynamic_batching" in cfgm,
+        served["models"][model] = {"max_batch_size": client.max_batch(model), "dynamic_batching": "dynamic_batching" in cfgm,
                                    "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
                                    "rows": sweep(url, model, inputs, cfg, input_name, bar, client)}
         save()
@@ -658,5 +656,3 @@ def load_results(path: str | Path) -> dict:
         raise BenchError(f"{p} is not a torchship bench results file")
     return data
 
-
-__all__ = ["run_bench", "compare", "load_results", "summarize", "shutil"]

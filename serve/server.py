@@ -4,7 +4,6 @@ process against a repository, with the environment its Python stub needs set up 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -251,6 +250,3 @@ def describe(server: TritonServer) -> dict:
     return {"grpc": server.url, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
             "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None}
 
-
-def _json(o) -> str:
-    return json.dumps(o, indent=2)

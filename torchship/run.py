@@ -6,14 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from .config import as_dict, build, load_config_file
-from .errors import ConfigError, GateError, TorchshipError
+from .config import build, load_config_file
+from .errors import ConfigError, GateError
 from .io import atomic_write_json, atomic_write_text
 
 STAGES = ("train", "export", "repo", "check", "bench")
@@ -343,5 +342,3 @@ def main_run(ns: argparse.Namespace) -> int:
 
 
 
-
-__all__ = ["run_pipeline", "resolve_settings", "STAGES", "DEFAULTS", "as_dict", "sys", "TorchshipError"]

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 TRAIN = ["-m", "train", "--arch", "tiny_cnn", "--data", "synthetic", "--synthetic-samples", "96", "--batch-size", "16",

@@ -1,6 +1,5 @@
 """A user model factory whose data-dependent branch torch.export cannot capture (TorchScript trace can)."""
 
-import torch
 from torch import nn
 
 

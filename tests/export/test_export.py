@@ -1,6 +1,5 @@
 """Export stage: every format, dynamic batch, names, preprocessing contract, and a verifier that can fail."""
 
-import json
 import shutil
 
 import numpy as np
@@ -10,7 +9,7 @@ import torch
 
 from tests.conftest import run_cli
 from torchship import runtime
-from torchship.errors import ArtifactError, CheckpointError, ParityError
+from torchship.errors import ArtifactError, ParityError
 from torchship.io import sha256_file
 from torchship.manifest import read_manifest, write_manifest
 

@@ -1,7 +1,6 @@
 """Benchmark stage: well-formed results and report, ordered percentiles, --compare, and bad input."""
 
 import json
-import shutil
 
 import pytest
 

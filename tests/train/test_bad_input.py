@@ -2,7 +2,6 @@
 
 import shutil
 
-import pytest
 
 from tests.conftest import run_cli
 
