@@ -79,6 +79,17 @@ def backend_dir() -> Path:
     return root
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM the server when torchship's process dies, so a
+    killed client (SIGKILL, an unhandled SIGTERM) never leaves an orphaned server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() in finally blocks remains the only guard
+
+
 def _mk(p: Path) -> Path:
     p.mkdir(parents=True, exist_ok=True)
     return p
@@ -154,7 +165,7 @@ class TritonServer:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             log.close()
         deadline = time.monotonic() + self.cfg.ready_timeout

@@ -5,6 +5,7 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,3 +224,37 @@ def test_unreachable_server_is_a_clear_error(capsys, exported):
 
     assert run_cli("infer", "--url", f"127.0.0.1:{free_port()}", "--heldout", exported) == 2
     assert "is the server running" in capsys.readouterr().err
+
+
+def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
+    """SIGKILL the process that started the server: no finally block runs, yet the server goes too."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hold.py"
+    script.write_text(f"""
+import sys, time
+from serve.config import ServeConfig
+from serve.server import TritonServer
+s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",))).start()
+print(s.proc.pid, flush=True)
+time.sleep(600)
+""")
+    holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=str(Path(__file__).resolve().parents[2]))
+    server_pid = int(holder.stdout.readline())
+    os.kill(server_pid, 0)  # it is up
+    holder.kill()
+    holder.wait(30)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(server_pid, signal.SIGKILL)
+        pytest.fail("the server outlived the process that started it")
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server_pid, 0)  # its stubs are gone too
