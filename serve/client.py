@@ -11,8 +11,6 @@ import numpy as np
 from torchship.errors import ClientError, ParityError, ServerError, ShapeError
 from torchship.manifest import REFERENCE, read_manifest
 
-NP_TO_TRITON = {np.dtype("float32"): "FP32", np.dtype("float16"): "FP16", np.dtype("int64"): "INT64",
-                np.dtype("float64"): "FP64", np.dtype("int32"): "INT32", np.dtype("uint8"): "UINT8"}
 
 
 class TritonClient:
@@ -69,7 +67,9 @@ class TritonClient:
     def make_inputs(self, model: str, x: np.ndarray, name: str | None = None):
         cfg = self.config(model)
         name = name or cfg["input"][0]["name"]
-        dtype = NP_TO_TRITON.get(x.dtype)
+        from tritonclient.utils import np_to_triton_dtype
+
+        dtype = np_to_triton_dtype(x.dtype)
         if dtype is None:
             raise ShapeError(f"cannot send a {x.dtype} array")
         inp = self._g.InferInput(name, list(x.shape), dtype)

@@ -14,6 +14,16 @@ TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.07-py3"
 REPOSITORY_DIR = "model_repository"
 
 
+def cuda_visible() -> bool:
+    """Whether torch sees a CUDA device here (decides KIND_GPU and the server's CUDA memory pools)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
 @dataclass
 class RepoConfig:
     out: str = opt(REPOSITORY_DIR, "repository directory to write")

@@ -19,7 +19,7 @@ from google.protobuf import json_format
 
 from torchship.errors import ServerError
 
-from .config import ServeConfig
+from .config import ServeConfig, cuda_visible
 from .repository import EMBEDDED_CONFIG, read_config
 
 HERE = Path(__file__).resolve().parent
@@ -60,7 +60,8 @@ def backend_dir() -> Path:
     root = Path(tempfile.gettempdir()) / f"torchship-backends-{os.getuid()}" / h.hexdigest()[:16]
     if (root / ".complete").exists():
         return root
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root.parent if root.parent.exists() else _mk(root.parent)))
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root.parent))
     (tmp / "python").mkdir()
     for f in (home / "backends" / "python").iterdir():
         if f.is_file():
@@ -88,11 +89,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: stop() in finally blocks remains the only guard
-
-
-def _mk(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 def server_env() -> dict[str, str]:
@@ -146,7 +142,7 @@ class TritonServer:
                f"--metrics-address={self.cfg.host}", f"--metrics-port={self.metrics_port}",
                "--allow-gpu-metrics=false", "--exit-on-error=false", "--strict-readiness=true",
                "--exit-timeout-secs=20", "--log-verbose=0", f"--cache-directory={home / 'caches'}"]
-        if not _cuda_visible():
+        if not cuda_visible():
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
         return cmd
 
@@ -247,14 +243,6 @@ class TritonServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-
-def _cuda_visible() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 def describe(server: TritonServer) -> dict:

@@ -20,7 +20,7 @@ from .errors import ConfigError
 def opt(default: Any, help: str, *, flag: str | None = None, cli: bool = True, **kw: Any) -> Any:
     """A config field with its help text (say the unit) and, optionally, its flag name."""
     md = {"help": help, "flag": flag, "cli": cli}
-    if isinstance(default, (list, dict, tuple)) and not isinstance(default, tuple):
+    if isinstance(default, (list, dict)):  # mutable: a fresh copy per instance
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=md, **kw)
     return dataclasses.field(default=default, metadata=md, **kw)
 

@@ -320,7 +320,6 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
     images_done, t_loop = 0, time.perf_counter()
     stopped = False
     model.train()
-    last_saved_step = -1
     for epoch in range(start_epoch, cfg.epochs):
         batches = _batches(len(data.train), d, per_rank, epoch, cfg.seed, True)
         skip = start_step if epoch == start_epoch else 0
@@ -362,7 +361,6 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
                 break
             if cfg.save_every and global_step % cfg.save_every == 0 and step_in_epoch < len(batches):
                 save(epoch, step_in_epoch, {"train_loss": loss_sum / loss_n}, False)
-                last_saved_step = global_step
         if bar is not None:
             bar.close()
         if prof is not None:
@@ -383,10 +381,8 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
             save(epoch, step_in_epoch, {"val_loss": val_loss, "val_acc": val_acc}, True)
         else:
             save(epoch + 1, 0, {"val_loss": val_loss, "val_acc": val_acc}, True)
-        last_saved_step = global_step
         if stopped:
             break
-    del last_saved_step
     wall = time.perf_counter() - t_start
     index = ck.read_index(out / "checkpoints")
     result = TrainResult(best=out / "checkpoints" / index.get("best", ""), latest=out / "checkpoints" / index.get("latest", ""),
