@@ -206,23 +206,32 @@ def stats_delta(before: dict, after: dict) -> dict[str, float]:
 
 
 def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int, n: int, input_name: str) -> dict[str, Any]:
-    """Keep ``concurrency`` requests in flight until ``n`` complete; per-request latency in seconds."""
-    import tritonclient.grpc as grpcclient
+    """Keep ``concurrency`` requests in flight until ``n`` complete; per-request latency in seconds.
+    Requests are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1
+    each is a blocking call (no callback thread in the measured path)."""
+    import grpc
 
-    client = grpcclient.InferenceServerClient(url)
+    from .client import infer_channel, request
+
+    channel, call = infer_channel(url)
+    prepared = [request(model, x, input_name) for x in inputs]
     lat: list[float] = []
     errors: list[str] = []
+    t_start = time.perf_counter()
+    if concurrency == 1:
+        for i in range(n):
+            t0 = time.perf_counter()
+            try:
+                call(prepared[i % len(prepared)], timeout=60)
+                lat.append(time.perf_counter() - t0)
+            except grpc.RpcError as e:
+                errors.append(e.details() or str(e.code()))
+        channel.close()
+        return {"latencies_s": lat, "errors": errors, "wall_s": time.perf_counter() - t_start, "completed": n}
     lock = threading.Lock()
     done = threading.Event()
     issued = [0]
     finished = [0]
-
-    def make(x):
-        inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        return [inp]
-
-    prepared = [make(x) for x in inputs]
 
     def issue():
         with lock:
@@ -231,15 +240,14 @@ def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int
             i = issued[0]
             issued[0] += 1
         t0 = time.perf_counter()
-        # tritonclient calls back with keyword arguments: result=, error=
-        client.async_infer(model, prepared[i % len(prepared)],
-                           callback=lambda result, error, t0=t0: complete(result, error, t0))
+        call.future(prepared[i % len(prepared)], timeout=60).add_done_callback(lambda f, t0=t0: complete(f, t0))
 
-    def complete(result, error, t0):
+    def complete(fut, t0):
         dt = time.perf_counter() - t0
+        err = fut.exception()
         with lock:
-            if error is not None:
-                errors.append(str(error))
+            if err is not None:
+                errors.append(err.details() if hasattr(err, "details") else str(err))
             else:
                 lat.append(dt)
             finished[0] += 1
@@ -249,20 +257,20 @@ def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int
         else:
             issue()
 
-    t_start = time.perf_counter()
     for _ in range(min(concurrency, n)):
         issue()
     done.wait(timeout=max(60.0, n * 2.0))
     wall = time.perf_counter() - t_start
-    client.close()
+    channel.close()
     return {"latencies_s": lat, "errors": errors, "wall_s": wall, "completed": finished[0]}
 
 
 def open_loop(url: str, model: str, inputs: list[np.ndarray], rate: float, duration: float, input_name: str) -> dict:
     """Poisson arrivals at ``rate`` requests/s for ``duration`` seconds (latency includes queueing)."""
-    import tritonclient.grpc as grpcclient
+    from .client import infer_channel, request
 
-    client = grpcclient.InferenceServerClient(url)
+    channel, call = infer_channel(url)
+    prepared = [request(model, x, input_name) for x in inputs]
     rng = np.random.default_rng(0)
     lat, errors, pending = [], [], threading.Semaphore(0)
     sent = 0
@@ -272,21 +280,18 @@ def open_loop(url: str, model: str, inputs: list[np.ndarray], rate: float, durat
         now = time.perf_counter()
         if now < next_t:
             time.sleep(next_t - now)
-        x = inputs[sent % len(inputs)]
-        inp = grpcclient.InferInput(input_name, list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
         t0 = time.perf_counter()
 
-        def cb(result, error, t0=t0):  # called back with keyword arguments
-            (errors.append(str(error)) if error else lat.append(time.perf_counter() - t0))
+        def cb(fut, t0=t0):
+            (errors.append(str(fut.exception())) if fut.exception() else lat.append(time.perf_counter() - t0))
             pending.release()
-        client.async_infer(model, [inp], callback=cb)
+        call.future(prepared[sent % len(prepared)], timeout=60).add_done_callback(cb)
         sent += 1
         next_t += rng.exponential(1.0 / rate)
     for _ in range(sent):
         pending.acquire(timeout=60)
     wall = time.perf_counter() - t_start
-    client.close()
+    channel.close()
     return {"rate_target": rate, "sent": sent, "achieved_rps": len(lat) / wall, **summarize(lat), "errors": len(errors)}
 
 
@@ -344,6 +349,104 @@ class TritonPythonModel:
         return out
 ''')
     return root
+
+
+def served_variant(client, model: str, manifest: dict) -> str | None:
+    """The exported artifact a served model runs (its in-process twin), or None if it is not one of ours."""
+    fmt = _format_of(model, manifest) if model.startswith(manifest["name"] + "_") else None
+    if fmt == "aoti":
+        return "aoti_buckets" if "buckets" in client.config(model).get("parameters", {}) else "aoti"
+    return fmt if fmt in ("onnx", "torchscript") else None
+
+
+def read_profile(profile_dir: str | None, model: str) -> dict[str, float]:
+    try:
+        return json.loads((Path(profile_dir) / f"{model}.json").read_text()) if profile_dir else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def profile_delta(before: dict, after: dict) -> dict[str, float]:
+    """Per-request time inside the backend's execute() (µs): before the model, the model, after it."""
+    n = after.get("requests", 0) - before.get("requests", 0)
+    if n <= 0:
+        return {}
+    return {f"{k}_us": (after[f"{k}_ns"] - before.get(f"{k}_ns", 0)) / 1e3 / n for k in ("pre", "run", "post")}
+
+
+def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, models: list[str], client,
+                   profile_dir: str | None, bar) -> dict[str, Any]:
+    """Batch 1, measured side by side in rotating blocks: each served model through gRPC, the same
+    artifact in this process, and the no-op floor. The excess is served − in-process − floor; Triton's
+    statistics and the backend's own profile say where it goes."""
+    from torchship import runtime
+
+    from .client import infer_channel, request
+
+    ins, outs = [i["name"] for i in manifest["inputs"]], [o["name"] for o in manifest["outputs"]]
+    pool = real_inputs(export_dir, manifest, 64)
+    xs = [pool[i:i + 1] for i in range(len(pool))]
+    channel, call = infer_channel(url)
+    paths: dict[str, Callable[[int], Any]] = {}
+    twins: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    for model in models:
+        v = served_variant(client, model, manifest)
+        if v is None:
+            notes[model] = "no in-process twin (not an artifact of this export)"
+            continue
+        a = artifact(manifest, v)
+        buckets = {int(b): str(export_dir / f) for b, f in a.get("buckets", {}).items()} or None
+        r = runtime.load(a["format"], str(export_dir / a["file"]), ins, outs, threads=cfg.threads, buckets=buckets)
+        twins[model] = v
+        paths[f"{model}/in-process"] = lambda i, r=r: r.run({ins[0]: xs[i % len(xs)]})
+        reqs = [request(model, x, ins[0]) for x in xs]
+        paths[f"{model}/served"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
+    have_noop = NOOP_MODEL in client.ready_models()
+    if have_noop:
+        reqs = [request(NOOP_MODEL, x, ins[0]) for x in xs]
+        paths["floor"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
+    else:
+        notes["floor"] = f"the no-op model {NOOP_MODEL} is not served at {url}"
+    names = list(paths)
+    per_block = max(1, cfg.requests // cfg.blocks)
+    for fn in paths.values():
+        for i in range(max(cfg.warmup, 5)):
+            fn(i)
+    watched = list(twins) + ([NOOP_MODEL] if have_noop else [])
+    before = {m: stats_of(client, m) for m in watched}
+    prof_before = {m: read_profile(profile_dir, m) for m in twins}
+    lat: dict[str, list[float]] = {k: [] for k in names}
+    for b in range(cfg.blocks):
+        for name in names[b % len(names):] + names[:b % len(names)]:  # rotate who goes first
+            fn = paths[name]
+            for i in range(per_block):
+                t0 = time.perf_counter()
+                fn(i)
+                lat[name].append(time.perf_counter() - t0)
+            if bar:
+                bar.update(per_block)
+    channel.close()
+    after = {m: stats_of(client, m) for m in watched}
+    if profile_dir:
+        time.sleep(0.5)  # the backends write their profile every 0.2 s
+    floor = summarize(lat["floor"]) if have_noop else {}
+    rows = []
+    for model, v in twins.items():
+        inp, srv = summarize(lat[f"{model}/in-process"]), summarize(lat[f"{model}/served"])
+        row = {"model": model, "variant": v, "in_process": inp, "served": srv, "floor": floor,
+               "server": stats_delta(before[model], after[model]),
+               "backend": profile_delta(prof_before[model], read_profile(profile_dir, model))}
+        row["client_side_us"] = srv["mean_ms"] * 1e3 - row["server"]["server_us"]
+        if floor:
+            row["excess_p50_ms"] = srv["p50_ms"] - inp["p50_ms"] - floor["p50_ms"]
+        rows.append(row)
+    res = {"batch": 1, "requests_per_path": per_block * cfg.blocks, "blocks": cfg.blocks, "threads": cfg.threads,
+           "rows": rows, "notes": notes}
+    if have_noop:
+        res["floor_server"] = stats_delta(before[NOOP_MODEL], after[NOOP_MODEL])
+        res["floor_client_side_us"] = floor["mean_ms"] * 1e3 - res["floor_server"]["server_us"]
+    return res
 
 
 def served_models(client, manifest: dict, cfg: BenchConfig) -> list[str]:
@@ -411,6 +514,10 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     elif NOOP_MODEL in client.ready_models():
         served["noop"] = {"rows": sweep(url, NOOP_MODEL, [pool[i:i + 1] for i in range(len(pool))], _one_level(cfg),
                                          input_name, bar, client)}
+    if cfg.overhead:
+        profile_dir = server.cfg.backend_profile if server is not None else None
+        served["overhead"] = bench_overhead(cfg, export_dir, manifest, url, models, client, profile_dir, bar)
+        save()
     if cfg.rate:
         served["open_loop"] = {m: open_loop(url, m, [pool[i:i + 1] for i in range(len(pool))], cfg.rate, cfg.duration_s,
                                             input_name) for m in models}
@@ -551,14 +658,20 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     save()
     n_in = 0 if cfg.skip_in_process else len(cfg.variants) * len([b for b in cfg.batch_sizes if b <= manifest["max_batch"]]) * \
         (cfg.iters // cfg.blocks) * cfg.blocks
-    n_served = 0 if cfg.skip_served else cfg.requests * len(cfg.concurrency) * 4
+    n_served = 0 if cfg.skip_served else cfg.requests * (len(cfg.concurrency) * 4 + (7 if cfg.overhead else 0))
     bar = None
     if cfg.progress:
         from tqdm import tqdm
 
         bar = tqdm(total=n_in + n_served, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
     failure: TorchshipError | None = None
+    cpu_latency = None
     try:
+        if cfg.cpu_latency_us is not None:  # held for the whole run, so every path is measured alike
+            from .server import CpuLatencyRequest
+
+            cpu_latency = CpuLatencyRequest(cfg.cpu_latency_us)
+            results["machine"]["cpu_latency_us"] = cfg.cpu_latency_us
         if not cfg.skip_in_process:
             log("in-process: " + ", ".join(cfg.variants) + f" at batch {', '.join(map(str, cfg.batch_sizes))}")
             results["in_process"] = bench_in_process(cfg, export_dir, manifest, device, bar)
@@ -581,6 +694,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     finally:
         if bar:
             bar.close()
+        if cpu_latency is not None:
+            cpu_latency.close()
     rec = recommend(results, cfg.p99_budget_ms, manifest["max_batch"]) if "served" in results else {"error": "no served results"}
     results["recommendation"] = rec
     if cfg.write_config and "error" not in rec:
@@ -605,7 +720,8 @@ def _start_embedded(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Pat
     if not cfg.repo:
         build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
     noop = noop_repo(out, manifest)
-    server = TritonServer(ServeConfig(repo=str(repo), log=str(out / "tritonserver.log")), extra_repos=[noop])
+    server = TritonServer(ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"),
+                                      backend_profile=str(out / "backend_profile")), extra_repos=[noop])
     server.start()
     return server, server.url
 

@@ -34,6 +34,10 @@ class BenchConfig:
     write_config: bool = opt(False, "write the recommended batching settings back into the repository's configs")
     cross_check: bool = opt(True, "cross-check the served sweep with Triton's perf_analyzer where it is installed")
     perf_analyzer: Optional[str] = opt(None, "path to perf_analyzer (default: $TORCHSHIP_PERF_ANALYZER, the torchship cache, then PATH)")
+    overhead: bool = opt(True, "at batch 1, measure every served model, its artifact in-process and the no-op floor "
+                               "side by side, with Triton's and the backend's breakdown of the difference")
+    cpu_latency_us: Optional[int] = opt(None, "hold a /dev/cpu_dma_latency request at this many microseconds for the "
+                                              "whole run (0: idle CPUs keep polling; see torchship serve --help); needs root")
     skip_in_process: bool = opt(False, "skip the in-process part")
     skip_served: bool = opt(False, "skip the served part")
     plots: bool = opt(True, "draw the matplotlib plots")
@@ -51,5 +55,7 @@ class BenchConfig:
             raise ConfigError("--requests must be at least 1")
         if self.p99_budget_ms is not None and self.p99_budget_ms <= 0:
             raise ConfigError("--p99-budget-ms must be positive")
+        if self.cpu_latency_us is not None and self.cpu_latency_us < 0:
+            raise ConfigError("--cpu-latency-us must be 0 or more")
         if self.rate is not None and self.rate <= 0:
             raise ConfigError("--rate must be positive")

@@ -62,8 +62,15 @@ class ServeConfig:
     ready_timeout: float = opt(120.0, "seconds to wait for the server and every model to become ready")
     log: Optional[str] = opt(None, "server log file (default: a file in the system temp directory)")
     models: tuple[str, ...] = opt((), "load only these models (default: every model in the repository)")
+    cpu_latency_us: Optional[int] = opt(None, "while serving, ask Linux to keep idle CPUs within this wake-up latency "
+                                              "(a /dev/cpu_dma_latency request, as tuned's latency-performance profile does; "
+                                              "0 keeps them polling). Trades power for latency; needs root")
+    backend_profile: Optional[str] = opt(None, "directory where the Python-based backends write the time spent before, "
+                                               "in and after the model (one JSON file per model)")
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a port number")
+        if self.cpu_latency_us is not None and self.cpu_latency_us < 0:
+            raise ConfigError("--cpu-latency-us must be 0 or more")

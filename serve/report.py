@@ -33,6 +33,40 @@ def wins(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
+    """In-process, served and floor side by side at batch 1, and where the difference goes."""
+    if not ov or not ov.get("rows"):
+        return []
+    lines = ["### Where the time goes at batch 1", "",
+             f"Measured side by side: {ov['blocks']} rotating blocks, {ov['requests_per_path']} requests per path, one "
+             f"request in flight, {ov['threads']} intra-op thread(s). Excess = served − in-process − floor (p50).", "",
+             "| model | in-process p50 / p99 ms | served p50 / p99 ms | floor p50 / p99 ms | excess ms |",
+             "|---|---|---|---|---|"]
+    for r in ov["rows"]:
+        i, s, f = r["in_process"], r["served"], r["floor"]
+        lines.append(f"| {r['model']} ({r['variant']}) | {_f(i.get('p50_ms'), '.3f')} / {_f(i.get('p99_ms'), '.3f')} | "
+                     f"{_f(s.get('p50_ms'), '.3f')} / {_f(s.get('p99_ms'), '.3f')} | {_f(f.get('p50_ms'), '.3f')} / "
+                     f"{_f(f.get('p99_ms'), '.3f')} | {_f(r.get('excess_p50_ms'), '+.3f')} |")
+    lines += ["", "Mean µs per request: Triton's statistics (queue, compute input, compute infer, compute output), "
+              "inside compute infer the backend's own profile (before the model, the model, after it), and the rest "
+              "(client, gRPC, network) = client mean − server total.", "",
+              "| path | queue | input | infer | ↳ before model | ↳ model | ↳ after model | output | client + gRPC | in-process mean |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ov["rows"]:
+        sv, b = r["server"], r.get("backend") or {}
+        lines.append(f"| {r['model']} | {_f(sv['queue_us'], '.0f')} | {_f(sv['compute_input_us'], '.0f')} | "
+                     f"{_f(sv['compute_infer_us'], '.0f')} | {_f(b.get('pre_us'), '.0f')} | {_f(b.get('run_us'), '.0f')} | "
+                     f"{_f(b.get('post_us'), '.0f')} | {_f(sv['compute_output_us'], '.0f')} | {_f(r['client_side_us'], '.0f')} | "
+                     f"{_f(r['in_process'].get('mean_ms', 0) * 1e3, '.0f')} |")
+    if "floor_server" in ov:
+        fs = ov["floor_server"]
+        lines.append(f"| floor (no-op) | {_f(fs['queue_us'], '.0f')} | {_f(fs['compute_input_us'], '.0f')} | "
+                     f"{_f(fs['compute_infer_us'], '.0f')} | | | | {_f(fs['compute_output_us'], '.0f')} | "
+                     f"{_f(ov['floor_client_side_us'], '.0f')} | |")
+    lines += [f"- {k}: {v}" for k, v in ov.get("notes", {}).items()]
+    return lines + [""]
+
+
 def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path:
     m = results["machine"]
     lim = results.get("limits", {})
@@ -74,6 +108,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
         if floor.get("n"):
             lines += [f"No-op round trip (the protocol floor, same tensors): p50 {floor['p50_ms']:.3f} ms, "
                       f"p99 {floor['p99_ms']:.3f} ms.", ""]
+        lines += overhead_lines(served.get("overhead"))
         for section, title in (("models", "dynamic batching as configured"), ("batching_off", "dynamic batching off")):
             for model, mm in served.get(section, {}).items():
                 lines += [f"### {model} — {title}", "",

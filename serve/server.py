@@ -91,6 +91,30 @@ def _die_with_parent() -> None:
         pass  # not Linux: stop() in finally blocks remains the only guard
 
 
+CPU_LATENCY_DEVICE = "/dev/cpu_dma_latency"
+
+
+class CpuLatencyRequest:
+    """A PM QoS request: while the file stays open, Linux keeps idle CPUs in states that wake within
+    ``us`` microseconds. On a virtual machine a halted vCPU takes ~0.1 ms to wake, and a served request
+    wakes several sleeping threads in turn (client, gRPC frontend, scheduler, model instance, stub)."""
+
+    def __init__(self, us: int, device: str = CPU_LATENCY_DEVICE):
+        import struct
+
+        try:
+            self.fd = os.open(device, os.O_WRONLY)
+        except OSError as e:
+            raise ServerError(f"--cpu-latency-us needs write access to {device} ({e.strerror}); run as root, "
+                              "or leave it unset") from None
+        os.write(self.fd, struct.pack("i", us))
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def server_env() -> dict[str, str]:
     """LD_LIBRARY_PATH for the wheel's libraries; this environment's bin/ first on PATH, because the
     stub's embedded Python adopts the virtual environment found there (it ignores PYTHONPATH)."""
@@ -123,6 +147,7 @@ class TritonServer:
         self.proc: Optional[subprocess.Popen] = None
         self.log_path = Path(cfg.log) if cfg.log else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         self.loaded: list[str] = []
+        self.cpu_latency: Optional[CpuLatencyRequest] = None
 
     @property
     def url(self) -> str:
@@ -158,12 +183,20 @@ class TritonServer:
         """Start the server, load every model (or cfg.models) and wait until all are ready.
         Raises ServerError with the tail of the server log on failure."""
         env = server_env()
+        if self.cfg.backend_profile:
+            env["TORCHSHIP_BACKEND_PROFILE"] = str(Path(self.cfg.backend_profile).resolve())
+        cpu_latency = CpuLatencyRequest(self.cfg.cpu_latency_us) if self.cfg.cpu_latency_us is not None else None
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, preexec_fn=_die_with_parent)
+        except BaseException:
+            if cpu_latency is not None:
+                cpu_latency.close()
+            raise
         finally:
             log.close()
+        self.cpu_latency = cpu_latency
         deadline = time.monotonic() + self.cfg.ready_timeout
         try:
             client = self._client()
@@ -221,6 +254,9 @@ class TritonServer:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs."""
+        if self.cpu_latency is not None:
+            self.cpu_latency.close()
+            self.cpu_latency = None
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)

@@ -98,9 +98,10 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
                                            if device.startswith("cuda") else ["CPUExecutionProvider"]))
         sess = ort.InferenceSession(path, so, providers=providers)
         out_names = [o.name for o in sess.get_outputs()]
+        in_name = sess.get_inputs()[0].name
 
         def fn(x: np.ndarray) -> list[np.ndarray]:
-            return sess.run(out_names, {sess.get_inputs()[0].name: x})
+            return sess.run(out_names, {in_name: x})
         r = Runner(fn, inputs, outputs)
         r.input_names = [i.name for i in sess.get_inputs()]
         r.output_names = out_names

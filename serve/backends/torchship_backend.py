@@ -8,11 +8,56 @@ response; the instance keeps serving the others.
 
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 import torchship_runtime as rt
+
+
+PROFILE_ENV = "TORCHSHIP_BACKEND_PROFILE"
+
+
+class Profile:
+    """Time spent inside execute(), split into before the model (inputs, checks, batching), the model
+    itself, and after it (output tensors, responses). Cumulative nanoseconds, written as JSON to
+    ``path`` by a background thread every 0.2 s while they change, so a reader can take deltas."""
+
+    def __init__(self, path):
+        self.path = path
+        self.totals = {"executions": 0, "requests": 0, "pre_ns": 0, "run_ns": 0, "post_ns": 0}
+        self._written = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def add(self, requests, t0, t1, t2, t3):
+        t = self.totals
+        t["executions"] += 1
+        t["requests"] += requests
+        t["pre_ns"] += t1 - t0
+        t["run_ns"] += t2 - t1
+        t["post_ns"] += t3 - t2
+
+    def write(self):
+        snap = dict(self.totals)
+        if snap == self._written:
+            return
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(snap, f)
+        os.replace(tmp, self.path)
+        self._written = snap
+
+    def _loop(self):
+        while not self._stop.wait(0.2):
+            self.write()
+
+    def close(self):
+        self._stop.set()
+        self.write()
 
 
 def _params(cfg):
@@ -52,6 +97,10 @@ class BackendModel:
         self.runner = rt.load(fmt, path, self.inputs, self.outputs, device=device, threads=threads, buckets=buckets,
                               ort_providers=self.ort_providers(cfg, device))
         self.device = device
+        self.profile = None
+        if os.environ.get(PROFILE_ENV):
+            os.makedirs(os.environ[PROFILE_ENV], exist_ok=True)
+            self.profile = Profile(os.path.join(os.environ[PROFILE_ENV], f"{self.name}.json"))
         pb_utils.Logger.log_info(f"{self.name}: {fmt} from {path} on {device}, {threads} intra-op thread(s)")
 
     @staticmethod
@@ -67,6 +116,7 @@ class BackendModel:
         return None
 
     def execute(self, requests):
+        t0 = time.perf_counter_ns()
         responses = [None] * len(requests)
         arrays, owners = [], []
         for i, request in enumerate(requests):
@@ -83,12 +133,14 @@ class BackendModel:
             owners.append(i)
         if arrays:
             batch = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            t1 = time.perf_counter_ns()
             try:
                 outs = self.runner.run({self.inputs[0]: batch})
             except Exception as e:  # the model failed on this batch: fail its requests, keep serving
                 for i in owners:
                     responses[i] = self.error(f"inference failed: {type(e).__name__}: {e}")
                 return responses
+            t2 = time.perf_counter_ns()
             start = 0
             for x, i in zip(arrays, owners):
                 n = x.shape[0]
@@ -96,12 +148,16 @@ class BackendModel:
                            for name, dt in zip(self.outputs, self.out_dtypes)]
                 responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
                 start += n
+            if self.profile is not None:
+                self.profile.add(len(arrays), t0, t1, t2, time.perf_counter_ns())
         return responses
 
     def error(self, msg):
         return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{self.name}: {msg}"))
 
     def finalize(self):
+        if self.profile is not None:
+            self.profile.close()
         self.runner = None
 
 

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from serve.bench import compare, run_bench
@@ -54,6 +55,44 @@ def test_results_and_report_are_well_formed(bench_run):
     for png in ("latency_cdf.png", "throughput_vs_concurrency.png", "p99_vs_throughput.png"):
         assert (out / png).stat().st_size > 1000 and png in report
     assert "Which format wins where" in report and "No-op round trip" in report
+    assert "Where the time goes at batch 1" in report
+
+
+def test_overhead_is_measured_side_by_side_and_attributed(bench_run):
+    """In-process, served and floor for every served model, with Triton's and the backend's breakdown."""
+    results, _ = bench_run
+    ov = results["served"]["overhead"]
+    n = ov["requests_per_path"]
+    assert {r["model"]: r["variant"] for r in ov["rows"]} == {
+        "tiny_cnn_onnx": "onnx", "tiny_cnn_torchscript": "torchscript", "tiny_cnn_aoti": "aoti_buckets"}
+    for r in ov["rows"]:
+        assert r["in_process"]["n"] == r["served"]["n"] == r["floor"]["n"] == n
+        assert r["excess_p50_ms"] == pytest.approx(r["served"]["p50_ms"] - r["in_process"]["p50_ms"] - r["floor"]["p50_ms"])
+        assert r["server"]["requests"] == n, "statistics must cover exactly this section's requests"
+        b = r["backend"]
+        assert b and min(b.values()) > 0, r  # the backend wrote its profile for this model
+        # the backend's time is part of Triton's compute_infer, not beside it
+        assert b["pre_us"] + b["run_us"] + b["post_us"] < r["server"]["compute_infer_us"]
+    assert ov["floor_server"]["requests"] == n
+
+
+def test_backend_profile_counts_each_request_once(exported, tmp_path):
+    """The profile's request count follows the requests sent, batched or not: it cannot silently drift."""
+    from serve.client import TritonClient
+    from serve.config import RepoConfig, ServeConfig
+    from serve.repository import build_repository
+    from serve.server import TritonServer
+
+    build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), formats=("onnx",)))
+    prof = tmp_path / "profile"
+    with TritonServer(ServeConfig(repo=str(tmp_path / "repo"), backend_profile=str(prof))) as s:
+        c = TritonClient(s.url)
+        for batch in (1, 3, 8):
+            c.infer("tiny_cnn_onnx", np.random.default_rng(batch).random((batch, 3, 32, 32), dtype=np.float32))
+        c.close()
+    p = json.loads((prof / "tiny_cnn_onnx.json").read_text())  # finalize() writes the last totals
+    assert p["requests"] == p["executions"] == 3 + 1  # three requests, plus the model's warm-up sample
+    assert p["run_ns"] > 0 and p["pre_ns"] > 0 and p["post_ns"] > 0
 
 
 def test_compare_detects_a_planted_2x_slowdown(bench_run, tmp_path, capsys):

@@ -16,7 +16,7 @@ from serve.config import ServeConfig
 from serve.server import TritonServer
 from tests.conftest import run_cli
 from torchship import runtime
-from torchship.errors import ClientError, ParityError
+from torchship.errors import ClientError, ParityError, ServerError
 from torchship.manifest import read_manifest
 
 MODELS = {"tiny_cnn_onnx": "onnx", "tiny_cnn_torchscript": "torchscript", "tiny_cnn_aoti": "aoti_buckets"}
@@ -224,6 +224,34 @@ def test_unreachable_server_is_a_clear_error(capsys, exported):
 
     assert run_cli("infer", "--url", f"127.0.0.1:{free_port()}", "--heldout", exported) == 2
     assert "is the server running" in capsys.readouterr().err
+
+
+def test_unreachable_server_is_a_clear_error_on_the_lean_path():
+    from serve.server import free_port
+
+    client = TritonClient(f"127.0.0.1:{free_port()}", timeout_s=5)
+    client._configs["m"] = {"input": [{"name": "images"}], "output": [{"name": "logits"}]}  # skip the config fetch
+    with pytest.raises(ServerError, match="is the server running"):
+        client.infer("m", np.zeros((1, 3, 32, 32), np.float32))
+
+
+def test_cpu_latency_request_is_held_while_serving_and_released(tmp_path):
+    from serve.server import CPU_LATENCY_DEVICE, CpuLatencyRequest
+
+    with pytest.raises(ServerError, match="needs write access to .*nowhere"):
+        CpuLatencyRequest(0, device=str(tmp_path / "nowhere" / "cpu_dma_latency"))
+    if not os.access(CPU_LATENCY_DEVICE, os.W_OK):
+        pytest.skip(f"{CPU_LATENCY_DEVICE} is not writable here")
+
+    def current():
+        with open(CPU_LATENCY_DEVICE, "rb") as f:
+            return int.from_bytes(f.read(4), "little", signed=True)
+
+    baseline = current()
+    req = CpuLatencyRequest(0)
+    assert current() == 0
+    req.close()
+    assert current() == baseline and baseline != 0
 
 
 def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
