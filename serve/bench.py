@@ -22,6 +22,7 @@ from torchship.manifest import REFERENCE, artifact, read_manifest
 from .bench_config import BenchConfig
 
 NOOP_MODEL = "_torchship_noop"
+HOLD_MODEL = "_torchship_hold"
 
 
 # ---------------------------------------------------------------- statistics and machine
@@ -322,26 +323,37 @@ def sweep(url: str, model: str, inputs: list[np.ndarray], cfg: BenchConfig, inpu
 
 
 def noop_repo(out: Path, manifest: dict) -> Path:
-    """A repository with one Python model that returns zeros: the protocol floor, same tensor sizes."""
+    """A repository of two Python models with the export's tensors that return zeros: the no-op (the
+    protocol floor) and the hold, which first busy-waits as many microseconds as the first input value
+    says (the floor for a model that takes that long, without the model's own memory traffic)."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
 
     root = out / "noop_repo"
-    mdir = root / NOOP_MODEL
-    (mdir / "1").mkdir(parents=True, exist_ok=True)
-    c = mc.ModelConfig(name=NOOP_MODEL, backend="python", max_batch_size=manifest["max_batch"])
     inp, outp = manifest["inputs"][0], manifest["outputs"][0]
-    c.input.add(name=inp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in inp["shape"][1:]])
-    c.output.add(name=outp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in outp["shape"][1:]])
-    c.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
-    (mdir / "config.pbtxt").write_text(text_format.MessageToString(c))
-    (mdir / "1" / "model.py").write_text(f'''"""No-op: answers every request with zeros of the output shape."""
+    hold = """
+        x = pb_utils.get_input_tensor_by_name(requests[0], "{i}").as_numpy()
+        t_end = time.perf_counter() + float(x.flat[0]) * 1e-6
+        while time.perf_counter() < t_end:
+            pass"""
+    for name, doc, body in ((NOOP_MODEL, "No-op: answers every request with zeros of the output shape.", ""),
+                            (HOLD_MODEL, "Hold: busy-waits x.flat[0] microseconds, then answers with zeros.", hold)):
+        mdir = root / name
+        (mdir / "1").mkdir(parents=True, exist_ok=True)
+        c = mc.ModelConfig(name=name, backend="python", max_batch_size=manifest["max_batch"])
+        c.input.add(name=inp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in inp["shape"][1:]])
+        c.output.add(name=outp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in outp["shape"][1:]])
+        c.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+        (mdir / "config.pbtxt").write_text(text_format.MessageToString(c))
+        (mdir / "1" / "model.py").write_text(f'''"""{doc}"""
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
-    def execute(self, requests):
+    def execute(self, requests):{body.format(i=inp["name"])}
         out = []
         for r in requests:
             n = pb_utils.get_input_tensor_by_name(r, "{inp['name']}").as_numpy().shape[0]
@@ -389,7 +401,9 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
     channel, call = infer_channel(url)
     paths: dict[str, Callable[[int], Any]] = {}
     twins: dict[str, str] = {}
+    holds: dict[str, float] = {}
     notes: dict[str, str] = {}
+    ready = client.ready_models()
     for model in models:
         v = served_variant(client, model, manifest)
         if v is None:
@@ -402,7 +416,17 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         paths[f"{model}/in-process"] = lambda i, r=r: r.run({ins[0]: xs[i % len(xs)]})
         reqs = [request(model, x, ins[0]) for x in xs]
         paths[f"{model}/served"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
-    have_noop = NOOP_MODEL in client.ready_models()
+        if HOLD_MODEL in ready:  # the floor for a model that takes as long as this one in-process
+            t = []
+            for i in range(max(cfg.warmup, 5)):
+                t0 = time.perf_counter()
+                r.run({ins[0]: xs[i % len(xs)]})
+                t.append(time.perf_counter() - t0)
+            holds[model] = float(np.median(t)) * 1e6
+            hx = xs[0].copy()
+            hx.flat[0] = holds[model]
+            paths[f"{model}/hold"] = lambda i, req=request(HOLD_MODEL, hx, ins[0]): call(req, timeout=60)
+    have_noop = NOOP_MODEL in ready
     if have_noop:
         reqs = [request(NOOP_MODEL, x, ins[0]) for x in xs]
         paths["floor"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
@@ -440,6 +464,11 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         row["client_side_us"] = srv["mean_ms"] * 1e3 - row["server"]["server_us"]
         if floor:
             row["excess_p50_ms"] = srv["p50_ms"] - inp["p50_ms"] - floor["p50_ms"]
+        if model in holds:
+            h = summarize(lat[f"{model}/hold"])
+            row["hold"] = {"hold_us": holds[model], **h}
+            row["floor_at_duration_p50_ms"] = h["p50_ms"] - holds[model] / 1e3
+            row["served_minus_hold_p50_ms"] = srv["p50_ms"] - h["p50_ms"]
         rows.append(row)
     res = {"batch": 1, "requests_per_path": per_block * cfg.blocks, "blocks": cfg.blocks, "threads": cfg.threads,
            "rows": rows, "notes": notes}
@@ -507,6 +536,8 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
         # the floor: a no-op Python model with the same tensors
         try:
             server.load(NOOP_MODEL)
+            if cfg.overhead:
+                server.load(HOLD_MODEL)
             served["noop"] = {"rows": sweep(url, NOOP_MODEL, [pool[i:i + 1] for i in range(len(pool))],
                                              _one_level(cfg), input_name, bar, client)}
         except TorchshipError as e:

@@ -63,6 +63,15 @@ def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
         lines.append(f"| floor (no-op) | {_f(fs['queue_us'], '.0f')} | {_f(fs['compute_input_us'], '.0f')} | "
                      f"{_f(fs['compute_infer_us'], '.0f')} | | | | {_f(fs['compute_output_us'], '.0f')} | "
                      f"{_f(ov['floor_client_side_us'], '.0f')} | |")
+    held = [r for r in ov["rows"] if "hold" in r]
+    if held:
+        lines += ["", "The floor depends on how long the model takes: threads that waited longer wake slower, and caches "
+                  "go cold. The hold model busy-waits each model's in-process p50 and answers like the no-op, so "
+                  "served − hold is what the real model costs beyond its in-process time and that longer floor.", "",
+                  "| model | hold µs | hold p50 ms | floor at that duration ms | served − hold ms |", "|---|---|---|---|---|"]
+        for r in held:
+            lines.append(f"| {r['model']} | {r['hold']['hold_us']:.0f} | {_f(r['hold'].get('p50_ms'), '.3f')} | "
+                         f"{_f(r['floor_at_duration_p50_ms'], '.3f')} | {_f(r['served_minus_hold_p50_ms'], '+.3f')} |")
     lines += [f"- {k}: {v}" for k, v in ov.get("notes", {}).items()]
     return lines + [""]
 

@@ -74,6 +74,9 @@ def test_overhead_is_measured_side_by_side_and_attributed(bench_run):
         # the backend's time is part of Triton's compute_infer, not beside it
         assert b["pre_us"] + b["run_us"] + b["post_us"] < r["server"]["compute_infer_us"]
     assert ov["floor_server"]["requests"] == n
+    for r in ov["rows"]:  # the hold spins the model's in-process time, so it can't answer faster than that
+        assert r["hold"]["n"] == n and r["hold"]["min_ms"] >= r["hold"]["hold_us"] / 1e3
+        assert r["served_minus_hold_p50_ms"] == pytest.approx(r["served"]["p50_ms"] - r["hold"]["p50_ms"])
 
 
 def test_backend_profile_counts_each_request_once(exported, tmp_path):
