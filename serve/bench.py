@@ -185,6 +185,22 @@ def stats_of(client, model: str) -> dict[str, Any]:
     return s[0] if s else {}
 
 
+def _served_count(stats: dict) -> int:
+    return int(stats.get("inference_stats", {}).get("success", {}).get("count", 0) or 0)
+
+
+def settled_stats(client, model: str, count: int, timeout_s: float = 2.0) -> dict[str, Any]:
+    """Statistics once ``count`` successful requests are on the books. Triton records a request when
+    it releases it, which can be just after the client has its response; a snapshot taken at once
+    would leave the last requests out of one window and put them into the next."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = stats_of(client, model)
+        if _served_count(s) >= count or time.monotonic() > deadline:  # failed requests never count
+            return s
+        time.sleep(0.005)
+
+
 def stats_delta(before: dict, after: dict) -> dict[str, float]:
     """Triton's server-side time per request (µs) between two statistics snapshots."""
     def get(d, *path):
@@ -312,10 +328,12 @@ def sweep(url: str, model: str, inputs: list[np.ndarray], cfg: BenchConfig, inpu
     rows = []
     for c in cfg.concurrency:
         # warm the connection and the model at this level, untimed
-        closed_loop(url, model, inputs, c, min(cfg.requests, max(4, c * 2)), input_name)
-        before = stats_of(client, model)
+        start = _served_count(stats_of(client, model))
+        warm = min(cfg.requests, max(4, c * 2))
+        closed_loop(url, model, inputs, c, warm, input_name)
+        before = settled_stats(client, model, start + warm)
         res = closed_loop(url, model, inputs, c, cfg.requests, input_name)
-        after = stats_of(client, model)
+        after = settled_stats(client, model, _served_count(before) + cfg.requests)
         rows.append(level_row(res, stats_delta(before, after), c, inputs[0].shape[0]))
         if bar:
             bar.update(cfg.requests)
@@ -434,11 +452,13 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         notes["floor"] = f"the no-op model {NOOP_MODEL} is not served at {url}"
     names = list(paths)
     per_block = max(1, cfg.requests // cfg.blocks)
-    for fn in paths.values():
-        for i in range(max(cfg.warmup, 5)):
-            fn(i)
     watched = list(twins) + ([NOOP_MODEL] if have_noop else [])
-    before = {m: stats_of(client, m) for m in watched}
+    start = {m: _served_count(stats_of(client, m)) for m in watched}
+    warm = max(cfg.warmup, 5)
+    for fn in paths.values():
+        for i in range(warm):
+            fn(i)
+    before = {m: settled_stats(client, m, start[m] + warm) for m in watched}
     prof_before = {m: read_profile(profile_dir, m) for m in twins}
     lat: dict[str, list[float]] = {k: [] for k in names}
     for b in range(cfg.blocks):
@@ -451,7 +471,7 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
             if bar:
                 bar.update(per_block)
     channel.close()
-    after = {m: stats_of(client, m) for m in watched}
+    after = {m: settled_stats(client, m, _served_count(before[m]) + per_block * cfg.blocks) for m in watched}
     if profile_dir:
         time.sleep(0.5)  # the backends write their profile every 0.2 s
     floor = summarize(lat["floor"]) if have_noop else {}
