@@ -19,9 +19,7 @@ def main(spec_path: str) -> int:
     a = spec["artifact"]
     result: dict = {"ok": False}
     try:
-        buckets = {int(b): str(d / f) for b, f in a.get("buckets", {}).items()} or None
-        r = runtime.load(a["format"], str(d / a["file"]), spec["inputs"], spec["outputs"], device=spec["device"],
-                         threads=spec["threads"], buckets=buckets)
+        r = runtime.load_artifact(str(d), a, spec["inputs"], spec["outputs"], device=spec["device"], threads=spec["threads"])
         result["input_names"] = r.input_names
         result["output_names"] = r.output_names
         ref = np.load(d / spec["reference"])

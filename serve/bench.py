@@ -130,9 +130,7 @@ def load_variants(cfg: BenchConfig, export_dir: Path, manifest: dict, device: st
                 runners[v] = lambda x, fn=fn: fn(x)
                 continue
             a = artifact(manifest, v)
-            buckets = {int(b): str(export_dir / f) for b, f in a.get("buckets", {}).items()} or None
-            r = runtime.load(a["format"], str(export_dir / a["file"]), ins, outs, device=device, threads=cfg.threads,
-                             buckets=buckets)
+            r = runtime.load_artifact(str(export_dir), a, ins, outs, device=device, threads=cfg.threads)
             runners[v] = lambda x, r=r, n=ins[0]: r.run({n: x})
             if v == "onnx":
                 providers = r.session.get_providers()
@@ -142,6 +140,25 @@ def load_variants(cfg: BenchConfig, export_dir: Path, manifest: dict, device: st
         except Exception as e:
             notes[v] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return runners, notes
+
+
+def time_blocks(paths: dict[str, Callable[[int], Any]], blocks: int, per_block: int, bar,
+                rotate: bool = False) -> dict[str, list[float]]:
+    """Seconds per call of each path, run in turn in ``blocks`` blocks of ``per_block`` calls (the call
+    gets its index), so machine drift falls on every path alike; ``rotate`` changes who goes first."""
+    names = list(paths)
+    lat: dict[str, list[float]] = {k: [] for k in names}
+    for b in range(blocks):
+        order = names[b % len(names):] + names[:b % len(names)] if rotate else names
+        for name in order:
+            fn = paths[name]
+            for i in range(per_block):
+                t0 = time.perf_counter()
+                fn(i)
+                lat[name].append(time.perf_counter() - t0)
+            if bar:
+                bar.update(per_block)
+    return lat
 
 
 def bench_in_process(cfg: BenchConfig, export_dir: Path, manifest: dict, device: str, bar) -> dict[str, Any]:
@@ -159,18 +176,10 @@ def bench_in_process(cfg: BenchConfig, export_dir: Path, manifest: dict, device:
             notes[f"batch {b}"] = f"skipped: above the export's max batch {manifest['max_batch']}"
             continue
         x = real_inputs(export_dir, manifest, b)
-        lat: dict[str, list[float]] = {v: [] for v in runners}
         for v, fn in runners.items():
             for _ in range(cfg.warmup):
                 fn(x)
-        for _ in range(cfg.blocks):
-            for v, fn in runners.items():
-                for _ in range(per_block):
-                    t0 = time.perf_counter()
-                    fn(x)
-                    lat[v].append(time.perf_counter() - t0)
-                if bar:
-                    bar.update(per_block)
+        lat = time_blocks({v: (lambda i, fn=fn: fn(x)) for v, fn in runners.items()}, cfg.blocks, per_block, bar)
         for v, ls in lat.items():
             raw[f"{v}/b{b}"] = [round(t * 1e3, 4) for t in ls]
             s = summarize(ls)
@@ -427,9 +436,7 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         if v is None:
             notes[model] = "no in-process twin (not an artifact of this export)"
             continue
-        a = artifact(manifest, v)
-        buckets = {int(b): str(export_dir / f) for b, f in a.get("buckets", {}).items()} or None
-        r = runtime.load(a["format"], str(export_dir / a["file"]), ins, outs, threads=cfg.threads, buckets=buckets)
+        r = runtime.load_artifact(str(export_dir), artifact(manifest, v), ins, outs, threads=cfg.threads)
         twins[model] = v
         paths[f"{model}/in-process"] = lambda i, r=r: r.run({ins[0]: xs[i % len(xs)]})
         reqs = [request(model, x, ins[0]) for x in xs]
@@ -450,7 +457,6 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         paths["floor"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
     else:
         notes["floor"] = f"the no-op model {NOOP_MODEL} is not served at {url}"
-    names = list(paths)
     per_block = max(1, cfg.requests // cfg.blocks)
     watched = list(twins) + ([NOOP_MODEL] if have_noop else [])
     start = {m: _served_count(stats_of(client, m)) for m in watched}
@@ -460,16 +466,7 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
             fn(i)
     before = {m: settled_stats(client, m, start[m] + warm) for m in watched}
     prof_before = {m: read_profile(profile_dir, m) for m in twins}
-    lat: dict[str, list[float]] = {k: [] for k in names}
-    for b in range(cfg.blocks):
-        for name in names[b % len(names):] + names[:b % len(names)]:  # rotate who goes first
-            fn = paths[name]
-            for i in range(per_block):
-                t0 = time.perf_counter()
-                fn(i)
-                lat[name].append(time.perf_counter() - t0)
-            if bar:
-                bar.update(per_block)
+    lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True)
     channel.close()
     after = {m: settled_stats(client, m, _served_count(before[m]) + per_block * cfg.blocks) for m in watched}
     if profile_dir:
@@ -709,7 +706,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     save()
     n_in = 0 if cfg.skip_in_process else len(cfg.variants) * len([b for b in cfg.batch_sizes if b <= manifest["max_batch"]]) * \
         (cfg.iters // cfg.blocks) * cfg.blocks
-    n_served = 0 if cfg.skip_served else cfg.requests * (len(cfg.concurrency) * 4 + (7 if cfg.overhead else 0))
+    # overhead: in-process, served and hold per served format (three by default), plus the floor
+    n_served = 0 if cfg.skip_served else cfg.requests * (len(cfg.concurrency) * 4 + (3 * 3 + 1 if cfg.overhead else 0))
     bar = None
     if cfg.progress:
         from tqdm import tqdm

@@ -22,7 +22,6 @@ class TritonClient:
 
         self.url = url
         self.timeout_s = timeout_s
-        self._g = grpcclient
         self.client = grpcclient.InferenceServerClient(url)
         self._configs: dict[str, dict[str, Any]] = {}
         # the inference hot path talks to tritonclient's generated stub directly (see infer())
@@ -35,11 +34,8 @@ class TritonClient:
             return fn(*args, **kwargs)
         except InferenceServerException as e:
             status = str(e.status() or "")
-            if "UNAVAILABLE" in status or "failed to connect" in e.message().lower() or "connect" in status.lower():
-                raise ServerError(f"cannot reach Triton at {self.url} ({e.message().strip()}); is the server running?") from None
-            msg = e.message().strip()
-            name = what.split()[-1]
-            raise ClientError(msg if msg.startswith(name + ":") else f"{what}: {msg}") from None
+            unreachable = "UNAVAILABLE" in status or "failed to connect" in e.message().lower() or "connect" in status.lower()
+            raise self._refused(what, unreachable, e.message().strip()) from None
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -66,50 +62,28 @@ class TritonClient:
         """0 for a model without batching (its dims include the batch of 1)."""
         return int(self.config(model).get("max_batch_size", 0))
 
-    def make_inputs(self, model: str, x: np.ndarray, name: str | None = None):
-        cfg = self.config(model)
-        name = name or cfg["input"][0]["name"]
-        from tritonclient.utils import np_to_triton_dtype
-
-        dtype = np_to_triton_dtype(x.dtype)
-        if dtype is None:
-            raise ShapeError(f"cannot send a {x.dtype} array")
-        inp = self._g.InferInput(name, list(x.shape), dtype)
-        inp.set_data_from_numpy(np.ascontiguousarray(x))
-        return [inp]
-
     def infer(self, model: str, x: np.ndarray, version: str = "", top_k: int = 0, input_name: str | None = None,
               output: str | None = None) -> np.ndarray:
-        """Send one batch; returns the output array (or, with top_k, Triton's 'score:index:label' rows)."""
+        """Send one batch; returns the output array (or, with top_k, Triton's 'score:index:label' rows).
+        The request is one ModelInferRequest built straight from the array and sent on tritonclient's
+        generated gRPC stub: no InferInput/InferResult objects and one copy of the payload less."""
+        import grpc
+
         cfg = self.config(model)
         out = output or cfg["output"][0]["name"]
-        if not top_k:
-            return self.infer_raw(model, x, input_name or cfg["input"][0]["name"], out, version)
-        req = [self._g.InferRequestedOutput(out, class_count=top_k)]
-        res = self._call(f"model {model}", self.client.infer, model, self.make_inputs(model, x, input_name),
-                         model_version=str(version), outputs=req, client_timeout=self.timeout_s)
-        return res.as_numpy(out)
-
-    def infer_raw(self, model: str, x: np.ndarray, input_name: str, output: str, version: str = "") -> np.ndarray:
-        """The lean path: one ModelInferRequest built straight from the array, sent on tritonclient's
-        generated gRPC stub. It skips InferInput/InferResult and a copy of the payload, which is
-        about 50 us of the no-op round trip on a 2-core CPU."""
-        import grpc
-
+        req = request(model, x, input_name or cfg["input"][0]["name"], out, version, top_k)
         try:
-            return decode(self._model_infer(request(model, x, input_name, output, version), timeout=self.timeout_s), output)
+            return decode(self._model_infer(req, timeout=self.timeout_s), out)
         except grpc.RpcError as e:
-            raise self._rpc_error(e, model) from None
-        except ValueError as e:  # a dtype tritonclient cannot name
-            raise ShapeError(str(e)) from None
+            msg = (e.details() or str(e.code())).strip()
+            raise self._refused(f"model {model}", e.code() == grpc.StatusCode.UNAVAILABLE, msg) from None
 
-    def _rpc_error(self, e, model: str) -> Exception:
-        import grpc
-
-        msg = (e.details() or str(e.code())).strip()
-        if e.code() == grpc.StatusCode.UNAVAILABLE:
+    def _refused(self, what: str, unreachable: bool, msg: str) -> Exception:
+        """ServerError when the server cannot be reached, else ClientError carrying the server's message."""
+        if unreachable:
             return ServerError(f"cannot reach Triton at {self.url} ({msg}); is the server running?")
-        return ClientError(msg if msg.startswith(model + ":") else f"model {model}: {msg}")
+        name = what.split()[-1]
+        return ClientError(msg if msg.startswith(name + ":") else f"{what}: {msg}")
 
     def infer_batches(self, model: str, x: np.ndarray) -> np.ndarray:
         """Run any number of rows, one request per chunk that fits the model's batching."""
@@ -136,30 +110,36 @@ def infer_channel(url: str):
     return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
 
 
-def request(model: str, x: np.ndarray, input_name: str, output: str | None = None, version: str = ""):
-    """A ModelInferRequest carrying ``x`` as raw bytes (one copy), asking for ``output`` (default: all)."""
+def request(model: str, x: np.ndarray, input_name: str, output: str | None = None, version: str = "", top_k: int = 0):
+    """A ModelInferRequest carrying ``x`` as raw bytes (one copy), asking for ``output`` (default: all);
+    with ``top_k``, as Triton's classification extension ('score:index:label' strings)."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import np_to_triton_dtype
 
     dtype = np_to_triton_dtype(x.dtype)
     if dtype is None or dtype == "BYTES":
-        raise ValueError(f"cannot send a {x.dtype} array")
+        raise ShapeError(f"cannot send a {x.dtype} array")
     req = service_pb2.ModelInferRequest(model_name=model, model_version=str(version))
     t = req.inputs.add(name=input_name, datatype=dtype)
     t.shape.extend(x.shape)
     if output:
-        req.outputs.add(name=output)
+        o = req.outputs.add(name=output)
+        if top_k:
+            o.parameters["classification"].int64_param = top_k
     req.raw_input_contents.append(np.ascontiguousarray(x).tobytes())
     return req
 
 
 def decode(response, output: str) -> np.ndarray:
     """The named output of a ModelInferResponse as a numpy array (a view on the response's bytes)."""
-    from tritonclient.utils import triton_to_np_dtype
+    from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 
     for i, t in enumerate(response.outputs):
         if t.name == output:
-            return np.frombuffer(response.raw_output_contents[i], dtype=triton_to_np_dtype(t.datatype)).reshape(t.shape)
+            raw = response.raw_output_contents[i]
+            if t.datatype == "BYTES":  # classification results
+                return deserialize_bytes_tensor(raw).reshape(t.shape)
+            return np.frombuffer(raw, dtype=triton_to_np_dtype(t.datatype)).reshape(t.shape)
     raise ClientError(f"the response has no output {output!r}")
 
 

@@ -131,5 +131,13 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
+def load_artifact(export_dir: str, artifact: dict, inputs: Sequence[str], outputs: Sequence[str], device: str = "cpu",
+                  threads: int = 1) -> Runner:
+    """Load one manifest artifact entry (its file, and its bucket files if it has them) from ``export_dir``."""
+    buckets = {int(b): os.path.join(export_dir, f) for b, f in artifact.get("buckets", {}).items()} or None
+    return load(artifact["format"], os.path.join(export_dir, artifact["file"]), inputs, outputs, device=device,
+                threads=threads, buckets=buckets)
+
+
 def default_threads() -> int:
     return int(os.environ.get("TORCHSHIP_THREADS", "1"))

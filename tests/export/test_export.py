@@ -32,8 +32,7 @@ def test_every_format_exported_and_verified(exported):
 def load(exported, fmt):
     m = read_manifest(exported)
     a = next(a for a in m["artifacts"] if a["format"] == fmt)
-    buckets = {int(b): str(exported / f) for b, f in a.get("buckets", {}).items()} or None
-    return runtime.load(fmt, str(exported / a["file"]), ["images"], ["logits"], buckets=buckets), m
+    return runtime.load_artifact(str(exported), a, ["images"], ["logits"]), m
 
 
 @pytest.mark.parametrize("fmt", runtime.FORMATS)

@@ -25,8 +25,7 @@ MODELS = {"tiny_cnn_onnx": "onnx", "tiny_cnn_torchscript": "torchscript", "tiny_
 def in_process(exported, fmt):
     m = read_manifest(exported)
     a = next(a for a in m["artifacts"] if a["format"] == fmt)
-    buckets = {int(b): str(exported / f) for b, f in a.get("buckets", {}).items()} or None
-    return runtime.load(fmt, str(exported / a["file"]), ["images"], ["logits"], buckets=buckets)
+    return runtime.load_artifact(str(exported), a, ["images"], ["logits"])
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
