@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -350,7 +351,8 @@ def sweep(url: str, model: str, inputs: list[np.ndarray], cfg: BenchConfig, inpu
 
 
 def noop_repo(out: Path, manifest: dict) -> Path:
-    """A repository of two Python models with the export's tensors that return zeros: the no-op (the
+    """A repository of two floor models with the export's tensors that answer zeros, served by torchship's
+    'torchship' backend through the same host (in-server or stub) as the real models: the no-op (the
     protocol floor) and the hold, which first busy-waits as many microseconds as the first input value
     says (the floor for a model that takes that long, without the model's own memory traffic)."""
     from google.protobuf import text_format
@@ -358,35 +360,17 @@ def noop_repo(out: Path, manifest: dict) -> Path:
 
     root = out / "noop_repo"
     inp, outp = manifest["inputs"][0], manifest["outputs"][0]
-    hold = """
-        x = pb_utils.get_input_tensor_by_name(requests[0], "{i}").as_numpy()
-        t_end = time.perf_counter() + float(x.flat[0]) * 1e-6
-        while time.perf_counter() < t_end:
-            pass"""
-    for name, doc, body in ((NOOP_MODEL, "No-op: answers every request with zeros of the output shape.", ""),
-                            (HOLD_MODEL, "Hold: busy-waits x.flat[0] microseconds, then answers with zeros.", hold)):
+    for name, hold in ((NOOP_MODEL, "false"), (HOLD_MODEL, "true")):
         mdir = root / name
-        (mdir / "1").mkdir(parents=True, exist_ok=True)
-        c = mc.ModelConfig(name=name, backend="python", max_batch_size=manifest["max_batch"])
+        if mdir.exists():
+            shutil.rmtree(mdir)
+        (mdir / "1").mkdir(parents=True)
+        c = mc.ModelConfig(name=name, backend="torchship", max_batch_size=manifest["max_batch"])
         c.input.add(name=inp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in inp["shape"][1:]])
         c.output.add(name=outp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in outp["shape"][1:]])
         c.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+        c.parameters["hold"].string_value = hold
         (mdir / "config.pbtxt").write_text(text_format.MessageToString(c))
-        (mdir / "1" / "model.py").write_text(f'''"""{doc}"""
-import time
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):{body.format(i=inp["name"])}
-        out = []
-        for r in requests:
-            n = pb_utils.get_input_tensor_by_name(r, "{inp['name']}").as_numpy().shape[0]
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("{outp['name']}", np.zeros((n, {outp['shape'][1]}), np.float32))]))
-        return out
-''')
     return root
 
 
@@ -399,10 +383,29 @@ def served_variant(client, model: str, manifest: dict) -> str | None:
 
 
 def read_profile(profile_dir: str | None, model: str) -> dict[str, float]:
-    try:
-        return json.loads((Path(profile_dir) / f"{model}.json").read_text()) if profile_dir else {}
-    except (OSError, ValueError):
-        return {}
+    """A model's backend profile: the cumulative totals of every instance that served it (one file each)."""
+    total: dict[str, float] = {}
+    for f in sorted(Path(profile_dir).glob(f"{model}--*.json")) if profile_dir else ():
+        try:
+            for k, v in json.loads(f.read_text()).items():
+                total[k] = total.get(k, 0) + v
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def settled_profile(profile_dir: str | None, model: str, timeout: float = 2.0) -> dict[str, float]:
+    """read_profile once it has stopped changing: the backends write every 0.2 s, so a read taken right
+    after a request can still miss the last ones (and then a delta mixes in earlier requests)."""
+    last = read_profile(profile_dir, model)
+    deadline = time.monotonic() + timeout
+    while profile_dir and time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = read_profile(profile_dir, model)
+        if now == last:
+            break
+        last = now
+    return last
 
 
 def profile_delta(before: dict, after: dict) -> dict[str, float]:
@@ -465,19 +468,17 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         for i in range(warm):
             fn(i)
     before = {m: settled_stats(client, m, start[m] + warm) for m in watched}
-    prof_before = {m: read_profile(profile_dir, m) for m in twins}
+    prof_before = {m: settled_profile(profile_dir, m) for m in twins}
     lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True)
     channel.close()
     after = {m: settled_stats(client, m, _served_count(before[m]) + per_block * cfg.blocks) for m in watched}
-    if profile_dir:
-        time.sleep(0.5)  # the backends write their profile every 0.2 s
     floor = summarize(lat["floor"]) if have_noop else {}
     rows = []
     for model, v in twins.items():
         inp, srv = summarize(lat[f"{model}/in-process"]), summarize(lat[f"{model}/served"])
         row = {"model": model, "variant": v, "in_process": inp, "served": srv, "floor": floor,
                "server": stats_delta(before[model], after[model]),
-               "backend": profile_delta(prof_before[model], read_profile(profile_dir, model))}
+               "backend": profile_delta(prof_before[model], settled_profile(profile_dir, model))}
         row["client_side_us"] = srv["mean_ms"] * 1e3 - row["server"]["server_us"]
         if floor:
             row["excess_p50_ms"] = srv["p50_ms"] - inp["p50_ms"] - floor["p50_ms"]
@@ -550,7 +551,7 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
                 # back to the repository's config; a plain reload keeps the last override
                 server.load(model, override=read_config(base_path))
             save()
-        # the floor: a no-op Python model with the same tensors
+        # the floor: a no-op model with the same tensors, on the same backend host as the models
         try:
             server.load(NOOP_MODEL)
             if cfg.overhead:
@@ -565,6 +566,7 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     if cfg.overhead:
         profile_dir = server.cfg.backend_profile if server is not None else None
         served["overhead"] = bench_overhead(cfg, export_dir, manifest, url, models, client, profile_dir, bar)
+        served["overhead"]["python_host"] = server.python_host if server is not None else None
         save()
     if cfg.rate:
         served["open_loop"] = {m: open_loop(url, m, [pool[i:i + 1] for i in range(len(pool))], cfg.rate, cfg.duration_s,
@@ -732,6 +734,9 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
                     url = cfg.url
                 else:
                     server, url = _start_embedded(cfg, export_dir, manifest, out)
+                    results["machine"]["python_host"] = server.python_host
+                    if server.python_host_note:
+                        log(server.python_host_note)
                 log(f"served: {url}")
                 bench_served(cfg, export_dir, manifest, url, server, bar, results, save)
             finally:
@@ -769,7 +774,7 @@ def _start_embedded(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Pat
     if not cfg.repo:
         build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
     noop = noop_repo(out, manifest)
-    server = TritonServer(ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"),
+    server = TritonServer(ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"), python_host=cfg.python_host,
                                       backend_profile=str(out / "backend_profile")), extra_repos=[noop])
     server.start()
     return server, server.url

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from torchship.config import opt
 from torchship.errors import ConfigError
@@ -38,6 +38,8 @@ class BenchConfig:
                                "side by side, with Triton's and the backend's breakdown of the difference")
     cpu_latency_us: Optional[int] = opt(None, "hold a /dev/cpu_dma_latency request at this many microseconds for the "
                                               "whole run (0: idle CPUs keep polling; see torchship serve --help); needs root")
+    python_host: Literal["auto", "server", "stub"] = opt("auto", "embedded server: where torchship's Python-based "
+                                                          "backends run (see torchship serve --help)")
     skip_in_process: bool = opt(False, "skip the in-process part")
     skip_served: bool = opt(False, "skip the served part")
     plots: bool = opt(True, "draw the matplotlib plots")

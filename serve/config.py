@@ -65,8 +65,13 @@ class ServeConfig:
     cpu_latency_us: Optional[int] = opt(None, "while serving, ask Linux to keep idle CPUs within this wake-up latency "
                                               "(a /dev/cpu_dma_latency request, as tuned's latency-performance profile does; "
                                               "0 keeps them polling). Trades power for latency; needs root")
+    python_host: Literal["auto", "server", "stub"] = opt("auto", "where torchship's Python-based backends run: inside the "
+                                                          "Triton server process (server: a small library built on "
+                                                          "first use, needing a C compiler and a shared libpython), in "
+                                                          "Triton's python-backend stub processes (stub), or server "
+                                                          "where it builds, else stub (auto)")
     backend_profile: Optional[str] = opt(None, "directory where the Python-based backends write the time spent before, "
-                                               "in and after the model (one JSON file per model)")
+                                               "in and after the model (one JSON file per model instance: <model>--<id>.json)")
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port", "metrics_port"):

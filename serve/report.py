@@ -47,9 +47,14 @@ def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
         lines.append(f"| {r['model']} ({r['variant']}) | {_f(i.get('p50_ms'), '.3f')} / {_f(i.get('p99_ms'), '.3f')} | "
                      f"{_f(s.get('p50_ms'), '.3f')} / {_f(s.get('p99_ms'), '.3f')} | {_f(f.get('p50_ms'), '.3f')} / "
                      f"{_f(f.get('p99_ms'), '.3f')} | {_f(r.get('excess_p50_ms'), '+.3f')} |")
-    lines += ["", "Mean µs per request: Triton's statistics (queue, compute input, compute infer, compute output), "
-              "inside compute infer the backend's own profile (before the model, the model, after it), and the rest "
-              "(client, gRPC, network) = client mean − server total.", "",
+    host = ov.get("python_host")
+    where = {"server": "in the server process, where the backend reports the model's own run as compute infer and "
+                       "the time before and after it as compute input and output",
+             "stub": "in python-backend stubs, all inside compute infer (with the hand-over to the stub)"}.get(
+        host, "where the embedded server hosts it")
+    lines += ["", f"Backend host: {host or 'external server'}. Mean µs per request: Triton's statistics (queue, compute "
+              f"input, compute infer, compute output), the backend's own profile (before the model, the model, after "
+              f"it; {where}), and the rest (client, gRPC, network) = client mean − server total.", "",
               "| path | queue | input | infer | ↳ before model | ↳ model | ↳ after model | output | client + gRPC | in-process mean |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in ov["rows"]:

@@ -44,40 +44,97 @@ def triton_home() -> tuple[Path, Path]:
     return home, libs
 
 
-def backend_dir() -> Path:
-    """A backend directory: Triton's python backend + the stub for this Python, and torchship's
-    Python-based onnxruntime/pytorch backends. Built once per content hash and reused."""
+PYTHON_HOSTS = ("auto", "server", "stub")
+BACKENDS = ("onnxruntime", "pytorch", "torchship")  # torchship: the floor models the bench serves
+INSERVER_LIB = "libtorchship_inserver.so"
+
+
+def compile_inserver(dest: Path) -> None:
+    """Build inserver.c against this Python's shared libpython into ``dest``; ServerError says what is missing."""
+    import sysconfig
+
+    hint = "or serve with --python-host stub"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise ServerError(f"the in-server backend needs a C compiler (cc) to build; install one, {hint}")
+    libdir, ldlib = sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("LDLIBRARY") or ""
+    if not (ldlib.endswith(".so") and (Path(libdir) / ldlib).exists()):
+        raise ServerError(f"the in-server backend needs a shared libpython, and this Python ({sys.executable}) "
+                          f"has none; use a Python built with --enable-shared, {hint}")
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").exists():
+        raise ServerError(f"the in-server backend needs Python's headers (no Python.h in {include}); install the "
+                          f"python3-dev package, {hint}")
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(dest), str(HERE / "backends" / "inserver.c"), f"-I{include}",
+           f"-L{libdir}", f"-l{ldlib[3:-3]}", f"-Wl,-rpath,{libdir}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).splitlines()[-10:])
+        raise ServerError(f"building the in-server backend failed (exit {done.returncode}), {hint}: {' '.join(cmd)}"
+                          + (f"\n{tail}" if tail else ""))
+
+
+def backend_dir(host: str = "server") -> Path:
+    """A backend directory: Triton's python backend + the stub for this Python, and torchship's Python-based
+    onnxruntime/pytorch/torchship backends, hosted in the server process (``server``: a library built from
+    inserver.c) or in python-backend stubs (``stub``: model.py files). Built once per content hash and reused."""
+    import sysconfig
+
     home, _ = triton_home()
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = home / "python_backend_stubs" / ver / "triton_python_backend_stub"
     if not stub.exists():
         raise ServerError(f"the Triton Python stub has no build for Python {ver}; use Python 3.10-3.13")
-    sources = [HERE / "backends" / "torchship_backend.py", HERE.parent / "torchship" / "runtime.py",
-               HERE / "backends" / "onnxruntime" / "model.py", HERE / "backends" / "pytorch" / "model.py", stub]
-    h = hashlib.sha256()
-    for s in sources:
-        h.update(s.read_bytes())
-    root = Path(tempfile.gettempdir()) / f"torchship-backends-{os.getuid()}" / h.hexdigest()[:16]
+    src = HERE / "backends"
+    shared = [src / "torchship_backend.py", HERE.parent / "torchship" / "runtime.py"]
+    if host == "server":
+        files = shared + [src / "torchship_inserver.py", src / "inserver.c"]
+    else:
+        files = shared + [src / "torchship_stub.py"] + [src / b / "model.py" for b in BACKENDS]
+    h = hashlib.sha256(f"{host}\0{sys.version}\0{sysconfig.get_config_var('LIBDIR')}".encode())
+    for f in files + [stub]:
+        h.update(f.read_bytes())
+    root = Path(tempfile.gettempdir()) / f"torchship-backends-{os.getuid()}" / f"{host}-{h.hexdigest()[:16]}"
     if (root / ".complete").exists():
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root.parent))
-    (tmp / "python").mkdir()
-    for f in (home / "backends" / "python").iterdir():
-        if f.is_file():
-            shutil.copy2(f, tmp / "python" / f.name)
-    shutil.copy2(stub, tmp / "python" / "triton_python_backend_stub")
-    for name in ("onnxruntime", "pytorch"):
-        (tmp / name).mkdir()
-        shutil.copy2(HERE / "backends" / name / "model.py", tmp / name / "model.py")
-        shutil.copy2(HERE / "backends" / "torchship_backend.py", tmp / name / "torchship_backend.py")
-        shutil.copy2(HERE.parent / "torchship" / "runtime.py", tmp / name / "torchship_runtime.py")
-    (tmp / ".complete").touch()
     try:
+        (tmp / "python").mkdir()
+        for f in (home / "backends" / "python").iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp / "python" / f.name)
+        shutil.copy2(stub, tmp / "python" / "triton_python_backend_stub")
+        if host == "server":
+            compile_inserver(tmp / INSERVER_LIB)
+        for name in BACKENDS:
+            (tmp / name).mkdir()
+            for f in files:
+                if f.suffix == ".py" and f.name != "model.py":
+                    shutil.copy2(f, tmp / name / ("torchship_runtime.py" if f.name == "runtime.py" else f.name))
+            if host == "stub":
+                shutil.copy2(src / name / "model.py", tmp / name / "model.py")
+            if host == "server":  # one library, linked under each backend's name: one interpreter for all
+                (tmp / name / f"libtriton_{name}.so").symlink_to(Path("..") / INSERVER_LIB)
+        (tmp / ".complete").touch()
         os.replace(tmp, root)
-    except OSError:  # another process built it first
-        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        if not (root / ".complete").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process built it first, or the build failed
     return root
+
+
+def resolve_python_host(host: str) -> tuple[str, str]:
+    """(host, note): ``auto`` is ``server`` where the in-server backend builds, else ``stub`` with the reason."""
+    if host != "auto":
+        return host, ""
+    try:
+        backend_dir("server")
+        return "server", ""
+    except ServerError as e:
+        return "stub", f"serving from python-backend stubs: {str(e).splitlines()[0]}"
 
 
 def _die_with_parent() -> None:
@@ -129,6 +186,9 @@ def server_env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join((str(Path(sys.prefix) / "bin"), env.get("PATH", "")))
     env.pop("PYTHONPATH", None)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # for the in-server backend's embedded interpreter: this Python's home and import path
+    env["TORCHSHIP_PYTHON_HOME"] = sys.base_prefix
+    env["TORCHSHIP_SYS_PATH"] = os.pathsep.join(p for p in sys.path if p and Path(p).is_dir())
     return env
 
 
@@ -148,6 +208,7 @@ class TritonServer:
         self.log_path = Path(cfg.log) if cfg.log else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         self.loaded: list[str] = []
         self.cpu_latency: Optional[CpuLatencyRequest] = None
+        self.python_host, self.python_host_note = resolve_python_host(cfg.python_host)
 
     @property
     def url(self) -> str:
@@ -161,7 +222,7 @@ class TritonServer:
         home, _ = triton_home()
         cmd = [str(home / "bin" / "tritonserver"), f"--model-repository={self.repo}",
                *[f"--model-repository={r}" for r in self.extra_repos],
-               f"--backend-directory={backend_dir()}", "--model-control-mode=explicit",
+               f"--backend-directory={backend_dir(self.python_host)}", "--model-control-mode=explicit",
                f"--grpc-address={self.cfg.host}", f"--grpc-port={self.grpc_port}",
                f"--http-address={self.cfg.host}", f"--http-port={self.http_port}",
                f"--metrics-address={self.cfg.host}", f"--metrics-port={self.metrics_port}",
@@ -282,6 +343,6 @@ class TritonServer:
 
 
 def describe(server: TritonServer) -> dict:
-    return {"grpc": server.url, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
+    return {"grpc": server.url, "python_host": server.python_host, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
             "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None}
 

@@ -51,7 +51,8 @@ def torch_fn(module, device: str, dtype: str = "float32"):
 
     def fn(x: np.ndarray) -> list[np.ndarray]:
         with torch.inference_mode():
-            t = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+            x = np.ascontiguousarray(x)
+            t = torch.from_numpy(x if x.flags.writeable else x.copy()).to(device)  # a view of a request buffer
             out = module(t)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()

@@ -1,7 +1,10 @@
-"""Python-based stand-ins for Triton's native onnxruntime and pytorch backends.
+"""Python-based stand-ins for Triton's native onnxruntime and pytorch backends: the part that does not
+depend on how Triton hosts them.
 
-Triton loads <backend-dir>/<backend>/model.py for every model whose platform maps to that backend
-when the native library is absent. config.pbtxt is the single source of truth: tensor names, dtypes,
+Two hosts run this code. In the server process (the default): libtriton_<backend>.so, built from
+inserver.c, embeds Python and calls torchship_inserver.py. In Triton's python-backend stub processes:
+Triton loads <backend-dir>/<backend>/model.py for every model whose platform maps to that backend when
+no native library is there. config.pbtxt is the single source of truth: tensor names, dtypes,
 batching, threads and the instance kind all come from it. A bad request gets its own error
 response; the instance keeps serving the others.
 """
@@ -12,18 +15,20 @@ import threading
 import time
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
 
 import torchship_runtime as rt
 
 
 PROFILE_ENV = "TORCHSHIP_BACKEND_PROFILE"
+TRITON_DTYPES = {"TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
+                 "TYPE_UINT64": np.uint64, "TYPE_INT8": np.int8, "TYPE_INT16": np.int16, "TYPE_INT32": np.int32,
+                 "TYPE_INT64": np.int64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64}
 
 
 class Profile:
     """Time spent inside execute(), split into before the model (inputs, checks, batching), the model
     itself, and after it (output tensors, responses). Cumulative nanoseconds, written as JSON to
-    ``path`` by a background thread every 0.2 s while they change, so a reader can take deltas."""
+    ``path`` by a background thread every 0.2 s while they change, and at finalize, so a reader can take deltas."""
 
     def __init__(self, path):
         self.path = path
@@ -65,9 +70,11 @@ def _params(cfg):
 
 
 class BackendModel:
-    """Shared execute() logic; subclasses say which artifact format they load."""
+    """Loads the model an instance serves and runs batches of requests; subclasses say which artifact
+    format they load. ``log`` is the host's logger (a callable taking one string)."""
 
     default_filename = "model.onnx"
+    log = staticmethod(print)
 
     def runner_format(self, path, params):
         raise NotImplementedError
@@ -78,7 +85,7 @@ class BackendModel:
         self.name = args["model_name"]
         self.inputs = [i["name"] for i in cfg["input"]]
         self.outputs = [o["name"] for o in cfg["output"]]
-        self.out_dtypes = [pb_utils.triton_string_to_numpy(o["data_type"]) for o in cfg["output"]]
+        self.out_dtypes = [TRITON_DTYPES[o["data_type"]] for o in cfg["output"]]
         self.batching = int(cfg.get("max_batch_size", 0)) > 0
         self.reject_non_finite = params.get("reject_non_finite", "true").lower() != "false"
         threads = int(params.get("intra_op_thread_count") or params.get("INTRA_OP_THREAD_COUNT") or 1)
@@ -100,8 +107,10 @@ class BackendModel:
         self.profile = None
         if os.environ.get(PROFILE_ENV):
             os.makedirs(os.environ[PROFILE_ENV], exist_ok=True)
-            self.profile = Profile(os.path.join(os.environ[PROFILE_ENV], f"{self.name}.json"))
-        pb_utils.Logger.log_info(f"{self.name}: {fmt} from {path} on {device}, {threads} intra-op thread(s)")
+            # one file per instance object: a reloaded model's old instance may write its final totals after
+            # the new one started, so readers sum <model>--*.json and take deltas
+            self.profile = Profile(os.path.join(os.environ[PROFILE_ENV], f"{self.name}--{os.getpid()}-{id(self):x}.json"))
+        self.log(f"{self.name}: {fmt} from {path} on {device}, {threads} intra-op thread(s)")
 
     @staticmethod
     def cuda_available():
@@ -115,45 +124,47 @@ class BackendModel:
     def ort_providers(self, cfg, device):
         return None
 
-    def execute(self, requests):
-        t0 = time.perf_counter_ns()
-        responses = [None] * len(requests)
-        arrays, owners = [], []
-        for i, request in enumerate(requests):
-            t = pb_utils.get_input_tensor_by_name(request, self.inputs[0])
-            if t is None:
-                responses[i] = self.error(f"missing input '{self.inputs[0]}'")
-                continue
-            x = t.as_numpy()
-            if self.reject_non_finite and not np.isfinite(x).all():
-                responses[i] = self.error(f"input '{self.inputs[0]}' contains NaN or Inf values; "
-                                          "send finite pixel values in [0, 1]")
-                continue
-            arrays.append(x)
-            owners.append(i)
-        if arrays:
-            batch = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-            t1 = time.perf_counter_ns()
-            try:
-                outs = self.runner.run({self.inputs[0]: batch})
-            except Exception as e:  # the model failed on this batch: fail its requests, keep serving
-                for i in owners:
-                    responses[i] = self.error(f"inference failed: {type(e).__name__}: {e}")
-                return responses
-            t2 = time.perf_counter_ns()
-            start = 0
-            for x, i in zip(arrays, owners):
-                n = x.shape[0]
-                tensors = [pb_utils.Tensor(name, np.ascontiguousarray(outs[name][start:start + n], dtype=dt))
-                           for name, dt in zip(self.outputs, self.out_dtypes)]
-                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
-                start += n
-            if self.profile is not None:
-                self.profile.add(len(arrays), t0, t1, t2, time.perf_counter_ns())
-        return responses
+    def run(self, arrays, t0):
+        """One execution: ``arrays`` holds each request's input (None where the host could not read it),
+        ``t0`` when the host started (perf_counter_ns). Returns, per request, either the list of its
+        output arrays or an error message, and the compute start and end (perf_counter_ns; 0 if nothing ran)."""
+        results = [None] * len(arrays)
+        batch, owners = [], []
+        for i, x in enumerate(arrays):
+            if x is None:
+                results[i] = self.error(f"missing input '{self.inputs[0]}'")
+            elif self.reject_non_finite and not np.isfinite(x).all():
+                results[i] = self.error(f"input '{self.inputs[0]}' contains NaN or Inf values; "
+                                        "send finite pixel values in [0, 1]")
+            else:
+                batch.append(x)
+                owners.append(i)
+        if not batch:
+            return results, 0, 0
+        x = batch[0] if len(batch) == 1 else np.concatenate(batch)
+        t1 = time.perf_counter_ns()
+        try:
+            outs = self.runner.run({self.inputs[0]: x})
+        except Exception as e:  # the model failed on this batch: fail its requests, keep serving
+            for i in owners:
+                results[i] = self.error(f"inference failed: {type(e).__name__}: {e}")
+            return results, 0, 0
+        t2 = time.perf_counter_ns()
+        start = 0
+        for x, i in zip(batch, owners):
+            n = x.shape[0]
+            results[i] = [np.ascontiguousarray(outs[name][start:start + n], dtype=dt)
+                          for name, dt in zip(self.outputs, self.out_dtypes)]
+            start += n
+        return results, t1, t2
+
+    def record(self, requests, t0, t1, t2):
+        """Add one execution to the profile, if one is being written (call once the responses exist)."""
+        if self.profile is not None and t1:
+            self.profile.add(requests, t0, t1, t2, time.perf_counter_ns())
 
     def error(self, msg):
-        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{self.name}: {msg}"))
+        return f"{self.name}: {msg}"
 
     def finalize(self):
         if self.profile is not None:
@@ -192,3 +203,33 @@ class PyTorchModel(BackendModel):
         if path.endswith(".pt2"):
             return "aoti_buckets" if params.get("buckets") else "aoti"
         return "torchscript"
+
+
+class FloorModel(BackendModel):
+    """The floor of serving through this host: answers zeros of the output shape without a model.
+    With the model parameter ``hold: true`` it first busy-waits as many microseconds as the first
+    input value says (the floor for a model that takes that long, without the model's memory traffic)."""
+
+    def initialize(self, args):
+        cfg = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        self.inputs = [i["name"] for i in cfg["input"]]
+        self.outputs = [o["name"] for o in cfg["output"]]
+        self.out_dtypes = [TRITON_DTYPES[o["data_type"]] for o in cfg["output"]]
+        self.out_dims = [[int(d) for d in o["dims"]] for o in cfg["output"]]
+        self.hold = _params(cfg).get("hold", "false").lower() == "true"
+        self.profile = None
+
+    def run(self, arrays, t0):
+        if self.hold and arrays[0] is not None:
+            t_end = time.perf_counter() + float(arrays[0].flat[0]) * 1e-6
+            while time.perf_counter() < t_end:
+                pass
+        return [[np.zeros((0 if x is None else x.shape[0], *dims), dt) for dims, dt in zip(self.out_dims, self.out_dtypes)]
+                for x in arrays], 0, 0
+
+    def finalize(self):
+        pass
+
+
+MODELS = {"onnxruntime": OnnxRuntimeModel, "pytorch": PyTorchModel, "torchship": FloorModel}

@@ -285,3 +285,56 @@ time.sleep(600)
         pytest.fail("the server outlived the process that started it")
     with pytest.raises(ProcessLookupError):
         os.killpg(server_pid, 0)  # its stubs are gone too
+
+
+def test_default_server_hosts_the_backends_in_its_own_process(server):
+    """auto resolves to the in-server host here (a compiler and a shared libpython are present): no stub
+    process serves the models, and the server reports which host it used."""
+    from serve.server import describe
+
+    assert server.python_host == "server" and describe(server)["python_host"] == "server"
+    children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+    stubs = [c for c in children if "triton_python_backend_stub" in Path(f"/proc/{c}/cmdline").read_text()]
+    assert not stubs, "models should run inside tritonserver, not in python-backend stubs"
+
+
+def test_stub_host_serves_the_same_outputs(repo, exported):
+    """The other host (Triton's python-backend stubs): every format at batch 1, odd and max equals
+    in-process, batched requests are routed back to their own senders, and a NaN input is refused."""
+    with TritonServer(ServeConfig(repo=str(repo), python_host="stub")) as s:
+        assert s.python_host == "stub"
+        assert check_served(s.url, exported)["pass"]
+        client = TritonClient(s.url)
+        for model, fmt in MODELS.items():
+            local = in_process(exported, fmt)
+            for n in (1, 5, 8):
+                x = np.random.default_rng(n).random((n, 3, 32, 32), dtype=np.float32)
+                np.testing.assert_allclose(client.infer(model, x), local.run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+        xs = [np.random.default_rng(100 + i).random((1, 3, 32, 32), dtype=np.float32) for i in range(16)]
+        local = in_process(exported, "onnx")
+        check_each_response(xs, send_concurrently(s.url, "tiny_cnn_onnx", xs), lambda x: local.run({"images": x})["logits"])
+        with pytest.raises(ClientError, match="NaN"):
+            client.infer("tiny_cnn_onnx", np.full((1, 3, 32, 32), np.nan, np.float32))
+        client.close()
+
+
+def test_in_server_build_failures_name_what_is_missing(tmp_path, monkeypatch):
+    """No compiler (or a failing one): a one-line reason and the way out; auto falls back to the stub host."""
+    import serve.server as srv
+
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with pytest.raises(ServerError, match="building the in-server backend failed.*--python-host stub"):
+        srv.compile_inserver(tmp_path / "lib.so")
+    assert not (tmp_path / "lib.so").exists()
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH, CC unset: no compiler at all
+    monkeypatch.delenv("CC")
+    with pytest.raises(ServerError, match="needs a C compiler"):
+        srv.compile_inserver(tmp_path / "lib.so")
+
+    def broken(host="server"):
+        raise ServerError("the in-server backend needs a C compiler (cc) to build")
+
+    monkeypatch.setattr(srv, "backend_dir", broken)
+    host, note = srv.resolve_python_host("auto")
+    assert host == "stub" and "needs a C compiler" in note
+    assert srv.resolve_python_host("server") == ("server", "")

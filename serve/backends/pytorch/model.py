@@ -1,8 +1,10 @@
-"""Triton Python-based 'pytorch' backend: serves every model whose platform maps to 'pytorch'."""
+"""Triton Python-based 'pytorch' backend: serves every model whose platform maps to 'pytorch' in Triton's stub processes."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from torchship_backend import PyTorchModel as TritonPythonModel  # noqa: E402,F401
+from torchship_stub import stub_model  # noqa: E402
+
+TritonPythonModel = stub_model("pytorch")

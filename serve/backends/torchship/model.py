@@ -1,0 +1,10 @@
+"""Triton Python-based 'torchship' backend: serves torchship's floor models (backend: "torchship") in Triton's stub processes."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from torchship_stub import stub_model  # noqa: E402
+
+TritonPythonModel = stub_model("torchship")

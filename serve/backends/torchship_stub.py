@@ -1,0 +1,38 @@
+"""The python-backend host: Triton's stub process calls these TritonPythonModel classes (through each
+backend's model.py) and hands requests over through shared memory."""
+
+import time
+
+import triton_python_backend_utils as pb_utils
+
+from torchship_backend import MODELS
+
+
+class StubHost:
+    """execute() for Triton's python backend around a BackendModel's run()."""
+
+    def initialize(self, args):
+        self.log = pb_utils.Logger.log_info
+        super().initialize(args)
+
+    def execute(self, requests):
+        t0 = time.perf_counter_ns()
+        arrays = []
+        for r in requests:
+            t = pb_utils.get_input_tensor_by_name(r, self.inputs[0])
+            arrays.append(None if t is None else t.as_numpy())
+        results, t1, t2 = self.run(arrays, t0)
+        responses = []
+        for res in results:
+            if isinstance(res, str):
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(res)))
+            else:
+                tensors = [pb_utils.Tensor(name, a) for name, a in zip(self.outputs, res)]
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        self.record(sum(not isinstance(r, str) for r in results), t0, t1, t2)
+        return responses
+
+
+def stub_model(backend):
+    """The TritonPythonModel class for one backend name."""
+    return type(f"{MODELS[backend].__name__}Stub", (StubHost, MODELS[backend]), {})
