@@ -52,6 +52,8 @@ def main_serve(ns: argparse.Namespace) -> int:
         info = describe(server)
         print(f"Triton ready: gRPC {info['grpc']}  HTTP {info['http']}  metrics {info['metrics']}")
         print(f"models: {', '.join(info['models'])}")
+        host = {"server": "inside the server process", "stub": "in Triton's python-backend stub processes"}
+        print(f"backends: {host[info['python_host']]}" + (f" ({server.python_host_note})" if server.python_host_note else ""))
         print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained)", flush=True)
         while not stop.wait(0.5):
             if server.proc.poll() is not None:

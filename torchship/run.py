@@ -228,7 +228,8 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
             t0 = stage("serve + check")
             server = TritonServer(serve_cfg)
             server.start()
-            log(f"Triton ready at {server.url} with {', '.join(server.loaded)}")
+            log(f"Triton ready at {server.url} with {', '.join(server.loaded)} (backends hosted: {server.python_host})"
+                + (f"; {server.python_host_note}" if server.python_host_note else ""))
             if first <= 3:
                 try:
                     report = check_served(server.url, dirs["export"])

@@ -96,6 +96,20 @@ extern TRITONSERVER_Error *TRITONBACKEND_ModelInstanceReportBatchStatistics(TRIT
 static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
 static PyObject *module = NULL; /* torchship_inserver */
 
+/* Each instance thread keeps one Python thread state for its life: PyGILState_Ensure/Release would
+ * create and destroy one on every execute. */
+static __thread PyThreadState *thread_state = NULL;
+
+static void take_gil(void) {
+    if (thread_state == NULL) {
+        PyGILState_Ensure(); /* a thread state for this thread, kept: the matching Release never comes */
+    } else {
+        PyEval_RestoreThread(thread_state);
+    }
+}
+
+static void drop_gil(void) { thread_state = PyEval_SaveThread(); }
+
 static uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts); /* steady_clock, as Triton's statistics expect */
@@ -379,7 +393,7 @@ TRITONSERVER_Error *TRITONBACKEND_ModelInstanceExecute(TRITONBACKEND_ModelInstan
     }
     for (uint32_t r = 0; r < count; r++) TRITONBACKEND_ResponseNew(&responses[r], requests[r]);
 
-    PyGILState_STATE gil = PyGILState_Ensure();
+    take_gil();
     PyObject *batch = PyList_New(count);
     for (uint32_t r = 0; batch && r < count; r++) {
         PyObject *inputs = request_inputs(requests[r]);
@@ -411,7 +425,7 @@ TRITONSERVER_Error *TRITONBACKEND_ModelInstanceExecute(TRITONBACKEND_ModelInstan
     }
     Py_XDECREF(result);
     Py_XDECREF(batch); /* drops the memoryviews onto the request buffers before the requests go */
-    PyGILState_Release(gil);
+    drop_gil();
 
     uint64_t exec_end = now_ns();
     if (compute_start == 0) compute_start = compute_end = exec_end;
