@@ -338,3 +338,21 @@ def test_in_server_build_failures_name_what_is_missing(tmp_path, monkeypatch):
     host, note = srv.resolve_python_host("auto")
     assert host == "stub" and "needs a C compiler" in note
     assert srv.resolve_python_host("server") == ("server", "")
+
+
+def test_top_k_through_the_classification_extension(server, exported):
+    """infer(top_k=3) asks Triton for its 'score:index:label' rows: the indices and scores are the
+    in-process top 3, in order, with the labels from the repository's labels file."""
+    client = TritonClient(server.url)
+    x = np.random.default_rng(7).random((2, 3, 32, 32), dtype=np.float32)
+    rows = client.infer("tiny_cnn_onnx", x, top_k=3)
+    want = in_process(exported, "onnx").run({"images": x})["logits"]
+    assert rows.shape == (2, 3)
+    for got, logits in zip(rows, want):
+        parsed = [s.decode() if isinstance(s, bytes) else s for s in got]
+        scores = [float(p.split(":")[0]) for p in parsed]
+        idx = [int(p.split(":")[1]) for p in parsed]
+        assert idx == list(np.argsort(-logits)[:3])
+        np.testing.assert_allclose(scores, np.sort(logits)[::-1][:3], atol=1e-5, rtol=1e-5)
+        assert all(len(p.split(":")) == 3 and p.split(":")[2] for p in parsed), parsed
+    client.close()
