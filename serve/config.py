@@ -69,7 +69,7 @@ class ServeConfig:
                                                           "Triton server process (server: a small library built on "
                                                           "first use, needing a C compiler and a shared libpython), in "
                                                           "Triton's python-backend stub processes (stub), or server "
-                                                          "where it builds, else stub (auto)")
+                                                          "where it builds and no GPU is visible, else stub (auto)")
     backend_profile: Optional[str] = opt(None, "directory where the Python-based backends write the time spent before, "
                                                "in and after the model (one JSON file per model instance: <model>--<id>.json)")
 

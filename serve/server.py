@@ -127,9 +127,13 @@ def backend_dir(host: str = "server") -> Path:
 
 
 def resolve_python_host(host: str) -> tuple[str, str]:
-    """(host, note): ``auto`` is ``server`` where the in-server backend builds, else ``stub`` with the reason."""
+    """(host, note): ``auto`` is ``server`` where the in-server backend builds and no GPU is visible, else
+    ``stub`` with the reason (the in-server host has not been run against CUDA yet)."""
     if host != "auto":
         return host, ""
+    if cuda_visible():
+        return "stub", ("serving from python-backend stubs: the in-server host is not yet validated with CUDA "
+                        "(--python-host server to use it anyway)")
     try:
         backend_dir("server")
         return "server", ""

@@ -335,9 +335,13 @@ def test_in_server_build_failures_name_what_is_missing(tmp_path, monkeypatch):
         raise ServerError("the in-server backend needs a C compiler (cc) to build")
 
     monkeypatch.setattr(srv, "backend_dir", broken)
+    monkeypatch.setattr(srv, "cuda_visible", lambda: False)
     host, note = srv.resolve_python_host("auto")
     assert host == "stub" and "needs a C compiler" in note
     assert srv.resolve_python_host("server") == ("server", "")
+    monkeypatch.setattr(srv, "cuda_visible", lambda: True)  # not yet validated with CUDA: auto stays on stubs
+    host, note = srv.resolve_python_host("auto")
+    assert host == "stub" and "CUDA" in note
 
 
 def test_top_k_through_the_classification_extension(server, exported):
