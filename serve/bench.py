@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from torchship.errors import BenchError, ClientError, TorchshipError
-from torchship.io import atomic_write_json, git_revision
+from torchship.io import atomic_write_json, cpu_name, git_revision
 from torchship.manifest import REFERENCE, artifact, read_manifest
 
 from .bench_config import BenchConfig
@@ -40,15 +40,7 @@ def summarize(lat_s: list[float] | np.ndarray) -> dict[str, float]:
 def machine_info() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+    info: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
                             "python": sys.version.split()[0], "git_revision": git_revision(), "versions": {}}
     for mod in ("torch", "torchvision", "onnx", "onnxruntime", "tritonclient", "numpy", "grpc"):
         try:

@@ -44,7 +44,6 @@ def triton_home() -> tuple[Path, Path]:
     return home, libs
 
 
-PYTHON_HOSTS = ("auto", "server", "stub")
 BACKENDS = ("onnxruntime", "pytorch", "torchship")  # torchship: the floor models the bench serves
 INSERVER_LIB = "libtorchship_inserver.so"
 
@@ -157,7 +156,7 @@ CPU_LATENCY_DEVICE = "/dev/cpu_dma_latency"
 
 class CpuLatencyRequest:
     """A PM QoS request: while the file stays open, Linux keeps idle CPUs in states that wake within
-    ``us`` microseconds. On a virtual machine a halted vCPU takes ~0.1 ms to wake, and a served request
+    ``us`` microseconds. On a virtual machine a halted vCPU is slow to wake, and a served request
     wakes several sleeping threads in turn (client, gRPC frontend, scheduler, model instance, stub)."""
 
     def __init__(self, us: int, device: str = CPU_LATENCY_DEVICE):

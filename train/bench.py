@@ -61,8 +61,9 @@ def main() -> int:
             print(f"round {r + 1}: {label}: {ips:.0f} images/s", file=sys.stderr, flush=True)
     import torch
 
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    from torchship.io import cpu_name
+
+    cpu = cpu_name()
     print(f"\n{a.arch}, digits at 32x32, global batch {a.batch_size}, {a.steps} steps per run, median of {a.rounds} "
           f"rounds; {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n")
     print("| configuration | images/s |\n|---|---|")

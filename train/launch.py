@@ -33,8 +33,9 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     resolve_device(cfg)
     cfg.check_world(world)
     prepare_out(cfg)
-    if cfg.resolved_resume():
-        d = ck.resolve_checkpoint(cfg.resolved_resume(), which="latest")
+    resume = cfg.resolved_resume()
+    if resume:
+        d = ck.resolve_checkpoint(resume, which="latest")
         ck.load_meta(d)
         ck.load_train_state(d)
     if cfg.data not in ("digits", "synthetic"):

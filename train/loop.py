@@ -195,14 +195,13 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
     t_start = time.perf_counter()
     device = resolve_device(cfg)
     out = prepare_out(cfg)
-    resume_dir = None
-    if cfg.resolved_resume():
-        resume_dir = ck.resolve_checkpoint(cfg.resolved_resume(), which="latest")
+    resume = cfg.resolved_resume()  # before this run writes a checkpoint of its own
+    resume_dir = ck.resolve_checkpoint(resume, which="latest") if resume else None
     d = init_distributed(device)
     cfg.check_world(d.world)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
-        if cfg.overwrite and not cfg.resolved_resume():
+        if cfg.overwrite and not resume:
             for name in ("metrics.jsonl", "train.log"):
                 (out / name).unlink(missing_ok=True)
     if d.initialized:

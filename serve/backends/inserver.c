@@ -31,7 +31,7 @@ typedef struct TRITONBACKEND_Response TRITONBACKEND_Response;
 typedef struct TRITONBACKEND_Input TRITONBACKEND_Input;
 typedef struct TRITONBACKEND_Output TRITONBACKEND_Output;
 
-enum { MEMORY_CPU = 0 };                                      /* TRITONSERVER_MemoryType */
+enum { MEMORY_CPU = 0, MEMORY_GPU = 2 };                      /* TRITONSERVER_MemoryType */
 enum { ERROR_INTERNAL = 1, ERROR_INVALID_ARG = 3, ERROR_UNSUPPORTED = 5 }; /* TRITONSERVER_Error_Code */
 enum { KIND_GPU = 2 };                                        /* TRITONSERVER_InstanceGroupKind */
 enum { RESPONSE_COMPLETE_FINAL = 1 };                         /* TRITONSERVER_ResponseCompleteFlag */
@@ -288,7 +288,7 @@ static PyObject *request_inputs(TRITONBACKEND_Request *request) {
             uint64_t size;
             int mtype = MEMORY_CPU;
             int64_t mid = 0;
-            if (TRITONBACKEND_InputBuffer(input, 0, &buf, &size, &mtype, &mid) == NULL && mtype != 2)
+            if (TRITONBACKEND_InputBuffer(input, 0, &buf, &size, &mtype, &mid) == NULL && mtype != MEMORY_GPU)
                 data = PyMemoryView_FromMemory((char *)buf, (Py_ssize_t)size, PyBUF_READ);
         } else { /* several buffers (or none): gather them into one bytes object */
             data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)byte_size);
@@ -299,7 +299,7 @@ static PyObject *request_inputs(TRITONBACKEND_Request *request) {
                 uint64_t size;
                 int mtype = MEMORY_CPU;
                 int64_t mid = 0;
-                if (TRITONBACKEND_InputBuffer(input, b, &buf, &size, &mtype, &mid) != NULL || mtype == 2 ||
+                if (TRITONBACKEND_InputBuffer(input, b, &buf, &size, &mtype, &mid) != NULL || mtype == MEMORY_GPU ||
                     off + size > byte_size) {
                     Py_CLEAR(data);
                     break;
@@ -367,7 +367,7 @@ static TRITONSERVER_Error *respond(TRITONBACKEND_Request *request, TRITONBACKEND
                                                                (uint32_t)nd);
         if (err == NULL) err = TRITONBACKEND_OutputBuffer(output, &buf, (uint64_t)view.len, &mtype, &mid);
         if (err == NULL && view.len > 0) {
-            if (mtype == 2)
+            if (mtype == MEMORY_GPU)
                 err = TRITONSERVER_ErrorNew(ERROR_UNSUPPORTED, "torchship in-server backend: GPU output buffers");
             else
                 memcpy(buf, view.buf, (size_t)view.len);

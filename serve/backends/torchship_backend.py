@@ -79,14 +79,19 @@ class BackendModel:
     def runner_format(self, path, params):
         raise NotImplementedError
 
-    def initialize(self, args):
+    def read_config(self, args):
+        """Name and tensors from the instance's config.pbtxt (as JSON); returns the parsed config."""
         cfg = json.loads(args["model_config"])
-        params = _params(cfg)
         self.name = args["model_name"]
         self.inputs = [i["name"] for i in cfg["input"]]
         self.outputs = [o["name"] for o in cfg["output"]]
         self.out_dtypes = [TRITON_DTYPES[o["data_type"]] for o in cfg["output"]]
-        self.batching = int(cfg.get("max_batch_size", 0)) > 0
+        self.profile = None
+        return cfg
+
+    def initialize(self, args):
+        cfg = self.read_config(args)
+        params = _params(cfg)
         self.reject_non_finite = params.get("reject_non_finite", "true").lower() != "false"
         threads = int(params.get("intra_op_thread_count") or params.get("INTRA_OP_THREAD_COUNT") or 1)
         device = "cpu"
@@ -103,8 +108,6 @@ class BackendModel:
                 buckets[int(size)] = os.path.join(version_dir, fname)
         self.runner = rt.load(fmt, path, self.inputs, self.outputs, device=device, threads=threads, buckets=buckets,
                               ort_providers=self.ort_providers(cfg, device))
-        self.device = device
-        self.profile = None
         if os.environ.get(PROFILE_ENV):
             os.makedirs(os.environ[PROFILE_ENV], exist_ok=True)
             # one file per instance object: a reloaded model's old instance may write its final totals after
@@ -124,10 +127,10 @@ class BackendModel:
     def ort_providers(self, cfg, device):
         return None
 
-    def run(self, arrays, t0):
-        """One execution: ``arrays`` holds each request's input (None where the host could not read it),
-        ``t0`` when the host started (perf_counter_ns). Returns, per request, either the list of its
-        output arrays or an error message, and the compute start and end (perf_counter_ns; 0 if nothing ran)."""
+    def run(self, arrays):
+        """One execution: ``arrays`` holds each request's input (None where the host could not read it).
+        Returns, per request, either the list of its output arrays or an error message, and the compute
+        start and end (perf_counter_ns; 0 if nothing ran)."""
         results = [None] * len(arrays)
         batch, owners = [], []
         for i, x in enumerate(arrays):
@@ -158,10 +161,12 @@ class BackendModel:
             start += n
         return results, t1, t2
 
-    def record(self, requests, t0, t1, t2):
-        """Add one execution to the profile, if one is being written (call once the responses exist)."""
+    def record(self, results, t0, t1, t2):
+        """Add one execution (``results`` from run(), started by the host at ``t0``) to the profile, if one
+        is being written; call once the responses exist."""
         if self.profile is not None and t1:
-            self.profile.add(requests, t0, t1, t2, time.perf_counter_ns())
+            served = sum(not isinstance(r, str) for r in results)
+            self.profile.add(served, t0, t1, t2, time.perf_counter_ns())
 
     def error(self, msg):
         return f"{self.name}: {msg}"
@@ -211,25 +216,17 @@ class FloorModel(BackendModel):
     input value says (the floor for a model that takes that long, without the model's memory traffic)."""
 
     def initialize(self, args):
-        cfg = json.loads(args["model_config"])
-        self.name = args["model_name"]
-        self.inputs = [i["name"] for i in cfg["input"]]
-        self.outputs = [o["name"] for o in cfg["output"]]
-        self.out_dtypes = [TRITON_DTYPES[o["data_type"]] for o in cfg["output"]]
+        cfg = self.read_config(args)
         self.out_dims = [[int(d) for d in o["dims"]] for o in cfg["output"]]
         self.hold = _params(cfg).get("hold", "false").lower() == "true"
-        self.profile = None
 
-    def run(self, arrays, t0):
+    def run(self, arrays):
         if self.hold and arrays[0] is not None:
             t_end = time.perf_counter() + float(arrays[0].flat[0]) * 1e-6
             while time.perf_counter() < t_end:
                 pass
         return [[np.zeros((0 if x is None else x.shape[0], *dims), dt) for dims, dt in zip(self.out_dims, self.out_dtypes)]
                 for x in arrays], 0, 0
-
-    def finalize(self):
-        pass
 
 
 MODELS = {"onnxruntime": OnnxRuntimeModel, "pytorch": PyTorchModel, "torchship": FloorModel}

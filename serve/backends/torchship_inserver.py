@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 from torchship_backend import MODELS, TRITON_DTYPES  # noqa: E402
 
 NUMPY = {k[len("TYPE_"):]: v for k, v in TRITON_DTYPES.items()}  # request datatypes ("FP32") to numpy
+TRITON = {np.dtype(v): k for k, v in NUMPY.items()}  # and back, for the outputs
 
 
 def log(msg):
@@ -39,7 +40,7 @@ class Instance:
                                "model_version": str(version), "model_instance_name": instance_name,
                                "model_instance_kind": kind, "model_instance_device_id": str(device_id)})
         self.input = self.model.inputs[0]
-        self.outputs = list(zip(self.model.outputs, [_triton_type(dt) for dt in self.model.out_dtypes]))
+        self.outputs = list(zip(self.model.outputs, [TRITON[np.dtype(dt)] for dt in self.model.out_dtypes]))
 
     def execute(self, batch):
         t0 = time.perf_counter_ns()  # CLOCK_MONOTONIC on Linux, as in inserver.c
@@ -50,7 +51,7 @@ class Instance:
                 if name == self.input and dtype in NUMPY:
                     x = np.frombuffer(data, NUMPY[dtype]).reshape(shape)
             arrays.append(x)
-        results, t1, t2 = self.model.run(arrays, t0)
+        results, t1, t2 = self.model.run(arrays)
         outs, rows = [], 0
         for res in results:
             if isinstance(res, str):
@@ -58,15 +59,9 @@ class Instance:
             else:
                 outs.append([(name, tt, a.shape, a) for (name, tt), a in zip(self.outputs, res)])
                 rows += res[0].shape[0] if res else 0
-        self.model.record(sum(not isinstance(r, str) for r in results), t0, t1, t2)
+        self.model.record(results, t0, t1, t2)
         return outs, t1, t2, rows
 
     def finalize(self):
         self.model.finalize()
 
-
-def _triton_type(dt):
-    for k, v in NUMPY.items():
-        if np.dtype(v) == np.dtype(dt):
-            return k
-    raise ValueError(f"output dtype {np.dtype(dt)} has no Triton datatype")
