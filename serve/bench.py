@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -136,9 +136,10 @@ def load_variants(cfg: BenchConfig, export_dir: Path, manifest: dict, device: st
 
 
 def time_blocks(paths: dict[str, Callable[[int], Any]], blocks: int, per_block: int, bar,
-                rotate: bool = False) -> dict[str, list[float]]:
+                rotate: bool = False, stamps: dict[str, list[tuple[int, int]]] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each path, run in turn in ``blocks`` blocks of ``per_block`` calls (the call
-    gets its index), so machine drift falls on every path alike; ``rotate`` changes who goes first."""
+    gets its index), so machine drift falls on every path alike; ``rotate`` changes who goes first.
+    With ``stamps``, each call's start and end on CLOCK_MONOTONIC (ns, Triton's trace clock) are kept too."""
     names = list(paths)
     lat: dict[str, list[float]] = {k: [] for k in names}
     for b in range(blocks):
@@ -146,9 +147,12 @@ def time_blocks(paths: dict[str, Callable[[int], Any]], blocks: int, per_block: 
         for name in order:
             fn = paths[name]
             for i in range(per_block):
-                t0 = time.perf_counter()
+                t0 = time.monotonic_ns()
                 fn(i)
-                lat[name].append(time.perf_counter() - t0)
+                t1 = time.monotonic_ns()
+                lat[name].append((t1 - t0) / 1e9)
+                if stamps is not None:
+                    stamps.setdefault(name, []).append((t0, t1))
             if bar:
                 bar.update(per_block)
     return lat
@@ -408,11 +412,94 @@ def profile_delta(before: dict, after: dict) -> dict[str, float]:
     return {f"{k}_us": (after[f"{k}_ns"] - before.get(f"{k}_ns", 0)) / 1e3 / n for k in ("pre", "run", "post")}
 
 
+# A round trip as Triton's trace splits it: (leg, from, to); c_send/c_recv are the client's own stamps.
+TRACE_LEGS = (("request", "c_send", "GRPC_WAITREAD_END"),       # client, gRPC, loopback, until the server has read it
+              ("to_model", "GRPC_WAITREAD_END", "COMPUTE_START"),  # request parsing, queue, batcher, instance wake-up
+              ("backend", "COMPUTE_START", "COMPUTE_END"),        # the backend's execute (the model and its wrapping)
+              ("after_model", "COMPUTE_END", "GRPC_SEND_START"),  # response hand-over to the gRPC frontend
+              ("response", "GRPC_SEND_START", "c_recv"))          # serialize, send, client wake-up and parse
+
+
+def read_trace(path: str | Path) -> dict[str, list[dict[str, int]]]:
+    """Triton's trace file (level TIMESTAMPS) as {model: [{event: ns}, ...]}, sorted by REQUEST_START."""
+    text = Path(path).read_text().strip()
+    if text and not text.endswith("]"):  # written when tracing was switched off; the server closes it on exit
+        text += "]"
+    by_id: dict[int, dict[str, Any]] = {}
+    for e in json.loads(text or "[]"):
+        d = by_id.setdefault(e["id"], {})
+        if "model_name" in e:
+            d["model"] = e["model_name"]
+        for t in e.get("timestamps", ()):
+            d[t["name"]] = t["ns"]
+    out: dict[str, list[dict[str, int]]] = {}
+    for d in by_id.values():
+        if "model" in d and "REQUEST_START" in d:
+            out.setdefault(d.pop("model"), []).append(d)
+    for v in out.values():
+        v.sort(key=lambda d: d["REQUEST_START"])
+    return out
+
+
+def trace_legs(trace: dict[str, list[dict[str, int]]], stamps: dict[str, list[tuple[int, int]]],
+               model_of: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Median µs of each TRACE_LEGS leg per path: each client call (one in flight) is matched with the
+    trace of its model that started inside it; calls without a complete trace are left out."""
+    import bisect
+
+    legs: dict[str, dict[str, float]] = {}
+    for path, model in model_of.items():
+        traces = trace.get(model, [])
+        starts = [t["REQUEST_START"] for t in traces]
+        rows = []
+        for t0, t1 in stamps.get(path, ()):
+            k = bisect.bisect_left(starts, t0)
+            if k == len(starts) or starts[k] > t1:
+                continue
+            ev = {**traces[k], "c_send": t0, "c_recv": t1}
+            if all(a in ev and b in ev for _, a, b in TRACE_LEGS):
+                rows.append([(ev[b] - ev[a]) / 1e3 for _, a, b in TRACE_LEGS])
+        if rows:
+            med = np.median(np.array(rows), axis=0)
+            legs[path] = {"requests": len(rows), **{f"{name}_us": float(m) for (name, _, _), m in zip(TRACE_LEGS, med)}}
+    return legs
+
+
+def set_trace(client, on: bool) -> None:
+    """Switch Triton's timestamp tracing on or off; switching it off writes what was traced to the file."""
+    client.client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS" if on else "OFF"]})
+
+
+def after_wait(req, waits_us: Sequence[float], reps: int = 100) -> dict[str, dict[str, float]]:
+    """The same small piece of client work (serialize and parse one request) timed right after this
+    thread spun or slept for each wait, interleaved: how much slower code runs after a model-length
+    pause on this machine. Median µs per mode and wait."""
+    from tritonclient.grpc import service_pb2
+
+    times: dict[tuple[str, float], list[float]] = {(m, w): [] for m in ("spin", "sleep") for w in waits_us}
+    for _ in range(reps):
+        for (mode, w), t in times.items():
+            if mode == "spin":
+                end = time.perf_counter() + w * 1e-6
+                while time.perf_counter() < end:
+                    pass
+            elif w:
+                time.sleep(w * 1e-6)
+            t0 = time.perf_counter()
+            service_pb2.ModelInferRequest.FromString(req.SerializeToString())
+            t.append(time.perf_counter() - t0)
+    out: dict[str, dict[str, float]] = {"spin": {}, "sleep": {}}
+    for (mode, w), t in times.items():
+        out[mode][str(int(w))] = float(np.median(t)) * 1e6
+    return out
+
+
 def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, models: list[str], client,
-                   profile_dir: str | None, bar) -> dict[str, Any]:
+                   profile_dir: str | None, bar, trace_file: str | None = None) -> dict[str, Any]:
     """Batch 1, measured side by side in rotating blocks: each served model through gRPC, the same
     artifact in this process, and the no-op floor. The excess is served − in-process − floor; Triton's
-    statistics and the backend's own profile say where it goes."""
+    statistics and the backend's own profile say where it goes, and with ``trace_file`` (the embedded
+    server's trace file) Triton's per-request timestamps split each round trip into TRACE_LEGS."""
     from torchship import runtime
 
     from .client import infer_channel, request
@@ -461,7 +548,15 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
             fn(i)
     before = {m: settled_stats(client, m, start[m] + warm) for m in watched}
     prof_before = {m: settled_profile(profile_dir, m) for m in twins}
-    lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True)
+    stamps: dict[str, list[tuple[int, int]]] | None = {} if trace_file else None
+    if trace_file:
+        set_trace(client, True)
+    try:
+        lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True, stamps=stamps)
+    finally:
+        if trace_file:
+            time.sleep(0.2)  # the last response's send-end stamp comes after the client has it
+            set_trace(client, False)
     channel.close()
     after = {m: settled_stats(client, m, _served_count(before[m]) + per_block * cfg.blocks) for m in watched}
     floor = summarize(lat["floor"]) if have_noop else {}
@@ -481,7 +576,15 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
             row["served_minus_hold_p50_ms"] = srv["p50_ms"] - h["p50_ms"]
         rows.append(row)
     res = {"batch": 1, "requests_per_path": per_block * cfg.blocks, "blocks": cfg.blocks, "threads": cfg.threads,
-           "rows": rows, "notes": notes}
+           "rows": rows, "notes": notes,
+           "after_wait_us": after_wait(request(NOOP_MODEL, xs[0], ins[0]), [0, *sorted(holds.values())])}
+    if trace_file:
+        model_of = {p: (HOLD_MODEL if p.endswith("/hold") else NOOP_MODEL if p == "floor" else p.split("/")[0])
+                    for p in paths if not p.endswith("/in-process")}
+        try:
+            res["trace"] = {"file": str(trace_file), "legs": trace_legs(read_trace(trace_file), stamps or {}, model_of)}
+        except (OSError, ValueError, KeyError) as e:
+            res["trace"] = {"file": str(trace_file), "error": f"cannot read Triton's trace: {e}"}
     if have_noop:
         res["floor_server"] = stats_delta(before[NOOP_MODEL], after[NOOP_MODEL])
         res["floor_client_side_us"] = floor["mean_ms"] * 1e3 - res["floor_server"]["server_us"]
@@ -557,7 +660,8 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
                                          input_name, bar, client)}
     if cfg.overhead:
         profile_dir = server.cfg.backend_profile if server is not None else None
-        served["overhead"] = bench_overhead(cfg, export_dir, manifest, url, models, client, profile_dir, bar)
+        trace_file = server.cfg.trace_file if server is not None else None
+        served["overhead"] = bench_overhead(cfg, export_dir, manifest, url, models, client, profile_dir, bar, trace_file)
         served["overhead"]["python_host"] = server.python_host if server is not None else None
         save()
     if cfg.rate:
@@ -767,8 +871,16 @@ def _start_embedded(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Pat
         build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
     noop = noop_repo(out, manifest)
     server = TritonServer(ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"), python_host=cfg.python_host,
-                                      backend_profile=str(out / "backend_profile")), extra_repos=[noop])
+                                      backend_profile=str(out / "backend_profile"),
+                                      trace_file=str(out / "triton_trace.json") if cfg.trace else None),
+                          extra_repos=[noop])
     server.start()
+    if cfg.trace:  # traced only while the overhead is measured
+        from .client import TritonClient
+
+        c = TritonClient(server.url)
+        set_trace(c, False)
+        c.close()
     return server, server.url
 
 

@@ -36,6 +36,9 @@ class BenchConfig:
     perf_analyzer: Optional[str] = opt(None, "path to perf_analyzer (default: $TORCHSHIP_PERF_ANALYZER, the torchship cache, then PATH)")
     overhead: bool = opt(True, "at batch 1, measure every served model, its artifact in-process and the no-op floor "
                                "side by side, with Triton's and the backend's breakdown of the difference")
+    trace: bool = opt(False, "embedded server: while the overhead is measured, record Triton's timestamps for every "
+                             "request (OUT/triton_trace.json) and split each path's round trip into request leg, to "
+                             "the model, backend, after the model and response leg (tracing adds a little time)")
     cpu_latency_us: Optional[int] = opt(None, "hold a /dev/cpu_dma_latency request at this many microseconds for the "
                                               "whole run (0: idle CPUs keep polling; see torchship serve --help); needs root")
     python_host: Literal["auto", "server", "stub"] = opt("auto", "embedded server: where torchship's Python-based "
@@ -61,3 +64,6 @@ class BenchConfig:
             raise ConfigError("--cpu-latency-us must be 0 or more")
         if self.rate is not None and self.rate <= 0:
             raise ConfigError("--rate must be positive")
+        if self.trace and (self.url or self.skip_served or not self.overhead):
+            raise ConfigError("--trace needs the overhead measurement on the embedded server (no --url, --skip-served "
+                              "or --no-overhead)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -72,6 +73,9 @@ class ServeConfig:
                                                           "where it builds and no GPU is visible, else stub (auto)")
     backend_profile: Optional[str] = opt(None, "directory where the Python-based backends write the time spent before, "
                                                "in and after the model (one JSON file per model instance: <model>--<id>.json)")
+    trace_file: Optional[str] = opt(None, "record Triton's per-request timestamps (its trace extension, level TIMESTAMPS, "
+                                          "every request) into this JSON file, written when tracing is switched off or "
+                                          "the server stops; adds a little time to every request")
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port", "metrics_port"):
@@ -79,3 +83,5 @@ class ServeConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a port number")
         if self.cpu_latency_us is not None and self.cpu_latency_us < 0:
             raise ConfigError("--cpu-latency-us must be 0 or more")
+        if self.trace_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_file))):
+            raise ConfigError(f"--trace-file {self.trace_file}: its directory does not exist")

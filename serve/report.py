@@ -77,6 +77,30 @@ def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
         for r in held:
             lines.append(f"| {r['model']} | {r['hold']['hold_us']:.0f} | {_f(r['hold'].get('p50_ms'), '.3f')} | "
                          f"{_f(r['floor_at_duration_p50_ms'], '.3f')} | {_f(r['served_minus_hold_p50_ms'], '+.3f')} |")
+    aw = ov.get("after_wait_us")
+    if aw and len(aw.get("spin", {})) > 1:
+        waits = sorted(aw["spin"], key=float)
+        lines += ["", "This machine after a pause: the same small piece of client work (serialize and parse one request) "
+                  "timed right after the bench thread spun or slept that long (median µs). Whatever runs after a "
+                  "model-length pause (the response path, the next request) pays this too.", "",
+                  "| after | " + " | ".join(f"{float(w) / 1e3:.2f} ms" for w in waits) + " |",
+                  "|---|" + "---|" * len(waits)]
+        for mode in ("spin", "sleep"):
+            lines.append(f"| {mode} | " + " | ".join(_f(aw[mode].get(w), ".1f") for w in waits) + " |")
+    tr = ov.get("trace")
+    if tr:
+        lines += ["", f"Triton's trace ({tr['file']}): each round trip split at the server's timestamps, median µs "
+                  "per leg: request (client send until the server has read it), to the model (parsing, queue, batcher), "
+                  "backend (execute: the model and its wrapping; the hold's busy-wait included), after the model "
+                  "(hand-over to gRPC), response (send until the client has parsed it)."]
+        if "error" in tr:
+            lines.append(f"- {tr['error']}")
+        else:
+            lines += ["", "| path | requests | request | to the model | backend | after the model | response |",
+                      "|---|---|---|---|---|---|---|"]
+            for path, g in tr["legs"].items():
+                lines.append(f"| {path} | {g['requests']} | " + " | ".join(
+                    _f(g[f"{leg}_us"], ".0f") for leg in ("request", "to_model", "backend", "after_model", "response")) + " |")
     lines += [f"- {k}: {v}" for k, v in ov.get("notes", {}).items()]
     return lines + [""]
 

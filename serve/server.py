@@ -233,6 +233,9 @@ class TritonServer:
                "--exit-timeout-secs=20", "--log-verbose=0", f"--cache-directory={home / 'caches'}"]
         if not cuda_visible():
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
+        if self.cfg.trace_file:
+            cmd += [f"--trace-config=triton,file={Path(self.cfg.trace_file).resolve()}", "--trace-config=level=TIMESTAMPS",
+                    "--trace-config=rate=1", "--trace-config=count=-1", "--trace-config=log_frequency=0"]
         return cmd
 
     def log_tail(self, lines: int = 25) -> str:

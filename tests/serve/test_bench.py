@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from serve.bench import compare, read_profile, run_bench
+from serve.bench import compare, read_profile, run_bench, trace_legs
 from serve.bench_config import BenchConfig
 from tests.conftest import run_cli
 from torchship.config import build
@@ -18,7 +18,8 @@ SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "
 @pytest.fixture(scope="module")
 def bench_run(exported, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "rate": 50.0, "duration_s": 0.5})
+    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "rate": 50.0, "duration_s": 0.5,
+                                     "trace": True})
     return run_bench(cfg, log=lambda *a: None), out
 
 
@@ -80,6 +81,41 @@ def test_overhead_is_measured_side_by_side_and_attributed(bench_run):
     for r in ov["rows"]:  # the hold spins the model's in-process time, so it can't answer faster than that
         assert r["hold"]["n"] == n and r["hold"]["min_ms"] >= r["hold"]["hold_us"] / 1e3
         assert r["served_minus_hold_p50_ms"] == pytest.approx(r["served"]["p50_ms"] - r["hold"]["p50_ms"])
+
+
+def test_trace_splits_every_round_trip(bench_run):
+    """--trace: every timed call of every served path is matched with its own trace in Triton's file."""
+    results, out = bench_run
+    ov = results["served"]["overhead"]
+    legs, n = ov["trace"]["legs"], ov["requests_per_path"]
+    assert (out / "triton_trace.json").stat().st_size > 0
+    assert set(legs) == {f"{r['model']}/{p}" for r in ov["rows"] for p in ("served", "hold")} | {"floor"}
+    for path, g in legs.items():
+        assert g["requests"] == n, path
+        assert min(v for k, v in g.items() if k.endswith("_us")) >= 0, (path, g)
+    for r in ov["rows"]:  # the hold's busy-wait lies inside its backend leg, and the floor's backend leg is shorter
+        assert legs[f"{r['model']}/hold"]["backend_us"] >= r["hold"]["hold_us"]
+        assert legs["floor"]["backend_us"] < legs[f"{r['model']}/hold"]["backend_us"]
+    aw = ov["after_wait_us"]
+    assert set(aw) == {"spin", "sleep"} and len(aw["spin"]) == 1 + len(ov["rows"]) and min(aw["spin"].values()) > 0
+    assert "Triton's trace" in (out / "report.md").read_text()
+
+
+def test_trace_legs_match_each_call_with_its_own_request():
+    """Matching is by model and time: a call whose window holds no trace of its model is left out, and a
+    trace of another model in the same window is not taken for it."""
+    ev = ["GRPC_WAITREAD_END", "REQUEST_START", "COMPUTE_START", "COMPUTE_END", "GRPC_SEND_START"]
+
+    def t(start):
+        return dict(zip(ev, (start - 5, start, start + 20, start + 1020, start + 1030)))
+
+    trace = {"a": [t(1_000), t(10_000)], "b": [t(20_000)]}
+    stamps = {"a/served": [(990, 2_100), (9_990, 11_100), (19_990, 21_100)], "b/served": [(990, 2_100), (19_990, 21_100)]}
+    legs = trace_legs(trace, stamps, {"a/served": "a", "b/served": "b"})
+    assert legs["a/served"]["requests"] == 2 and legs["b/served"]["requests"] == 1
+    g = legs["a/served"]  # µs from ns stamps: 5 ns until read, 25 to the model, 1000 in it, 10 to gRPC, 70 back
+    assert [g[f"{k}_us"] for k in ("request", "to_model", "backend", "after_model", "response")] == \
+        pytest.approx([0.005, 0.025, 1.0, 0.010, 0.070])
 
 
 def test_backend_profile_counts_each_request_once(exported, tmp_path):

@@ -234,6 +234,13 @@ def test_unreachable_server_is_a_clear_error_on_the_lean_path():
         client.infer("m", np.zeros((1, 3, 32, 32), np.float32))
 
 
+def test_trace_options_are_checked_before_anything_starts(capsys, repo, exported, tmp_path):
+    assert run_cli("serve", repo, "--trace-file", tmp_path / "missing" / "trace.json") == 2
+    assert "--trace-file" in capsys.readouterr().err
+    assert run_cli("bench", exported, "--url", "127.0.0.1:1", "--trace", "--out", tmp_path / "b") == 2
+    assert "--trace needs" in capsys.readouterr().err
+
+
 def test_cpu_latency_request_is_held_while_serving_and_released(tmp_path):
     from serve.server import CPU_LATENCY_DEVICE, CpuLatencyRequest
 
