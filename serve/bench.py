@@ -136,17 +136,25 @@ def load_variants(cfg: BenchConfig, export_dir: Path, manifest: dict, device: st
 
 
 def time_blocks(paths: dict[str, Callable[[int], Any]], blocks: int, per_block: int, bar,
-                rotate: bool = False, stamps: dict[str, list[tuple[int, int]]] | None = None) -> dict[str, list[float]]:
+                rotate: bool = False, stamps: dict[str, list[tuple[int, int]]] | None = None,
+                pauses: dict[str, float] | None = None,
+                before_block: Callable[[int, dict[str, list[float]]], None] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each path, run in turn in ``blocks`` blocks of ``per_block`` calls (the call
     gets its index), so machine drift falls on every path alike; ``rotate`` changes who goes first.
-    With ``stamps``, each call's start and end on CLOCK_MONOTONIC (ns, Triton's trace clock) are kept too."""
+    With ``stamps``, each call's start and end on CLOCK_MONOTONIC (ns, Triton's trace clock) are kept too;
+    ``pauses`` (seconds per path) sleeps before each of that path's calls, untimed; ``before_block`` is
+    called with the block's index and the times so far before each block."""
     names = list(paths)
     lat: dict[str, list[float]] = {k: [] for k in names}
     for b in range(blocks):
+        if before_block:
+            before_block(b, lat)
         order = names[b % len(names):] + names[:b % len(names)] if rotate else names
         for name in order:
-            fn = paths[name]
+            fn, pause = paths[name], (pauses or {}).get(name, 0.0)
             for i in range(per_block):
+                if pause:
+                    time.sleep(pause)
                 t0 = time.monotonic_ns()
                 fn(i)
                 t1 = time.monotonic_ns()
@@ -497,7 +505,8 @@ def after_wait(req, waits_us: Sequence[float], reps: int = 100) -> dict[str, dic
 def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, models: list[str], client,
                    profile_dir: str | None, bar, trace_file: str | None = None) -> dict[str, Any]:
     """Batch 1, measured side by side in rotating blocks: each served model through gRPC, the same
-    artifact in this process, and the no-op floor. The excess is served − in-process − floor; Triton's
+    artifact in this process (back to back, and again after a floor-long pause before each call, as a
+    served model runs), and the no-op floor. The excess is served − in-process − floor; Triton's
     statistics and the backend's own profile say where it goes, and with ``trace_file`` (the embedded
     server's trace file) Triton's per-request timestamps split each round trip into TRACE_LEGS."""
     from torchship import runtime
@@ -510,7 +519,8 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
     channel, call = infer_channel(url)
     paths: dict[str, Callable[[int], Any]] = {}
     twins: dict[str, str] = {}
-    holds: dict[str, float] = {}
+    holds: dict[str, list[float]] = {}  # µs the hold model spins, set per block
+    hold_reqs: dict[str, Any] = {}
     notes: dict[str, str] = {}
     ready = client.ready_models()
     for model in models:
@@ -524,15 +534,9 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         reqs = [request(model, x, ins[0]) for x in xs]
         paths[f"{model}/served"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
         if HOLD_MODEL in ready:  # the floor for a model that takes as long as this one in-process
-            t = []
-            for i in range(max(cfg.warmup, 5)):
-                t0 = time.perf_counter()
-                r.run({ins[0]: xs[i % len(xs)]})
-                t.append(time.perf_counter() - t0)
-            holds[model] = float(np.median(t)) * 1e6
-            hx = xs[0].copy()
-            hx.flat[0] = holds[model]
-            paths[f"{model}/hold"] = lambda i, req=request(HOLD_MODEL, hx, ins[0]): call(req, timeout=60)
+            holds[model] = []
+            hold_reqs[model] = request(HOLD_MODEL, np.zeros_like(xs[0]), ins[0])  # no wait while warming up
+            paths[f"{model}/hold"] = lambda i, model=model: call(hold_reqs[model], timeout=60)
     have_noop = NOOP_MODEL in ready
     if have_noop:
         reqs = [request(NOOP_MODEL, x, ins[0]) for x in xs]
@@ -543,16 +547,30 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
     watched = list(twins) + ([NOOP_MODEL] if have_noop else [])
     start = {m: _served_count(stats_of(client, m)) for m in watched}
     warm = max(cfg.warmup, 5)
-    for fn in paths.values():
-        for i in range(warm):
-            fn(i)
+    warm_lat = time_blocks(paths, 1, warm, None)
+
+    def set_holds(block: int, lat: dict[str, list[float]]) -> None:
+        """Before each block: hold as long as the model's in-process median so far."""
+        for model in holds:
+            us = float(np.median(lat.get(f"{model}/in-process") or warm_lat[f"{model}/in-process"])) * 1e6
+            hx = xs[0].copy()
+            hx.flat[0] = us
+            hold_reqs[model] = request(HOLD_MODEL, hx, ins[0])
+            holds[model].append(us)
+    pauses: dict[str, float] = {}
+    if have_noop:  # the model in this process again, after a pause as long as a round trip with no model in it
+        gap = float(np.median(warm_lat["floor"]))
+        for model in twins:
+            paths[f"{model}/in-process-paused"] = paths[f"{model}/in-process"]
+            pauses[f"{model}/in-process-paused"] = gap
     before = {m: settled_stats(client, m, start[m] + warm) for m in watched}
     prof_before = {m: settled_profile(profile_dir, m) for m in twins}
     stamps: dict[str, list[tuple[int, int]]] | None = {} if trace_file else None
     if trace_file:
         set_trace(client, True)
     try:
-        lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True, stamps=stamps)
+        lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True, stamps=stamps, pauses=pauses,
+                          before_block=set_holds)
     finally:
         if trace_file:
             time.sleep(0.2)  # the last response's send-end stamp comes after the client has it
@@ -569,18 +587,21 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         row["client_side_us"] = srv["mean_ms"] * 1e3 - row["server"]["server_us"]
         if floor:
             row["excess_p50_ms"] = srv["p50_ms"] - inp["p50_ms"] - floor["p50_ms"]
-        if model in holds:
-            h = summarize(lat[f"{model}/hold"])
-            row["hold"] = {"hold_us": holds[model], **h}
-            row["floor_at_duration_p50_ms"] = h["p50_ms"] - holds[model] / 1e3
+            paused = summarize(lat[f"{model}/in-process-paused"])
+            row["in_process_paused"] = {"pause_ms": pauses[f"{model}/in-process-paused"] * 1e3, **paused}
+            row["excess_vs_paused_p50_ms"] = srv["p50_ms"] - paused["p50_ms"] - floor["p50_ms"]
+        if holds.get(model):
+            h, held = summarize(lat[f"{model}/hold"]), float(np.mean(holds[model]))
+            row["hold"] = {"hold_us": held, "hold_us_per_block": holds[model], **h}
+            row["floor_at_duration_p50_ms"] = h["p50_ms"] - held / 1e3
             row["served_minus_hold_p50_ms"] = srv["p50_ms"] - h["p50_ms"]
         rows.append(row)
     res = {"batch": 1, "requests_per_path": per_block * cfg.blocks, "blocks": cfg.blocks, "threads": cfg.threads,
            "rows": rows, "notes": notes,
-           "after_wait_us": after_wait(request(NOOP_MODEL, xs[0], ins[0]), [0, *sorted(holds.values())])}
+           "after_wait_us": after_wait(request(NOOP_MODEL, xs[0], ins[0]), [0, *sorted(float(np.mean(v)) for v in holds.values() if v)])}
     if trace_file:
         model_of = {p: (HOLD_MODEL if p.endswith("/hold") else NOOP_MODEL if p == "floor" else p.split("/")[0])
-                    for p in paths if not p.endswith("/in-process")}
+                    for p in paths if "/in-process" not in p}
         try:
             res["trace"] = {"file": str(trace_file), "legs": trace_legs(read_trace(trace_file), stamps or {}, model_of)}
         except (OSError, ValueError, KeyError) as e:
@@ -804,8 +825,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     save()
     n_in = 0 if cfg.skip_in_process else len(cfg.variants) * len([b for b in cfg.batch_sizes if b <= manifest["max_batch"]]) * \
         (cfg.iters // cfg.blocks) * cfg.blocks
-    # overhead: in-process, served and hold per served format (three by default), plus the floor
-    n_served = 0 if cfg.skip_served else cfg.requests * (len(cfg.concurrency) * 4 + (3 * 3 + 1 if cfg.overhead else 0))
+    # overhead: in-process, paused, served and hold per served format (three by default), plus the floor
+    n_served = 0 if cfg.skip_served else cfg.requests * (len(cfg.concurrency) * 4 + (3 * 4 + 1 if cfg.overhead else 0))
     bar = None
     if cfg.progress:
         from tqdm import tqdm

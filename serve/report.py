@@ -47,6 +47,18 @@ def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
         lines.append(f"| {r['model']} ({r['variant']}) | {_f(i.get('p50_ms'), '.3f')} / {_f(i.get('p99_ms'), '.3f')} | "
                      f"{_f(s.get('p50_ms'), '.3f')} / {_f(s.get('p99_ms'), '.3f')} | {_f(f.get('p50_ms'), '.3f')} / "
                      f"{_f(f.get('p99_ms'), '.3f')} | {_f(r.get('excess_p50_ms'), '+.3f')} |")
+    paused = [r for r in ov["rows"] if "in_process_paused" in r]
+    if paused:
+        lines += ["", "A served model never runs back to back: a round trip passes between two runs. The same artifact "
+                  "in this process with a pause as long as the floor before each call (untimed) shows what that "
+                  "alone costs on this machine; excess (paused) = served − paused in-process − floor.", "",
+                  "| model | in-process p50 ms | after a pause p50 ms | pause ms | excess ms | excess (paused) ms |",
+                  "|---|---|---|---|---|---|"]
+        for r in paused:
+            q = r["in_process_paused"]
+            lines.append(f"| {r['model']} | {_f(r['in_process'].get('p50_ms'), '.3f')} | {_f(q.get('p50_ms'), '.3f')} | "
+                         f"{q['pause_ms']:.3f} | {_f(r.get('excess_p50_ms'), '+.3f')} | "
+                         f"{_f(r.get('excess_vs_paused_p50_ms'), '+.3f')} |")
     host = ov.get("python_host")
     where = {"server": "in the server process, where the backend reports the model's own run as compute infer and "
                        "the time before and after it as compute input and output",
