@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -573,8 +574,11 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
                           before_block=set_holds)
     finally:
         if trace_file:
+            from tritonclient.utils import InferenceServerException
+
             time.sleep(0.2)  # the last response's send-end stamp comes after the client has it
-            set_trace(client, False)
+            with contextlib.suppress(InferenceServerException):  # a failed run reports its own error
+                set_trace(client, False)
     channel.close()
     after = {m: settled_stats(client, m, _served_count(before[m]) + per_block * cfg.blocks) for m in watched}
     floor = summarize(lat["floor"]) if have_noop else {}
@@ -596,9 +600,9 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
             row["floor_at_duration_p50_ms"] = h["p50_ms"] - held / 1e3
             row["served_minus_hold_p50_ms"] = srv["p50_ms"] - h["p50_ms"]
         rows.append(row)
+    waits = [0.0, *sorted(float(np.mean(v)) for v in holds.values() if v)]
     res = {"batch": 1, "requests_per_path": per_block * cfg.blocks, "blocks": cfg.blocks, "threads": cfg.threads,
-           "rows": rows, "notes": notes,
-           "after_wait_us": after_wait(request(NOOP_MODEL, xs[0], ins[0]), [0, *sorted(float(np.mean(v)) for v in holds.values() if v)])}
+           "rows": rows, "notes": notes, "after_wait_us": after_wait(request(NOOP_MODEL, xs[0], ins[0]), waits)}
     if trace_file:
         model_of = {p: (HOLD_MODEL if p.endswith("/hold") else NOOP_MODEL if p == "floor" else p.split("/")[0])
                     for p in paths if "/in-process" not in p}
@@ -891,6 +895,7 @@ def _start_embedded(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Pat
     if not cfg.repo:
         build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
     noop = noop_repo(out, manifest)
+    (out / "triton_trace.json").unlink(missing_ok=True)  # an earlier run's traces must not mix with this one's
     server = TritonServer(ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"), python_host=cfg.python_host,
                                       backend_profile=str(out / "backend_profile"),
                                       trace_file=str(out / "triton_trace.json") if cfg.trace else None),
