@@ -18,6 +18,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from . import child_env
+
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchship" / "perf_analyzer"
 NEEDED = {"libb64.so.0d": "libb64-", "libcudart.so.12": "libcudart-"}
 
@@ -57,7 +59,7 @@ def install() -> Path:
 def run(binary: str, url: str, model: str, levels: list[int], manifest: dict[str, Any], requests: int = 300) -> list[dict]:
     """perf_analyzer at each concurrency level (count windows, and windows may differ by 50 %: the
     defaults never settle on a small noisy machine). Returns per level: throughput and latency percentiles in ms, server breakdown in µs."""
-    env = dict(os.environ)
+    env = child_env(dict(os.environ))  # perf_analyzer as it ships: the cross-check's reference
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(CACHE / "lib"), env.get("LD_LIBRARY_PATH", "")) if p)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,6 +19,7 @@ from google.protobuf import json_format
 
 from torchship.errors import ServerError
 
+from . import child_env
 from .config import ServeConfig, cuda_visible
 from .repository import EMBEDDED_CONFIG, read_config
 
@@ -184,7 +185,7 @@ def server_env() -> dict[str, str]:
         raise ServerError(f"numpy {numpy.__version__} is installed; the Triton Python stub needs numpy<2 "
                           "(with numpy 2 every response comes back empty): pip install 'numpy<2'")
     _, libs = triton_home()
-    env = dict(os.environ)
+    env = child_env(dict(os.environ))
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(Path(sys.prefix) / "bin"), env.get("PATH", "")))
     env.pop("PYTHONPATH", None)

@@ -294,6 +294,19 @@ time.sleep(600)
         os.killpg(server_pid, 0)  # its stubs are gone too
 
 
+def test_grpc_client_setting_stays_in_the_client(server, monkeypatch):
+    """torchship's clients poll their own gRPC replies (GRPC_EXPERIMENTS, set when serve is imported);
+    the server is started without that setting, and a user's own value is passed on untouched."""
+    import serve
+
+    environ = dict(e.split("=", 1) for e in Path(f"/proc/{server.proc.pid}/environ").read_text().split("\0") if "=" in e)
+    if serve._GRPC_DEFAULTED:
+        assert os.environ["GRPC_EXPERIMENTS"] == serve.GRPC_CLIENT_EXPERIMENTS
+        assert "GRPC_EXPERIMENTS" not in environ
+    monkeypatch.setattr(serve, "_GRPC_DEFAULTED", False)  # as if the user had set it
+    assert serve.child_env({"GRPC_EXPERIMENTS": serve.GRPC_CLIENT_EXPERIMENTS}) == {"GRPC_EXPERIMENTS": serve.GRPC_CLIENT_EXPERIMENTS}
+
+
 def test_default_server_hosts_the_backends_in_its_own_process(server):
     """auto resolves to the in-server host here (a compiler and a shared libpython are present): no stub
     process serves the models, and the server reports which host it used."""
