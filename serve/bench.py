@@ -476,7 +476,8 @@ def trace_legs(trace: dict[str, list[dict[str, int]]], stamps: dict[str, list[tu
 
 def set_trace(client, on: bool) -> None:
     """Switch Triton's timestamp tracing on or off; switching it off writes what was traced to the file."""
-    client.client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS" if on else "OFF"]})
+    client._call("trace settings", client.client.update_trace_settings,
+                 settings={"trace_level": ["TIMESTAMPS" if on else "OFF"]})
 
 
 def after_wait(req, waits_us: Sequence[float], reps: int = 100) -> dict[str, dict[str, float]]:
@@ -574,10 +575,8 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
                           before_block=set_holds)
     finally:
         if trace_file:
-            from tritonclient.utils import InferenceServerException
-
             time.sleep(0.2)  # the last response's send-end stamp comes after the client has it
-            with contextlib.suppress(InferenceServerException):  # a failed run reports its own error
+            with contextlib.suppress(TorchshipError):  # a failed run reports its own error
                 set_trace(client, False)
     channel.close()
     after = {m: settled_stats(client, m, _served_count(before[m]) + per_block * cfg.blocks) for m in watched}
@@ -640,6 +639,8 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
 
     client = TritonClient(url)
     client.wait_ready(15)
+    if server is not None and server.cfg.trace_file:  # traced only while the overhead is measured
+        set_trace(client, False)
     models = served_models(client, manifest, cfg)
     input_name = manifest["inputs"][0]["name"]
     served: dict[str, Any] = {"url": url, "embedded": server is not None, "models": {}, "batching_off": {}, "delays": {}}
@@ -901,12 +902,6 @@ def _start_embedded(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Pat
                                       trace_file=str(out / "triton_trace.json") if cfg.trace else None),
                           extra_repos=[noop])
     server.start()
-    if cfg.trace:  # traced only while the overhead is measured
-        from .client import TritonClient
-
-        c = TritonClient(server.url)
-        set_trace(c, False)
-        c.close()
     return server, server.url
 
 

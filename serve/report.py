@@ -33,32 +33,33 @@ def wins(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: the header row, its separator, then the rows."""
+    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(row)} |" for row in rows)]
+
+
 def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
     """In-process, served and floor side by side at batch 1, and where the difference goes."""
     if not ov or not ov.get("rows"):
         return []
+    def p50_p99(d):
+        return f"{_f(d.get('p50_ms'), '.3f')} / {_f(d.get('p99_ms'), '.3f')}"
+
     lines = ["### Where the time goes at batch 1", "",
              f"Measured side by side: {ov['blocks']} rotating blocks, {ov['requests_per_path']} requests per path, one "
-             f"request in flight, {ov['threads']} intra-op thread(s). Excess = served − in-process − floor (p50).", "",
-             "| model | in-process p50 / p99 ms | served p50 / p99 ms | floor p50 / p99 ms | excess ms |",
-             "|---|---|---|---|---|"]
-    for r in ov["rows"]:
-        i, s, f = r["in_process"], r["served"], r["floor"]
-        lines.append(f"| {r['model']} ({r['variant']}) | {_f(i.get('p50_ms'), '.3f')} / {_f(i.get('p99_ms'), '.3f')} | "
-                     f"{_f(s.get('p50_ms'), '.3f')} / {_f(s.get('p99_ms'), '.3f')} | {_f(f.get('p50_ms'), '.3f')} / "
-                     f"{_f(f.get('p99_ms'), '.3f')} | {_f(r.get('excess_p50_ms'), '+.3f')} |")
+             f"request in flight, {ov['threads']} intra-op thread(s). Excess = served − in-process − floor (p50).", ""]
+    lines += _table(["model", "in-process p50 / p99 ms", "served p50 / p99 ms", "floor p50 / p99 ms", "excess ms"],
+                    [[f"{r['model']} ({r['variant']})", p50_p99(r["in_process"]), p50_p99(r["served"]), p50_p99(r["floor"]),
+                      _f(r.get("excess_p50_ms"), "+.3f")] for r in ov["rows"]])
     paused = [r for r in ov["rows"] if "in_process_paused" in r]
     if paused:
         lines += ["", "A served model never runs back to back: a round trip passes between two runs. The same artifact "
                   "in this process with a pause as long as the floor before each call (untimed) shows what that "
-                  "alone costs on this machine; excess (paused) = served − paused in-process − floor.", "",
-                  "| model | in-process p50 ms | after a pause p50 ms | pause ms | excess ms | excess (paused) ms |",
-                  "|---|---|---|---|---|---|"]
-        for r in paused:
-            q = r["in_process_paused"]
-            lines.append(f"| {r['model']} | {_f(r['in_process'].get('p50_ms'), '.3f')} | {_f(q.get('p50_ms'), '.3f')} | "
-                         f"{q['pause_ms']:.3f} | {_f(r.get('excess_p50_ms'), '+.3f')} | "
-                         f"{_f(r.get('excess_vs_paused_p50_ms'), '+.3f')} |")
+                  "alone costs on this machine; excess (paused) = served − paused in-process − floor.", ""]
+        lines += _table(["model", "in-process p50 ms", "after a pause p50 ms", "pause ms", "excess ms", "excess (paused) ms"],
+                        [[r["model"], _f(r["in_process"].get("p50_ms"), ".3f"), _f(r["in_process_paused"].get("p50_ms"), ".3f"),
+                          f"{r['in_process_paused']['pause_ms']:.3f}", _f(r.get("excess_p50_ms"), "+.3f"),
+                          _f(r.get("excess_vs_paused_p50_ms"), "+.3f")] for r in paused])
     host = ov.get("python_host")
     where = {"server": "in the server process, where the backend reports the model's own run as compute infer and "
                        "the time before and after it as compute input and output",
@@ -84,21 +85,18 @@ def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
     if held:
         lines += ["", "The floor depends on how long the model takes: threads that waited longer wake slower, and caches "
                   "go cold. The hold model busy-waits each model's in-process p50 and answers like the no-op, so "
-                  "served − hold is what the real model costs beyond its in-process time and that longer floor.", "",
-                  "| model | hold µs | hold p50 ms | floor at that duration ms | served − hold ms |", "|---|---|---|---|---|"]
-        for r in held:
-            lines.append(f"| {r['model']} | {r['hold']['hold_us']:.0f} | {_f(r['hold'].get('p50_ms'), '.3f')} | "
-                         f"{_f(r['floor_at_duration_p50_ms'], '.3f')} | {_f(r['served_minus_hold_p50_ms'], '+.3f')} |")
+                  "served − hold is what the real model costs beyond its in-process time and that longer floor.", ""]
+        lines += _table(["model", "hold µs", "hold p50 ms", "floor at that duration ms", "served − hold ms"],
+                        [[r["model"], f"{r['hold']['hold_us']:.0f}", _f(r["hold"].get("p50_ms"), ".3f"),
+                          _f(r["floor_at_duration_p50_ms"], ".3f"), _f(r["served_minus_hold_p50_ms"], "+.3f")] for r in held])
     aw = ov.get("after_wait_us")
     if aw and len(aw.get("spin", {})) > 1:
         waits = sorted(aw["spin"], key=float)
         lines += ["", "This machine after a pause: the same small piece of client work (serialize and parse one request) "
                   "timed right after the bench thread spun or slept that long (median µs). Whatever runs after a "
-                  "model-length pause (the response path, the next request) pays this too.", "",
-                  "| after | " + " | ".join(f"{float(w) / 1e3:.2f} ms" for w in waits) + " |",
-                  "|---|" + "---|" * len(waits)]
-        for mode in ("spin", "sleep"):
-            lines.append(f"| {mode} | " + " | ".join(_f(aw[mode].get(w), ".1f") for w in waits) + " |")
+                  "model-length pause (the response path, the next request) pays this too.", ""]
+        lines += _table(["after", *(f"{float(w) / 1e3:.2f} ms" for w in waits)],
+                        [[mode, *(_f(aw[mode].get(w), ".1f") for w in waits)] for mode in ("spin", "sleep")])
     tr = ov.get("trace")
     if tr:
         lines += ["", f"Triton's trace ({tr['file']}): each round trip split at the server's timestamps, median µs "
@@ -108,11 +106,10 @@ def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
         if "error" in tr:
             lines.append(f"- {tr['error']}")
         else:
-            lines += ["", "| path | requests | request | to the model | backend | after the model | response |",
-                      "|---|---|---|---|---|---|---|"]
-            for path, g in tr["legs"].items():
-                lines.append(f"| {path} | {g['requests']} | " + " | ".join(
-                    _f(g[f"{leg}_us"], ".0f") for leg in ("request", "to_model", "backend", "after_model", "response")) + " |")
+            lines += [""] + _table(["path", "requests", "request", "to the model", "backend", "after the model", "response"],
+                                   [[path, str(g["requests"]), *(_f(g[f"{leg}_us"], ".0f") for leg in
+                                                                 ("request", "to_model", "backend", "after_model", "response"))]
+                                    for path, g in tr["legs"].items()])
     lines += [f"- {k}: {v}" for k, v in ov.get("notes", {}).items()]
     return lines + [""]
 
