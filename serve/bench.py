@@ -642,6 +642,9 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     if server is not None and server.cfg.trace_file:  # traced only while the overhead is measured
         set_trace(client, False)
     models = served_models(client, manifest, cfg)
+    if bar is not None:  # the start-up estimate assumed three served formats
+        bar.total = bar.n + served_runs(cfg, manifest, models, server is not None, NOOP_MODEL in client.ready_models())
+        bar.refresh()
     input_name = manifest["inputs"][0]["name"]
     served: dict[str, Any] = {"url": url, "embedded": server is not None, "models": {}, "batching_off": {}, "delays": {}}
     results["served"] = served
@@ -703,6 +706,20 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     else:
         served["perf_analyzer"] = {"skipped": "perf_analyzer not found (python -m serve.perf_analyzer install fetches it)"}
     client.close()
+
+
+def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: bool, noop_served: bool) -> int:
+    """How many timed calls bench_served makes for ``models``: the progress bar's total."""
+    per_sweep = cfg.requests * len(cfg.concurrency)
+    n = len(models) * per_sweep
+    if embedded:
+        n += sum(_format_of(m, manifest) in cfg.batching_compare for m in models) * per_sweep
+        n += len(models) * len(cfg.queue_delays_us) * per_sweep + cfg.requests  # the delays, the floor
+    elif noop_served:
+        n += cfg.requests
+    if cfg.overhead:  # per model: in-process, after a pause, served, hold; and the floor
+        n += (4 * len(models) + 1) * max(1, cfg.requests // cfg.blocks) * cfg.blocks
+    return n
 
 
 def _one_level(cfg: BenchConfig) -> BenchConfig:

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from serve.bench import compare, read_profile, run_bench, trace_legs
+from serve.bench import compare, read_profile, run_bench, served_runs, trace_legs
 from serve.bench_config import BenchConfig
 from tests.conftest import run_cli
 from torchship.config import build
@@ -85,6 +85,20 @@ def test_overhead_is_measured_side_by_side_and_attributed(bench_run):
         held = r["hold"]["hold_us_per_block"]  # set before each block from the model's in-process times so far
         assert len(held) == ov["blocks"] and r["hold"]["n"] == n and r["hold"]["min_ms"] >= min(held) / 1e3
         assert r["served_minus_hold_p50_ms"] == pytest.approx(r["served"]["p50_ms"] - r["hold"]["p50_ms"])
+
+
+def test_progress_total_counts_every_timed_served_call(bench_run, exported):
+    """The progress bar's total for the served part equals the calls the run actually timed."""
+    results, out = bench_run
+    s = results["served"]
+    sweeps = [m["rows"] for section in ("models", "batching_off") for m in s[section].values()]
+    sweeps += [d["rows"] for per_model in s["delays"].values() for d in per_model.values()] + [s["noop"]["rows"]]
+    ov = s["overhead"]
+    paths = 1 + sum(2 + ("served" in r) + ("hold" in r) for r in ov["rows"])  # the floor; in-process twice each
+    timed = sum(r["sent"] for rows in sweeps for r in rows) + paths * ov["requests_per_path"]
+    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "rate": 50.0, "duration_s": 0.5})
+    manifest = json.loads((exported / "manifest.json").read_text())
+    assert served_runs(cfg, manifest, list(s["models"]), embedded=True, noop_served=True) == timed
 
 
 def test_trace_splits_every_round_trip(bench_run):
