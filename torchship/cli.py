@@ -22,6 +22,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if "(default" in help_ or action.default in (None, "", argparse.SUPPRESS):
+            return help_
+        return super()._get_help_string(action)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchship", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -30,7 +40,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=DefaultsHelpFormatter)
         if only == name:
             mod = importlib.import_module(module)
             getattr(mod, f"add_{name}_arguments", getattr(mod, "add_arguments", None))(p)

@@ -88,3 +88,12 @@ def test_config_errors_name_the_option(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("trainn:\n  epochs: 1\n")
     assert run_cli("run", "--out", tmp_path / "r", "--config", tmp_path / "c.yaml") == 2
     assert "unknown section [trainn]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "export", "verify", "repo", "serve", "infer", "bench", "run"])
+def test_help_states_each_default_once(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_cli(command, "--help")
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.replace("\n                        ", " ").splitlines()
+    assert lines and not [l for l in lines if l.count("(default") > 1 or "(default: None)" in l or "(default: )" in l]
