@@ -130,6 +130,9 @@ def _gather_inputs(ns, chw: list[int]) -> tuple[list[tuple[str, np.ndarray]], li
             arr = arr[None] if arr.ndim == 3 else arr
             if arr.ndim != 4 or list(arr.shape[1:]) != chw:
                 raise ShapeError(f"{p}: shape {list(arr.shape)} does not match the model input [N, {', '.join(map(str, chw))}]")
+            if arr.dtype.kind != "f":  # 0-255 pixels cast to float would be served as nonsense without an error
+                raise ShapeError(f"{p}: dtype {arr.dtype} is not floating point; save float32 pixel values in [0, 1] "
+                                 "(divide 8-bit images by 255) or pass the image file itself")
             for i, row in enumerate(arr):
                 inputs.append((f"{p.name}[{i}]", row[None].astype(np.float32)))
                 labels.append(None)
@@ -144,6 +147,8 @@ def _gather_inputs(ns, chw: list[int]) -> tuple[list[tuple[str, np.ndarray]], li
         m = read_manifest(ns.heldout)
         ref = np.load(Path(ns.heldout) / REFERENCE)
         x, y = ref["input/heldout"][: ns.n], ref["labels/heldout"][: ns.n]
+        if ns.n > len(x):
+            print(f"torchship infer: {ns.heldout} holds {len(x)} held-out samples; sending those", file=sys.stderr)
         for i, (row, label) in enumerate(zip(x, y)):
             inputs.append((f"heldout[{i}]", row[None]))
             labels.append(m["classes"][int(label)])

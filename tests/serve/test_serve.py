@@ -1,5 +1,6 @@
 """A real Triton server over real gRPC: parity per format, batching, bad input, shutdown, model control."""
 
+import json
 import os
 import shutil
 import signal
@@ -381,3 +382,18 @@ def test_top_k_through_the_classification_extension(server, exported):
         np.testing.assert_allclose(scores, np.sort(logits)[::-1][:3], atol=1e-5, rtol=1e-5)
         assert all(len(p.split(":")) == 3 and p.split(":")[2] for p in parsed), parsed
     client.close()
+
+
+def test_infer_files_take_float_arrays_and_refuse_integer_pixels(server, exported, tmp_path, capsys):
+    """.npy files of any float dtype are sent as the model's float32; an 8-bit array (0-255 pixels) is refused
+    by name instead of being served as nonsense; the server keeps answering."""
+    x = np.load(exported / "reference.npz")["input/heldout"][:2]
+    np.save(tmp_path / "f64.npy", x.astype(np.float64))
+    np.save(tmp_path / "u8.npy", (x * 255).astype(np.uint8))
+    assert run_cli("infer", "--url", server.url, "--model", "tiny_cnn_onnx", "--json", tmp_path / "f64.npy") == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [r["input"] for r in rows] == ["f64.npy[0]", "f64.npy[1]"]
+    assert run_cli("infer", "--url", server.url, "--model", "tiny_cnn_onnx", tmp_path / "u8.npy") == 2
+    assert "dtype uint8 is not floating point" in capsys.readouterr().err
+    assert run_cli("infer", "--url", server.url, "--heldout", exported, "-n", "100000") == 0
+    assert "held-out samples; sending those" in capsys.readouterr().err
