@@ -205,6 +205,11 @@ class TritonServer:
         self.repo = Path(cfg.repo).resolve()
         if not self.repo.is_dir():
             raise ServerError(f"repository {self.repo} does not exist (build one with torchship repo)")
+        if not cfg.models and not self.repository_models():
+            hint = ("it is an export directory: build a repository from it with torchship repo "
+                    f"{cfg.repo} --out model_repository" if (self.repo / "manifest.json").exists()
+                    else "build one with torchship repo EXPORT_DIR")
+            raise ServerError(f"{self.repo} holds no model (no <model>/config.pbtxt); {hint}")
         self.grpc_port = cfg.grpc_port or free_port(cfg.host)
         self.http_port = cfg.http_port or free_port(cfg.host)
         self.metrics_port = cfg.metrics_port or free_port(cfg.host)

@@ -242,6 +242,17 @@ def test_trace_options_are_checked_before_anything_starts(capsys, repo, exported
     assert "--trace needs" in capsys.readouterr().err
 
 
+def test_serve_refuses_a_folder_without_models_before_starting(capsys, exported, tmp_path):
+    """A missing folder, an export directory and an empty folder are refused in one line, naming the fix."""
+    assert run_cli("serve", tmp_path / "missing") == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert run_cli("serve", exported) == 2
+    assert f"torchship repo {exported}" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert run_cli("serve", tmp_path / "empty") == 2
+    assert "holds no model" in capsys.readouterr().err
+
+
 def test_cpu_latency_request_is_held_while_serving_and_released(tmp_path):
     from serve.server import CPU_LATENCY_DEVICE, CpuLatencyRequest
 
