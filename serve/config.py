@@ -51,6 +51,8 @@ class RepoConfig:
             raise ConfigError("--instance-count and --threads must be at least 1")
         if self.version < 1:
             raise ConfigError("--version must be at least 1")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ConfigError("--max-batch must be at least 1 (leave it out for the export's max batch)")
 
 
 @dataclass

@@ -32,6 +32,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether ``port`` on ``host`` can be bound now (as Triton will, with SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def triton_home() -> tuple[Path, Path]:
     """(pytriton/tritonserver directory, nvidia_pytriton.libs directory) from the installed wheel."""
     try:
@@ -210,6 +221,10 @@ class TritonServer:
                     f"{cfg.repo} --out model_repository" if (self.repo / "manifest.json").exists()
                     else "build one with torchship repo EXPORT_DIR")
             raise ServerError(f"{self.repo} holds no model (no <model>/config.pbtxt); {hint}")
+        for flag, port in (("--grpc-port", cfg.grpc_port), ("--http-port", cfg.http_port), ("--metrics-port", cfg.metrics_port)):
+            if port and not port_free(cfg.host, port):
+                raise ServerError(f"{flag} {port}: {cfg.host}:{port} is already in use; choose another port, "
+                                  "or leave the flag out to pick a free one")
         self.grpc_port = cfg.grpc_port or free_port(cfg.host)
         self.http_port = cfg.http_port or free_port(cfg.host)
         self.metrics_port = cfg.metrics_port or free_port(cfg.host)

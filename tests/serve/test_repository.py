@@ -1,10 +1,12 @@
 """The generated repository: layout, protobuf configs, and names that agree with the manifest."""
 
 import numpy as np
+import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from serve.repository import EMBEDDED_CONFIG
+from tests.conftest import run_cli
 from torchship.manifest import read_manifest
 
 
@@ -38,3 +40,16 @@ def test_layout_and_configs(repo, exported):
             assert c.max_batch_size == 8 and list(c.input[0].dims) == [3, 32, 32]
             assert c.dynamic_batching.max_queue_delay_microseconds == 2000
     assert "nvcr.io/nvidia/tritonserver:" in (repo / "README.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-batch", "0"], "--max-batch must be at least 1"),
+    (["--max-batch", "1000"], "exceeds the export's max batch"),
+    (["--formats", "onnx", "tensorrt"], "tensorrt cannot be served"),
+    (["--instance-count", "0"], "must be at least 1"),
+])
+def test_bad_repository_options_are_refused_and_write_nothing(exported, tmp_path, capsys, args, message):
+    out = tmp_path / "repo"
+    assert run_cli("repo", exported, "--out", out, *args) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

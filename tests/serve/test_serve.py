@@ -253,6 +253,17 @@ def test_serve_refuses_a_folder_without_models_before_starting(capsys, exported,
     assert "holds no model" in capsys.readouterr().err
 
 
+def test_serve_refuses_a_port_in_use_before_starting(repo, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert run_cli("serve", repo, "--grpc-port", port) == 2
+    assert f"--grpc-port {port}: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
+
+
 def test_cpu_latency_request_is_held_while_serving_and_released(tmp_path):
     from serve.server import CPU_LATENCY_DEVICE, CpuLatencyRequest
 
