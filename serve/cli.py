@@ -89,6 +89,8 @@ def main_infer(ns: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2) if ns.json else served_markdown(report))
         print(f"served parity: PASS ({len(report['models'])} models at {ns.url})")
         return 0
+    if ns.top_k < 1 or ns.n < 1 or ns.concurrency < 1:
+        raise ClientError("--top-k, -n and --concurrency must be at least 1")
     client = TritonClient(ns.url)
     client.wait_ready(10)
     model = ns.model or next(iter(client.ready_models()), None)
@@ -103,7 +105,8 @@ def main_infer(ns: argparse.Namespace) -> int:
     results = _run_requests(client, model, inputs, ns)
     rows = []
     for (name, _), res, label in zip(inputs, results, labels):
-        top = [r.decode() if isinstance(r, bytes) else str(r) for r in np.asarray(res).reshape(-1, ns.top_k)[0]]
+        # one batch-1 request per input; Triton returns min(top_k, classes) entries
+        top = [r.decode() if isinstance(r, bytes) else str(r) for r in np.asarray(res).reshape(-1)]
         rows.append({"input": name, "top_k": [{"score": float(t.split(":")[0]), "index": int(t.split(":")[1]),
                                                "label": t.split(":", 2)[2] if t.count(":") >= 2 else ""} for t in top],
                      **({"true_label": label} if label is not None else {})})

@@ -419,3 +419,12 @@ def test_infer_files_take_float_arrays_and_refuse_integer_pixels(server, exporte
     assert "dtype uint8 is not floating point" in capsys.readouterr().err
     assert run_cli("infer", "--url", server.url, "--heldout", exported, "-n", "100000") == 0
     assert "held-out samples; sending those" in capsys.readouterr().err
+
+
+def test_infer_top_k_beyond_the_classes_prints_them_all_and_zero_is_refused(server, exported, capsys):
+    classes = len(read_manifest(exported)["classes"])
+    assert run_cli("infer", "--url", server.url, "--heldout", exported, "-n", 1, "--top-k", classes + 5, "--json") == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert sorted(t["index"] for t in row["top_k"]) == list(range(classes))
+    assert run_cli("infer", "--url", server.url, "--heldout", exported, "--top-k", 0) == 2
+    assert "--top-k, -n and --concurrency must be at least 1" in capsys.readouterr().err
