@@ -642,7 +642,7 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     if server is not None and server.cfg.trace_file:  # traced only while the overhead is measured
         set_trace(client, False)
     models = served_models(client, manifest, cfg)
-    if bar is not None:  # the start-up estimate assumed three served formats
+    if bar is not None:  # the start-up count assumed the export's three formats
         bar.total = bar.n + served_runs(cfg, manifest, models, server is not None, NOOP_MODEL in client.ready_models())
         bar.refresh()
     input_name = manifest["inputs"][0]["name"]
@@ -847,8 +847,11 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     save()
     n_in = 0 if cfg.skip_in_process else len(cfg.variants) * len([b for b in cfg.batch_sizes if b <= manifest["max_batch"]]) * \
         (cfg.iters // cfg.blocks) * cfg.blocks
-    # overhead: in-process, paused, served and hold per served format (three by default), plus the floor
-    n_served = 0 if cfg.skip_served else cfg.requests * (len(cfg.concurrency) * 4 + (3 * 4 + 1 if cfg.overhead else 0))
+    from .repository import model_names
+
+    # until the server says which models it serves: --models, else the export's three formats
+    expected = list(cfg.models) or list(model_names(manifest).values())
+    n_served = 0 if cfg.skip_served else served_runs(cfg, manifest, expected, embedded=not cfg.url, noop_served=True)
     bar = None
     if cfg.progress:
         from tqdm import tqdm

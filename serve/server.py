@@ -26,21 +26,13 @@ from .repository import EMBEDDED_CONFIG, read_config
 HERE = Path(__file__).resolve().parent
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_free(host: str, port: int) -> bool:
-    """Whether ``port`` on ``host`` can be bound now (as Triton will, with SO_REUSEADDR)."""
+def free_port(host: str = "127.0.0.1", port: int = 0) -> int:
+    """``port`` on ``host`` if it can be bound now, as Triton binds it (SO_REUSEADDR); 0: one the system
+    picks. OSError if it cannot."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        s.bind((host, port))
+        return s.getsockname()[1]
 
 
 def triton_home() -> tuple[Path, Path]:
@@ -222,9 +214,12 @@ class TritonServer:
                     else "build one with torchship repo EXPORT_DIR")
             raise ServerError(f"{self.repo} holds no model (no <model>/config.pbtxt); {hint}")
         for flag, port in (("--grpc-port", cfg.grpc_port), ("--http-port", cfg.http_port), ("--metrics-port", cfg.metrics_port)):
-            if port and not port_free(cfg.host, port):
+            try:
+                if port:
+                    free_port(cfg.host, port)
+            except OSError:
                 raise ServerError(f"{flag} {port}: {cfg.host}:{port} is already in use; choose another port, "
-                                  "or leave the flag out to pick a free one")
+                                  "or leave the flag out to pick a free one") from None
         self.grpc_port = cfg.grpc_port or free_port(cfg.host)
         self.http_port = cfg.http_port or free_port(cfg.host)
         self.metrics_port = cfg.metrics_port or free_port(cfg.host)
