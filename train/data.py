@@ -18,6 +18,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from torchship.errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+BUILTIN_DATA = ("digits", "synthetic")
 
 
 @dataclass
@@ -129,13 +130,21 @@ def load_image_file(path: str | Path, image_size: int) -> np.ndarray:
     return ImageFolderDataset([(str(path), 0)], image_size)[0][0].numpy()
 
 
+def check_data_source(data: str) -> None:
+    """Refuse a --data that names neither a built-in dataset nor a folder, before anything is written."""
+    if data in BUILTIN_DATA:
+        return
+    root = Path(data)
+    if not root.exists():
+        raise DataError(f"--data {root}: no such directory (use {' or '.join(BUILTIN_DATA)}, or an ImageFolder path)")
+    if not root.is_dir():
+        raise DataError(f"--data {root}: not a directory (expected one sub-folder per class)")
+
+
 def scan_image_folder(root: str | Path) -> tuple[list[tuple[str, int]], list[str]]:
     """List (file, class index) pairs of an ImageFolder tree; DataError if unusable."""
     root = Path(root)
-    if not root.exists():
-        raise DataError(f"--data {root}: no such directory")
-    if not root.is_dir():
-        raise DataError(f"--data {root}: not a directory (expected one sub-folder per class)")
+    check_data_source(str(root))
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     files: list[tuple[str, int]] = []
     for i, c in enumerate(classes):
@@ -166,6 +175,7 @@ def load_image_folder(root: str, image_size: int, val_fraction: float, seed: int
 def load_data(data: str, image_size: int | None, val_fraction: float, seed: int,
               synthetic_samples: int = 512, num_classes: int | None = None) -> DataSplit:
     """Resolve --data into a train/validation split (see module docstring)."""
+    check_data_source(data)
     if data == "digits":
         return load_digits(image_size or 32, val_fraction, seed)
     if data == "synthetic":

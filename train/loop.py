@@ -24,8 +24,8 @@ from torchship.io import git_revision
 
 from . import checkpoint as ck
 from .config import TrainConfig
-from .data import DataSplit, heldout_samples, load_data
-from .models import Normalize, build_model, parse_model_args
+from .data import DataSplit, check_data_source, heldout_samples, load_data
+from .models import Normalize, build_model, check_arch, parse_model_args
 
 
 @dataclass
@@ -194,6 +194,8 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
     """
     t_start = time.perf_counter()
     device = resolve_device(cfg)
+    check_data_source(cfg.data)  # before the run's folder and log exist
+    check_arch(cfg.arch)
     out = prepare_out(cfg)
     resume = cfg.resolved_resume()  # before this run writes a checkpoint of its own
     resume_dir = ck.resolve_checkpoint(resume, which="latest") if resume else None

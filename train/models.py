@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -70,29 +70,37 @@ def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return out
 
 
-def build_model(arch: str, num_classes: int, in_channels: int = 3, extra: dict[str, Any] | None = None) -> nn.Module:
-    """Build an untrained model. Raises ConfigError for an unknown name or a broken factory."""
-    extra = dict(extra or {})
-    if arch == "tiny_cnn":
-        return TinyCNN(num_classes=num_classes, in_channels=in_channels, **extra)
+def check_arch(arch: str) -> Callable[..., nn.Module] | None:
+    """Refuse an --arch that names no known model, before anything is written; returns the factory of a
+    package.module:factory name, else None."""
     if ":" in arch:
         module_name, _, attr = arch.partition(":")
         try:
-            factory = getattr(importlib.import_module(module_name), attr)
+            return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"--arch {arch}: cannot import the factory ({e}); is the package on PYTHONPATH?") from None
+    if arch != "tiny_cnn" and arch not in TORCHVISION_ARCHS:
+        raise ConfigError(f"--arch {arch!r} is unknown; use one of {', '.join(TORCHVISION_ARCHS + ('tiny_cnn',))} "
+                          "or package.module:factory")
+    return None
+
+
+def build_model(arch: str, num_classes: int, in_channels: int = 3, extra: dict[str, Any] | None = None) -> nn.Module:
+    """Build an untrained model. Raises ConfigError for an unknown name or a broken factory."""
+    extra = dict(extra or {})
+    factory = check_arch(arch)
+    if arch == "tiny_cnn":
+        return TinyCNN(num_classes=num_classes, in_channels=in_channels, **extra)
+    if factory is not None:
         model = factory(num_classes=num_classes, **extra)
         if not isinstance(model, nn.Module):
             raise ConfigError(f"--arch {arch}: the factory returned {type(model).__name__}, not an nn.Module")
         return model
-    if arch in TORCHVISION_ARCHS:
-        import torchvision
+    import torchvision  # check_arch has made sure it is one of TORCHVISION_ARCHS
 
-        if in_channels != 3:
-            raise ConfigError(f"--arch {arch} expects 3 input channels, the data has {in_channels}")
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
-    raise ConfigError(f"--arch {arch!r} is unknown; use one of {', '.join(TORCHVISION_ARCHS + ('tiny_cnn',))} "
-                      "or package.module:factory")
+    if in_channels != 3:
+        raise ConfigError(f"--arch {arch} expects 3 input channels, the data has {in_channels}")
+    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
 
 
 def model_from_meta(meta: dict[str, Any]) -> nn.Module:

@@ -19,6 +19,13 @@ BASE = ["train", "--arch", "tiny_cnn", "--epochs", "1", "--no-progress"]
 def test_missing_data_folder(tmp_path, capsys):
     assert run_cli(*BASE, "--data", tmp_path / "nope", "--out", tmp_path / "o") == 2
     assert "no such directory" in err_line(capsys)
+    assert not (tmp_path / "o").exists()  # refused before the run's folder and log are made
+
+
+def test_unknown_architecture(tmp_path, capsys):
+    assert run_cli("train", "--arch", "resnet9000", "--epochs", "1", "--no-progress", "--out", tmp_path / "o") == 2
+    assert "--arch 'resnet9000' is unknown" in err_line(capsys)
+    assert not (tmp_path / "o").exists()
 
 
 def test_empty_data_folder(tmp_path, capsys):
