@@ -45,10 +45,9 @@ def main_serve(ns: argparse.Namespace) -> int:
     cfg = build(ServeConfig, namespace_overrides(ns, ServeConfig), {"repo": ns.repo})
     server = TritonServer(cfg)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        server.start()
         info = describe(server)
         print(f"Triton ready: gRPC {info['grpc']}  HTTP {info['http']}  metrics {info['metrics']}")
         print(f"models: {', '.join(info['models'])}")
@@ -63,6 +62,8 @@ def main_serve(ns: argparse.Namespace) -> int:
                 return 1
     finally:
         code = server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(f"server stopped (exit code {code})")
     return 0
 
