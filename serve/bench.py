@@ -691,7 +691,6 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
         profile_dir = server.cfg.backend_profile if server is not None else None
         trace_file = server.cfg.trace_file if server is not None else None
         served["overhead"] = bench_overhead(cfg, export_dir, manifest, url, models, client, profile_dir, bar, trace_file)
-        served["overhead"]["python_host"] = server.python_host if server is not None else None
         save()
     if cfg.rate:
         served["open_loop"] = {m: open_loop(url, m, [pool[i:i + 1] for i in range(len(pool))], cfg.rate, cfg.duration_s,

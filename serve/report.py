@@ -38,7 +38,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(row)} |" for row in rows)]
 
 
-def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
+def overhead_lines(ov: dict[str, Any] | None, host: str | None = None) -> list[str]:
     """In-process, served and floor side by side at batch 1, and where the difference goes."""
     if not ov or not ov.get("rows"):
         return []
@@ -60,7 +60,6 @@ def overhead_lines(ov: dict[str, Any] | None) -> list[str]:
                         [[r["model"], _f(r["in_process"].get("p50_ms"), ".3f"), _f(r["in_process_paused"].get("p50_ms"), ".3f"),
                           f"{r['in_process_paused']['pause_ms']:.3f}", _f(r.get("excess_p50_ms"), "+.3f"),
                           _f(r.get("excess_vs_paused_p50_ms"), "+.3f")] for r in paused])
-    host = ov.get("python_host")
     where = {"server": "in the server process, where the backend reports the model's own run as compute infer and "
                        "the time before and after it as compute input and output",
              "stub": "in python-backend stubs, all inside compute infer (with the hand-over to the stub)"}.get(
@@ -155,7 +154,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
         if floor.get("n"):
             lines += [f"No-op round trip (the protocol floor, same tensors): p50 {floor['p50_ms']:.3f} ms, "
                       f"p99 {floor['p99_ms']:.3f} ms.", ""]
-        lines += overhead_lines(served.get("overhead"))
+        lines += overhead_lines(served.get("overhead"), results.get("machine", {}).get("python_host"))
         for section, title in (("models", "dynamic batching as configured"), ("batching_off", "dynamic batching off")):
             for model, mm in served.get(section, {}).items():
                 lines += [f"### {model} — {title}", "",
