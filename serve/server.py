@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from google.protobuf import json_format
 
@@ -26,13 +26,37 @@ from .repository import EMBEDDED_CONFIG, read_config
 HERE = Path(__file__).resolve().parent
 
 
-def free_port(host: str = "127.0.0.1", port: int = 0) -> int:
-    """``port`` on ``host`` if it can be bound now, as Triton binds it (SO_REUSEADDR); 0: one the system
-    picks. OSError if it cannot."""
+def free_ports(host: str = "127.0.0.1", n: int = 1, avoid: Sequence[int] = ()) -> list[int]:
+    """``n`` distinct ports on ``host`` that the system picks, none in ``avoid``. Every socket stays open
+    until all are picked: bound and closed one at a time, the system can hand out the same port twice."""
+    socks: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = socket.socket()
+            socks.append(s)
+            s.bind((host, 0))
+            if s.getsockname()[1] not in avoid:
+                ports.append(s.getsockname()[1])
+        return ports
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(host)[0]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``port`` on ``host`` cannot be bound now as Triton binds it (SO_REUSEADDR)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, port))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def triton_home() -> tuple[Path, Path]:
@@ -213,16 +237,17 @@ class TritonServer:
                     f"{cfg.repo} --out model_repository" if (self.repo / "manifest.json").exists()
                     else "build one with torchship repo EXPORT_DIR")
             raise ServerError(f"{self.repo} holds no model (no <model>/config.pbtxt); {hint}")
-        for flag, port in (("--grpc-port", cfg.grpc_port), ("--http-port", cfg.http_port), ("--metrics-port", cfg.metrics_port)):
-            try:
-                if port:
-                    free_port(cfg.host, port)
-            except OSError:
+        flags = {"--grpc-port": cfg.grpc_port, "--http-port": cfg.http_port, "--metrics-port": cfg.metrics_port}
+        given = [p for p in flags.values() if p]
+        for flag, port in flags.items():
+            if port and given.count(port) > 1:
+                same = " and ".join(f for f, p in flags.items() if p == port)
+                raise ServerError(f"{same} are both {port}; each endpoint needs its own port")
+            if port and port_in_use(cfg.host, port):
                 raise ServerError(f"{flag} {port}: {cfg.host}:{port} is already in use; choose another port, "
-                                  "or leave the flag out to pick a free one") from None
-        self.grpc_port = cfg.grpc_port or free_port(cfg.host)
-        self.http_port = cfg.http_port or free_port(cfg.host)
-        self.metrics_port = cfg.metrics_port or free_port(cfg.host)
+                                  "or leave the flag out to pick a free one")
+        picked = iter(free_ports(cfg.host, 3 - len(given), avoid=given))
+        self.grpc_port, self.http_port, self.metrics_port = (p or next(picked) for p in flags.values())
         self.proc: Optional[subprocess.Popen] = None
         self.log_path = Path(cfg.log) if cfg.log else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         self.loaded: list[str] = []

@@ -270,6 +270,57 @@ def test_serve_refuses_a_port_in_use_before_starting(repo, capsys):
     assert f"--grpc-port {port}: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
 
 
+class FirstFreePort:
+    """A socket whose bind to port 0 gets the lowest port that no open one holds: a port allocator that,
+    like Linux now and then, hands out a port again as soon as it is closed."""
+    held: set[int] = set()
+
+    def __init__(self, *args):
+        self.port = None
+
+    def setsockopt(self, *args):
+        pass
+
+    def bind(self, addr):
+        port = addr[1] or min(set(range(50000, 50010)) - self.held)
+        if port in self.held:
+            raise OSError("in use")
+        self.port = port
+        self.held.add(port)
+
+    def getsockname(self):
+        return ("127.0.0.1", self.port)
+
+    def close(self):
+        self.held.discard(self.port)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def test_each_endpoint_gets_its_own_port(repo, capsys, monkeypatch):
+    """Ports left to the system are distinct and avoid the ones given, even where the system hands a
+    closed port out again (picked one at a time, Triton then refuses to start: 'cannot listen to HTTP
+    requests and metrics requests at the same address and port')."""
+    import socket
+    import types
+
+    import serve.server as srv
+
+    monkeypatch.setattr(srv, "socket", types.SimpleNamespace(socket=FirstFreePort, SOL_SOCKET=socket.SOL_SOCKET,
+                                                             SO_REUSEADDR=socket.SO_REUSEADDR))
+    s = TritonServer(ServeConfig(repo=str(repo)))
+    assert sorted((s.grpc_port, s.http_port, s.metrics_port)) == [50000, 50001, 50002]
+    s = TritonServer(ServeConfig(repo=str(repo), http_port=50000))
+    assert s.http_port == 50000 and sorted((s.grpc_port, s.metrics_port)) == [50001, 50002]
+    monkeypatch.undo()
+    assert run_cli("serve", repo, "--grpc-port", 50000, "--metrics-port", 50000) == 2
+    assert "--grpc-port and --metrics-port are both 50000" in capsys.readouterr().err
+
+
 def test_cpu_latency_request_is_held_while_serving_and_released(tmp_path):
     from serve.server import CPU_LATENCY_DEVICE, CpuLatencyRequest
 
