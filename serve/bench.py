@@ -237,10 +237,20 @@ def stats_delta(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int, n: int, input_name: str) -> dict[str, Any]:
+def one_at_a_time(channel, unary, transport: str):
+    """The callable that sends one request and waits for its response: ``unary`` (a blocking call each),
+    or an InferStream on ``channel``. Close it (when it has close()) before the channel."""
+    from .client import InferStream
+
+    return InferStream(channel) if transport == "stream" else unary
+
+
+def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int, n: int, input_name: str,
+                transport: str = "stream") -> dict[str, Any]:
     """Keep ``concurrency`` requests in flight until ``n`` complete; per-request latency in seconds.
     Requests are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1
-    each is a blocking call (no callback thread in the measured path)."""
+    one at a time in this thread (over one stream, or as blocking unary calls: ``transport``), so no
+    callback thread is in the measured path."""
     import grpc
 
     from .client import infer_channel, request
@@ -251,14 +261,23 @@ def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int
     errors: list[str] = []
     t_start = time.perf_counter()
     if concurrency == 1:
-        for i in range(n):
-            t0 = time.perf_counter()
-            try:
-                call(prepared[i % len(prepared)], timeout=60)
-                lat.append(time.perf_counter() - t0)
-            except grpc.RpcError as e:
-                errors.append(e.details() or str(e.code()))
-        channel.close()
+        send = one_at_a_time(channel, call, transport)
+        try:
+            for i in range(n):
+                t0 = time.perf_counter()
+                try:
+                    send(prepared[i % len(prepared)], timeout=60)
+                    lat.append(time.perf_counter() - t0)
+                except grpc.RpcError as e:
+                    errors.append(e.details() or str(e.code()))
+                    if transport == "stream":  # the stream itself failed: the rest cannot be sent on it
+                        break
+                except ClientError as e:  # refused on the stream, which stays open
+                    errors.append(str(e))
+        finally:
+            if send is not call:
+                send.close()
+            channel.close()
         return {"latencies_s": lat, "errors": errors, "wall_s": time.perf_counter() - t_start, "completed": n}
     lock = threading.Lock()
     done = threading.Event()
@@ -345,9 +364,9 @@ def sweep(url: str, model: str, inputs: list[np.ndarray], cfg: BenchConfig, inpu
         # warm the connection and the model at this level, untimed
         start = _served_count(stats_of(client, model))
         warm = min(cfg.requests, max(4, c * 2))
-        closed_loop(url, model, inputs, c, warm, input_name)
+        closed_loop(url, model, inputs, c, warm, input_name, cfg.transport)
         before = settled_stats(client, model, start + warm)
-        res = closed_loop(url, model, inputs, c, cfg.requests, input_name)
+        res = closed_loop(url, model, inputs, c, cfg.requests, input_name, cfg.transport)
         after = settled_stats(client, model, _served_count(before) + cfg.requests)
         rows.append(level_row(res, stats_delta(before, after), c, inputs[0].shape[0]))
         if bar:
@@ -518,7 +537,8 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
     ins, outs = [i["name"] for i in manifest["inputs"]], [o["name"] for o in manifest["outputs"]]
     pool = real_inputs(export_dir, manifest, 64)
     xs = [pool[i:i + 1] for i in range(len(pool))]
-    channel, call = infer_channel(url)
+    channel, unary = infer_channel(url)
+    call = one_at_a_time(channel, unary, cfg.transport)
     paths: dict[str, Callable[[int], Any]] = {}
     twins: dict[str, str] = {}
     holds: dict[str, list[float]] = {}  # µs the hold model spins, set per block
@@ -574,11 +594,13 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True, stamps=stamps, pauses=pauses,
                           before_block=set_holds)
     finally:
+        if call is not unary:
+            call.close()
+        channel.close()
         if trace_file:
             time.sleep(0.2)  # the last response's send-end stamp comes after the client has it
             with contextlib.suppress(TorchshipError):  # a failed run reports its own error
                 set_trace(client, False)
-    channel.close()
     after = {m: settled_stats(client, m, _served_count(before[m]) + per_block * cfg.blocks) for m in watched}
     floor = summarize(lat["floor"]) if have_noop else {}
     rows = []

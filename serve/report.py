@@ -33,6 +33,10 @@ def wins(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+ONE_AT_A_TIME = {"stream": "; at 1 (and in the batch-1 overhead) they go one at a time over one bidirectional gRPC stream",
+                 "unary": "; at 1 (and in the batch-1 overhead) each is one unary gRPC call"}
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     """A markdown table: the header row, its separator, then the rows."""
     return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(row)} |" for row in rows)]
@@ -148,7 +152,8 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
     if served:
         floor = (served.get("noop", {}).get("rows") or [{}])[0]
         lines += ["## Served through gRPC", "", f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}). "
-                  "Closed loop: each level keeps that many batch-1 requests in flight. Server columns are Triton's own "
+                  "Closed loop: each level keeps that many batch-1 requests in flight"
+                  f"{ONE_AT_A_TIME.get(results.get('config', {}).get('transport'), '')}. Server columns are Triton's own "
                   "statistics per request (µs); client-side = client mean latency minus the server's share "
                   "(network, serialization, gRPC).", ""]
         if floor.get("n"):

@@ -56,7 +56,7 @@ def test_results_and_report_are_well_formed(bench_run):
     for png in ("latency_cdf.png", "throughput_vs_concurrency.png", "p99_vs_throughput.png"):
         assert (out / png).stat().st_size > 1000 and png in report
     assert "Which format wins where" in report and "No-op round trip" in report
-    assert "Where the time goes at batch 1" in report
+    assert "Where the time goes at batch 1" in report and "one at a time over one bidirectional gRPC stream" in report
 
 
 def test_overhead_is_measured_side_by_side_and_attributed(bench_run):
@@ -199,3 +199,18 @@ def test_budget_no_configuration_meets(exported, server, tmp_path, capsys):
     with pytest.raises(BenchError, match="no configuration meets p99 <= 0.001 ms"):
         run_bench(cfg, log=lambda *a: None)
     assert json.loads((tmp_path / "results.json").read_text())["served"]["models"]["tiny_cnn_onnx"]["rows"]
+
+
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+def test_one_at_a_time_counts_each_refusal_and_goes_on(server, transport):
+    """Concurrency 1 over either transport: every good request is timed, every refused one is an error
+    with the server's message, and the requests after a refusal are still sent."""
+    from serve.bench import closed_loop
+
+    good = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
+    bad = np.zeros((1, 3, 16, 16), np.float32)
+    r = closed_loop(server.url, "tiny_cnn_onnx", [good], 1, 12, "images", transport)
+    assert len(r["latencies_s"]) == 12 and not r["errors"]
+    r = closed_loop(server.url, "tiny_cnn_onnx", [bad, good], 1, 12, "images", transport)
+    assert len(r["latencies_s"]) == 6 and len(r["errors"]) == 6
+    assert all("shape" in e for e in r["errors"]), r["errors"][0]

@@ -41,6 +41,31 @@ def test_served_equals_in_process(server, exported, model):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_one_stream_carries_requests_in_turn_and_survives_a_refusal(server, exported):
+    """The bench's one-at-a-time transport: every model over one ModelStreamInfer call answers as the
+    unary call does, for its own request; a refused request raises and the stream keeps serving."""
+    from serve.bench import one_at_a_time
+    from serve.client import InferStream, decode, infer_channel, request
+
+    channel, unary = infer_channel(server.url)
+    stream = one_at_a_time(channel, unary, "stream")
+    assert isinstance(stream, InferStream) and one_at_a_time(channel, unary, "unary") is unary
+    try:
+        for k in range(6):
+            for model in MODELS:
+                x = np.random.default_rng(k).random((1 + k % 3, 3, 32, 32), dtype=np.float32)
+                req = request(model, x, "images")
+                np.testing.assert_array_equal(decode(stream(req), "logits"), decode(unary(req), "logits"))
+        with pytest.raises(ClientError, match="unexpected shape|shape"):
+            stream(request("tiny_cnn_onnx", np.zeros((1, 3, 16, 16), np.float32), "images"))
+        x = np.random.default_rng(9).random((1, 3, 32, 32), dtype=np.float32)
+        np.testing.assert_allclose(decode(stream(request("tiny_cnn_onnx", x, "images")), "logits"),
+                                   in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+    finally:
+        stream.close()
+        channel.close()
+
+
 def test_served_parity_check_passes(server, exported):
     report = check_served(server.url, exported)
     assert report["pass"] and sorted(report["models"]) == sorted(MODELS)
