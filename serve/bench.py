@@ -246,7 +246,7 @@ def one_at_a_time(channel, unary, transport: str):
 
 
 def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int, n: int, input_name: str,
-                transport: str = "stream") -> dict[str, Any]:
+                transport: str = "unary") -> dict[str, Any]:
     """Keep ``concurrency`` requests in flight until ``n`` complete; per-request latency in seconds.
     Requests are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1
     one at a time in this thread (over one stream, or as blocking unary calls: ``transport``), so no

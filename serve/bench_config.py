@@ -41,9 +41,10 @@ class BenchConfig:
                              "the model, backend, after the model and response leg (tracing adds a little time)")
     cpu_latency_us: Optional[int] = opt(None, "hold a /dev/cpu_dma_latency request at this many microseconds for the "
                                               "whole run (0: idle CPUs keep polling; see torchship serve --help); needs root")
-    transport: Literal["stream", "unary"] = opt("stream", "how requests are sent one at a time (the batch-1 overhead "
-                                                "and concurrency 1): over one bidirectional gRPC stream "
-                                                "(ModelStreamInfer), or as one unary ModelInfer call each")
+    transport: Literal["unary", "stream"] = opt("unary", "how requests are sent one at a time (the batch-1 overhead "
+                                               "and concurrency 1): one unary ModelInfer call each, as "
+                                               "perf_analyzer sends them, or over one bidirectional gRPC "
+                                               "stream (ModelStreamInfer)")
     python_host: Literal["auto", "server", "stub"] = opt("auto", "embedded server: where torchship's Python-based "
                                                           "backends run (see torchship serve --help)")
     skip_in_process: bool = opt(False, "skip the in-process part")

@@ -19,7 +19,7 @@ SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "
 def bench_run(exported, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "rate": 50.0, "duration_s": 0.5,
-                                     "trace": True})
+                                     "trace": True, "transport": "stream"})  # the default, unary, in the tests below
     return run_bench(cfg, log=lambda *a: None), out
 
 
