@@ -79,6 +79,8 @@ def add_infer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout", metavar="EXPORT_DIR", default=None, help="send N held-out samples of this export")
     p.add_argument("-n", type=int, default=4, help="with --heldout: how many samples")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (async gRPC)")
+    p.add_argument("--stream", action="store_true",
+                   help="send the requests one at a time over one bidirectional gRPC stream (ModelStreamInfer)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
 
 
@@ -92,6 +94,8 @@ def main_infer(ns: argparse.Namespace) -> int:
         return 0
     if ns.top_k < 1 or ns.n < 1 or ns.concurrency < 1:
         raise ClientError("--top-k, -n and --concurrency must be at least 1")
+    if ns.stream and ns.concurrency > 1:
+        raise ClientError("--stream sends one request at a time; leave out --concurrency, or --stream")
     client = TritonClient(ns.url)
     client.wait_ready(10)
     model = ns.model or next(iter(client.ready_models()), None)
@@ -160,6 +164,12 @@ def _gather_inputs(ns, chw: list[int]) -> tuple[list[tuple[str, np.ndarray]], li
 
 
 def _run_requests(client, model: str, inputs, ns) -> list:
+    if ns.stream:
+        stream = client.open_stream()
+        try:
+            return [client.infer(model, x, version=ns.version, top_k=ns.top_k, stream=stream) for _, x in inputs]
+        finally:
+            stream.close()
     if ns.concurrency <= 1:
         return [client.infer(model, x, version=ns.version, top_k=ns.top_k) for _, x in inputs]
     from concurrent.futures import ThreadPoolExecutor

@@ -63,20 +63,27 @@ class TritonClient:
         return int(self.config(model).get("max_batch_size", 0))
 
     def infer(self, model: str, x: np.ndarray, version: str = "", top_k: int = 0, input_name: str | None = None,
-              output: str | None = None) -> np.ndarray:
+              output: str | None = None, stream: "InferStream | None" = None) -> np.ndarray:
         """Send one batch; returns the output array (or, with top_k, Triton's 'score:index:label' rows).
         The request is one ModelInferRequest built straight from the array and sent on tritonclient's
-        generated gRPC stub: no InferInput/InferResult objects and one copy of the payload less."""
+        generated gRPC stub (no InferInput/InferResult objects and one copy of the payload less): as a
+        unary call, or on ``stream`` (from open_stream())."""
         import grpc
 
         cfg = self.config(model)
         out = output or cfg["output"][0]["name"]
         req = request(model, x, input_name or cfg["input"][0]["name"], out, version, top_k)
         try:
-            return decode(self._model_infer(req, timeout=self.timeout_s), out)
+            return decode((stream or self._model_infer)(req, timeout=self.timeout_s), out)
         except grpc.RpcError as e:
             msg = (e.details() or str(e.code())).strip()
             raise self._refused(f"model {model}", e.code() == grpc.StatusCode.UNAVAILABLE, msg) from None
+        except ClientError as e:  # refused on the stream, which stays open
+            raise self._refused(f"model {model}", False, str(e)) from None
+
+    def open_stream(self) -> "InferStream":
+        """One bidirectional gRPC stream for infer(..., stream=); close() it when done."""
+        return InferStream(self._channel)
 
     def _refused(self, what: str, unreachable: bool, msg: str) -> Exception:
         """ServerError when the server cannot be reached, else ClientError carrying the server's message."""
@@ -114,8 +121,8 @@ class InferStream:
     """Requests one at a time over one bidirectional ModelStreamInfer call on ``channel``, used like the
     unary stub: ``stream(req)`` sends a ModelInferRequest and returns its ModelInferResponse. After the
     first request a round trip is one message each way on a call that is already open, without the
-    set-up and tear-down of a unary call (README, "Served latency at batch 1"). One request in flight
-    at a time. A refused request raises ClientError with the server's message, and the stream stays
+    set-up and tear-down of a unary call (measured against unary calls in the README, "Served latency
+    at batch 1"). One request in flight at a time. A refused request raises ClientError with the server's message, and the stream stays
     open; ``deadline_s`` bounds the whole stream."""
 
     def __init__(self, channel, deadline_s: float = 3600.0):

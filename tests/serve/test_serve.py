@@ -510,3 +510,19 @@ def test_infer_top_k_beyond_the_classes_prints_them_all_and_zero_is_refused(serv
     assert sorted(t["index"] for t in row["top_k"]) == list(range(classes))
     assert run_cli("infer", "--url", server.url, "--heldout", exported, "--top-k", 0) == 2
     assert "--top-k, -n and --concurrency must be at least 1" in capsys.readouterr().err
+
+
+def test_infer_over_one_stream_prints_what_unary_calls_print(server, exported, tmp_path, capsys):
+    """--stream sends the same requests one at a time on one stream: the same top-k for every input,
+    and a refused input is the same one-line error."""
+    args = ["infer", "--url", server.url, "--model", "tiny_cnn_onnx", "--heldout", exported, "-n", 12, "--json"]
+    assert run_cli(*args) == 0
+    unary = json.loads(capsys.readouterr().out)["results"]
+    assert run_cli(*args, "--stream") == 0
+    assert json.loads(capsys.readouterr().out)["results"] == unary and len(unary) == 12
+    np.save(tmp_path / "nan.npy", np.full((1, 3, 32, 32), np.nan, np.float32))
+    assert run_cli("infer", "--url", server.url, "--model", "tiny_cnn_onnx", tmp_path / "nan.npy", "--stream") == 2
+    err = capsys.readouterr().err.strip()
+    assert "contains NaN" in err and len(err.splitlines()) == 1, err
+    assert run_cli(*args, "--stream", "--concurrency", 4) == 2
+    assert "--stream sends one request at a time" in capsys.readouterr().err
