@@ -165,7 +165,7 @@ def _gather_inputs(ns, chw: list[int]) -> tuple[list[tuple[str, np.ndarray]], li
 
 def _run_requests(client, model: str, inputs, ns) -> list:
     if ns.stream:
-        stream = client.open_stream()
+        stream = client.open_stream(len(inputs))
         try:
             return [client.infer(model, x, version=ns.version, top_k=ns.top_k, stream=stream) for _, x in inputs]
         finally:

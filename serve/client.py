@@ -81,9 +81,10 @@ class TritonClient:
         except ClientError as e:  # refused on the stream, which stays open
             raise self._refused(f"model {model}", False, str(e)) from None
 
-    def open_stream(self) -> "InferStream":
-        """One bidirectional gRPC stream for infer(..., stream=); close() it when done."""
-        return InferStream(self._channel)
+    def open_stream(self, requests: int = 1) -> "InferStream":
+        """One bidirectional gRPC stream for infer(..., stream=); close() it when done. It ends with an
+        error if its ``requests`` take longer than the client's timeout each (a stream has one deadline)."""
+        return InferStream(self._channel, deadline_s=self.timeout_s * max(1, requests))
 
     def _refused(self, what: str, unreachable: bool, msg: str) -> Exception:
         """ServerError when the server cannot be reached, else ClientError carrying the server's message."""
