@@ -245,6 +245,21 @@ def one_at_a_time(channel, unary, transport: str):
     return InferStream(channel) if transport == "stream" else unary
 
 
+@contextlib.contextmanager
+def sending(url: str, transport: str):
+    """one_at_a_time() on a channel of its own to ``url``; the stream, if any, and the channel are closed on exit."""
+    from .client import infer_channel
+
+    channel, unary = infer_channel(url)
+    send = one_at_a_time(channel, unary, transport)
+    try:
+        yield send
+    finally:
+        if send is not unary:
+            send.close()
+        channel.close()
+
+
 def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int, n: int, input_name: str,
                 transport: str = "unary") -> dict[str, Any]:
     """Keep ``concurrency`` requests in flight until ``n`` complete; per-request latency in seconds.
@@ -255,14 +270,12 @@ def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int
 
     from .client import infer_channel, request
 
-    channel, call = infer_channel(url)
     prepared = [request(model, x, input_name) for x in inputs]
     lat: list[float] = []
     errors: list[str] = []
-    t_start = time.perf_counter()
     if concurrency == 1:
-        send = one_at_a_time(channel, call, transport)
-        try:
+        with sending(url, transport) as send:
+            t_start = time.perf_counter()
             for i in range(n):
                 t0 = time.perf_counter()
                 try:
@@ -274,11 +287,9 @@ def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int
                         break
                 except ClientError as e:  # refused on the stream, which stays open
                     errors.append(str(e))
-        finally:
-            if send is not call:
-                send.close()
-            channel.close()
         return {"latencies_s": lat, "errors": errors, "wall_s": time.perf_counter() - t_start, "completed": n}
+    channel, call = infer_channel(url)
+    t_start = time.perf_counter()
     lock = threading.Lock()
     done = threading.Event()
     issued = [0]
@@ -532,13 +543,13 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
     server's trace file) Triton's per-request timestamps split each round trip into TRACE_LEGS."""
     from torchship import runtime
 
-    from .client import infer_channel, request
+    from .client import request
 
     ins, outs = [i["name"] for i in manifest["inputs"]], [o["name"] for o in manifest["outputs"]]
     pool = real_inputs(export_dir, manifest, 64)
     xs = [pool[i:i + 1] for i in range(len(pool))]
-    channel, unary = infer_channel(url)
-    call = one_at_a_time(channel, unary, cfg.transport)
+    connection = contextlib.ExitStack()  # closed once the timed blocks are done
+    call = connection.enter_context(sending(url, cfg.transport))
     paths: dict[str, Callable[[int], Any]] = {}
     twins: dict[str, str] = {}
     holds: dict[str, list[float]] = {}  # µs the hold model spins, set per block
@@ -594,9 +605,7 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True, stamps=stamps, pauses=pauses,
                           before_block=set_holds)
     finally:
-        if call is not unary:
-            call.close()
-        channel.close()
+        connection.close()
         if trace_file:
             time.sleep(0.2)  # the last response's send-end stamp comes after the client has it
             with contextlib.suppress(TorchshipError):  # a failed run reports its own error

@@ -123,8 +123,9 @@ class InferStream:
     unary stub: ``stream(req)`` sends a ModelInferRequest and returns its ModelInferResponse. After the
     first request a round trip is one message each way on a call that is already open, without the
     set-up and tear-down of a unary call (measured against unary calls in the README, "Served latency
-    at batch 1"). One request in flight at a time. A refused request raises ClientError with the server's message, and the stream stays
-    open; ``deadline_s`` bounds the whole stream."""
+    at batch 1"). One request in flight at a time. A refused request raises ClientError with the
+    server's message, and the stream stays open. ``deadline_s`` bounds the whole stream; the per-call
+    ``timeout`` is accepted for the unary stub's signature only."""
 
     def __init__(self, channel, deadline_s: float = 3600.0):
         import queue

@@ -44,10 +44,6 @@ def free_ports(host: str = "127.0.0.1", n: int = 1, avoid: Sequence[int] = ()) -
             s.close()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(host)[0]
-
-
 def port_in_use(host: str, port: int) -> bool:
     """Whether ``port`` on ``host`` cannot be bound now as Triton binds it (SO_REUSEADDR)."""
     with socket.socket() as s:

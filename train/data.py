@@ -175,7 +175,6 @@ def load_image_folder(root: str, image_size: int, val_fraction: float, seed: int
 def load_data(data: str, image_size: int | None, val_fraction: float, seed: int,
               synthetic_samples: int = 512, num_classes: int | None = None) -> DataSplit:
     """Resolve --data into a train/validation split (see module docstring)."""
-    check_data_source(data)
     if data == "digits":
         return load_digits(image_size or 32, val_fraction, seed)
     if data == "synthetic":

@@ -176,10 +176,10 @@ def test_compare_detects_a_planted_2x_slowdown(bench_run, tmp_path, capsys):
 
 
 def test_unreachable_server_keeps_partial_results(exported, tmp_path):
-    from serve.server import free_port
+    from serve.server import free_ports
 
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "variants": ["onnx"],
-                                     "url": f"127.0.0.1:{free_port()}"})
+                                     "url": f"127.0.0.1:{free_ports()[0]}"})
     with pytest.raises(ServerError, match="partial results kept"):
         run_bench(cfg, log=lambda *a: None)
     kept = json.loads((tmp_path / "results.json").read_text())

@@ -245,16 +245,16 @@ def test_tampered_artifact_fails_served_parity(repo, exported, tmp_path, capsys)
 
 
 def test_unreachable_server_is_a_clear_error(capsys, exported):
-    from serve.server import free_port
+    from serve.server import free_ports
 
-    assert run_cli("infer", "--url", f"127.0.0.1:{free_port()}", "--heldout", exported) == 2
+    assert run_cli("infer", "--url", f"127.0.0.1:{free_ports()[0]}", "--heldout", exported) == 2
     assert "is the server running" in capsys.readouterr().err
 
 
 def test_unreachable_server_is_a_clear_error_on_the_lean_path():
-    from serve.server import free_port
+    from serve.server import free_ports
 
-    client = TritonClient(f"127.0.0.1:{free_port()}", timeout_s=5)
+    client = TritonClient(f"127.0.0.1:{free_ports()[0]}", timeout_s=5)
     client._configs["m"] = {"input": [{"name": "images"}], "output": [{"name": "logits"}]}  # skip the config fetch
     with pytest.raises(ServerError, match="is the server running"):
         client.infer("m", np.zeros((1, 3, 32, 32), np.float32))
