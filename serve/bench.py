@@ -674,7 +674,9 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
         set_trace(client, False)
     models = served_models(client, manifest, cfg)
     if bar is not None:  # the start-up count assumed the export's three formats
-        bar.total = bar.n + served_runs(cfg, manifest, models, server is not None, NOOP_MODEL in client.ready_models())
+        ready = client.ready_models()
+        bar.total = bar.n + served_runs(cfg, manifest, models, server is not None,
+                                        floors=(server is not None or NOOP_MODEL in ready, server is not None or HOLD_MODEL in ready))
         bar.refresh()
     input_name = manifest["inputs"][0]["name"]
     served: dict[str, Any] = {"url": url, "embedded": server is not None, "models": {}, "batching_off": {}, "delays": {}}
@@ -738,17 +740,18 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     client.close()
 
 
-def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: bool, noop_served: bool) -> int:
-    """How many timed calls bench_served makes for ``models``: the progress bar's total."""
+def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: bool, floors: tuple[bool, bool]) -> int:
+    """How many timed calls bench_served makes for ``models``, with ``floors`` saying whether the no-op
+    and the hold model are served (an embedded server serves both): the progress bar's total."""
+    noop, hold = floors
     per_sweep = cfg.requests * len(cfg.concurrency)
     n = len(models) * per_sweep
-    if embedded:
+    if embedded:  # the batching-off sweeps and the delays
         n += sum(_format_of(m, manifest) in cfg.batching_compare for m in models) * per_sweep
-        n += len(models) * len(cfg.queue_delays_us) * per_sweep + cfg.requests  # the delays, the floor
-    elif noop_served:
-        n += cfg.requests
-    if cfg.overhead:  # per model: in-process, after a pause, served, hold; and the floor
-        n += (4 * len(models) + 1) * max(1, cfg.requests // cfg.blocks) * cfg.blocks
+        n += len(models) * len(cfg.queue_delays_us) * per_sweep
+    n += noop * cfg.requests  # the floor's own sweep
+    if cfg.overhead:  # per model: in-process, served, after a pause (needs the floor), hold; and the floor
+        n += (len(models) * (2 + noop + hold) + noop) * max(1, cfg.requests // cfg.blocks) * cfg.blocks
     return n
 
 
@@ -840,9 +843,11 @@ def write_recommendation(repo: Path, rec: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------- the whole run
-def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
+def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     """Measure, then write OUT/results.json, OUT/report.md and plots. Partial results are written
-    even when a part fails; the failure is raised afterwards as BenchError/ServerError/ClientError."""
+    even when a part fails; the failure is raised afterwards as BenchError/ServerError/ClientError.
+    The served part runs against ``server`` (a started ``bench_server``, left running) if given, else
+    against ``cfg.url``, else against an embedded server of its own."""
     import torch
 
     from .report import write_report
@@ -881,7 +886,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
 
     # until the server says which models it serves: --models, else the export's three formats
     expected = list(cfg.models) or list(model_names(manifest).values())
-    n_served = 0 if cfg.skip_served else served_runs(cfg, manifest, expected, embedded=not cfg.url, noop_served=True)
+    embedded = server is not None or not cfg.url
+    n_served = 0 if cfg.skip_served else served_runs(cfg, manifest, expected, embedded, floors=(True, True))
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -900,19 +906,19 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
             results["in_process"] = bench_in_process(cfg, export_dir, manifest, device, bar)
             save()
         if not cfg.skip_served:
-            server = None
+            own = server is None and not cfg.url
             try:
-                if cfg.url:
-                    url = cfg.url
-                else:
-                    server, url = _start_embedded(cfg, export_dir, manifest, out)
-                    results["machine"]["python_host"] = server.python_host
+                if own:
+                    server = _start_embedded(cfg, export_dir, manifest, out)
                     if server.python_host_note:
                         log(server.python_host_note)
+                if server is not None:
+                    results["machine"]["python_host"] = server.python_host
+                url = server.url if server is not None else cfg.url
                 log(f"served: {url}")
                 bench_served(cfg, export_dir, manifest, url, server, bar, results, save)
             finally:
-                if server is not None:
+                if own and server is not None:
                     server.stop()
     except TorchshipError as e:
         failure = e
@@ -937,22 +943,32 @@ def run_bench(cfg: BenchConfig, log=print) -> dict[str, Any]:
     return results
 
 
+def bench_server(serve_cfg, cfg: BenchConfig, manifest: dict, out: Path):
+    """An embedded TritonServer (not started) set up as bench measures one: serve_cfg's repository with
+    the floor models' beside it, the backends' profile written under ``out``, and Triton's tracing
+    when ``cfg.trace``. Give it, started, to run_bench's ``server``; ``torchship run`` does."""
+    import dataclasses
+
+    from .server import TritonServer
+
+    trace = out / "triton_trace.json"
+    trace.unlink(missing_ok=True)  # an earlier run's traces must not mix with this one's
+    serve_cfg = dataclasses.replace(serve_cfg, backend_profile=str(out / "backend_profile"),
+                                    trace_file=str(trace) if cfg.trace else None)
+    return TritonServer(serve_cfg, extra_repos=[noop_repo(out, manifest)])
+
+
 def _start_embedded(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Path):
     from .config import RepoConfig, ServeConfig
     from .repository import build_repository
-    from .server import TritonServer
 
     repo = Path(cfg.repo) if cfg.repo else out / "repo"
     if not cfg.repo:
         build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
-    noop = noop_repo(out, manifest)
-    (out / "triton_trace.json").unlink(missing_ok=True)  # an earlier run's traces must not mix with this one's
-    server = TritonServer(ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"), python_host=cfg.python_host,
-                                      backend_profile=str(out / "backend_profile"),
-                                      trace_file=str(out / "triton_trace.json") if cfg.trace else None),
-                          extra_repos=[noop])
+    serve_cfg = ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"), python_host=cfg.python_host)
+    server = bench_server(serve_cfg, cfg, manifest, out)
     server.start()
-    return server, server.url
+    return server
 
 
 # ---------------------------------------------------------------- compare

@@ -221,12 +221,15 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
                 res = build_repository(dirs["export"], repo_cfg)
                 log(f"repository {res['path']}: {', '.join(res['models'].values())}")
                 done("repo", t0, models=res["models"])
+            from serve.bench import bench_server, run_bench
             from serve.client import check_served, served_markdown
-            from serve.server import TritonServer
             from torchship.errors import ParityError
+            from torchship.manifest import read_manifest
 
             t0 = stage("serve + check")
-            server = TritonServer(serve_cfg)
+            # bench's embedded server from the start, so that the bench stage measures the floor and
+            # batching off on the server that the check used
+            server = bench_server(serve_cfg, bench_cfg, read_manifest(dirs["export"]), dirs["bench"])
             server.start()
             log(f"Triton ready at {server.url} with {', '.join(server.loaded)} (backends hosted: {server.python_host})"
                 + (f"; {server.python_host_note}" if server.python_host_note else ""))
@@ -241,12 +244,9 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
                 log(served_markdown(report))
                 done("check", t0, models=list(report["models"]))
                 gate("check", True, f"served parity PASS ({len(report['models'])} models over gRPC)")
-            from serve.bench import run_bench
-
             t0 = stage("bench")
-            bench_cfg.url = server.url
             bench_cfg.repo = str(dirs["repo"])
-            results = run_bench(bench_cfg, log=log)
+            results = run_bench(bench_cfg, log=log, server=server)
             failed = sum(r["failed"] for m in results.get("served", {}).get("models", {}).values() for r in m["rows"])
             done("bench", t0, report=str(dirs["bench"] / "report.md"))
             gate("bench", failed == 0, f"{failed} failed requests")

@@ -38,9 +38,13 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     assert parity["pass"] and len(parity["models"]) == 3
     bench = json.loads((run_dir / "bench/results.json").read_text())
     assert bench["format"] == "torchship.bench/1" and bench["in_process"]["rows"] and bench["served"]["models"]
+    served = bench["served"]  # the run's own server is bench's embedded one: the floor and batching off are measured
+    assert served["embedded"] and served["noop"]["rows"] and "tiny_cnn_onnx" in served["batching_off"]
+    assert all("excess_p50_ms" in r and "hold" in r for r in served["overhead"]["rows"])
     assert (run_dir / "bench/report.md").exists() and (run_dir / "logs/tritonserver.log").exists()
     summary = (run_dir / "summary.md").read_text()
-    for needle in ("all gates passed", "validation accuracy", "Parity against eager", "Served latency", "peak RSS"):
+    for needle in ("all gates passed", "validation accuracy", "Parity against eager", "Served latency", "peak RSS",
+                   "(no-op floor)"):
         assert needle in summary
 
 

@@ -98,7 +98,7 @@ def test_progress_total_counts_every_timed_served_call(bench_run, exported):
     timed = sum(r["sent"] for rows in sweeps for r in rows) + paths * ov["requests_per_path"]
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "rate": 50.0, "duration_s": 0.5})
     manifest = json.loads((exported / "manifest.json").read_text())
-    assert served_runs(cfg, manifest, list(s["models"]), embedded=True, noop_served=True) == timed
+    assert served_runs(cfg, manifest, list(s["models"]), embedded=True, floors=(True, True)) == timed
 
 
 def test_trace_splits_every_round_trip(bench_run):
