@@ -513,13 +513,23 @@ def test_infer_top_k_beyond_the_classes_prints_them_all_and_zero_is_refused(serv
 
 
 def test_infer_over_one_stream_prints_what_unary_calls_print(server, exported, tmp_path, capsys):
-    """--stream sends the same requests one at a time on one stream: the same top-k for every input,
-    and a refused input is the same one-line error."""
+    """--stream sends the same requests one at a time on one stream (Triton's stream handler takes them,
+    not the unary one): the same top-k for every input, and a refused input is the same one-line error."""
     args = ["infer", "--url", server.url, "--model", "tiny_cnn_onnx", "--heldout", exported, "-n", 12, "--json"]
-    assert run_cli(*args) == 0
-    unary = json.loads(capsys.readouterr().out)["results"]
-    assert run_cli(*args, "--stream") == 0
-    assert json.loads(capsys.readouterr().out)["results"] == unary and len(unary) == 12
+    handlers, results = {}, {}  # which of Triton's gRPC handlers took the requests, from its verbose log
+    admin = TritonClient(server.url)
+    for flags in ((), ("--stream",)):
+        start = server.log_path.stat().st_size
+        admin.client.update_log_settings({"log_verbose_level": 1})
+        try:
+            assert run_cli(*args, *flags) == 0
+            results[flags] = json.loads(capsys.readouterr().out)["results"]
+        finally:
+            admin.client.update_log_settings({"log_verbose_level": 0})
+        log = server.log_path.read_bytes()[start:].decode(errors="replace")
+        handlers[flags] = {h for h in ("ModelInferHandler", "ModelStreamInferHandler") if f"Process for {h}," in log}
+    assert handlers == {(): {"ModelInferHandler"}, ("--stream",): {"ModelStreamInferHandler"}}, handlers
+    assert results[("--stream",)] == results[()] and len(results[()]) == 12
     np.save(tmp_path / "nan.npy", np.full((1, 3, 32, 32), np.nan, np.float32))
     assert run_cli("infer", "--url", server.url, "--model", "tiny_cnn_onnx", tmp_path / "nan.npy", "--stream") == 2
     err = capsys.readouterr().err.strip()
