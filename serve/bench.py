@@ -548,68 +548,66 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
     ins, outs = [i["name"] for i in manifest["inputs"]], [o["name"] for o in manifest["outputs"]]
     pool = real_inputs(export_dir, manifest, 64)
     xs = [pool[i:i + 1] for i in range(len(pool))]
-    connection = contextlib.ExitStack()  # closed once the timed blocks are done
-    call = connection.enter_context(sending(url, cfg.transport))
-    paths: dict[str, Callable[[int], Any]] = {}
-    twins: dict[str, str] = {}
-    holds: dict[str, list[float]] = {}  # µs the hold model spins, set per block
-    hold_reqs: dict[str, Any] = {}
-    notes: dict[str, str] = {}
-    ready = client.ready_models()
-    for model in models:
-        v = served_variant(client, model, manifest)
-        if v is None:
-            notes[model] = "no in-process twin (not an artifact of this export)"
-            continue
-        r = runtime.load_artifact(str(export_dir), artifact(manifest, v), ins, outs, threads=cfg.threads)
-        twins[model] = v
-        paths[f"{model}/in-process"] = lambda i, r=r: r.run({ins[0]: xs[i % len(xs)]})
-        reqs = [request(model, x, ins[0]) for x in xs]
-        paths[f"{model}/served"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
-        if HOLD_MODEL in ready:  # the floor for a model that takes as long as this one in-process
-            holds[model] = []
-            hold_reqs[model] = request(HOLD_MODEL, np.zeros_like(xs[0]), ins[0])  # no wait while warming up
-            paths[f"{model}/hold"] = lambda i, model=model: call(hold_reqs[model], timeout=60)
-    have_noop = NOOP_MODEL in ready
-    if have_noop:
-        reqs = [request(NOOP_MODEL, x, ins[0]) for x in xs]
-        paths["floor"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
-    else:
-        notes["floor"] = f"the no-op model {NOOP_MODEL} is not served at {url}"
-    per_block = max(1, cfg.requests // cfg.blocks)
-    watched = list(twins) + ([NOOP_MODEL] if have_noop else [])
-    start = {m: _served_count(stats_of(client, m)) for m in watched}
-    warm = max(cfg.warmup, 5)
-    warm_lat = time_blocks(paths, 1, warm, None)
+    with sending(url, cfg.transport) as call:  # closed once the timed blocks are done, or on an error before
+        paths: dict[str, Callable[[int], Any]] = {}
+        twins: dict[str, str] = {}
+        holds: dict[str, list[float]] = {}  # µs the hold model spins, set per block
+        hold_reqs: dict[str, Any] = {}
+        notes: dict[str, str] = {}
+        ready = client.ready_models()
+        for model in models:
+            v = served_variant(client, model, manifest)
+            if v is None:
+                notes[model] = "no in-process twin (not an artifact of this export)"
+                continue
+            r = runtime.load_artifact(str(export_dir), artifact(manifest, v), ins, outs, threads=cfg.threads)
+            twins[model] = v
+            paths[f"{model}/in-process"] = lambda i, r=r: r.run({ins[0]: xs[i % len(xs)]})
+            reqs = [request(model, x, ins[0]) for x in xs]
+            paths[f"{model}/served"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
+            if HOLD_MODEL in ready:  # the floor for a model that takes as long as this one in-process
+                holds[model] = []
+                hold_reqs[model] = request(HOLD_MODEL, np.zeros_like(xs[0]), ins[0])  # no wait while warming up
+                paths[f"{model}/hold"] = lambda i, model=model: call(hold_reqs[model], timeout=60)
+        have_noop = NOOP_MODEL in ready
+        if have_noop:
+            reqs = [request(NOOP_MODEL, x, ins[0]) for x in xs]
+            paths["floor"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
+        else:
+            notes["floor"] = f"the no-op model {NOOP_MODEL} is not served at {url}"
+        per_block = max(1, cfg.requests // cfg.blocks)
+        watched = list(twins) + ([NOOP_MODEL] if have_noop else [])
+        start = {m: _served_count(stats_of(client, m)) for m in watched}
+        warm = max(cfg.warmup, 5)
+        warm_lat = time_blocks(paths, 1, warm, None)
 
-    def set_holds(block: int, lat: dict[str, list[float]]) -> None:
-        """Before each block: hold as long as the model's in-process median so far."""
-        for model in holds:
-            us = float(np.median(lat.get(f"{model}/in-process") or warm_lat[f"{model}/in-process"])) * 1e6
-            hx = xs[0].copy()
-            hx.flat[0] = us
-            hold_reqs[model] = request(HOLD_MODEL, hx, ins[0])
-            holds[model].append(us)
-    pauses: dict[str, float] = {}
-    if have_noop:  # the model in this process again, after a pause as long as a round trip with no model in it
-        gap = float(np.median(warm_lat["floor"]))
-        for model in twins:
-            paths[f"{model}/in-process-paused"] = paths[f"{model}/in-process"]
-            pauses[f"{model}/in-process-paused"] = gap
-    before = {m: settled_stats(client, m, start[m] + warm) for m in watched}
-    prof_before = {m: settled_profile(profile_dir, m) for m in twins}
-    stamps: dict[str, list[tuple[int, int]]] | None = {} if trace_file else None
-    if trace_file:
-        set_trace(client, True)
-    try:
-        lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True, stamps=stamps, pauses=pauses,
-                          before_block=set_holds)
-    finally:
-        connection.close()
+        def set_holds(block: int, lat: dict[str, list[float]]) -> None:
+            """Before each block: hold as long as the model's in-process median so far."""
+            for model in holds:
+                us = float(np.median(lat.get(f"{model}/in-process") or warm_lat[f"{model}/in-process"])) * 1e6
+                hx = xs[0].copy()
+                hx.flat[0] = us
+                hold_reqs[model] = request(HOLD_MODEL, hx, ins[0])
+                holds[model].append(us)
+        pauses: dict[str, float] = {}
+        if have_noop:  # the model in this process again, after a pause as long as a round trip with no model in it
+            gap = float(np.median(warm_lat["floor"]))
+            for model in twins:
+                paths[f"{model}/in-process-paused"] = paths[f"{model}/in-process"]
+                pauses[f"{model}/in-process-paused"] = gap
+        before = {m: settled_stats(client, m, start[m] + warm) for m in watched}
+        prof_before = {m: settled_profile(profile_dir, m) for m in twins}
+        stamps: dict[str, list[tuple[int, int]]] | None = {} if trace_file else None
         if trace_file:
-            time.sleep(0.2)  # the last response's send-end stamp comes after the client has it
-            with contextlib.suppress(TorchshipError):  # a failed run reports its own error
-                set_trace(client, False)
+            set_trace(client, True)
+        try:
+            lat = time_blocks(paths, cfg.blocks, per_block, bar, rotate=True, stamps=stamps, pauses=pauses,
+                              before_block=set_holds)
+        finally:
+            if trace_file:
+                time.sleep(0.2)  # the last response's send-end stamp comes after the client has it
+                with contextlib.suppress(TorchshipError):  # a failed run reports its own error
+                    set_trace(client, False)
     after = {m: settled_stats(client, m, _served_count(before[m]) + per_block * cfg.blocks) for m in watched}
     floor = summarize(lat["floor"]) if have_noop else {}
     rows = []
