@@ -96,6 +96,7 @@ def main_infer(ns: argparse.Namespace) -> int:
         raise ClientError("--top-k, -n and --concurrency must be at least 1")
     if ns.stream and ns.concurrency > 1:
         raise ClientError("--stream sends one request at a time; leave out --concurrency, or --stream")
+    _check_local_inputs(ns)  # a mistyped path is refused before any connection is tried
     client = TritonClient(ns.url)
     client.wait_ready(10)
     model = ns.model or next(iter(client.ready_models()), None)
@@ -125,14 +126,29 @@ def main_infer(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_local_inputs(ns) -> None:
+    """Every FILE exists and is an image or .npy file, and --heldout is an export directory."""
+    from train.data import IMAGE_SUFFIXES
+
+    for f in ns.files:
+        p = Path(f)
+        if not p.is_file():
+            raise ClientError(f"{p}: no such file")
+        if p.suffix != ".npy" and p.suffix.lower() not in IMAGE_SUFFIXES:
+            raise ClientError(f"{p}: not an image or .npy file")
+    if ns.heldout:
+        from torchship.manifest import read_manifest
+
+        read_manifest(ns.heldout)
+
+
 def _gather_inputs(ns, chw: list[int]) -> tuple[list[tuple[str, np.ndarray]], list]:
-    from train.data import IMAGE_SUFFIXES, load_image_file
+    """The requests to send, checked against the model's input (files as _check_local_inputs left them)."""
+    from train.data import load_image_file
 
     inputs, labels = [], []
     for f in ns.files:
         p = Path(f)
-        if not p.exists():
-            raise ClientError(f"{p}: no such file")
         if p.suffix == ".npy":
             arr = np.load(p)
             arr = arr[None] if arr.ndim == 3 else arr
@@ -144,11 +160,9 @@ def _gather_inputs(ns, chw: list[int]) -> tuple[list[tuple[str, np.ndarray]], li
             for i, row in enumerate(arr):
                 inputs.append((f"{p.name}[{i}]", row[None].astype(np.float32)))
                 labels.append(None)
-        elif p.suffix.lower() in IMAGE_SUFFIXES:
+        else:
             inputs.append((p.name, load_image_file(p, chw[-1])[None]))
             labels.append(None)
-        else:
-            raise ClientError(f"{p}: not an image or .npy file")
     if ns.heldout:
         from torchship.manifest import REFERENCE, read_manifest
 

@@ -251,6 +251,21 @@ def test_unreachable_server_is_a_clear_error(capsys, exported):
     assert "is the server running" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("case", ["missing", "suffix", "heldout"])
+def test_infer_refuses_a_bad_local_path_before_connecting(case, tmp_path, capsys):
+    """A missing or unsendable FILE, or a --heldout that is not an export, is named at once, not after
+    waiting for a server (none runs at this URL)."""
+    from serve.server import free_ports
+
+    (tmp_path / "notes.txt").write_text("x")
+    arg = {"missing": [tmp_path / "nope.npy"], "suffix": [tmp_path / "notes.txt"], "heldout": ["--heldout", tmp_path]}[case]
+    assert run_cli("infer", "--url", f"127.0.0.1:{free_ports()[0]}", *arg) == 2
+    err = capsys.readouterr().err
+    want = {"missing": "nope.npy: no such file", "suffix": "notes.txt: not an image or .npy file",
+            "heldout": "has no manifest.json"}[case]
+    assert want in err and "is the server running" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_unreachable_server_is_a_clear_error_on_the_lean_path():
     from serve.server import free_ports
 
