@@ -715,9 +715,14 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
                                              _one_level(cfg), input_name, bar, client)}
         except TorchshipError as e:
             served["noop"] = {"error": str(e)}
-    elif NOOP_MODEL in client.ready_models():
-        served["noop"] = {"rows": sweep(url, NOOP_MODEL, [pool[i:i + 1] for i in range(len(pool))], _one_level(cfg),
-                                         input_name, bar, client)}
+    else:
+        if cfg.batching_compare or cfg.queue_delays_us:
+            served["reconfigured"] = {"skipped": "the sweeps with dynamic batching off and other queue delays reload "
+                                                 f"models with changed configs, which only the embedded server allows; "
+                                                 f"not done against {url}"}
+        if NOOP_MODEL in client.ready_models():
+            served["noop"] = {"rows": sweep(url, NOOP_MODEL, [pool[i:i + 1] for i in range(len(pool))], _one_level(cfg),
+                                             input_name, bar, client)}
     if cfg.overhead:
         profile_dir = server.cfg.backend_profile if server is not None else None
         trace_file = server.cfg.trace_file if server is not None else None

@@ -180,6 +180,8 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
                     if b["requests_per_s"]:
                         lines.append(f"- concurrency {a['concurrency']}: {a['requests_per_s'] / b['requests_per_s']:.2f}x")
                 lines.append("")
+        if "reconfigured" in served:
+            lines += [f"Batching off and queue delays: {served['reconfigured']['skipped']}.", ""]
         ol = served.get("open_loop")
         if ol:
             lines += ["### Open loop (Poisson arrivals)", "", "| model | target req/s | achieved | p50 ms | p99 ms | errors |", "|---|---|---|---|---|---|"]
