@@ -294,19 +294,36 @@ def summarize(run_dir: Path, record: dict[str, Any]) -> str:
     bench = dirs["bench"] / "results.json"
     if bench.exists() and "bench" in record["stages"]:
         b = json.loads(bench.read_text())
-        lines += ["", "## Served latency (gRPC, batch 1, one request in flight)", "",
-                  "| model | p50 ms | p99 ms | in-process p50 ms |", "|---|---|---|---|"]
-        inproc = {r["variant"]: r for r in b.get("in_process", {}).get("rows", []) if r["batch"] == 1}
-        for model, mm in b.get("served", {}).get("models", {}).items():
-            r = mm["rows"][0]
-            fmt = model.rsplit("_", 1)[-1]
-            ip = inproc.get("aoti_buckets" if fmt == "aoti" else fmt, {})
-            lines.append(f"| {model} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {ip.get('p50_ms', float('nan')):.2f} |")
-        noop = (b.get("served", {}).get("noop", {}).get("rows") or [{}])[0]
-        if noop.get("n"):
-            lines.append(f"| (no-op floor) | {noop['p50_ms']:.2f} | {noop['p99_ms']:.2f} | |")
+        lines += served_latency_lines(b)
     lines += ["", f"Run folder: {run_dir}  ·  summary: {run_dir / 'summary.md'}  ·  bench report: {dirs['bench'] / 'report.md'}", ""]
     return "\n".join(lines)
+
+
+def served_latency_lines(b: dict) -> list[str]:
+    """The summary's batch-1 table: from bench's side-by-side overhead measurement (each served model, its
+    artifact in-process and the no-op floor in rotating blocks) where it ran, else from the sweeps."""
+    head = ["", "## Served latency (gRPC, batch 1, one request in flight)", ""]
+    rows = [r for r in b.get("served", {}).get("overhead", {}).get("rows", []) if r.get("floor")]
+    if rows:
+        lines = head + ["In-process, served and the no-op floor measured side by side; "
+                        "excess = served − in-process − floor (p50).", "",
+                        "| model | in-process p50 ms | served p50 ms | served p99 ms | floor p50 ms | excess ms |",
+                        "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['model']} | {r['in_process']['p50_ms']:.2f} | {r['served']['p50_ms']:.2f} | "
+                         f"{r['served']['p99_ms']:.2f} | {r['floor']['p50_ms']:.2f} | {r['excess_p50_ms']:+.2f} |")
+        return lines
+    lines = head + ["| model | p50 ms | p99 ms | in-process p50 ms |", "|---|---|---|---|"]
+    inproc = {r["variant"]: r for r in b.get("in_process", {}).get("rows", []) if r["batch"] == 1}
+    for model, mm in b.get("served", {}).get("models", {}).items():
+        r = mm["rows"][0]
+        fmt = model.rsplit("_", 1)[-1]
+        ip = inproc.get("aoti_buckets" if fmt == "aoti" else fmt, {})
+        lines.append(f"| {model} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {ip.get('p50_ms', float('nan')):.2f} |")
+    noop = (b.get("served", {}).get("noop", {}).get("rows") or [{}])[0]
+    if noop.get("n"):
+        lines.append(f"| (no-op floor) | {noop['p50_ms']:.2f} | {noop['p99_ms']:.2f} | |")
+    return lines
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
