@@ -948,16 +948,17 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
 
 def bench_server(serve_cfg, cfg: BenchConfig, manifest: dict, out: Path):
     """An embedded TritonServer (not started) set up as bench measures one: serve_cfg's repository with
-    the floor models' beside it, the backends' profile written under ``out``, and Triton's tracing
-    when ``cfg.trace``. Give it, started, to run_bench's ``server``; ``torchship run`` does."""
+    the floor models' beside it, the backends' profile written (under ``out`` unless serve_cfg names a
+    directory), and Triton's tracing when ``cfg.trace`` (into OUT/triton_trace.json unless serve_cfg
+    names a file). Give it, started, to run_bench's ``server``; ``torchship run`` does."""
     import dataclasses
 
     from .server import TritonServer
 
     trace = out / "triton_trace.json"
     trace.unlink(missing_ok=True)  # an earlier run's traces must not mix with this one's
-    serve_cfg = dataclasses.replace(serve_cfg, backend_profile=str(out / "backend_profile"),
-                                    trace_file=str(trace) if cfg.trace else None)
+    serve_cfg = dataclasses.replace(serve_cfg, backend_profile=serve_cfg.backend_profile or str(out / "backend_profile"),
+                                    trace_file=serve_cfg.trace_file or (str(trace) if cfg.trace else None))
     return TritonServer(serve_cfg, extra_repos=[noop_repo(out, manifest)])
 
 
