@@ -57,6 +57,10 @@ def test_results_and_report_are_well_formed(bench_run):
         assert (out / png).stat().st_size > 1000 and png in report
     assert "Which format wins where" in report and "No-op round trip" in report
     assert "Where the time goes at batch 1" in report and "one at a time over one bidirectional gRPC stream" in report
+    gains = report.split("Dynamic batching gain for tiny_cnn_onnx")[1].split("\n\n")[1].splitlines()
+    assert gains[0].startswith("- concurrency 1: ") and gains[0].endswith("(no batches formed: the difference is not batching)")
+    if served["models"]["tiny_cnn_onnx"]["rows"][1]["server"]["avg_batch"] > 1:
+        assert "no batches formed" not in gains[1]
 
 
 def test_overhead_is_measured_side_by_side_and_attributed(bench_run):
