@@ -55,7 +55,8 @@ def main_serve(ns: argparse.Namespace) -> int:
         print(f"backends: {host[info['python_host']]}" + (f" ({server.python_host_note})" if server.python_host_note else ""))
         if cfg.trace_file:
             print(f"trace: {cfg.trace_file} (Triton's timestamps for every request, written when the server stops)")
-        print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained)", flush=True)
+        print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained)")
+        print(f"try: torchship infer --url {info['grpc']} --check EXPORT_DIR   (served outputs against eager)", flush=True)
         while not stop.wait(0.5):
             if server.proc.poll() is not None:
                 print(f"tritonserver exited with code {server.proc.returncode}:\n{server.log_tail()}", file=sys.stderr)
