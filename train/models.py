@@ -15,7 +15,7 @@ TORCHVISION_ARCHS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "
 
 
 class TinyCNN(nn.Module):
-    """A ~25k-parameter CNN for fast tests and smoke runs."""
+    """A 5.5k-parameter CNN (at width 16) for fast tests and smoke runs."""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 16):
         super().__init__()
