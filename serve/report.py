@@ -157,8 +157,10 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
                   "statistics per request (µs); client-side = client mean latency minus the server's share "
                   "(network, serialization, gRPC).", ""]
         if floor.get("n"):
-            lines += [f"No-op round trip (the protocol floor, same tensors): p50 {floor['p50_ms']:.3f} ms, "
-                      f"p99 {floor['p99_ms']:.3f} ms.", ""]
+            lines += [f"No-op round trip (the protocol floor, same tensors), on its own before the overhead blocks: "
+                      f"p50 {floor['p50_ms']:.3f} ms, p99 {floor['p99_ms']:.3f} ms"
+                      + (" (the floor in the excess below is the one timed beside the models)." if served.get("overhead") else "."),
+                      ""]
         lines += overhead_lines(served.get("overhead"), results.get("machine", {}).get("python_host"))
         for section, title in (("models", "dynamic batching as configured"), ("batching_off", "dynamic batching off")):
             for model, mm in served.get(section, {}).items():
