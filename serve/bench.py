@@ -671,13 +671,13 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     if server is not None and server.cfg.trace_file:  # traced only while the overhead is measured
         set_trace(client, False)
     models = served_models(client, manifest, cfg)
+    embedded, ready = server is not None, client.ready_models()  # an embedded server loads both floor models itself
     if bar is not None:  # the start-up count assumed the export's three formats
-        ready = client.ready_models()
-        bar.total = bar.n + served_runs(cfg, manifest, models, server is not None,
-                                        floors=(server is not None or NOOP_MODEL in ready, server is not None or HOLD_MODEL in ready))
+        floors = (embedded or NOOP_MODEL in ready, embedded or HOLD_MODEL in ready)
+        bar.total = bar.n + served_runs(cfg, manifest, models, embedded, floors)
         bar.refresh()
     input_name = manifest["inputs"][0]["name"]
-    served: dict[str, Any] = {"url": url, "embedded": server is not None, "models": {}, "batching_off": {}, "delays": {}}
+    served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {}}
     results["served"] = served
     pool = real_inputs(export_dir, manifest, 64)
     for model in models:
@@ -720,7 +720,7 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
             served["reconfigured"] = {"skipped": "the sweeps with dynamic batching off and other queue delays reload "
                                                  f"models with changed configs, which only the embedded server allows; "
                                                  f"not done against {url}"}
-        if NOOP_MODEL in client.ready_models():
+        if NOOP_MODEL in ready:
             served["noop"] = {"rows": sweep(url, NOOP_MODEL, [pool[i:i + 1] for i in range(len(pool))], _one_level(cfg),
                                              input_name, bar, client)}
     if cfg.overhead:

@@ -97,7 +97,7 @@ def main_infer(ns: argparse.Namespace) -> int:
         raise ClientError("--top-k, -n and --concurrency must be at least 1")
     if ns.stream and ns.concurrency > 1:
         raise ClientError("--stream sends one request at a time; leave out --concurrency, or --stream")
-    _check_local_inputs(ns)  # a mistyped path is refused before any connection is tried
+    heldout = _check_local_inputs(ns)  # a mistyped path is refused before any connection is tried
     client = TritonClient(ns.url)
     client.wait_ready(10)
     model = ns.model or next(iter(client.ready_models()), None)
@@ -106,7 +106,7 @@ def main_infer(ns: argparse.Namespace) -> int:
     cfg = client.config(model)
     dims = [int(d) for d in cfg["input"][0]["dims"]]
     chw = dims[1:] if int(cfg.get("max_batch_size", 0)) == 0 else dims
-    inputs, labels = _gather_inputs(ns, chw)
+    inputs, labels = _gather_inputs(ns, chw, heldout)
     if not inputs:
         raise ClientError("nothing to send: give image/.npy FILES, --heldout EXPORT_DIR or --check EXPORT_DIR")
     results = _run_requests(client, model, inputs, ns)
@@ -127,8 +127,9 @@ def main_infer(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _check_local_inputs(ns) -> None:
-    """Every FILE exists and is an image or .npy file, and --heldout is an export directory."""
+def _check_local_inputs(ns) -> dict | None:
+    """Every FILE exists and is an image or .npy file, and --heldout is an export directory (its manifest
+    is returned)."""
     from train.data import IMAGE_SUFFIXES
 
     for f in ns.files:
@@ -137,14 +138,16 @@ def _check_local_inputs(ns) -> None:
             raise ClientError(f"{p}: no such file")
         if p.suffix != ".npy" and p.suffix.lower() not in IMAGE_SUFFIXES:
             raise ClientError(f"{p}: not an image or .npy file")
-    if ns.heldout:
-        from torchship.manifest import read_manifest
+    if not ns.heldout:
+        return None
+    from torchship.manifest import read_manifest
 
-        read_manifest(ns.heldout)
+    return read_manifest(ns.heldout)
 
 
-def _gather_inputs(ns, chw: list[int]) -> tuple[list[tuple[str, np.ndarray]], list]:
-    """The requests to send, checked against the model's input (files as _check_local_inputs left them)."""
+def _gather_inputs(ns, chw: list[int], heldout: dict | None) -> tuple[list[tuple[str, np.ndarray]], list]:
+    """The requests to send, checked against the model's input (files as _check_local_inputs left them;
+    ``heldout``: the --heldout export's manifest it returned)."""
     from train.data import load_image_file
 
     inputs, labels = [], []
@@ -164,17 +167,16 @@ def _gather_inputs(ns, chw: list[int]) -> tuple[list[tuple[str, np.ndarray]], li
         else:
             inputs.append((p.name, load_image_file(p, chw[-1])[None]))
             labels.append(None)
-    if ns.heldout:
-        from torchship.manifest import REFERENCE, read_manifest
+    if heldout is not None:
+        from torchship.manifest import REFERENCE
 
-        m = read_manifest(ns.heldout)
         ref = np.load(Path(ns.heldout) / REFERENCE)
         x, y = ref["input/heldout"][: ns.n], ref["labels/heldout"][: ns.n]
         if ns.n > len(x):
             print(f"torchship infer: {ns.heldout} holds {len(x)} held-out samples; sending those", file=sys.stderr)
         for i, (row, label) in enumerate(zip(x, y)):
             inputs.append((f"heldout[{i}]", row[None]))
-            labels.append(m["classes"][int(label)])
+            labels.append(heldout["classes"][int(label)])
     return inputs, labels
 
 

@@ -132,9 +132,11 @@ def load_image_file(path: str | Path, image_size: int) -> np.ndarray:
 
 def check_data_source(data: str) -> None:
     """Refuse a --data that names neither a built-in dataset nor a folder, before anything is written."""
-    if data in BUILTIN_DATA:
-        return
-    root = Path(data)
+    if data not in BUILTIN_DATA:
+        _check_folder(Path(data))
+
+
+def _check_folder(root: Path) -> None:
     if not root.exists():
         raise DataError(f"--data {root}: no such directory (use {' or '.join(BUILTIN_DATA)}, or an ImageFolder path)")
     if not root.is_dir():
@@ -144,7 +146,7 @@ def check_data_source(data: str) -> None:
 def scan_image_folder(root: str | Path) -> tuple[list[tuple[str, int]], list[str]]:
     """List (file, class index) pairs of an ImageFolder tree; DataError if unusable."""
     root = Path(root)
-    check_data_source(str(root))
+    _check_folder(root)
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     files: list[tuple[str, int]] = []
     for i, c in enumerate(classes):
