@@ -55,7 +55,8 @@ def main_serve(ns: argparse.Namespace) -> int:
         print(f"backends: {host[info['python_host']]}" + (f" ({server.python_host_note})" if server.python_host_note else ""))
         if cfg.trace_file:
             print(f"trace: {cfg.trace_file} (Triton's timestamps for every request, written when the server stops)")
-        print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained)")
+        kept = "" if cfg.log else ", removed after a clean stop: --log FILE keeps one"
+        print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained{kept})")
         print(f"try: torchship infer --url {info['grpc']} --check EXPORT_DIR   (served outputs against eager)", flush=True)
         while not stop.wait(0.5):
             if server.proc.poll() is not None:

@@ -63,7 +63,7 @@ class ServeConfig:
     http_port: int = opt(0, "HTTP port (0: pick a free one)")
     metrics_port: int = opt(0, "Prometheus metrics port (0: pick a free one)")
     ready_timeout: float = opt(120.0, "seconds to wait for the server and every model to become ready")
-    log: Optional[str] = opt(None, "server log file (default: a file in the system temp directory)")
+    log: Optional[str] = opt(None, "server log file (default: a temp file, removed after a clean stop and kept after a failure)")
     models: tuple[str, ...] = opt((), "load only these models (default: every model in the repository)")
     cpu_latency_us: Optional[int] = opt(None, "while serving, ask Linux to keep idle CPUs within this wake-up latency "
                                               "(a /dev/cpu_dma_latency request, as tuned's latency-performance profile does; "

@@ -245,7 +245,10 @@ class TritonServer:
         picked = iter(free_ports(cfg.host, 3 - len(given), avoid=given))
         self.grpc_port, self.http_port, self.metrics_port = (p or next(picked) for p in flags.values())
         self.proc: Optional[subprocess.Popen] = None
-        self.log_path = Path(cfg.log) if cfg.log else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        # without cfg.log, start() makes the log a temp file, removed after a clean stop and kept (and named)
+        # after a failure
+        self.log_path: Optional[Path] = Path(cfg.log) if cfg.log else None
+        self._keep_log = bool(cfg.log)
         self.loaded: list[str] = []
         self.cpu_latency: Optional[CpuLatencyRequest] = None
         self.python_host, self.python_host_note = resolve_python_host(cfg.python_host)
@@ -276,12 +279,16 @@ class TritonServer:
         return cmd
 
     def log_tail(self, lines: int = 25) -> str:
+        """The end of the server log, for an error message: the log is then kept, and its path ends the tail."""
+        if self.log_path is None:  # never started
+            return "(no server log)"
+        self._keep_log = True
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no server log)"
         keep = [l for l in text if "CudaDriverHelper" not in l]
-        return "\n".join(keep[-lines:])
+        return "\n".join(keep[-lines:] + [f"(full log: {self.log_path})"])
 
     def start(self) -> "TritonServer":
         """Start the server, load every model (or cfg.models) and wait until all are ready.
@@ -290,6 +297,8 @@ class TritonServer:
         if self.cfg.backend_profile:
             env["TORCHSHIP_BACKEND_PROFILE"] = str(Path(self.cfg.backend_profile).resolve())
         cpu_latency = CpuLatencyRequest(self.cfg.cpu_latency_us) if self.cfg.cpu_latency_us is not None else None
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -375,6 +384,8 @@ class TritonServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        if self.proc.returncode == 0 and not self._keep_log:
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
     def __enter__(self) -> "TritonServer":

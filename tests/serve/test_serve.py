@@ -222,6 +222,7 @@ def test_sigterm_during_a_stream_loses_no_completed_response(repo, exported):
         np.testing.assert_allclose(y, local.run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
     with pytest.raises(ProcessLookupError):  # no stub or server process left in its group
         os.killpg(pgid, 0)
+    server.log_path.unlink()
 
 
 def test_tampered_artifact_fails_served_parity(repo, exported, tmp_path, capsys):
@@ -242,6 +243,22 @@ def test_tampered_artifact_fails_served_parity(repo, exported, tmp_path, capsys)
         capsys.readouterr()
         assert run_cli("infer", "--url", s.url, "--check", exported) == 3
         assert "served parity" in capsys.readouterr().err
+    assert not s.log_path.exists()  # a temp log goes with a clean stop
+
+
+def test_a_model_that_fails_to_load_is_named_and_its_log_kept(repo, tmp_path):
+    """A broken artifact stops start-up with the model's name, the log's tail and the log's path; the
+    temp log that a clean stop removes is kept for the user to read."""
+    bad = tmp_path / "repo"
+    shutil.copytree(repo, bad)
+    path = bad / "tiny_cnn_onnx" / "1" / "model.onnx"
+    path.write_bytes(path.read_bytes()[:1000])
+    server = TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx",)))
+    with pytest.raises(ServerError, match="tiny_cnn_onnx failed to load") as e:
+        server.start()
+    assert f"(full log: {server.log_path})" in str(e.value)
+    assert server.log_path.exists() and server.proc.poll() is not None
+    server.log_path.unlink()
 
 
 def test_unreachable_server_is_a_clear_error(capsys, exported):
@@ -390,7 +407,7 @@ def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
 import sys, time
 from serve.config import ServeConfig
 from serve.server import TritonServer
-s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",))).start()
+s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",), log={str(tmp_path / "server.log")!r})).start()
 print(s.proc.pid, flush=True)
 time.sleep(600)
 """)
