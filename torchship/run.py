@@ -162,8 +162,11 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     t_all = time.perf_counter()
     sampler = RssSampler()
     server = None
+    current = start  # the stage running, as --from names it
 
     def stage(name: str):
+        nonlocal current
+        current = ALIASES.get(name.split()[0], name)
         log(f"\n== {name} " + "=" * (60 - len(name)))
         return time.perf_counter()
 
@@ -250,6 +253,16 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
             failed = sum(r["failed"] for m in results.get("served", {}).get("models", {}).values() for r in m["rows"])
             done("bench", t0, report=str(dirs["bench"] / "report.md"))
             gate("bench", failed == 0, f"{failed} failed requests")
+        record["outcome"] = {"status": "passed"}
+    except GateError as e:
+        record["outcome"] = {"status": "gate failed", "stage": current, "error": str(e)}
+        raise
+    except KeyboardInterrupt:
+        record["outcome"] = {"status": "interrupted", "stage": current}
+        raise
+    except Exception as e:
+        record["outcome"] = {"status": "failed", "stage": current, "error": f"{type(e).__name__}: {e}"}
+        raise
     finally:
         if server is not None:
             t0 = time.perf_counter()
@@ -265,10 +278,24 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     return record
 
 
+def outcome_line(run_dir: Path, outcome: dict[str, Any]) -> str:
+    """The summary's headline: whether every stage ran and passed, and if not, where the run stopped and
+    how to go on from there."""
+    status, where = outcome.get("status"), outcome.get("stage")
+    again = f"`torchship run --out {run_dir} --from {where}`"
+    if status == "passed":
+        return "**all gates passed**"
+    if status == "gate failed":
+        return f"**a gate FAILED**: {outcome['error']}"
+    if status == "interrupted":
+        return f"**interrupted** in the {where} stage: the stages after it did not run; go on with {again}"
+    error = outcome.get("error", "unknown error").splitlines()[0]
+    return f"**stopped by an error** in the {where} stage ({error}); the stages after it did not run; once fixed, go on with {again}"
+
+
 def summarize(run_dir: Path, record: dict[str, Any]) -> str:
     dirs = layout(run_dir)
-    ok = all(g["pass"] for g in record["gates"].values())
-    lines = [f"# torchship run: {run_dir}", "", f"**{'all gates passed' if ok else 'a gate FAILED'}**", "",
+    lines = [f"# torchship run: {run_dir}", "", outcome_line(run_dir, record.get("outcome", {})), "",
              "| stage | seconds | result |", "|---|---|---|"]
     for name, st in record["stages"].items():
         g = record["gates"].get(name, {})

@@ -23,7 +23,7 @@ def run_dir(tmp_path_factory):
 def test_every_stage_output_exists_and_is_consistent(run_dir):
     rec = json.loads((run_dir / "run.json").read_text())
     assert list(rec["stages"])[:5] == ["train", "export", "repo", "check", "bench"]
-    assert all(g["pass"] for g in rec["gates"].values())
+    assert all(g["pass"] for g in rec["gates"].values()) and rec["outcome"] == {"status": "passed"}
     assert rec["peak_rss_bytes"] > 0 and rec["server_exit_code"] == 0
     index = json.loads((run_dir / "train/checkpoints/index.json").read_text())
     assert (run_dir / "train/checkpoints" / index["best"] / "model.pt").exists()
@@ -79,6 +79,39 @@ def test_a_failing_gate_exits_non_zero_naming_the_stage(run_dir, tmp_path, capsy
     assert "stage check:" in err and "tiny_cnn_onnx" in err
     rec = json.loads((bad / "run.json").read_text())
     assert rec["gates"]["check"]["pass"] is False and rec["server_exit_code"] == 0
+    assert rec["outcome"]["status"] == "gate failed" and "**a gate FAILED**: stage check:" in (bad / "summary.md").read_text()
+
+
+def test_a_run_stopped_by_an_error_says_where_and_how_to_go_on(run_dir, tmp_path, capsys):
+    """No gate failed, yet the run did not finish: the summary must not read "all gates passed"."""
+    bad = tmp_path / "run"
+    shutil.copytree(run_dir, bad)
+    path = bad / "model_repository/tiny_cnn_onnx/1/model.onnx"
+    path.write_bytes(path.read_bytes()[:1000])  # the server cannot load it
+    assert run_cli("run", "--out", bad, "--config", CONFIG, "--from", "check") == 2
+    assert "tiny_cnn_onnx failed to load" in capsys.readouterr().err
+    rec = json.loads((bad / "run.json").read_text())
+    assert rec["outcome"]["status"] == "failed" and rec["outcome"]["stage"] == "check"
+    summary = (bad / "summary.md").read_text()
+    assert "all gates passed" not in summary
+    assert "**stopped by an error** in the check stage (ServerError: model tiny_cnn_onnx failed to load" in summary
+    assert f"--out {bad} --from check" in summary
+
+
+def test_an_interrupted_run_says_so(run_dir, tmp_path, monkeypatch, capsys):
+    import serve.bench
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve.bench, "run_bench", interrupt)
+    bad = tmp_path / "run"
+    shutil.copytree(run_dir, bad)
+    assert run_cli("run", "--out", bad, "--config", CONFIG, "--from", "bench") == 130
+    rec = json.loads((bad / "run.json").read_text())
+    assert rec["outcome"] == {"status": "interrupted", "stage": "bench"} and rec["server_exit_code"] == 0
+    summary = (bad / "summary.md").read_text()
+    assert "all gates passed" not in summary and "**interrupted** in the bench stage" in summary
 
 
 def test_from_a_stage_whose_inputs_are_missing(tmp_path, capsys):
