@@ -306,6 +306,9 @@ class TritonServer:
         except BaseException:
             if cpu_latency is not None:
                 cpu_latency.close()
+            log.close()
+            if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
+                self.log_path.unlink(missing_ok=True)
             raise
         finally:
             log.close()

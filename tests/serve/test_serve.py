@@ -261,6 +261,16 @@ def test_a_model_that_fails_to_load_is_named_and_its_log_kept(repo, tmp_path):
     server.log_path.unlink()
 
 
+def test_a_server_that_cannot_be_started_leaves_no_temp_log(repo, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(TritonServer, "command", lambda self: [str(tmp_path / "no-such-tritonserver")])
+    with pytest.raises(FileNotFoundError):
+        TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",))).start()
+    assert list(tmp_path.glob("tritonserver-*.log")) == []
+
+
 def test_unreachable_server_is_a_clear_error(capsys, exported):
     from serve.server import free_ports
 
