@@ -66,7 +66,10 @@ def main_serve(ns: argparse.Namespace) -> int:
         code = server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print(f"server stopped (exit code {code})")
+    if server.stop_note:
+        print(f"server killed (exit code {code}): {server.stop_note}")
+    else:
+        print(f"server stopped (exit code {code})")
     return 0
 
 

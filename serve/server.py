@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -250,6 +251,7 @@ class TritonServer:
         self.log_path: Optional[Path] = Path(cfg.log) if cfg.log else None
         self._keep_log = bool(cfg.log)
         self.loaded: list[str] = []
+        self.stop_note: Optional[str] = None  # set by stop() when it had to cut the shutdown short
         self.cpu_latency: Optional[CpuLatencyRequest] = None
         self.python_host, self.python_host_note = resolve_python_host(cfg.python_host)
 
@@ -270,7 +272,7 @@ class TritonServer:
                f"--http-address={self.cfg.host}", f"--http-port={self.http_port}",
                f"--metrics-address={self.cfg.host}", f"--metrics-port={self.metrics_port}",
                "--allow-gpu-metrics=false", "--exit-on-error=false", "--strict-readiness=true",
-               "--exit-timeout-secs=20", "--log-verbose=0", f"--cache-directory={home / 'caches'}"]
+               f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0", f"--cache-directory={home / 'caches'}"]
         if not cuda_visible():
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
         if self.cfg.trace_file:
@@ -369,18 +371,30 @@ class TritonServer:
         return grpcclient.InferenceServerClient(self.url)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs."""
+        """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs, or once every
+        request is answered and a model still will not unload (``stop_note`` then says which)."""
         if self.cpu_latency is not None:
             self.cpu_latency.close()
             self.cpu_latency = None
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
+        since = self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
         self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.proc.wait(0.25)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            stuck = unload_stalled(self.log_text(since))
+            if stuck or time.monotonic() > deadline:
+                if stuck:
+                    self.stop_note = (stall_note(loaded_models(self.log_text()) or [f"{stuck} model(s)"])
+                                      + f" (server log: {self.log_path})")
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+                break
         # stub processes share the server's process group; make sure none outlives it
         try:
             os.killpg(self.proc.pid, 0)
@@ -391,12 +405,53 @@ class TritonServer:
             self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
+    def log_text(self, since: int = 0) -> str:
+        """The server log from byte ``since`` on ("" if there is none)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                return f.read().decode(errors="replace")
+        except (OSError, TypeError):
+            return ""
+
     def __enter__(self) -> "TritonServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
+
+# Once SIGTERM's drain is over, Triton unloads every model and reports the ones still live once a second.
+UNLOAD_STALL_TICKS = 5
+EXIT_TIMEOUT_S = 20
+
+
+def unload_stalled(log: str) -> int:
+    """How many models are still live after ``UNLOAD_STALL_TICKS`` unchanged reports once every request has
+    been answered, from what Triton logged after SIGTERM; 0 while the shutdown still makes progress."""
+    mark = log.find("All models are stopped, unloading models")
+    if mark < 0:
+        return 0
+    live = [int(n) for n in re.findall(r"Found (\d+) live models and 0 in-flight non-inference requests", log[mark:])]
+    if len(live) < UNLOAD_STALL_TICKS or len(set(live[-UNLOAD_STALL_TICKS:])) > 1:
+        return 0
+    return live[-1]
+
+
+def loaded_models(log: str) -> list[str]:
+    """The models that the log shows loaded and not unloaded since."""
+    state: dict[str, bool] = {}
+    for verb, name in re.findall(r"successfully (loaded|unloaded) '([^']+)'", log):
+        state[name] = verb == "loaded"
+    return sorted(n for n, up in state.items() if up)
+
+
+def stall_note(models: list[str]) -> str:
+    return (f"{', '.join(models)} still loaded at {UNLOAD_STALL_TICKS} checks in a row (one a second) after every "
+            f"request was answered, so the server was killed rather than left to its {EXIT_TIMEOUT_S} s exit "
+            "timeout. Triton 2.51 keeps a model loaded for good once the first request of a gRPC stream was "
+            "refused for it (a wrong shape, dtype or input name); unary calls, and refusals later in a stream, do "
+            "not")
 
 
 def describe(server: TritonServer) -> dict:

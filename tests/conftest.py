@@ -67,4 +67,5 @@ def server(repo):
     s = TritonServer(ServeConfig(repo=str(repo)))
     s.start()
     yield s
-    s.stop()
+    code = s.stop()
+    assert code == 0, f"the shared server did not stop cleanly (exit code {code}):\n{s.log_tail()}"

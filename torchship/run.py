@@ -268,6 +268,9 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
             t0 = time.perf_counter()
             code = server.stop()
             record["server_exit_code"] = code
+            if server.stop_note:
+                record["server_stop_note"] = server.stop_note
+                log(f"note: {server.stop_note}")
             record["stages"].setdefault("stop", {"seconds": round(time.perf_counter() - t0, 1)})
         record["total_seconds"] = round(time.perf_counter() - t_all, 1)
         record["peak_rss_bytes"] = sampler.peak

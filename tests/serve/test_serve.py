@@ -225,6 +225,49 @@ def test_sigterm_during_a_stream_loses_no_completed_response(repo, exported):
     server.log_path.unlink()
 
 
+def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported):
+    """Triton 2.51 never unloads a model once the first request of a gRPC stream was refused for it, so
+    its shutdown would wait out the exit timeout and fail; stop() ends it once every request is answered
+    and says which model would not unload."""
+    from serve.client import InferStream, decode, infer_channel, request
+
+    server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",))).start()
+    channel, _ = infer_channel(server.url)
+    stream = InferStream(channel)
+    try:
+        with pytest.raises(ClientError, match="shape"):
+            stream(request("tiny_cnn_onnx", np.zeros((1, 3, 16, 16), np.float32), "images"))
+        x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
+        np.testing.assert_allclose(decode(stream(request("tiny_cnn_onnx", x, "images")), "logits"),
+                                   in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+    finally:
+        stream.close()
+        channel.close()
+    pgid = server.proc.pid
+    server.stop()
+    assert server.stop_note and server.stop_note.startswith("tiny_cnn_onnx still loaded")
+    assert f"(server log: {server.log_path})" in server.stop_note
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    server.log_path.unlink()
+
+
+def test_unload_stall_is_read_from_the_log():
+    from serve.server import UNLOAD_STALL_TICKS, loaded_models, unload_stalled
+
+    head = ("Signal (15) received.\n\"Timeout 20: Found 1 model versions that have in-flight inferences\"\n"
+            "\"All models are stopped, unloading models\"\n")
+    tick = "\"Timeout {}: Found {} live models and {} in-flight non-inference requests\"\n"
+    stalled = head + "".join(tick.format(20 - i, 1, 0) for i in range(UNLOAD_STALL_TICKS))
+    assert unload_stalled(stalled) == 1
+    assert unload_stalled(head + "".join(tick.format(20 - i, 1, 0) for i in range(UNLOAD_STALL_TICKS - 1))) == 0
+    assert unload_stalled(head + "".join(tick.format(20 - i, 1, 1) for i in range(9))) == 0  # still working
+    assert unload_stalled(head + "".join(tick.format(20 - i, 9 - i, 0) for i in range(9))) == 0  # progressing
+    assert unload_stalled(stalled.replace("All models are stopped", "Waiting")) == 0  # requests not drained
+    log = "successfully loaded 'a'\nsuccessfully loaded 'b'\nsuccessfully unloaded 'a'\nsuccessfully loaded 'c'\n"
+    assert loaded_models(log + "successfully unloaded 'c'\n") == ["b"]
+
+
 def test_tampered_artifact_fails_served_parity(repo, exported, tmp_path, capsys):
     import onnx
 
