@@ -41,6 +41,18 @@ def test_served_equals_in_process(server, exported, model):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def refused_then_served(stream, exported) -> None:
+    """A wrong-shaped request on ``stream`` is refused with the server's message; the next one is served
+    and equals in-process ONNX Runtime."""
+    from serve.client import decode, request
+
+    with pytest.raises(ClientError, match="unexpected shape|shape"):
+        stream(request("tiny_cnn_onnx", np.zeros((1, 3, 16, 16), np.float32), "images"))
+    x = np.random.default_rng(9).random((1, 3, 32, 32), dtype=np.float32)
+    np.testing.assert_allclose(decode(stream(request("tiny_cnn_onnx", x, "images")), "logits"),
+                               in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+
+
 def test_one_stream_carries_requests_in_turn_and_survives_a_refusal(server, exported):
     """The bench's one-at-a-time transport: every model over one ModelStreamInfer call answers as the
     unary call does, for its own request; a refused request raises and the stream keeps serving."""
@@ -56,11 +68,7 @@ def test_one_stream_carries_requests_in_turn_and_survives_a_refusal(server, expo
                 x = np.random.default_rng(k).random((1 + k % 3, 3, 32, 32), dtype=np.float32)
                 req = request(model, x, "images")
                 np.testing.assert_array_equal(decode(stream(req), "logits"), decode(unary(req), "logits"))
-        with pytest.raises(ClientError, match="unexpected shape|shape"):
-            stream(request("tiny_cnn_onnx", np.zeros((1, 3, 16, 16), np.float32), "images"))
-        x = np.random.default_rng(9).random((1, 3, 32, 32), dtype=np.float32)
-        np.testing.assert_allclose(decode(stream(request("tiny_cnn_onnx", x, "images")), "logits"),
-                                   in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+        refused_then_served(stream, exported)
     finally:
         stream.close()
         channel.close()
@@ -229,17 +237,13 @@ def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported):
     """Triton 2.51 never unloads a model once the first request of a gRPC stream was refused for it, so
     its shutdown would wait out the exit timeout and fail; stop() ends it once every request is answered
     and says which model would not unload."""
-    from serve.client import InferStream, decode, infer_channel, request
+    from serve.client import InferStream, infer_channel
 
     server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",))).start()
     channel, _ = infer_channel(server.url)
     stream = InferStream(channel)
     try:
-        with pytest.raises(ClientError, match="shape"):
-            stream(request("tiny_cnn_onnx", np.zeros((1, 3, 16, 16), np.float32), "images"))
-        x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
-        np.testing.assert_allclose(decode(stream(request("tiny_cnn_onnx", x, "images")), "logits"),
-                                   in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+        refused_then_served(stream, exported)
     finally:
         stream.close()
         channel.close()
