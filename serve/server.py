@@ -4,6 +4,7 @@ process against a repository, with the environment its Python stub needs set up 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import shutil
@@ -25,6 +26,9 @@ from .config import ServeConfig, cuda_visible
 from .repository import EMBEDDED_CONFIG, read_config
 
 HERE = Path(__file__).resolve().parent
+EXIT_TIMEOUT_S = 20  # Triton's own limit for draining and unloading after SIGTERM
+# Once SIGTERM's drain is over, Triton unloads every model and reports the ones still live once a second.
+UNLOAD_STALL_TICKS = 5
 
 
 def free_ports(host: str = "127.0.0.1", n: int = 1, avoid: Sequence[int] = ()) -> list[int]:
@@ -308,7 +312,6 @@ class TritonServer:
         except BaseException:
             if cpu_latency is not None:
                 cpu_latency.close()
-            log.close()
             if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
                 self.log_path.unlink(missing_ok=True)
             raise
@@ -378,23 +381,31 @@ class TritonServer:
             self.cpu_latency = None
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        since = self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
+        try:
+            log = open(self.log_path, "rb")
+            log.seek(0, os.SEEK_END)
+        except OSError:  # the log was removed meanwhile: stop without watching it
+            log = io.BytesIO()
+        shutdown_log = b""  # what the server logs from SIGTERM on, read as it comes
         self.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.proc.wait(0.25)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            stuck = unload_stalled(self.log_text(since))
-            if stuck or time.monotonic() > deadline:
-                if stuck:
-                    self.stop_note = (stall_note(loaded_models(self.log_text()) or [f"{stuck} model(s)"])
-                                      + f" (server log: {self.log_path})")
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-                break
+        with log:
+            while True:
+                try:
+                    self.proc.wait(0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                shutdown_log += log.read()
+                stuck = unload_stalled(shutdown_log.decode(errors="replace"))
+                if stuck or time.monotonic() > deadline:
+                    if stuck:
+                        log.seek(0)
+                        self.stop_note = (stall_note(loaded_models(log.read().decode(errors="replace"))
+                                                     or [f"{stuck} model(s)"]) + f" (server log: {self.log_path})")
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(10)
+                    break
         # stub processes share the server's process group; make sure none outlives it
         try:
             os.killpg(self.proc.pid, 0)
@@ -405,25 +416,11 @@ class TritonServer:
             self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
-    def log_text(self, since: int = 0) -> str:
-        """The server log from byte ``since`` on ("" if there is none)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(since)
-                return f.read().decode(errors="replace")
-        except (OSError, TypeError):
-            return ""
-
     def __enter__(self) -> "TritonServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-# Once SIGTERM's drain is over, Triton unloads every model and reports the ones still live once a second.
-UNLOAD_STALL_TICKS = 5
-EXIT_TIMEOUT_S = 20
 
 
 def unload_stalled(log: str) -> int:
