@@ -42,7 +42,8 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-                            "python": sys.version.split()[0], "git_revision": git_revision(), "versions": {}}
+                            "python": sys.version.split()[0], "git_revision": git_revision(), "versions": {},
+                            "bench_cpus": sorted(os.sched_getaffinity(0))}  # the client's and in-process runs' CPUs
     for mod in ("torch", "torchvision", "onnx", "onnxruntime", "tritonclient", "numpy", "grpc"):
         try:
             info["versions"][mod] = __import__(mod).__version__
@@ -916,7 +917,10 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
                     if server.python_host_note:
                         log(server.python_host_note)
                 if server is not None:
+                    from .server import server_cpus
+
                     results["machine"]["python_host"] = server.python_host
+                    results["machine"]["server_cpus"] = server_cpus(server)
                 url = server.url if server is not None else cfg.url
                 log(f"served: {url}")
                 bench_served(cfg, export_dir, manifest, url, server, bar, results, save)
@@ -969,7 +973,8 @@ def _start_embedded(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Pat
     repo = Path(cfg.repo) if cfg.repo else out / "repo"
     if not cfg.repo:
         build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
-    serve_cfg = ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"), python_host=cfg.python_host)
+    serve_cfg = ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"), python_host=cfg.python_host,
+                            cpus=cfg.server_cpus)
     server = bench_server(serve_cfg, cfg, manifest, out)
     server.start()
     return server

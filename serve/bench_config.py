@@ -8,6 +8,8 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.errors import ConfigError
 
+from .config import parse_cpus
+
 IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
 
 
@@ -47,6 +49,8 @@ class BenchConfig:
                                                "stream (ModelStreamInfer)")
     python_host: Literal["auto", "server", "stub"] = opt("auto", "embedded server: where torchship's Python-based "
                                                           "backends run (see torchship serve --help)")
+    server_cpus: Optional[str] = opt(None, "embedded server: run it on these CPUs only (see torchship serve --cpus); "
+                                           "pin the bench itself, client and in-process runs, with taskset -c")
     skip_in_process: bool = opt(False, "skip the in-process part")
     skip_served: bool = opt(False, "skip the served part")
     plots: bool = opt(True, "draw the matplotlib plots")
@@ -68,6 +72,10 @@ class BenchConfig:
             raise ConfigError("--cpu-latency-us must be 0 or more")
         if self.rate is not None and self.rate <= 0:
             raise ConfigError("--rate must be positive")
+        if self.server_cpus is not None:
+            if self.url:
+                raise ConfigError("--server-cpus pins the embedded server; an external one (--url) is pinned where it runs")
+            parse_cpus(self.server_cpus, "--server-cpus")
         if self.trace and (self.url or self.skip_served or not self.overhead):
             raise ConfigError("--trace needs the overhead measurement on the embedded server (no --url, --skip-served "
                               "or --no-overhead)")

@@ -53,6 +53,8 @@ def main_serve(ns: argparse.Namespace) -> int:
         print(f"models: {', '.join(info['models'])}")
         host = {"server": "inside the server process", "stub": "in Triton's python-backend stub processes"}
         print(f"backends: {host[info['python_host']]}" + (f" ({server.python_host_note})" if server.python_host_note else ""))
+        if cfg.cpus:
+            print(f"pinned to CPUs {','.join(map(str, info['cpus']))} (--cpus {cfg.cpus})")
         if cfg.trace_file:
             print(f"trace: {cfg.trace_file} (Triton's timestamps for every request, written when the server stops)")
         kept = "" if cfg.log else ", removed after a clean stop: --log FILE keeps one"

@@ -15,6 +15,22 @@ TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.07-py3"
 REPOSITORY_DIR = "model_repository"
 
 
+def parse_cpus(spec: str, flag: str = "--cpus") -> list[int]:
+    """A Linux CPU list ("1", "0-3", "0,2-3", as taskset -c and cpuset take it) as sorted CPU numbers.
+    Raises ConfigError naming the problem: bad syntax, or a CPU this machine does not have."""
+    cpus: set[int] = set()
+    for part in spec.replace(" ", "").split(","):
+        lo, sep, hi = part.partition("-")
+        if not (lo.isdigit() and (hi.isdigit() if sep else not hi)) or (sep and int(hi) < int(lo)):
+            raise ConfigError(f"{flag} {spec!r}: write CPU numbers and ranges, as in 1, 0-3 or 0,2-3")
+        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
+    have = os.cpu_count() or 1
+    missing = sorted(c for c in cpus if c >= have)
+    if missing:
+        raise ConfigError(f"{flag} {spec!r}: this machine has CPUs 0-{have - 1}, not {', '.join(map(str, missing))}")
+    return sorted(cpus)
+
+
 def cuda_visible() -> bool:
     """Whether torch sees a CUDA device here (decides KIND_GPU and the server's CUDA memory pools)."""
     try:
@@ -68,6 +84,9 @@ class ServeConfig:
     cpu_latency_us: Optional[int] = opt(None, "while serving, ask Linux to keep idle CPUs within this wake-up latency "
                                               "(a /dev/cpu_dma_latency request, as tuned's latency-performance profile does; "
                                               "0 keeps them polling). Trades power for latency; needs root")
+    cpus: Optional[str] = opt(None, "run the server (every thread of it, the models' included) on these CPUs only, as a "
+                                    "Linux CPU list: 1, 0-3 or 0,2-3 (default: the CPUs this process may use). Keeps "
+                                    "Triton's threads on CPUs whose caches they share; fewer CPUs serve less under load")
     python_host: Literal["auto", "server", "stub"] = opt("auto", "where torchship's Python-based backends run: inside the "
                                                           "Triton server process (server: a small library built on "
                                                           "first use, needing a C compiler and a shared libpython), in "
@@ -85,5 +104,7 @@ class ServeConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a port number")
         if self.cpu_latency_us is not None and self.cpu_latency_us < 0:
             raise ConfigError("--cpu-latency-us must be 0 or more")
+        if self.cpus is not None:
+            parse_cpus(self.cpus)
         if self.trace_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_file))):
             raise ConfigError(f"--trace-file {self.trace_file}: its directory does not exist")

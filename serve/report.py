@@ -117,13 +117,21 @@ def overhead_lines(ov: dict[str, Any] | None, host: str | None = None) -> list[s
     return lines + [""]
 
 
+def cpu_pinning(m: dict[str, Any]) -> str:
+    """' · bench on CPUs …, server on CPUs …' when either ran on fewer than all of the machine's CPUs."""
+    every = list(range(m.get("cores") or 0))
+    parts = [f"{who} on CPU{'s' if len(c) > 1 else ''} {','.join(map(str, c))}"
+             for who, c in (("bench", m.get("bench_cpus")), ("server", m.get("server_cpus"))) if c and c != every]
+    return " · " + ", ".join(parts) if parts else ""
+
+
 def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path:
     m = results["machine"]
     lim = results.get("limits", {})
     lines = [f"# Benchmark: {results['export']['name']}", "",
              f"{results['created']} · CPU {m['cpu']} ({m['cores']} cores) · GPU {m.get('gpu') or 'none'} · "
              f"torch {m['versions'].get('torch')} · onnxruntime {m['versions'].get('onnxruntime')} · "
-             f"git {m.get('git_revision') or '?'}", ""]
+             f"git {m.get('git_revision') or '?'}" + cpu_pinning(m), ""]
     w = wins(results)
     if w:
         lines += ["## Which format wins where", "", *w, ""]

@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from torchship.errors import ServerError
 
 from . import child_env
-from .config import ServeConfig, cuda_visible
+from .config import ServeConfig, cuda_visible, parse_cpus
 from .repository import EMBEDDED_CONFIG, read_config
 
 HERE = Path(__file__).resolve().parent
@@ -258,6 +258,14 @@ class TritonServer:
         self.stop_note: Optional[str] = None  # set by stop() when it had to cut the shutdown short
         self.cpu_latency: Optional[CpuLatencyRequest] = None
         self.python_host, self.python_host_note = resolve_python_host(cfg.python_host)
+        self.cpus: list[int] = parse_cpus(cfg.cpus) if cfg.cpus else []  # [] : inherit this process's CPUs
+
+    def _in_child(self) -> None:
+        """In the child before exec: tie the server's life to this process, and pin it to cfg.cpus (every
+        thread Triton starts inherits the mask)."""
+        _die_with_parent()
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
 
     @property
     def url(self) -> str:
@@ -308,12 +316,17 @@ class TritonServer:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
-        except BaseException:
+                                         start_new_session=True, preexec_fn=self._in_child)
+        except BaseException as e:
             if cpu_latency is not None:
                 cpu_latency.close()
             if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
                 self.log_path.unlink(missing_ok=True)
+            if self.cpus and isinstance(e, subprocess.SubprocessError):  # only the affinity call can fail in the child
+                allowed = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+                raise ServerError(f"--cpus {self.cfg.cpus}: Linux refused to run the server on CPUs "
+                                  f"{','.join(map(str, self.cpus))} (this process may use {allowed}; a container or "
+                                  "cgroup may allow fewer)") from None
             raise
         finally:
             log.close()
@@ -453,5 +466,14 @@ def stall_note(models: list[str]) -> str:
 
 def describe(server: TritonServer) -> dict:
     return {"grpc": server.url, "python_host": server.python_host, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
-            "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None}
+            "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None,
+            "cpus": server_cpus(server)}
+
+
+def server_cpus(server: TritonServer) -> list[int]:
+    """The CPUs the running server may use, as Linux reports them for its process ([] once it has exited)."""
+    try:
+        return sorted(os.sched_getaffinity(server.proc.pid)) if server.proc else []
+    except OSError:
+        return []
 

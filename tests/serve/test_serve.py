@@ -454,6 +454,48 @@ def test_cpu_latency_request_is_held_while_serving_and_released(tmp_path):
     assert current() == baseline and baseline != 0
 
 
+def test_cpus_pin_every_server_thread_and_the_model_still_answers(repo, exported):
+    """--cpus: every thread of the server process (Triton's, gRPC's, the backends' and the model's) runs
+    on the CPUs given, set before exec so that no thread starts outside them."""
+    from serve.server import describe
+
+    last = max(os.sched_getaffinity(0))
+    if last == 0:
+        pytest.skip("needs a second CPU to tell a pinned server from one that is not")
+    x = np.random.default_rng(0).random((3, 3, 32, 32), dtype=np.float32)
+    with TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), cpus=str(last))) as s:
+        got = TritonClient(s.url).infer("tiny_cnn_onnx", x)  # the model has run, so its threads exist
+        tasks = list(Path(f"/proc/{s.proc.pid}/task").iterdir())
+        masks = {tuple(sorted(os.sched_getaffinity(int(t.name)))) for t in tasks}
+        assert describe(s)["cpus"] == [last]
+    assert len(tasks) > 10 and masks == {(last,)}
+    np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
+
+
+def test_cpus_are_checked_and_a_refused_pin_is_named(repo, tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from serve.config import parse_cpus
+    from torchship.errors import ConfigError
+
+    for spec, message in (("1-0", "write CPU numbers"), ("", "write CPU numbers"), ("0,a", "write CPU numbers"),
+                          (str(os.cpu_count()), f"has CPUs 0-{os.cpu_count() - 1}, not {os.cpu_count()}")):
+        with pytest.raises(ConfigError, match=message):
+            ServeConfig(repo=str(repo), cpus=spec)
+    assert run_cli("serve", repo, "--cpus", "0-") == 2
+    assert "--cpus '0-'" in capsys.readouterr().err
+    assert run_cli("bench", repo, "--url", "127.0.0.1:1", "--server-cpus", "0") == 2
+    assert "--server-cpus" in capsys.readouterr().err
+    monkeypatch.setattr(os, "cpu_count", lambda: 4096)
+    assert parse_cpus("3, 0-1,1") == [0, 1, 3]
+    # a CPU that passes the check but that Linux will not give: the child's refusal becomes a clear error
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), cpus="4000"))
+    with pytest.raises(ServerError, match="--cpus 4000: Linux refused to run the server on CPUs 4000"):
+        server.start()
+    assert server.proc is None and list(tmp_path.glob("tritonserver-*.log")) == []
+
+
 def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
     """SIGKILL the process that started the server: no finally block runs, yet the server goes too."""
     import subprocess
