@@ -1,12 +1,14 @@
 """Benchmark stage: well-formed results and report, ordered percentiles, --compare, and bad input."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from serve.bench import compare, read_profile, run_bench, served_runs, trace_legs
 from serve.bench_config import BenchConfig
+from serve.report import cpu_pinning
 from tests.conftest import run_cli
 from torchship.config import build
 from torchship.errors import BenchError, ClientError, ServerError
@@ -33,6 +35,7 @@ def test_results_and_report_are_well_formed(bench_run):
     assert on_disk["format"] == "torchship.bench/1" and not on_disk["errors"]
     m = on_disk["machine"]
     assert m["cpu"] and m["cores"] and m["versions"]["torch"] and "git_revision" in m
+    assert m["bench_cpus"] == m["server_cpus"] == sorted(os.sched_getaffinity(0))  # nothing pinned: the server inherits
     assert on_disk["limits"]["flops_per_sample"] > 0 and on_disk["limits"]["fp32_flops"] > 0
     rows = on_disk["in_process"]["rows"]
     assert {(r["variant"], r["batch"]) for r in rows} == {(v, b) for v in SHORT["variants"] for b in SHORT["batch_sizes"]}
@@ -56,6 +59,9 @@ def test_results_and_report_are_well_formed(bench_run):
     for png in ("latency_cdf.png", "throughput_vs_concurrency.png", "p99_vs_throughput.png"):
         assert (out / png).stat().st_size > 1000 and png in report
     assert "Which format wins where" in report and "No-op round trip" in report
+    pinned = "server on CPU" in report.splitlines()[2]
+    assert pinned == (m["server_cpus"] != list(range(m["cores"])))
+    assert cpu_pinning({"cores": 4, "bench_cpus": [0], "server_cpus": [2, 3]}) == " · bench on CPU 0, server on CPUs 2,3"
     assert "Where the time goes at batch 1" in report and "one at a time over one bidirectional gRPC stream" in report
     gains = report.split("Dynamic batching gain for tiny_cnn_onnx")[1].split("\n\n")[1].splitlines()
     assert gains[0].startswith("- concurrency 1: ") and gains[0].endswith("(no batches formed: the difference is not batching)")
