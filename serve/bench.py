@@ -927,6 +927,9 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
             finally:
                 if own and server is not None:
                     server.stop()
+                    if server.stop_note:
+                        results["server_stop_note"] = server.stop_note
+                        log(f"note: {server.stop_note}")
     except TorchshipError as e:
         failure = e
         results["errors"].append(str(e))

@@ -235,6 +235,8 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
         lines.append("")
     if results.get("errors"):
         lines += ["## Errors", "", *[f"- {e}" for e in results["errors"]], ""]
+    if results.get("server_stop_note"):
+        lines += ["## Server shutdown", "", f"The embedded server was killed at the end: {results['server_stop_note']}", ""]
     if plots:
         pngs = draw_plots(results, out)
         if pngs:

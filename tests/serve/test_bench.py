@@ -231,3 +231,26 @@ def test_one_at_a_time_counts_each_refusal_and_goes_on(server, transport):
     r = closed_loop(server.url, "tiny_cnn_onnx", [good, bad], 1, 12, "images", transport)
     assert len(r["latencies_s"]) == 6 and len(r["errors"]) == 6
     assert all("shape" in e for e in r["errors"]), r["errors"][0]
+
+
+def test_a_server_stop_note_reaches_the_bench_log_results_and_report(exported, tmp_path, monkeypatch):
+    """When the bench's own server had to be killed (a model that would not unload), the bench says so
+    rather than ending as if the server stopped cleanly."""
+    from serve.server import TritonServer
+
+    real_stop = TritonServer.stop
+
+    def stop_with_note(self):
+        code = real_stop(self)
+        self.stop_note = "tiny_cnn_onnx still loaded (planted)"
+        return code
+
+    monkeypatch.setattr(TritonServer, "stop", stop_with_note)
+    cfg = build(BenchConfig, {**SHORT, "skip_in_process": True, "overhead": False, "concurrency": [1], "requests": 2,
+                              "models": ["tiny_cnn_onnx"], "batching_compare": [], "plots": False},
+                {"export_dir": str(exported), "out": str(tmp_path)})
+    lines = []
+    results = run_bench(cfg, log=lines.append)
+    assert results["server_stop_note"] == "tiny_cnn_onnx still loaded (planted)"
+    assert "note: tiny_cnn_onnx still loaded (planted)" in lines
+    assert "killed at the end: tiny_cnn_onnx still loaded" in (tmp_path / "report.md").read_text()
