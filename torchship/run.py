@@ -235,7 +235,8 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
             server = bench_server(serve_cfg, bench_cfg, read_manifest(dirs["export"]), dirs["bench"])
             server.start()
             log(f"Triton ready at {server.url} with {', '.join(server.loaded)} (backends hosted: {server.python_host})"
-                + (f"; {server.python_host_note}" if server.python_host_note else ""))
+                + (f"; {server.python_host_note}" if server.python_host_note else "")
+                + (f"; pinned to CPUs {','.join(map(str, server.cpus))}" if server.cpus else ""))
             if first <= 3:
                 try:
                     report = check_served(server.url, dirs["export"])
