@@ -14,7 +14,7 @@ import numpy as np
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
 from torchship.errors import ClientError, ShapeError
 
-from .config import RepoConfig, ServeConfig
+from .config import RepoConfig, ServeConfig, cpu_list
 
 
 def add_repo_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def main_serve(ns: argparse.Namespace) -> int:
         host = {"server": "inside the server process", "stub": "in Triton's python-backend stub processes"}
         print(f"backends: {host[info['python_host']]}" + (f" ({server.python_host_note})" if server.python_host_note else ""))
         if cfg.cpus:
-            print(f"pinned to CPUs {','.join(map(str, info['cpus']))} (--cpus {cfg.cpus})")
+            print(f"pinned to CPUs {cpu_list(info['cpus'])} (--cpus {cfg.cpus})")
         if cfg.trace_file:
             print(f"trace: {cfg.trace_file} (Triton's timestamps for every request, written when the server stops)")
         kept = "" if cfg.log else ", removed after a clean stop: --log FILE keeps one"

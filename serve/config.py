@@ -31,6 +31,11 @@ def parse_cpus(spec: str, flag: str = "--cpus") -> list[int]:
     return sorted(cpus)
 
 
+def cpu_list(cpus) -> str:
+    """CPU numbers as the comma list parse_cpus reads back ("0,2,3")."""
+    return ",".join(map(str, sorted(cpus)))
+
+
 def cuda_visible() -> bool:
     """Whether torch sees a CUDA device here (decides KIND_GPU and the server's CUDA memory pools)."""
     try:

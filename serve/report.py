@@ -7,6 +7,8 @@ from typing import Any
 
 from torchship.io import atomic_write_text
 
+from .config import cpu_list
+
 
 def _f(v, spec=".2f", dash="-"):
     return format(v, spec) if isinstance(v, (int, float)) else dash
@@ -120,7 +122,7 @@ def overhead_lines(ov: dict[str, Any] | None, host: str | None = None) -> list[s
 def cpu_pinning(m: dict[str, Any]) -> str:
     """' · bench on CPUs …, server on CPUs …' when either ran on fewer than all of the machine's CPUs."""
     every = list(range(m.get("cores") or 0))
-    parts = [f"{who} on CPU{'s' if len(c) > 1 else ''} {','.join(map(str, c))}"
+    parts = [f"{who} on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}"
              for who, c in (("bench", m.get("bench_cpus")), ("server", m.get("server_cpus"))) if c and c != every]
     return " · " + ", ".join(parts) if parts else ""
 

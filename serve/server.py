@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from torchship.errors import ServerError
 
 from . import child_env
-from .config import ServeConfig, cuda_visible, parse_cpus
+from .config import ServeConfig, cpu_list, cuda_visible, parse_cpus
 from .repository import EMBEDDED_CONFIG, read_config
 
 HERE = Path(__file__).resolve().parent
@@ -323,9 +323,9 @@ class TritonServer:
             if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
                 self.log_path.unlink(missing_ok=True)
             if self.cpus and isinstance(e, subprocess.SubprocessError):  # only the affinity call can fail in the child
-                allowed = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+                allowed = cpu_list(os.sched_getaffinity(0))
                 raise ServerError(f"--cpus {self.cfg.cpus}: Linux refused to run the server on CPUs "
-                                  f"{','.join(map(str, self.cpus))} (this process may use {allowed}; a container or "
+                                  f"{cpu_list(self.cpus)} (this process may use {allowed}; a container or "
                                   "cgroup may allow fewer)") from None
             raise
         finally:

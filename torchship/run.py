@@ -226,6 +226,7 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
                 done("repo", t0, models=res["models"])
             from serve.bench import bench_server, run_bench
             from serve.client import check_served, served_markdown
+            from serve.config import cpu_list
             from torchship.errors import ParityError
             from torchship.manifest import read_manifest
 
@@ -236,7 +237,7 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
             server.start()
             log(f"Triton ready at {server.url} with {', '.join(server.loaded)} (backends hosted: {server.python_host})"
                 + (f"; {server.python_host_note}" if server.python_host_note else "")
-                + (f"; pinned to CPUs {','.join(map(str, server.cpus))}" if server.cpus else ""))
+                + (f"; pinned to CPUs {cpu_list(server.cpus)}" if server.cpus else ""))
             if first <= 3:
                 try:
                     report = check_served(server.url, dirs["export"])
