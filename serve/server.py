@@ -29,6 +29,9 @@ HERE = Path(__file__).resolve().parent
 EXIT_TIMEOUT_S = 20  # Triton's own limit for draining and unloading after SIGTERM
 # Once SIGTERM's drain is over, Triton unloads every model and reports the ones still live once a second.
 UNLOAD_STALL_TICKS = 5
+# A port picked free can be taken by another process before Triton binds it; start() then picks again.
+PORT_ATTEMPTS = 3
+PORT_TAKEN = re.compile(r"Socket '[^']*:(\d+)' already in use")
 
 
 def free_ports(host: str = "127.0.0.1", n: int = 1, avoid: Sequence[int] = ()) -> list[int]:
@@ -247,6 +250,7 @@ class TritonServer:
             if port and port_in_use(cfg.host, port):
                 raise ServerError(f"{flag} {port}: {cfg.host}:{port} is already in use; choose another port, "
                                   "or leave the flag out to pick a free one")
+        self.given = {flag for flag, port in flags.items() if port}  # the rest are picked, and picked again if taken
         picked = iter(free_ports(cfg.host, 3 - len(given), avoid=given))
         self.grpc_port, self.http_port, self.metrics_port = (p or next(picked) for p in flags.values())
         self.proc: Optional[subprocess.Popen] = None
@@ -256,6 +260,7 @@ class TritonServer:
         self._keep_log = bool(cfg.log)
         self.loaded: list[str] = []
         self.stop_note: Optional[str] = None  # set by stop() when it had to cut the shutdown short
+        self._log_start = 0  # where this start's lines begin in the log
         self.cpu_latency: Optional[CpuLatencyRequest] = None
         self.python_host, self.python_host_note = resolve_python_host(cfg.python_host)
         self.cpus: list[int] = parse_cpus(cfg.cpus) if cfg.cpus else []  # [] : inherit this process's CPUs
@@ -304,9 +309,54 @@ class TritonServer:
         keep = [l for l in text if "CudaDriverHelper" not in l]
         return "\n".join(keep[-lines:] + [f"(full log: {self.log_path})"])
 
+    @property
+    def ports(self) -> dict[str, int]:
+        return {"--grpc-port": self.grpc_port, "--http-port": self.http_port, "--metrics-port": self.metrics_port}
+
     def start(self) -> "TritonServer":
         """Start the server, load every model (or cfg.models) and wait until all are ready.
-        Raises ServerError with the tail of the server log on failure."""
+        Raises ServerError with the tail of the server log on failure. A port this server picked that
+        another process takes before Triton binds it is picked again, up to PORT_ATTEMPTS starts."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except Exception:
+                flag = self.port_taken()
+                if flag is None:
+                    raise
+                port = self.ports[flag]
+                if flag in self.given or attempt == PORT_ATTEMPTS:
+                    why = ("it was taken after the check at start-up; choose another port, or leave the flag out "
+                           "to pick a free one" if flag in self.given else
+                           f"another process took each port picked for it, {PORT_ATTEMPTS} times")
+                    raise ServerError(f"{flag} {port}: {self.cfg.host}:{port} is already in use: {why} "
+                                      f"(server log: {self.log_path})") from None
+                self.repick(flag)
+        raise AssertionError("unreachable")
+
+    def port_taken(self) -> Optional[str]:
+        """The flag of the port Triton could not bind, if that is why the last start failed."""
+        if self.proc is None or self.proc.poll() is None or self.log_path is None:
+            return None
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                found = PORT_TAKEN.search(f.read().decode(errors="replace"))
+        except OSError:
+            return None
+        port = int(found.group(1)) if found else None
+        return next((flag for flag, p in self.ports.items() if p == port), None)
+
+    def repick(self, flag: str) -> None:
+        """A new port for ``flag``, away from this server's others; the failed start's temp log goes."""
+        attr = flag[2:].replace("-", "_")
+        setattr(self, attr, free_ports(self.cfg.host, 1, avoid=list(self.ports.values()))[0])
+        if not self.cfg.log:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path, self._keep_log = None, False
+        self.proc, self.loaded, self.stop_note = None, [], None
+
+    def _start_once(self) -> "TritonServer":
         env = server_env()
         if self.cfg.backend_profile:
             env["TORCHSHIP_BACKEND_PROFILE"] = str(Path(self.cfg.backend_profile).resolve())
@@ -314,6 +364,7 @@ class TritonServer:
         if self.log_path is None:
             self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         log = open(self.log_path, "ab")
+        self._log_start = log.seek(0, os.SEEK_END)  # a given log may hold earlier runs' lines
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, preexec_fn=self._in_child)
@@ -337,8 +388,8 @@ class TritonServer:
             while True:
                 if self.proc.poll() is not None:
                     raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}")
-                try:
-                    if client.is_server_live():
+                try:  # a bounded wait: a port taken by something that is not a gRPC server never answers
+                    if client.is_server_live(client_timeout=1.0):
                         break
                 except Exception:
                     pass

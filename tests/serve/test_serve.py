@@ -435,6 +435,46 @@ def test_each_endpoint_gets_its_own_port(repo, capsys, monkeypatch):
     assert "--grpc-port and --metrics-port are both 50000" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("flag", ["--grpc-port", "--metrics-port"])
+def test_a_picked_port_taken_before_triton_binds_it_is_picked_again(repo, exported, tmp_path, monkeypatch, flag):
+    """Another process takes a port the server picked, between the pick and Triton's bind (gRPC: before the
+    server is live; metrics: Triton's last bind, often after). The server starts on a new port, this
+    server's own model answers there, and the failed start leaves no temp log."""
+    import socket
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",)))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", server.ports[flag]))
+        taken.listen()
+        with server:
+            assert server.ports[flag] != taken.getsockname()[1]
+            x = np.random.default_rng(3).random((2, 3, 32, 32), dtype=np.float32)
+            np.testing.assert_allclose(TritonClient(server.url).infer("tiny_cnn_onnx", x),
+                                       in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+    assert server.proc.returncode == 0 and list(tmp_path.glob("tritonserver-*.log")) == []
+
+
+def test_a_given_port_taken_after_the_check_is_named(repo, tmp_path, monkeypatch):
+    """A port the user gave is not picked again: the error names the flag and keeps the log."""
+    import socket
+    import tempfile
+
+    from serve.server import free_ports
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    port = free_ports()[0]
+    server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), grpc_port=port))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(ServerError, match=f"--grpc-port {port}: 127.0.0.1:{port} is already in use: it was taken"):
+            server.start()
+    assert server.grpc_port == port and server.proc.poll() is not None
+    assert list(tmp_path.glob("tritonserver-*.log")) == [server.log_path]
+
 def test_cpu_latency_request_is_held_while_serving_and_released(tmp_path):
     from serve.server import CPU_LATENCY_DEVICE, CpuLatencyRequest
 
