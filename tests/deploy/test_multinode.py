@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,14 +10,10 @@ from pathlib import Path
 
 import torch
 
+from serve.server import free_ports
+
 TRAIN = ["-m", "train", "--arch", "tiny_cnn", "--data", "synthetic", "--synthetic-samples", "96", "--batch-size", "16",
          "--epochs", "2", "--seed", "3", "--no-progress"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(args, out, **kw):
@@ -36,7 +31,7 @@ def test_two_nodes_over_c10d_match_one_node_with_two_processes(tmp_path):
     single = torchrun(["--standalone", "--nproc-per-node=2"], tmp_path / "single")
     out_single = single.communicate(timeout=300)[0]
     assert single.returncode == 0, out_single[-3000:]
-    port = free_port()
+    port = free_ports()[0]
     nodes = [torchrun(["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                        "--rdzv-id=torchship-test"], tmp_path / "multi") for _ in range(2)]
     outs = [n.communicate(timeout=300)[0] for n in nodes]
