@@ -375,9 +375,10 @@ class TritonServer:
                 self.log_path.unlink(missing_ok=True)
             if self.cpus and isinstance(e, subprocess.SubprocessError):  # only the affinity call can fail in the child
                 allowed = cpu_list(os.sched_getaffinity(0))
-                raise ServerError(f"--cpus {self.cfg.cpus}: Linux refused to run the server on CPUs "
-                                  f"{cpu_list(self.cpus)} (this process may use {allowed}; a container or "
-                                  "cgroup may allow fewer)") from None
+                # no flag named: the pin comes from serve --cpus, bench --server-cpus or run's serve.cpus
+                raise ServerError(f"Linux refused to run the server on CPUs {cpu_list(self.cpus)}: this process "
+                                  f"may use CPUs {allowed} (a container or cgroup may allow fewer than the "
+                                  "machine has); pin it to those") from None
             raise
         finally:
             log.close()
