@@ -957,8 +957,9 @@ def bench_server(serve_cfg, cfg: BenchConfig, manifest: dict, out: Path):
     """An embedded TritonServer (not started) set up as bench measures one: serve_cfg's repository with
     the floor models' beside it, the backends' profile written (under ``out`` unless serve_cfg names a
     directory), Triton's tracing when ``cfg.trace`` (into OUT/triton_trace.json unless serve_cfg
-    names a file), and cfg.server_cpus unless serve_cfg pins the server itself. Give it, started, to
-    run_bench's ``server``; ``torchship run`` does."""
+    names a file), cfg.server_cpus unless serve_cfg pins the server itself, and cfg.python_host unless
+    serve_cfg names a host other than auto. Give it, started, to run_bench's ``server``; ``torchship
+    run`` does."""
     import dataclasses
 
     from .server import TritonServer
@@ -967,7 +968,8 @@ def bench_server(serve_cfg, cfg: BenchConfig, manifest: dict, out: Path):
     trace.unlink(missing_ok=True)  # an earlier run's traces must not mix with this one's
     serve_cfg = dataclasses.replace(serve_cfg, backend_profile=serve_cfg.backend_profile or str(out / "backend_profile"),
                                     trace_file=serve_cfg.trace_file or (str(trace) if cfg.trace else None),
-                                    cpus=serve_cfg.cpus or cfg.server_cpus)
+                                    cpus=serve_cfg.cpus or cfg.server_cpus,
+                                    python_host=cfg.python_host if serve_cfg.python_host == "auto" else serve_cfg.python_host)
     return TritonServer(serve_cfg, extra_repos=[noop_repo(out, manifest)])
 
 
@@ -978,7 +980,7 @@ def _start_embedded(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Pat
     repo = Path(cfg.repo) if cfg.repo else out / "repo"
     if not cfg.repo:
         build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
-    serve_cfg = ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"), python_host=cfg.python_host)
+    serve_cfg = ServeConfig(repo=str(repo), log=str(out / "tritonserver.log"))
     server = bench_server(serve_cfg, cfg, manifest, out)
     server.start()
     return server

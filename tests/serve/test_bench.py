@@ -196,6 +196,24 @@ def test_unreachable_server_keeps_partial_results(exported, tmp_path):
     assert kept["in_process"]["rows"] and kept["errors"]
 
 
+def test_bench_server_takes_the_bench_settings_the_serve_section_leaves_open(exported, repo, tmp_path):
+    """torchship run hands bench_server its serve section: bench.python_host and bench.server_cpus apply
+    where that section leaves them at their defaults, and give way where it sets them."""
+    from serve.bench import bench_server
+    from serve.config import ServeConfig
+    from torchship.manifest import read_manifest
+
+    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "python_host": "stub",
+                                     "server_cpus": "0"})
+    manifest = read_manifest(exported)
+    s = bench_server(ServeConfig(repo=str(repo)), cfg, manifest, tmp_path)
+    assert (s.python_host, s.cpus) == ("stub", [0])
+    last = max(os.sched_getaffinity(0))
+    s = bench_server(ServeConfig(repo=str(repo), python_host="server", cpus=str(last)), cfg, manifest, tmp_path)
+    assert (s.python_host, s.cpus) == ("server", [last])
+    assert s.proc is None  # nothing started
+
+
 def test_unknown_model_is_a_clear_error(exported, server, tmp_path):
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "skip_in_process": True,
                                      "url": server.url, "models": ["tiny_cnn_nope"]})
