@@ -63,6 +63,34 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def listens_on(pid: int, port: int) -> Optional[bool]:
+    """Whether process ``pid`` holds a listening TCP socket on ``port``, read from /proc (None where /proc
+    cannot tell). A server that answers on a port is not always the one this process started."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()  # sl local_address rem_address st ... uid timeout inode
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f"socket:[{fields[9]}]")
+        except FileNotFoundError:  # no IPv6
+            continue
+        except (OSError, IndexError, ValueError):
+            return None
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:  # closed meanwhile
+            pass
+    return False
+
+
 def triton_home() -> tuple[Path, Path]:
     """(pytriton/tritonserver directory, nvidia_pytriton.libs directory) from the installed wheel."""
     try:
@@ -390,7 +418,8 @@ class TritonServer:
                 if self.proc.poll() is not None:
                     raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}")
                 try:  # a bounded wait: a port taken by something that is not a gRPC server never answers
-                    if client.is_server_live(client_timeout=1.0):
+                    if (client.is_server_live(client_timeout=1.0)  # and it is this server that answers
+                            and listens_on(self.proc.pid, self.grpc_port) is not False):
                         break
                 except Exception:
                     pass

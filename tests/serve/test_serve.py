@@ -457,6 +457,44 @@ def test_a_picked_port_taken_before_triton_binds_it_is_picked_again(repo, export
     assert server.proc.returncode == 0 and list(tmp_path.glob("tritonserver-*.log")) == []
 
 
+def test_another_server_on_the_picked_grpc_port_is_not_taken_for_this_one(repo, exported, tmp_path, monkeypatch):
+    """What a second Triton that won the race for the picked gRPC port would do: answer live, load and
+    ready for any model. start() must not take it for its own server: it starts again on a new port."""
+    import tempfile
+    from concurrent import futures
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    class Impostor(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ServerLive(self, request, context):
+            return service_pb2.ServerLiveResponse(live=True)
+
+        def RepositoryModelLoad(self, request, context):
+            return service_pb2.RepositoryModelLoadResponse()
+
+        def ModelReady(self, request, context):
+            return service_pb2.ModelReadyResponse(ready=True)
+
+    server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",)))
+    taken = server.grpc_port
+    impostor = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Impostor(), impostor)
+    assert impostor.add_insecure_port(f"127.0.0.1:{taken}") == taken
+    impostor.start()
+    try:
+        with server:
+            assert server.grpc_port != taken
+            x = np.random.default_rng(4).random((1, 3, 32, 32), dtype=np.float32)
+            np.testing.assert_allclose(TritonClient(server.url).infer("tiny_cnn_onnx", x),
+                                       in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+    finally:
+        impostor.stop(0)
+    assert server.proc.returncode == 0 and list(tmp_path.glob("tritonserver-*.log")) == []
+
+
 def test_a_given_port_taken_after_the_check_is_named(repo, tmp_path, monkeypatch):
     """A port the user gave is not picked again: the error names the flag and keeps the log."""
     import socket
