@@ -38,14 +38,34 @@ class TritonClient:
             raise self._refused(what, unreachable, e.message().strip()) from None
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until the server says it is ready. A URL where something answers but not as a gRPC server
+        (Triton's HTTP or metrics port, the usual slip) is refused after two tries, naming that."""
+        from tritonclient.utils import InferenceServerException
+
         deadline = time.monotonic() + timeout_s
+        silent = False  # the last try: connected, but no answer came in time
+        hung_up = 0  # tries in a row where the connection was accepted, then closed on gRPC's preface
         while True:
-            try:
-                if self.client.is_server_ready():
+            left = deadline - time.monotonic()
+            try:  # each try is bounded: a listener that never answers would hold the call for 20 s
+                if self.client.is_server_ready(client_timeout=max(0.2, min(2.0, left))):
                     return
+                silent, hung_up = False, 0
+            except InferenceServerException as e:
+                said = f"{e.status()} {e.message()}"
+                hung_up = hung_up + 1 if "Socket closed" in said else 0
+                if hung_up == 2:  # twice, so that a gRPC server closing one connection is not taken for it
+                    raise ServerError(f"{self.url} is not a gRPC endpoint: something there accepts connections "
+                                      "but hangs up on gRPC (Triton's HTTP or metrics port, or a TLS endpoint?); "
+                                      "--url takes Triton's gRPC port (8001 in the official container, printed "
+                                      "by torchship serve)") from None
+                silent = "DEADLINE_EXCEEDED" in said
             except Exception:
-                pass
+                silent, hung_up = False, 0
             if time.monotonic() > deadline:
+                if silent:
+                    raise ServerError(f"no gRPC answer from {self.url} within {timeout_s:.0f}s: something accepts "
+                                      "connections there but does not answer; is it Triton's gRPC port?")
                 raise ServerError(f"Triton at {self.url} is not ready after {timeout_s:.0f}s; is the server running?")
             time.sleep(0.2)
 

@@ -325,6 +325,22 @@ def test_unreachable_server_is_a_clear_error(capsys, exported):
     assert "is the server running" in capsys.readouterr().err
 
 
+def test_a_url_that_is_not_a_grpc_endpoint_is_named(server, exported, capsys):
+    """--url at Triton's HTTP or metrics port (8000 or 8002 for 8001) is named as not gRPC, not waited out
+    as a server that is not running; a listener that never answers gets its own message."""
+    import socket
+
+    for port in (server.http_port, server.metrics_port):
+        assert run_cli("infer", "--url", f"127.0.0.1:{port}", "--heldout", exported) == 2
+        err = capsys.readouterr().err
+        assert f"127.0.0.1:{port} is not a gRPC endpoint" in err and "is the server running" not in err, err
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        with pytest.raises(ServerError, match="no gRPC answer from .* within 1s"):
+            TritonClient(f"127.0.0.1:{silent.getsockname()[1]}").wait_ready(1)
+
+
 @pytest.mark.parametrize("case", ["missing", "suffix", "heldout"])
 def test_infer_refuses_a_bad_local_path_before_connecting(case, tmp_path, capsys):
     """A missing or unsendable FILE, or a --heldout that is not an export, is named at once, not after
