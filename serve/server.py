@@ -345,7 +345,8 @@ class TritonServer:
         """Start the server, load every model (or cfg.models) and wait until all are ready.
         Raises ServerError with the tail of the server log on failure. A port this server picked that
         another process takes before Triton binds it is picked again, up to PORT_ATTEMPTS starts."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
+        attempt = 1
+        while True:
             try:
                 return self._start_once()
             except Exception:
@@ -360,7 +361,7 @@ class TritonServer:
                     raise ServerError(f"{flag} {port}: {self.cfg.host}:{port} is already in use: {why} "
                                       f"(server log: {self.log_path})") from None
                 self.repick(flag)
-        raise AssertionError("unreachable")
+                attempt += 1
 
     def port_taken(self) -> Optional[str]:
         """The flag of the port Triton could not bind, if that is why the last start failed."""

@@ -41,6 +41,12 @@ def test_served_equals_in_process(server, exported, model):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def assert_onnx_served(url, exported, x) -> None:
+    """The served tiny_cnn_onnx at ``url`` answers ``x`` as ONNX Runtime does in this process."""
+    np.testing.assert_allclose(TritonClient(url).infer("tiny_cnn_onnx", x),
+                               in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+
+
 def refused_then_served(stream, exported) -> None:
     """A wrong-shaped request on ``stream`` is refused with the server's message; the next one is served
     and equals in-process ONNX Runtime."""
@@ -467,9 +473,7 @@ def test_a_picked_port_taken_before_triton_binds_it_is_picked_again(repo, export
         taken.listen()
         with server:
             assert server.ports[flag] != taken.getsockname()[1]
-            x = np.random.default_rng(3).random((2, 3, 32, 32), dtype=np.float32)
-            np.testing.assert_allclose(TritonClient(server.url).infer("tiny_cnn_onnx", x),
-                                       in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+            assert_onnx_served(server.url, exported, np.random.default_rng(3).random((2, 3, 32, 32), dtype=np.float32))
     assert server.proc.returncode == 0 and list(tmp_path.glob("tritonserver-*.log")) == []
 
 
@@ -503,9 +507,7 @@ def test_another_server_on_the_picked_grpc_port_is_not_taken_for_this_one(repo, 
     try:
         with server:
             assert server.grpc_port != taken
-            x = np.random.default_rng(4).random((1, 3, 32, 32), dtype=np.float32)
-            np.testing.assert_allclose(TritonClient(server.url).infer("tiny_cnn_onnx", x),
-                                       in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+            assert_onnx_served(server.url, exported, np.random.default_rng(4).random((1, 3, 32, 32), dtype=np.float32))
     finally:
         impostor.stop(0)
     assert server.proc.returncode == 0 and list(tmp_path.glob("tritonserver-*.log")) == []
