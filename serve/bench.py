@@ -390,7 +390,8 @@ def noop_repo(out: Path, manifest: dict) -> Path:
     """A repository of two floor models with the export's tensors that answer zeros, served by torchship's
     'torchship' backend through the same host (in-server or stub) as the real models: the no-op (the
     protocol floor) and the hold, which first busy-waits as many microseconds as the first input value
-    says (the floor for a model that takes that long, without the model's own memory traffic)."""
+    says, reading through a buffer of as many bytes as the second value says meanwhile (the floor for a
+    model that takes that long and streams that much memory, without the model)."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
 
@@ -552,8 +553,17 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
     with sending(url, cfg.transport) as call:  # closed once the timed blocks are done, or on an error before
         paths: dict[str, Callable[[int], Any]] = {}
         twins: dict[str, str] = {}
-        holds: dict[str, list[float]] = {}  # µs the hold model spins, set per block
+        holds: dict[str, list[float]] = {}  # µs the hold model waits, set per block
+        hold_bytes: dict[str, int] = {}  # the buffer it reads meanwhile: as large as the artifact's (first) file
+        hold_resps: dict[str, list[Any]] = {}  # its responses, which say how many bytes it read
         hold_reqs: dict[str, Any] = {}
+
+        def hold_request(model: str, us: float) -> Any:
+            hx = xs[0].copy()
+            hx.flat[0] = us
+            if hx.size > 1:
+                hx.flat[1] = hold_bytes[model]
+            return request(HOLD_MODEL, hx, ins[0])
         notes: dict[str, str] = {}
         ready = client.ready_models()
         for model in models:
@@ -561,15 +571,18 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
             if v is None:
                 notes[model] = "no in-process twin (not an artifact of this export)"
                 continue
-            r = runtime.load_artifact(str(export_dir), artifact(manifest, v), ins, outs, threads=cfg.threads)
+            art = artifact(manifest, v)
+            r = runtime.load_artifact(str(export_dir), art, ins, outs, threads=cfg.threads)
             twins[model] = v
             paths[f"{model}/in-process"] = lambda i, r=r: r.run({ins[0]: xs[i % len(xs)]})
             reqs = [request(model, x, ins[0]) for x in xs]
             paths[f"{model}/served"] = lambda i, reqs=reqs: call(reqs[i % len(reqs)], timeout=60)
             if HOLD_MODEL in ready:  # the floor for a model that takes as long as this one in-process
                 holds[model] = []
-                hold_reqs[model] = request(HOLD_MODEL, np.zeros_like(xs[0]), ins[0])  # no wait while warming up
-                paths[f"{model}/hold"] = lambda i, model=model: call(hold_reqs[model], timeout=60)
+                hold_bytes[model] = (export_dir / art["file"]).stat().st_size if cfg.hold_memory else 0
+                hold_reqs[model] = hold_request(model, 0.0)  # no wait while warming up; the buffer is made then
+                hold_resps[model] = []
+                paths[f"{model}/hold"] = lambda i, model=model: hold_resps[model].append(call(hold_reqs[model], timeout=60))
         have_noop = NOOP_MODEL in ready
         if have_noop:
             reqs = [request(NOOP_MODEL, x, ins[0]) for x in xs]
@@ -581,14 +594,14 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
         start = {m: _served_count(stats_of(client, m)) for m in watched}
         warm = max(cfg.warmup, 5)
         warm_lat = time_blocks(paths, 1, warm, None)
+        for v in hold_resps.values():
+            v.clear()
 
         def set_holds(block: int, lat: dict[str, list[float]]) -> None:
             """Before each block: hold as long as the model's in-process median so far."""
             for model in holds:
                 us = float(np.median(lat.get(f"{model}/in-process") or warm_lat[f"{model}/in-process"])) * 1e6
-                hx = xs[0].copy()
-                hx.flat[0] = us
-                hold_reqs[model] = request(HOLD_MODEL, hx, ins[0])
+                hold_reqs[model] = hold_request(model, us)
                 holds[model].append(us)
         pauses: dict[str, float] = {}
         if have_noop:  # the model in this process again, after a pause as long as a round trip with no model in it
@@ -625,7 +638,10 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str,
             row["excess_vs_paused_p50_ms"] = srv["p50_ms"] - paused["p50_ms"] - floor["p50_ms"]
         if holds.get(model):
             h, held = summarize(lat[f"{model}/hold"]), float(np.mean(holds[model]))
-            row["hold"] = {"hold_us": held, "hold_us_per_block": holds[model], **h}
+            read = [float(np.frombuffer(r.raw_output_contents[0], np.float32)[0]) for r in hold_resps[model]
+                    if r.raw_output_contents and r.raw_output_contents[0]]
+            row["hold"] = {"hold_us": held, "hold_us_per_block": holds[model], "memory_bytes": hold_bytes[model],
+                           "read_bytes_mean": float(np.mean(read)) if read else 0.0, **h}
             row["floor_at_duration_p50_ms"] = h["p50_ms"] - held / 1e3
             row["served_minus_hold_p50_ms"] = srv["p50_ms"] - h["p50_ms"]
         rows.append(row)

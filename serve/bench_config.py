@@ -38,6 +38,9 @@ class BenchConfig:
     perf_analyzer: Optional[str] = opt(None, "path to perf_analyzer (default: $TORCHSHIP_PERF_ANALYZER, the torchship cache, then PATH)")
     overhead: bool = opt(True, "at batch 1, measure every served model, its artifact in-process and the no-op floor "
                                "side by side, with Triton's and the backend's breakdown of the difference")
+    hold_memory: bool = opt(True, "the hold model (the floor for a model that runs as long as each one) reads through "
+                                  "a buffer as large as the model's artifact while it waits, as the model streams its "
+                                  "weights; --no-hold-memory: it only spins")
     trace: bool = opt(False, "embedded server: while the overhead is measured, record Triton's timestamps for every "
                              "request (OUT/triton_trace.json) and split each path's round trip into request leg, to "
                              "the model, backend, after the model and response leg (tracing adds a little time)")

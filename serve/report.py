@@ -88,12 +88,18 @@ def overhead_lines(ov: dict[str, Any] | None, host: str | None = None) -> list[s
                      f"{_f(ov['floor_client_side_us'], '.0f')} | |")
     held = [r for r in ov["rows"] if "hold" in r]
     if held:
+        reads = any(r["hold"].get("memory_bytes") for r in held)
         lines += ["", "The floor depends on how long the model takes: threads that waited longer wake slower, and caches "
-                  "go cold. The hold model busy-waits each model's in-process p50 and answers like the no-op, so "
-                  "served − hold is what the real model costs beyond its in-process time and that longer floor.", ""]
-        lines += _table(["model", "hold µs", "hold p50 ms", "floor at that duration ms", "served − hold ms"],
-                        [[r["model"], f"{r['hold']['hold_us']:.0f}", _f(r["hold"].get("p50_ms"), ".3f"),
-                          _f(r["floor_at_duration_p50_ms"], ".3f"), _f(r["served_minus_hold_p50_ms"], "+.3f")] for r in held])
+                  "go cold. The hold model busy-waits each model's in-process p50"
+                  + (", reading through a buffer as large as the model's artifact meanwhile (as the model streams its "
+                     "weights)," if reads else "") + " and answers like the no-op, so served − hold is what the real "
+                  "model costs beyond its in-process time and that longer floor.", ""]
+        lines += _table(["model", "hold µs", "hold buffer MB", "hold read MB", "hold p50 ms", "floor at that duration ms",
+                         "served − hold ms"],
+                        [[r["model"], f"{r['hold']['hold_us']:.0f}", f"{r['hold'].get('memory_bytes', 0) / 1e6:.1f}",
+                          f"{r['hold'].get('read_bytes_mean', 0) / 1e6:.1f}",
+                          _f(r["hold"].get("p50_ms"), ".3f"), _f(r["floor_at_duration_p50_ms"], ".3f"),
+                          _f(r["served_minus_hold_p50_ms"], "+.3f")] for r in held])
     aw = ov.get("after_wait_us")
     if aw and len(aw.get("spin", {})) > 1:
         waits = sorted(aw["spin"], key=float)

@@ -213,20 +213,41 @@ class PyTorchModel(BackendModel):
 class FloorModel(BackendModel):
     """The floor of serving through this host: answers zeros of the output shape without a model.
     With the model parameter ``hold: true`` it first busy-waits as many microseconds as the first
-    input value says (the floor for a model that takes that long, without the model's memory traffic)."""
+    input value says (the floor for a model that takes that long). Where the second value is a byte
+    count, it spends that wait reading through a buffer of that many bytes, as a model streams its
+    weights: the floor for a model of that duration and that memory traffic."""
+
+    CHUNK = 1 << 16  # float32 values read at a time (256 KiB): the wait overshoots by at most one chunk
 
     def initialize(self, args):
         cfg = self.read_config(args)
         self.out_dims = [[int(d) for d in o["dims"]] for o in cfg["output"]]
         self.hold = _params(cfg).get("hold", "false").lower() == "true"
+        self._buf = np.zeros(0, np.float32)
+
+    def wait(self, x):
+        """Busy-wait x[0] µs, reading through the first x[1] bytes of the buffer meanwhile; returns the bytes read."""
+        t_end = time.perf_counter() + float(x[0]) * 1e-6
+        size = int(x[1]) // 4 if x.size > 1 else 0
+        if size > self._buf.size:  # one buffer, grown to the largest size asked (at warm-up, a zero-length wait)
+            self._buf = np.ones(size, np.float32)
+        i = read = 0
+        while size and time.perf_counter() < t_end:
+            chunk = self._buf[i:min(i + self.CHUNK, size)]
+            chunk.argmax()  # reads every value: all are equal
+            read += chunk.nbytes
+            i = (i + self.CHUNK) % size
+        while time.perf_counter() < t_end:
+            pass
+        return read
 
     def run(self, arrays):
-        if self.hold and arrays[0] is not None:
-            t_end = time.perf_counter() + float(arrays[0].flat[0]) * 1e-6
-            while time.perf_counter() < t_end:
-                pass
-        return [[np.zeros((0 if x is None else x.shape[0], *dims), dt) for dims, dt in zip(self.out_dims, self.out_dtypes)]
-                for x in arrays], 0, 0
+        read = self.wait(arrays[0].reshape(-1)) if self.hold and arrays[0] is not None else 0
+        results = [[np.zeros((0 if x is None else x.shape[0], *dims), dt) for dims, dt in zip(self.out_dims, self.out_dtypes)]
+                   for x in arrays]
+        if read and results[0][0].size:  # the hold says how much it read in its first output value
+            results[0][0].flat[0] = read
+        return results, 0, 0
 
 
 MODELS = {"onnxruntime": OnnxRuntimeModel, "pytorch": PyTorchModel, "torchship": FloorModel}

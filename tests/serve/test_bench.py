@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -69,7 +70,7 @@ def test_results_and_report_are_well_formed(bench_run):
         assert "no batches formed" not in gains[1]
 
 
-def test_overhead_is_measured_side_by_side_and_attributed(bench_run):
+def test_overhead_is_measured_side_by_side_and_attributed(bench_run, exported):
     """In-process, served and floor for every served model, with Triton's and the backend's breakdown."""
     results, _ = bench_run
     ov = results["served"]["overhead"]
@@ -95,6 +96,10 @@ def test_overhead_is_measured_side_by_side_and_attributed(bench_run):
         held = r["hold"]["hold_us_per_block"]  # set before each block from the model's in-process times so far
         assert len(held) == ov["blocks"] and r["hold"]["n"] == n and r["hold"]["min_ms"] >= min(held) / 1e3
         assert r["served_minus_hold_p50_ms"] == pytest.approx(r["served"]["p50_ms"] - r["hold"]["p50_ms"])
+    files = {a["name"]: a["file"] for a in json.loads((exported / "manifest.json").read_text())["artifacts"]}
+    for r in ov["rows"]:  # meanwhile it reads through a buffer as large as the model's file (bucket 1's for buckets)
+        assert r["hold"]["memory_bytes"] == (exported / files[r["variant"]]).stat().st_size > 0
+        assert r["hold"]["read_bytes_mean"] > 0, "the hold said it read nothing while it waited"
 
 
 def test_progress_total_counts_every_timed_served_call(bench_run, exported):
@@ -272,3 +277,29 @@ def test_a_server_stop_note_reaches_the_bench_log_results_and_report(exported, t
     assert results["server_stop_note"] == "tiny_cnn_onnx still loaded (planted)"
     assert "note: tiny_cnn_onnx still loaded (planted)" in lines
     assert "killed at the end: tiny_cnn_onnx still loaded" in (tmp_path / "report.md").read_text()
+
+
+def test_the_hold_reads_memory_while_it_waits(monkeypatch):
+    """The hold model, called directly as its host calls it: it waits as long as asked, reads through a buffer of
+    the size asked meanwhile and says how much it read; asked for no bytes, it only waits."""
+    import time
+
+    from torchship import runtime
+
+    monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)  # the name the backends import it under when served
+    from serve.backends.torchship_backend import FloorModel
+
+    hold = FloorModel()
+    hold.initialize({"model_name": "hold", "model_config": json.dumps({
+        "input": [{"name": "x"}], "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": ["10"]}],
+        "parameters": {"hold": {"string_value": "true"}}})})
+    for nbytes in (1 << 20, 0):
+        x = np.zeros((1, 3, 4, 4), np.float32)
+        x.flat[:2] = 3000, nbytes  # µs, bytes
+        t0 = time.perf_counter()
+        results, _, _ = hold.run([x])
+        assert time.perf_counter() - t0 >= 3e-3
+        (y,), = results
+        assert y.shape == (1, 10) and not y.flat[1:].any()
+        assert (y.flat[0] > 0) == bool(nbytes), f"asked to read {nbytes} bytes, it says it read {y.flat[0]:.0f}"
+    assert hold._buf.nbytes == 1 << 20  # kept, not made again for each wait
