@@ -3,6 +3,7 @@ process against a repository, with the environment its Python stub needs set up 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -15,7 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from google.protobuf import json_format
 
@@ -200,15 +201,19 @@ def resolve_python_host(host: str) -> tuple[str, str]:
         return "stub", f"serving from python-backend stubs: {str(e).splitlines()[0]}"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to SIGTERM the server when torchship's process dies, so a
-    killed client (SIGKILL, an unhandled SIGTERM) never leaves an orphaned server behind."""
+@functools.cache
+def _die_with_parent() -> Callable[[], Any]:
+    """A call for the child before exec that asks Linux to SIGTERM the server when torchship's process dies,
+    so a killed client (SIGKILL, an unhandled SIGTERM) never leaves an orphaned server behind. libc is
+    opened here, in the parent: between fork and exec the child only calls prctl, with no import or dlopen
+    that could wait on a lock another thread of this process held at the fork."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
-        pass  # not Linux: stop() in finally blocks remains the only guard
+        return lambda: None  # not Linux: stop() in finally blocks remains the only guard
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 CPU_LATENCY_DEVICE = "/dev/cpu_dma_latency"
@@ -296,7 +301,7 @@ class TritonServer:
     def _in_child(self) -> None:
         """In the child before exec: tie the server's life to this process, and pin it to cfg.cpus (every
         thread Triton starts inherits the mask)."""
-        _die_with_parent()
+        self._die_with_parent()
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)
 
@@ -395,6 +400,7 @@ class TritonServer:
         log = open(self.log_path, "ab")
         self._log_start = log.seek(0, os.SEEK_END)  # a given log may hold earlier runs' lines
         try:
+            self._die_with_parent = _die_with_parent()  # looked up before the fork
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, preexec_fn=self._in_child)
         except BaseException as e:
