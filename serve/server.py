@@ -298,10 +298,10 @@ class TritonServer:
         self.python_host, self.python_host_note = resolve_python_host(cfg.python_host)
         self.cpus: list[int] = parse_cpus(cfg.cpus) if cfg.cpus else []  # [] : inherit this process's CPUs
 
-    def _in_child(self) -> None:
-        """In the child before exec: tie the server's life to this process, and pin it to cfg.cpus (every
-        thread Triton starts inherits the mask)."""
-        self._die_with_parent()
+    def _in_child(self, die_with_parent: Callable[[], Any]) -> None:
+        """In the child before exec: tie the server's life to this process (``die_with_parent``, looked up
+        before the fork), and pin it to cfg.cpus (every thread Triton starts inherits the mask)."""
+        die_with_parent()
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)
 
@@ -400,9 +400,8 @@ class TritonServer:
         log = open(self.log_path, "ab")
         self._log_start = log.seek(0, os.SEEK_END)  # a given log may hold earlier runs' lines
         try:
-            self._die_with_parent = _die_with_parent()  # looked up before the fork
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=self._in_child)
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                         preexec_fn=functools.partial(self._in_child, _die_with_parent()))
         except BaseException as e:
             if cpu_latency is not None:
                 cpu_latency.close()
