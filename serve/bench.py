@@ -18,13 +18,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from torchship.errors import BenchError, ClientError, TorchshipError
-from torchship.io import atomic_write_json, cpu_name, git_revision
+from torchship.io import atomic_write_json, cpu_name, git_revision, read_json
 from torchship.manifest import REFERENCE, artifact, read_manifest
 
 from .bench_config import BenchConfig
 
 NOOP_MODEL = "_torchship_noop"
 HOLD_MODEL = "_torchship_hold"
+RESULTS_FORMAT = "torchship.bench/1"  # the "format" tag of results.json
 
 
 # ---------------------------------------------------------------- statistics and machine
@@ -881,7 +882,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     device = manifest.get("device", "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise BenchError(f"{export_dir} was exported for CUDA; no GPU is visible here")
-    results: dict[str, Any] = {"format": "torchship.bench/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    results: dict[str, Any] = {"format": RESULTS_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                "export": {"dir": str(export_dir.resolve()), "name": manifest["name"],
                                           "input_shape": manifest["inputs"][0]["shape"], "dtype": manifest.get("dtype")},
                                "config": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(cfg).items()},
@@ -1037,14 +1038,7 @@ def compare(old: dict, new: dict, threshold: float = 1.2) -> tuple[list[dict], l
 
 
 def load_results(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.exists():
-        raise BenchError(f"{p}: no such results file")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise BenchError(f"{p} is not a bench results file: {e}") from None
-    if data.get("format") != "torchship.bench/1":
-        raise BenchError(f"{p} is not a torchship bench results file")
-    return data
+    """A results.json that run_bench wrote; BenchError naming the file if it is not one."""
+    return read_json(path, BenchError, RESULTS_FORMAT, missing=f"{path}: no such results file",
+                     fix="; give the results.json that torchship bench wrote")
 

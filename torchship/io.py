@@ -70,6 +70,25 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def read_json(path: str | os.PathLike, error: type[Exception], fmt: str | None = None,
+              missing: str | None = None, fix: str = "") -> dict[str, Any]:
+    """The JSON object in the file at ``path``. Raises ``error`` naming the file when it is missing
+    (``missing`` is then the whole message), unreadable, not JSON, not an object, or (with ``fmt``) not
+    tagged ``"format": fmt``; ``fix`` is appended to the last three messages."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(missing or f"{p} does not exist or is not a file")
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{p} is corrupt ({e}){fix}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{p} is corrupt (a JSON {type(obj).__name__}, not an object){fix}")
+    if fmt is not None and obj.get("format") != fmt:
+        raise error(f"{p}: unknown format {obj.get('format')!r} (expected {fmt}){fix}")
+    return obj
+
+
 @contextmanager
 def staging_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Build a directory under a temporary name, then rename it to ``final`` on success.

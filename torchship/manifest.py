@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from .errors import ArtifactError
-from .io import atomic_write_json, sha256_file
+from .io import atomic_write_json, read_json, sha256_file
 
 MANIFEST = "manifest.json"
 REFERENCE = "reference.npz"
@@ -18,18 +17,10 @@ FORMAT = "torchship.export/1"
 def read_manifest(export_dir: str | Path) -> dict[str, Any]:
     """Load and sanity-check an export directory's manifest; ArtifactError if unusable."""
     d = Path(export_dir)
-    path = d / MANIFEST
     if not d.is_dir():
         raise ArtifactError(f"{d} is not an export directory (run torchship export first)")
-    if not path.exists():
-        raise ArtifactError(f"{d} has no {MANIFEST}: not an export directory, or an interrupted export")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{path} is corrupt: {e}") from None
-    if m.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: unknown format {m.get('format')!r} (expected {FORMAT})")
-    return m
+    return read_json(d / MANIFEST, ArtifactError, FORMAT, fix="; export again",
+                     missing=f"{d} has no {MANIFEST}: not an export directory, or an interrupted export")
 
 
 def write_manifest(export_dir: str | Path, manifest: dict[str, Any]) -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import build, load_config_file
-from .errors import ConfigError, GateError
-from .io import atomic_write_json, atomic_write_text
+from .errors import ConfigError, GateError, TorchshipError
+from .io import atomic_write_json, atomic_write_text, read_json
+from .manifest import MANIFEST, read_manifest
 
 STAGES = ("train", "export", "repo", "check", "bench")
 ALIASES = {"serve": "check", "verify": "export"}
@@ -154,7 +155,8 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
                               "settings": settings, "stages": {}, "gates": {}}
     prev = run_dir / "run.json"
     if first > 0 and prev.exists():  # keep what earlier stages recorded
-        old = json.loads(prev.read_text())
+        old = read_json(prev, ConfigError, fix=f"; remove it and go on --from {start}: the stages' outputs stay, "
+                                               "only the record of the earlier stages is lost")
         earlier = set(STAGES[:first])
         record["stages"] = {k: v for k, v in old.get("stages", {}).items() if k in earlier}
         record["gates"] = {k: v for k, v in old.get("gates", {}).items() if k in earlier}
@@ -310,25 +312,36 @@ def summarize(run_dir: Path, record: dict[str, Any]) -> str:
         lines.append(f"| {name} | {st['seconds']} | {result} |")
     lines.append(f"| total | {record.get('total_seconds', '')} | peak RSS of the whole run (all processes): "
                  f"{record.get('peak_rss_bytes', 0) / 2**30:.2f} GiB |")
-    manifest = dirs["export"] / "manifest.json"
-    if manifest.exists():
-        m = json.loads(manifest.read_text())
-        v = m.get("verification")
-        if v:
-            lines += ["", "## Parity against eager (worst case over held-out and random batches)", "",
-                      "| artifact | max abs diff | max rel diff | top-1 agree | result |", "|---|---|---|---|---|"]
-            for name, e in v["artifacts"].items():
-                rows = e["sets"].values()
-                mx = max((r.get("max_abs", 0) for r in rows), default=0)
-                mr = max((r.get("max_rel", 0) for r in rows), default=0)
-                top = next((r.get("top1_agree") for r in rows if r.get("top1_agree")), "")
-                lines.append(f"| {name} | {mx:.2e} | {mr:.2e} | {top} | {'pass' if e['pass'] else 'FAIL'} |")
-    bench = dirs["bench"] / "results.json"
-    if bench.exists() and "bench" in record["stages"]:
-        b = json.loads(bench.read_text())
-        lines += served_latency_lines(b)
+    # the summary is written after a failure too: a file that cannot be read is named, not raised
+    v = _readable(lines, dirs["export"] / MANIFEST, read_manifest, dirs["export"]).get("verification")
+    if v:
+        lines += ["", "## Parity against eager (worst case over held-out and random batches)", "",
+                  "| artifact | max abs diff | max rel diff | top-1 agree | result |", "|---|---|---|---|---|"]
+        for name, e in v["artifacts"].items():
+            rows = e["sets"].values()
+            mx = max((r.get("max_abs", 0) for r in rows), default=0)
+            mr = max((r.get("max_rel", 0) for r in rows), default=0)
+            top = next((r.get("top1_agree") for r in rows if r.get("top1_agree")), "")
+            lines.append(f"| {name} | {mx:.2e} | {mr:.2e} | {top} | {'pass' if e['pass'] else 'FAIL'} |")
+    if "bench" in record["stages"]:
+        from serve.bench import load_results
+
+        b = _readable(lines, dirs["bench"] / "results.json", load_results, dirs["bench"] / "results.json")
+        if b:
+            lines += served_latency_lines(b)
     lines += ["", f"Run folder: {run_dir}  ·  summary: {run_dir / 'summary.md'}  ·  bench report: {dirs['bench'] / 'report.md'}", ""]
     return "\n".join(lines)
+
+
+def _readable(lines: list[str], path: Path, read, *args) -> dict[str, Any]:
+    """``read(*args)`` if ``path`` exists, else {}; a TorchshipError becomes a line of the summary."""
+    if not path.exists():
+        return {}
+    try:
+        return read(*args)
+    except TorchshipError as e:
+        lines += ["", f"(left out: {e})"]
+        return {}
 
 
 def served_latency_lines(b: dict) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from torchship.errors import CheckpointError
-from torchship.io import atomic_write_json, sha256_file, staging_dir
+from torchship.io import atomic_write_json, read_json, sha256_file, staging_dir
 
 WEIGHTS = "model.pt"
 META = "meta.json"
@@ -81,10 +81,7 @@ def read_index(ckpt_root: Path) -> dict[str, Any]:
     path = ckpt_root / INDEX
     if not path.exists():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is unreadable ({e}); remove it or point at a checkpoint directory") from None
+    return read_json(path, CheckpointError, fix="; remove it or point at a checkpoint directory")
 
 
 def resolve_checkpoint(path: str | os.PathLike, which: str = "best") -> Path:
@@ -113,16 +110,8 @@ def resolve_checkpoint(path: str | os.PathLike, which: str = "best") -> Path:
 
 
 def load_meta(ckpt_dir: Path) -> dict[str, Any]:
-    path = ckpt_dir / META
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {ckpt_dir} has no {META}: the model cannot be rebuilt without it")
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is corrupt ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: unknown format {meta.get('format')!r} (expected {FORMAT})")
-    return meta
+    return read_json(ckpt_dir / META, CheckpointError, FORMAT,
+                     missing=f"checkpoint {ckpt_dir} has no {META}: the model cannot be rebuilt without it")
 
 
 def load_weights(ckpt_dir: Path, check_hash: bool = True) -> dict[str, torch.Tensor]:

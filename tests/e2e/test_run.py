@@ -122,6 +122,30 @@ def test_from_a_stage_whose_inputs_are_missing(tmp_path, capsys):
     assert "run the 'export' stage first" in capsys.readouterr().err
 
 
+def test_a_corrupt_run_record_is_refused_before_any_stage_runs(tmp_path, capsys):
+    run = tmp_path / "r"
+    (run / "model_repository").mkdir(parents=True)
+    (run / "run.json").write_text('{"stages": {')  # cut short
+    assert run_cli("run", "--out", run, "--from", "check") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run.json is corrupt" in err[0] and "go on --from check" in err[0], err
+    assert (run / "run.json").read_text() == '{"stages": {'
+
+
+def test_the_summary_names_a_file_it_cannot_read(tmp_path):
+    """summary.md is written after a failure too, so a bad file must not replace the run's own error."""
+    from torchship.run import layout, summarize
+
+    dirs = layout(tmp_path)
+    for d, name in ((dirs["export"], "manifest.json"), (dirs["bench"], "results.json")):
+        d.mkdir(parents=True)
+        (d / name).write_text("{")
+    record = {"stages": {"bench": {"seconds": 1.0}}, "gates": {}, "outcome": {"status": "failed", "stage": "bench"}}
+    text = summarize(tmp_path, record)
+    for d, name in ((dirs["export"], "manifest.json"), (dirs["bench"], "results.json")):
+        assert f"(left out: {d / name} is corrupt" in text
+
+
 def test_config_errors_name_the_option(tmp_path, capsys):
     assert run_cli("run", "--out", tmp_path / "r", "--set", "train.epochz=3") == 2
     assert "unknown option 'epochz'" in capsys.readouterr().err

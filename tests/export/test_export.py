@@ -197,6 +197,25 @@ def test_checkpoint_without_metadata(trained, tmp_path, capsys):
     assert not (tmp_path / "e").exists()
 
 
+@pytest.mark.parametrize("text, says", [("{\"format\": ", "is corrupt (Expecting value"),
+                                         ("[1, 2]", "is corrupt (a JSON list, not an object)"),
+                                         ("{\"format\": \"torchship.export/0\"}", "unknown format 'torchship.export/0'")])
+def test_an_unreadable_manifest_is_named_in_one_line(tmp_path, capsys, text, says):
+    (tmp_path / "manifest.json").write_text(text)
+    assert run_cli("verify", tmp_path) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / 'manifest.json'}" in err[0] and says in err[0], err
+
+
+def test_corrupt_checkpoint_metadata(trained, tmp_path, capsys):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(trained, bad)
+    (bad / "meta.json").write_text("[]")  # valid JSON, but not the object a checkpoint records
+    assert run_cli("export", bad, "--out", tmp_path / "e", "--formats", "onnx") == 2
+    assert "meta.json is corrupt (a JSON list, not an object)" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
+
 def test_existing_export_dir_is_refused(exported, capsys):
     before = (exported / "manifest.json").read_text()
     assert run_cli("export", read_manifest(exported)["source_checkpoint"]["path"], "--out", exported) == 2

@@ -170,7 +170,7 @@ def test_backend_profile_counts_each_request_once(exported, tmp_path):
     assert p["run_ns"] > 0 and p["pre_ns"] > 0 and p["post_ns"] > 0
 
 
-def test_compare_detects_a_planted_2x_slowdown(bench_run, tmp_path, capsys):
+def test_compare_detects_a_planted_2x_slowdown(bench_run, exported, tmp_path, capsys):
     results, out = bench_run
     rows, regressions = compare(results, results)
     assert rows and not regressions
@@ -188,6 +188,12 @@ def test_compare_detects_a_planted_2x_slowdown(bench_run, tmp_path, capsys):
     assert run_cli("bench", "--compare", out / "results.json", tmp_path / "new.json") == 1
     assert "REGRESSION" in capsys.readouterr().out
     assert run_cli("bench", "--compare", out / "results.json", out / "results.json") == 0
+    capsys.readouterr()
+    for bad, says in ((tmp_path / "none.json", "no such results file"),
+                      (exported / "manifest.json", "unknown format 'torchship.export/1'")):
+        assert run_cli("bench", "--compare", out / "results.json", bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(bad) in err[0] and says in err[0], err
 
 
 def test_unreachable_server_keeps_partial_results(exported, tmp_path):
