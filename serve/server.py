@@ -285,7 +285,7 @@ class TritonServer:
                                   "or leave the flag out to pick a free one")
         self.given = {flag for flag, port in flags.items() if port}  # the rest are picked, and picked again if taken
         picked = iter(free_ports(cfg.host, 3 - len(given), avoid=given))
-        self.grpc_port, self.http_port, self.metrics_port = (p or next(picked) for p in flags.values())
+        self.ports = {flag: port or next(picked) for flag, port in flags.items()}  # by the flag that sets each
         self.proc: Optional[subprocess.Popen] = None
         # without cfg.log, start() makes the log a temp file, removed after a clean stop and kept (and named)
         # after a failure
@@ -304,6 +304,18 @@ class TritonServer:
         die_with_parent()
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)
+
+    @property
+    def grpc_port(self) -> int:
+        return self.ports["--grpc-port"]
+
+    @property
+    def http_port(self) -> int:
+        return self.ports["--http-port"]
+
+    @property
+    def metrics_port(self) -> int:
+        return self.ports["--metrics-port"]
 
     @property
     def url(self) -> str:
@@ -342,10 +354,6 @@ class TritonServer:
         keep = [l for l in text if "CudaDriverHelper" not in l]
         return "\n".join(keep[-lines:] + [f"(full log: {self.log_path})"])
 
-    @property
-    def ports(self) -> dict[str, int]:
-        return {"--grpc-port": self.grpc_port, "--http-port": self.http_port, "--metrics-port": self.metrics_port}
-
     def start(self) -> "TritonServer":
         """Start the server, load every model (or cfg.models) and wait until all are ready.
         Raises ServerError with the tail of the server log on failure. A port this server picked that
@@ -383,8 +391,7 @@ class TritonServer:
 
     def repick(self, flag: str) -> None:
         """A new port for ``flag``, away from this server's others; the failed start's temp log goes."""
-        attr = flag[2:].replace("-", "_")
-        setattr(self, attr, free_ports(self.cfg.host, 1, avoid=list(self.ports.values()))[0])
+        self.ports[flag] = free_ports(self.cfg.host, 1, avoid=list(self.ports.values()))[0]
         if not self.cfg.log:
             self.log_path.unlink(missing_ok=True)
             self.log_path, self._keep_log = None, False
