@@ -19,8 +19,34 @@ def read_manifest(export_dir: str | Path) -> dict[str, Any]:
     d = Path(export_dir)
     if not d.is_dir():
         raise ArtifactError(f"{d} is not an export directory (run torchship export first)")
-    return read_json(d / MANIFEST, ArtifactError, FORMAT, fix="; export again",
-                     missing=f"{d} has no {MANIFEST}: not an export directory, or an interrupted export")
+    m = read_json(d / MANIFEST, ArtifactError, FORMAT, fix="; export again",
+                  missing=f"{d} has no {MANIFEST}: not an export directory, or an interrupted export")
+    _check_fields(d / MANIFEST, m)
+    return m
+
+
+# what the stages after export read from a manifest, so that a hand-edited one is refused here, naming the
+# field, rather than failing with a KeyError in whichever stage reads it first
+_FIELDS = {"name": str, "inputs": list, "outputs": list, "max_batch": int, "tolerances": dict, "reference": dict,
+           "artifacts": list}
+_TENSOR = {"name": str, "dtype": str, "shape": list}
+_ARTIFACT = {"name": str, "format": str, "file": str, "files": dict}
+_KINDS = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
+
+
+def _check_fields(path: Path, m: dict[str, Any]) -> None:
+    def need(obj: Any, fields: dict[str, type], where: str) -> None:
+        if not isinstance(obj, dict):
+            raise ArtifactError(f"{path}: {where.rstrip('.')} is not an object; export again")
+        for key, kind in fields.items():
+            if not isinstance(obj.get(key), kind):
+                what = "missing" if key not in obj else f"not {_KINDS[kind]}"
+                raise ArtifactError(f"{path}: {where}{key} is {what}; export again")
+
+    need(m, _FIELDS, "")
+    for key, fields in (("inputs", _TENSOR), ("outputs", _TENSOR), ("artifacts", _ARTIFACT)):
+        for i, item in enumerate(m[key]):
+            need(item, fields, f"{key}[{i}].")
 
 
 def write_manifest(export_dir: str | Path, manifest: dict[str, Any]) -> None:

@@ -207,6 +207,23 @@ def test_an_unreadable_manifest_is_named_in_one_line(tmp_path, capsys, text, say
     assert len(err) == 1 and f"{tmp_path / 'manifest.json'}" in err[0] and says in err[0], err
 
 
+@pytest.mark.parametrize("edit, says", [(lambda m: m["artifacts"][0].pop("file"), "artifacts[0].file is missing"),
+                                         (lambda m: m.update(max_batch="32"), "max_batch is not an integer"),
+                                         (lambda m: m["inputs"].append(3), "inputs[1] is not an object")],
+                         ids=["no-file", "max-batch-string", "input-not-object"])
+def test_a_manifest_without_a_field_the_stages_read_is_refused(exported, tmp_path, capsys, edit, says):
+    d = tmp_path / "e"
+    shutil.copytree(exported, d)
+    m = read_manifest(d)
+    edit(m)
+    write_manifest(d, m)
+    for argv in (("verify", d), ("repo", d, "--out", tmp_path / "repo")):
+        assert run_cli(*argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0] and "export again" in err[0], err
+    assert not (tmp_path / "repo").exists()
+
+
 def test_corrupt_checkpoint_metadata(trained, tmp_path, capsys):
     bad = tmp_path / "ckpt"
     shutil.copytree(trained, bad)
