@@ -176,7 +176,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     except ConfigError:
         raise
     except Exception as e:  # parse errors from either library
-        raise ConfigError(f"--config: cannot parse {path}: {e}") from None
+        raise ConfigError(f"--config: cannot parse {path}: {' '.join(str(e).split())}") from None  # one line
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path} must hold a table of stage sections")
     return data

@@ -152,6 +152,10 @@ def test_config_errors_name_the_option(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("trainn:\n  epochs: 1\n")
     assert run_cli("run", "--out", tmp_path / "r", "--config", tmp_path / "c.yaml") == 2
     assert "unknown section [trainn]" in capsys.readouterr().err
+    (tmp_path / "c.yaml").write_text("train: [1\n")  # YAML's parse errors span several lines
+    assert run_cli("run", "--out", tmp_path / "r", "--config", tmp_path / "c.yaml") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot parse" in err[0] and "line 2, column 1" in err[0], err
 
 
 @pytest.mark.parametrize("command", ["train", "export", "verify", "repo", "serve", "infer", "bench", "run"])
