@@ -19,7 +19,7 @@ import numpy as np
 
 from torchship.errors import BenchError, ClientError, TorchshipError
 from torchship.io import atomic_write_json, cpu_name, git_revision, read_json
-from torchship.manifest import REFERENCE, artifact, read_manifest
+from torchship.manifest import artifact, read_manifest, read_reference
 
 from .bench_config import BenchConfig
 
@@ -102,7 +102,7 @@ def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, fl
 
 def real_inputs(export_dir: Path, manifest: dict, batch: int) -> np.ndarray:
     """A batch drawn from the export's held-out real images (tiled if there are fewer)."""
-    ref = np.load(export_dir / REFERENCE)
+    ref = read_reference(export_dir, manifest)
     key = "input/heldout" if "input/heldout" in ref else f"input/random_b{manifest['max_batch']}"
     pool = ref[key]
     reps = -(-batch // len(pool))

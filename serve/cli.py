@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
-from torchship.errors import ClientError, ShapeError
+from torchship.errors import ClientError, DataError, ShapeError
 
 from .config import RepoConfig, ServeConfig, cpu_list
 
@@ -160,7 +160,10 @@ def _gather_inputs(ns, chw: list[int], heldout: dict | None) -> tuple[list[tuple
     for f in ns.files:
         p = Path(f)
         if p.suffix == ".npy":
-            arr = np.load(p)
+            try:
+                arr = np.load(p)  # allow_pickle=False: an object array is refused, not unpickled
+            except (OSError, ValueError, EOFError) as e:
+                raise DataError(f"cannot read {p} as a numpy array ({e}); save one with numpy.save") from None
             arr = arr[None] if arr.ndim == 3 else arr
             if arr.ndim != 4 or list(arr.shape[1:]) != chw:
                 raise ShapeError(f"{p}: shape {list(arr.shape)} does not match the model input [N, {', '.join(map(str, chw))}]")
@@ -174,9 +177,9 @@ def _gather_inputs(ns, chw: list[int], heldout: dict | None) -> tuple[list[tuple
             inputs.append((p.name, load_image_file(p, chw[-1])[None]))
             labels.append(None)
     if heldout is not None:
-        from torchship.manifest import REFERENCE
+        from torchship.manifest import read_reference
 
-        ref = np.load(Path(ns.heldout) / REFERENCE)
+        ref = read_reference(ns.heldout, heldout)
         x, y = ref["input/heldout"][: ns.n], ref["labels/heldout"][: ns.n]
         if ns.n > len(x):
             print(f"torchship infer: {ns.heldout} holds {len(x)} held-out samples; sending those", file=sys.stderr)

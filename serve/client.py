@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from torchship.errors import ClientError, ParityError, ServerError, ShapeError
-from torchship.manifest import REFERENCE, read_manifest
+from torchship.manifest import read_manifest, read_reference
 
 
 
@@ -213,7 +213,7 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
     d = Path(export_dir)
     manifest = read_manifest(d)
     tol = tolerances or manifest["tolerances"]
-    ref = np.load(d / REFERENCE)
+    ref = read_reference(d, manifest)
     client = TritonClient(url)
     client.wait_ready()
     models = list(models or [m for m in client.ready_models() if m.startswith(manifest["name"] + "_")])

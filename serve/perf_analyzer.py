@@ -88,10 +88,10 @@ def input_data_json(manifest: dict[str, Any], count: int = 16) -> str:
 
     import numpy as np
 
-    from torchship.manifest import REFERENCE
+    from torchship.manifest import read_reference, sample_key
 
-    ref = np.load(Path(manifest["_dir"]) / REFERENCE)
-    key = "input/heldout" if "input/heldout" in ref else next(k for k in ref if k.startswith("input/"))
+    ref = read_reference(manifest["_dir"], manifest)
+    key = sample_key(ref)
     name = manifest["inputs"][0]["name"]
     rows = [{name: {"content": x.ravel().round(6).tolist(), "shape": list(x.shape)}} for x in ref[key][:count]]
     return json.dumps({"data": rows})

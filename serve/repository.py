@@ -22,7 +22,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from torchship.errors import ArtifactError
 from torchship.io import staging_dir
-from torchship.manifest import REFERENCE, artifact, read_manifest
+from torchship.manifest import artifact, read_manifest, read_reference, sample_key
 
 from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, RepoConfig, cuda_visible
 
@@ -124,9 +124,8 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     if cfg.threads is None:
         compiled = {a.get("compile_threads") for a in manifest["artifacts"] if a.get("compile_threads")}
         cfg.threads = compiled.pop() if len(compiled) == 1 else 1
-    ref = np.load(d / REFERENCE)
-    sample_key = "input/heldout" if "input/heldout" in ref else next(k for k in ref if k.startswith("input/"))
-    sample = np.ascontiguousarray(ref[sample_key][:1], dtype=np.float32)
+    ref = read_reference(d, manifest)
+    sample = np.ascontiguousarray(ref[sample_key(ref)][:1], dtype=np.float32)
     names = model_names(manifest)
     with staging_dir(out, overwrite=True) as tmp:
         for fmt in formats:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import ArtifactError
 from .io import atomic_write_json, read_json, sha256_file
 
@@ -73,6 +75,23 @@ def check_hashes(export_dir: str | Path, manifest: dict[str, Any]) -> list[str]:
         elif sha256_file(p) != sha:
             problems.append(f"{rel} was altered or truncated (sha256 differs from the manifest)")
     return problems
+
+
+def read_reference(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The export's reference arrays (reference.npz: inputs, eager outputs, held-out labels), once its
+    sha256 matches the manifest's; ArtifactError naming the file if it is missing or altered."""
+    p = Path(export_dir) / REFERENCE
+    if not p.is_file():
+        raise ArtifactError(f"{p} is missing; export again")
+    if sha256_file(p) != manifest["reference"].get("sha256"):
+        raise ArtifactError(f"{p} was altered or truncated (sha256 differs from the manifest); export again")
+    with np.load(p) as z:
+        return {k: z[k] for k in z.files}
+
+
+def sample_key(ref: dict[str, np.ndarray]) -> str:
+    """The reference input to draw real samples from: the held-out images where the export kept them."""
+    return "input/heldout" if "input/heldout" in ref else next(k for k in ref if k.startswith("input/"))
 
 
 def artifact(manifest: dict[str, Any], name: str) -> dict[str, Any]:

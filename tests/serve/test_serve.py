@@ -299,6 +299,21 @@ def test_tampered_artifact_fails_served_parity(repo, exported, tmp_path, capsys)
     assert not s.log_path.exists()  # a temp log goes with a clean stop
 
 
+def test_an_altered_reference_is_refused_by_every_reader(server, exported, tmp_path, capsys):
+    """The reference samples decide served parity and the repository's warm-up: each reader checks them
+    against the manifest's sha256, as verify does, and a cut-short file is named in one line."""
+    d = tmp_path / "e"
+    shutil.copytree(exported, d)
+    ref = d / "reference.npz"
+    ref.write_bytes(ref.read_bytes()[:1000])
+    for argv in (("repo", d, "--out", tmp_path / "repo"), ("infer", "--url", server.url, "--check", d),
+                 ("infer", "--url", server.url, "--heldout", d), ("verify", d)):
+        assert run_cli(*argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "reference.npz was altered or truncated" in err[0], (argv, err)
+    assert not (tmp_path / "repo").exists()
+
+
 def test_a_model_that_fails_to_load_is_named_and_its_log_kept(repo, tmp_path):
     """A broken artifact stops start-up with the model's name, the log's tail and the log's path; the
     temp log that a clean stop removes is kept for the user to read."""
@@ -726,6 +741,12 @@ def test_infer_files_take_float_arrays_and_refuse_integer_pixels(server, exporte
     assert [r["input"] for r in rows] == ["f64.npy[0]", "f64.npy[1]"]
     assert run_cli("infer", "--url", server.url, "--model", "tiny_cnn_onnx", tmp_path / "u8.npy") == 2
     assert "dtype uint8 is not floating point" in capsys.readouterr().err
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "f64.npy").read_bytes()[:20])  # cut short
+    np.save(tmp_path / "obj.npy", np.array([{}], dtype=object), allow_pickle=True)  # would need unpickling
+    for bad in ("cut.npy", "obj.npy"):
+        assert run_cli("infer", "--url", server.url, "--model", "tiny_cnn_onnx", tmp_path / bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"cannot read {tmp_path / bad} as a numpy array" in err[0], err
     assert run_cli("infer", "--url", server.url, "--heldout", exported, "-n", "100000") == 0
     assert "held-out samples; sending those" in capsys.readouterr().err
 
