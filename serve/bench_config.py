@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.errors import ConfigError
 
-from .config import parse_cpus
+from .config import check_url, parse_cpus
 
 IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
 
@@ -75,6 +75,8 @@ class BenchConfig:
             raise ConfigError("--cpu-latency-us must be 0 or more")
         if self.rate is not None and self.rate <= 0:
             raise ConfigError("--rate must be positive")
+        if self.url is not None:
+            check_url(self.url)
         if self.server_cpus is not None:
             if self.url:
                 raise ConfigError("--server-cpus pins the embedded server; an external one (--url) is pinned where it runs")

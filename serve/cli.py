@@ -14,7 +14,7 @@ import numpy as np
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
 from torchship.errors import ClientError, DataError, ShapeError
 
-from .config import RepoConfig, ServeConfig, cpu_list
+from .config import RepoConfig, ServeConfig, check_url, cpu_list
 
 
 def add_repo_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,6 +94,7 @@ def add_infer_arguments(p: argparse.ArgumentParser) -> None:
 def main_infer(ns: argparse.Namespace) -> int:
     from .client import TritonClient, check_served, served_markdown
 
+    check_url(ns.url)
     if ns.check:
         report = check_served(ns.url, ns.check, [ns.model] if ns.model else None)
         print(json.dumps(report, indent=2) if ns.json else served_markdown(report))

@@ -31,6 +31,23 @@ def parse_cpus(spec: str, flag: str = "--cpus") -> list[int]:
     return sorted(cpus)
 
 
+def check_url(url: str, flag: str = "--url") -> None:
+    """A gRPC address as grpc takes it, HOST:PORT ([::1]:8001 for IPv6); ConfigError naming what is off, so
+    that a slip is refused at once instead of after the readiness deadline."""
+    fix = "give Triton's gRPC address as HOST:PORT, as in 127.0.0.1:8001"
+    if "://" in url:
+        raise ConfigError(f"{flag} {url}: drop the scheme ({url.split('://')[0]}://); {fix}")
+    host, sep, port = url.rpartition(":")
+    if not sep:
+        raise ConfigError(f"{flag} {url}: no port; {fix}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ConfigError(f"{flag} {url}: write an IPv6 address in brackets, as in [::1]:8001")
+    if not host:
+        raise ConfigError(f"{flag} {url}: no host; {fix}")
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"{flag} {url}: {port!r} is not a port number (1-65535); {fix}")
+
+
 def cpu_list(cpus) -> str:
     """CPU numbers as the comma list parse_cpus reads back ("0,2,3")."""
     return ",".join(map(str, sorted(cpus)))

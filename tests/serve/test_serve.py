@@ -346,6 +346,20 @@ def test_unreachable_server_is_a_clear_error(capsys, exported):
     assert "is the server running" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url, says", [("localhost", "no port"), (":8001", "no host"), ("::1", "write an IPv6 address in brackets"),
+                                       ("127.0.0.1:99999", "'99999' is not a port number"),
+                                       ("http://127.0.0.1:8001", "drop the scheme (http://)")])
+def test_a_malformed_url_is_refused_before_any_connection(capsys, exported, url, says):
+    from serve.config import check_url
+
+    for argv in (("infer", "--url", url, "--heldout", exported), ("bench", exported, "--url", url)):
+        assert run_cli(*argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--url {url}: {says}" in err[0], err
+    for good in ("127.0.0.1:8001", "localhost:8001", "[::1]:8001", "triton.internal:443"):
+        check_url(good)
+
+
 def test_a_url_that_is_not_a_grpc_endpoint_is_named(server, exported, capsys):
     """--url at Triton's HTTP or metrics port (8000 or 8002 for 8001) is named as not gRPC, not waited out
     as a server that is not running; a listener that never answers gets its own message."""
