@@ -274,6 +274,7 @@ class TritonServer:
                     f"{cfg.repo} --out model_repository" if (self.repo / "manifest.json").exists()
                     else "build one with torchship repo EXPORT_DIR")
             raise ServerError(f"{self.repo} holds no model (no <model>/config.pbtxt); {hint}")
+        self.check_configs()
         flags = {"--grpc-port": cfg.grpc_port, "--http-port": cfg.http_port, "--metrics-port": cfg.metrics_port}
         given = [p for p in flags.values() if p]
         for flag, port in flags.items():
@@ -450,6 +451,23 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+
+    def check_configs(self) -> None:
+        """Parse each config.pbtxt this server will load, so that a broken one is named with its line
+        before the server starts (Triton itself only logs it, among its start-up lines)."""
+        from google.protobuf.text_format import ParseError
+
+        from .repository import read_config
+
+        for name in self.cfg.models or self.repository_models():
+            path = self.repo / name / "config.pbtxt"
+            try:
+                read_config(path)
+            except FileNotFoundError:
+                pass  # an unknown model: Triton's own load error names it
+            except (ParseError, UnicodeDecodeError) as e:
+                raise ServerError(f"{path}: {str(e).rstrip('.')}; fix it, or build the repository again with torchship "
+                                  "repo") from None
 
     def repository_models(self) -> list[str]:
         return sorted(p.name for p in self.repo.iterdir() if (p / "config.pbtxt").exists())

@@ -424,6 +424,22 @@ def test_serve_refuses_a_folder_without_models_before_starting(capsys, exported,
         assert message in capsys.readouterr().err
 
 
+def test_serve_names_a_broken_config_before_starting(repo, tmp_path, capsys):
+    bad = tmp_path / "repo"
+    shutil.copytree(repo, bad)
+    config = bad / "tiny_cnn_onnx" / "config.pbtxt"
+    line = len(config.read_text().splitlines()) + 1
+    config.write_text(config.read_text() + "max_batch_sise: 8\n")  # a typo Triton would only log
+    timer = threading.Timer(60, os.kill, (os.getpid(), signal.SIGTERM))  # as above: fail, not hang, if it starts
+    timer.start()
+    try:
+        assert run_cli("serve", bad) == 2
+    finally:
+        timer.cancel()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{config}: {line}:1" in err[0] and 'no field named "max_batch_sise"' in err[0], err
+
+
 def test_serve_refuses_a_port_in_use_before_starting(repo, capsys):
     import socket
 
