@@ -13,7 +13,7 @@ import torch
 
 import torchship
 from torchship.errors import ArtifactError, CheckpointError, ConfigError
-from torchship.io import sha256_file, staging_dir
+from torchship.io import check_out_dir, sha256_file, staging_dir
 from torchship.manifest import FORMAT, MANIFEST, REFERENCE, read_manifest, write_manifest
 from train import checkpoint as ck
 from train.models import WithPreprocessing, model_from_meta
@@ -84,9 +84,7 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
     output without --overwrite, or a format failing under --strict) and ParityError (verification).
     Artifacts are written into a staging directory that is renamed into place when complete.
     """
-    out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
-        raise ArtifactError(f"{out} already exists; pass --overwrite to replace it, or choose another --out")
+    out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     deploy, meta, ckdir = load_deployable(cfg.checkpoint)
     device = _device(cfg)
     shape = list(meta["input_shape"])

@@ -21,7 +21,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from torchship.errors import ArtifactError
-from torchship.io import staging_dir
+from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import artifact, read_manifest, read_reference, sample_key
 
 from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, RepoConfig, cuda_visible
@@ -110,9 +110,7 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     v = manifest.get("verification")
     if v is not None and not v.get("pass"):
         raise ArtifactError(f"{d} failed verification; fix the export before serving it ({'; '.join(v['failures'][:2])})")
-    out = Path(cfg.out)
-    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
-        raise ArtifactError(f"{out} already exists; pass --overwrite to replace it")
+    out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     have = {a["format"] for a in manifest["artifacts"]}
     formats = [f for f in cfg.formats if f in have or (f == "aoti" and "aoti_buckets" in have)]
     missing = [f for f in cfg.formats if f not in formats]

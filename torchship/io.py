@@ -89,6 +89,17 @@ def read_json(path: str | os.PathLike, error: type[Exception], fmt: str | None =
     return obj
 
 
+def check_out_dir(out: str | os.PathLike, overwrite: bool, error: type[Exception]) -> Path:
+    """Refuse ``out``, raising ``error``, when it is a file, or, without ``overwrite``, a directory that
+    already holds something: what a stage writes through staging_dir may replace it only when asked."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise error(f"{p} is a file, and --out takes a directory to write; choose another --out")
+    if p.is_dir() and not overwrite and any(p.iterdir()):
+        raise error(f"{p} already exists; pass --overwrite to replace it, or choose another --out")
+    return p
+
+
 @contextmanager
 def staging_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Build a directory under a temporary name, then rename it to ``final`` on success.
@@ -97,6 +108,8 @@ def staging_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[P
     ``overwrite`` an existing ``final`` is replaced only after the new one is complete.
     """
     final = Path(final)
+    if final.exists() and not final.is_dir():
+        raise NotADirectoryError(f"{final} is a file; a directory would replace it")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     os.chmod(tmp, 0o755)

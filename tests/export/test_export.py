@@ -240,6 +240,18 @@ def test_existing_export_dir_is_refused(exported, capsys):
     assert (exported / "manifest.json").read_text() == before
 
 
+def test_an_out_path_that_is_a_file_is_refused_and_kept(exported, tmp_path, capsys):
+    """--overwrite replaces an export or repository directory, never a file of the user's."""
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    ckpt = read_manifest(exported)["source_checkpoint"]["path"]
+    for argv in (("export", ckpt, "--out", f, "--overwrite"), ("repo", exported, "--out", f, "--overwrite")):
+        assert run_cli(*argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{f} is a file, and --out takes a directory" in err[0], err
+    assert f.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 def test_unexportable_format_is_reported_and_others_kept(tmp_path, capsys):
     from torchship.config import build
     from train.config import TrainConfig
