@@ -65,6 +65,10 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
             raise ArtifactError(f"{d} was exported for {device}, but no CUDA device is visible; verify on a GPU machine")
     tol = tolerances or manifest["tolerances"]
     ref = np.load(d / REFERENCE)
+    names = [a["name"] for a in manifest["artifacts"]]
+    unknown = [n for n in only or () if n not in names]
+    if unknown:  # verifying nothing would print PASS
+        raise ArtifactError(f"--only {' '.join(unknown)}: {d} has no such artifact; it has {', '.join(names)}")
     arts = [a for a in manifest["artifacts"] if not only or a["name"] in only]
     in_names = [i["name"] for i in manifest["inputs"]]
     out_names = [o["name"] for o in manifest["outputs"]]

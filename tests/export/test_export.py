@@ -172,6 +172,12 @@ def test_padded_rows_never_leak(monkeypatch):
 
 def test_cli_exit_codes(exported, tmp_path, capsys):
     assert run_cli("verify", exported, "--only", "onnx") == 0
+    before = (exported / "manifest.json").read_text()
+    capsys.readouterr()
+    assert run_cli("verify", exported, "--only", "onxx", "onnx") == 2  # a typo must not verify nothing and pass
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--only onxx:" in err[0] and "no such artifact" in err[0], err
+    assert (exported / "manifest.json").read_text() == before
     d = copy_export(exported, tmp_path)
     m = read_manifest(d)
     m["tolerances"] = {"atol": 0.0, "rtol": 0.0}
