@@ -98,7 +98,8 @@ def main_infer(ns: argparse.Namespace) -> int:
     if ns.check:
         report = check_served(ns.url, ns.check, [ns.model] if ns.model else None)
         print(json.dumps(report, indent=2) if ns.json else served_markdown(report))
-        print(f"served parity: PASS ({len(report['models'])} models at {ns.url})")
+        n = len(report["models"])
+        print(f"served parity: PASS ({n} model{'s' if n != 1 else ''} at {ns.url})")
         return 0
     if ns.top_k < 1 or ns.n < 1 or ns.concurrency < 1:
         raise ClientError("--top-k, -n and --concurrency must be at least 1")

@@ -216,9 +216,14 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
     ref = read_reference(d, manifest)
     client = TritonClient(url)
     client.wait_ready()
-    models = list(models or [m for m in client.ready_models() if m.startswith(manifest["name"] + "_")])
+    ready = client.ready_models()
+    served = f"served: {', '.join(ready) or 'none'}"
+    unknown = [m for m in models or () if m not in ready]
+    if unknown:
+        raise ClientError(f"model {', '.join(unknown)} is not served at {url} ({served})")
+    models = list(models or [m for m in ready if m.startswith(manifest["name"] + "_")])
     if not models:
-        raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(client.ready_models()) or 'none'})")
+        raise ClientError(f"no model of {manifest['name']!r} is ready at {url} ({served})")
     results: dict[str, Any] = {}
     failures: list[str] = []
     out_name = manifest["outputs"][0]["name"]
