@@ -71,13 +71,25 @@ def launch_torchrun(module_argv: list[str], nproc: int, extra: list[str] | None 
             ["--standalone", f"--nproc-per-node={nproc}", *(extra or []), "--no-python", sys.executable, "-u", *module_argv])
         try:
             run(args)
-        except ChildFailedError:
+        except ChildFailedError as e:
             msgs = sorted(Path(tmp).glob("error*"))
             if msgs:
                 raise TorchshipError(msgs[0].read_text().strip()) from None
-            raise TorchshipError("a training rank failed; see its traceback above") from None
+            raise TorchshipError(rank_failure(e, nproc)) from None
         finally:
             os.environ.pop(ERROR_FILE_ENV, None)
+
+
+def rank_failure(e, nproc: int) -> str:
+    """One line for a rank that died without writing a torchship error: killed by a signal (SIGKILL from
+    the out-of-memory killer, as a rank leaves no traceback then), or failed with a traceback above."""
+    rank, failure = e.get_first_failure()
+    if failure.exitcode < 0:
+        why = (": the kernel's out-of-memory killer, most likely (every rank holds its own copy of torch, the "
+               f"model and the data); launch fewer than {nproc} ranks with --nproc" if failure.signal_name() == "SIGKILL"
+               else "")
+        return f"training rank {rank} was killed by {failure.signal_name()}{why}"
+    return f"training rank {rank} failed with exit code {failure.exitcode}; see its traceback above"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

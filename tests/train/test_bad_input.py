@@ -2,8 +2,10 @@
 
 import shutil
 
+import pytest
 
 from tests.conftest import run_cli
+from torchship.errors import TorchshipError
 
 
 def err_line(capsys) -> str:
@@ -96,3 +98,15 @@ def test_existing_output_is_not_overwritten(trained, tmp_path, capsys):
     assert run_cli(*BASE, "--out", out) == 2
     assert "already holds checkpoints" in err_line(capsys)
     assert (out / "checkpoints" / "index.json").read_text() == before
+
+
+@pytest.mark.parametrize("code, says", [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", r"rank \d was killed by SIGKILL: the kernel's out-of-memory killer"),
+    ("raise SystemExit(3)", r"rank \d failed with exit code 3; see its traceback above")])
+def test_a_rank_that_dies_without_an_error_is_named(code, says, monkeypatch):
+    """A rank killed by the out-of-memory killer leaves no traceback: the launcher says what killed it."""
+    from train.launch import launch_torchrun
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # launch_torchrun sets it if unset; leave this process as it was
+    with pytest.raises(TorchshipError, match=says):
+        launch_torchrun(["-c", code], 2)
