@@ -1037,6 +1037,27 @@ def compare(old: dict, new: dict, threshold: float = 1.2) -> tuple[list[dict], l
     return rows, regressions
 
 
+def comparable(old: dict, new: dict) -> list[str]:
+    """BenchError if the two results measured different models (every ratio would read as a regression or
+    a gain); otherwise notes on what else differs between them (the machine), for the reader."""
+    def model(r):
+        e = r.get("export", {})
+        return e.get("name"), e.get("input_shape"), e.get("dtype")
+
+    if model(old) != model(new):
+        def say(r):
+            name, shape, dtype = model(r)
+            return f"{name} {shape} {dtype}"
+        raise BenchError(f"--compare: the results are of different models ({say(old)} against {say(new)}); "
+                         "compare two runs of one export")
+    notes = []
+    for key in ("cpu", "gpu", "cores"):
+        a, b = old.get("machine", {}).get(key), new.get("machine", {}).get(key)
+        if a != b:
+            notes.append(f"note: measured on different machines ({key}: {a} against {b})")
+    return notes
+
+
 def load_results(path: str | Path) -> dict:
     """A results.json that run_bench wrote; BenchError naming the file if it is not one."""
     return read_json(path, BenchError, RESULTS_FORMAT, missing=f"{path}: no such results file",

@@ -19,10 +19,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_bench(ns: argparse.Namespace) -> int:
-    from .bench import compare, load_results, run_bench
+    from .bench import comparable, compare, load_results, run_bench
 
     if ns.compare:
-        rows, regressions = compare(load_results(ns.compare[0]), load_results(ns.compare[1]), ns.threshold)
+        old, new = load_results(ns.compare[0]), load_results(ns.compare[1])
+        for note in comparable(old, new):
+            print(note)
+        rows, regressions = compare(old, new, ns.threshold)
         if not rows:
             print("no figures in common between the two results files")
             return 1

@@ -189,6 +189,16 @@ def test_compare_detects_a_planted_2x_slowdown(bench_run, exported, tmp_path, ca
     assert "REGRESSION" in capsys.readouterr().out
     assert run_cli("bench", "--compare", out / "results.json", out / "results.json") == 0
     capsys.readouterr()
+    other = json.loads(json.dumps(results))
+    other["machine"]["cpu"] = "another CPU"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert run_cli("bench", "--compare", out / "results.json", tmp_path / "other.json") == 0
+    assert "note: measured on different machines (cpu: " in capsys.readouterr().out
+    other["export"]["name"] = "resnet18"  # ratios against another model would all read as regressions or gains
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert run_cli("bench", "--compare", out / "results.json", tmp_path / "other.json") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the results are of different models (tiny_cnn " in err[0], err
     for bad, says in ((tmp_path / "none.json", "no such results file"),
                       (exported / "manifest.json", "unknown format 'torchship.export/1'")):
         assert run_cli("bench", "--compare", out / "results.json", bad) == 2
