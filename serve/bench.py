@@ -100,11 +100,14 @@ def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, fl
     return out
 
 
-def real_inputs(export_dir: Path, manifest: dict, batch: int) -> np.ndarray:
-    """A batch drawn from the export's held-out real images (tiled if there are fewer)."""
+def reference_pool(export_dir: Path, manifest: dict) -> np.ndarray:
+    """The export's held-out real images (else its largest random batch), read and checked once per stage."""
     ref = read_reference(export_dir, manifest)
-    key = "input/heldout" if "input/heldout" in ref else f"input/random_b{manifest['max_batch']}"
-    pool = ref[key]
+    return ref["input/heldout"] if "input/heldout" in ref else ref[f"input/random_b{manifest['max_batch']}"]
+
+
+def real_inputs(pool: np.ndarray, batch: int) -> np.ndarray:
+    """A batch drawn from ``pool`` (tiled if it holds fewer rows)."""
     reps = -(-batch // len(pool))
     return np.ascontiguousarray(np.concatenate([pool] * reps)[:batch])
 
@@ -179,11 +182,12 @@ def bench_in_process(cfg: BenchConfig, export_dir: Path, manifest: dict, device:
     rows = []
     raw: dict[str, list[float]] = {}
     per_block = max(1, cfg.iters // cfg.blocks)
+    pool = reference_pool(export_dir, manifest)
     for b in cfg.batch_sizes:
         if b > manifest["max_batch"]:
             notes[f"batch {b}"] = f"skipped: above the export's max batch {manifest['max_batch']}"
             continue
-        x = real_inputs(export_dir, manifest, b)
+        x = real_inputs(pool, b)
         for v, fn in runners.items():
             for _ in range(cfg.warmup):
                 fn(x)
@@ -537,20 +541,19 @@ def after_wait(req, waits_us: Sequence[float], reps: int = 100) -> dict[str, dic
     return out
 
 
-def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, models: list[str], client,
-                   profile_dir: str | None, bar, trace_file: str | None = None) -> dict[str, Any]:
+def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, xs: list[np.ndarray], url: str, models: list[str],
+                   client, profile_dir: str | None, bar, trace_file: str | None = None) -> dict[str, Any]:
     """Batch 1, measured side by side in rotating blocks: each served model through gRPC, the same
     artifact in this process (back to back, and again after a floor-long pause before each call, as a
     served model runs), and the no-op floor. The excess is served − in-process − floor; Triton's
     statistics and the backend's own profile say where it goes, and with ``trace_file`` (the embedded
-    server's trace file) Triton's per-request timestamps split each round trip into TRACE_LEGS."""
+    server's trace file) Triton's per-request timestamps split each round trip into TRACE_LEGS. ``xs``: the
+    batch-1 inputs, sent in turn."""
     from torchship import runtime
 
     from .client import request
 
     ins, outs = [i["name"] for i in manifest["inputs"]], [o["name"] for o in manifest["outputs"]]
-    pool = real_inputs(export_dir, manifest, 64)
-    xs = [pool[i:i + 1] for i in range(len(pool))]
     with sending(url, cfg.transport) as call:  # closed once the timed blocks are done, or on an error before
         paths: dict[str, Callable[[int], Any]] = {}
         twins: dict[str, str] = {}
@@ -697,29 +700,28 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     input_name = manifest["inputs"][0]["name"]
     served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {}}
     results["served"] = served
-    pool = real_inputs(export_dir, manifest, 64)
+    # batch-1 requests fit batching and batch-1 models alike
+    singles = [x[None] for x in real_inputs(reference_pool(export_dir, manifest), 64)]
     for model in models:
-        inputs = [pool[i:i + 1] for i in range(len(pool))]  # batch-1 requests fit batching and batch-1 models alike
         cfgm = client.config(model)
         served["models"][model] = {"max_batch_size": client.max_batch(model), "dynamic_batching": "dynamic_batching" in cfgm,
                                    "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
-                                   "rows": sweep(url, model, inputs, cfg, input_name, bar, client)}
+                                   "rows": sweep(url, model, singles, cfg, input_name, bar, client)}
         save()
     if server is not None:
         for model in models:
             fmt = _format_of(model, manifest)
             base_path = server.repo / model / (EMBEDDED_CONFIG if (server.repo / model / EMBEDDED_CONFIG).exists() else "config.pbtxt")
-            inputs = [pool[i:i + 1] for i in range(len(pool))]
             if fmt in cfg.batching_compare:
                 off = read_config(base_path)
                 off.ClearField("dynamic_batching")
                 server.load(model, override=off)
-                served["batching_off"][model] = {"rows": sweep(url, model, inputs, cfg, input_name, bar, client)}
+                served["batching_off"][model] = {"rows": sweep(url, model, singles, cfg, input_name, bar, client)}
             for delay in cfg.queue_delays_us:
                 c = read_config(base_path)
                 c.dynamic_batching.max_queue_delay_microseconds = delay
                 server.load(model, override=c)
-                served["delays"].setdefault(model, {})[str(delay)] = {"rows": sweep(url, model, inputs, cfg, input_name, bar, client)}
+                served["delays"].setdefault(model, {})[str(delay)] = {"rows": sweep(url, model, singles, cfg, input_name, bar, client)}
             if fmt in cfg.batching_compare or cfg.queue_delays_us:
                 # back to the repository's config; a plain reload keeps the last override
                 server.load(model, override=read_config(base_path))
@@ -729,8 +731,7 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
             server.load(NOOP_MODEL)
             if cfg.overhead:
                 server.load(HOLD_MODEL)
-            served["noop"] = {"rows": sweep(url, NOOP_MODEL, [pool[i:i + 1] for i in range(len(pool))],
-                                             _one_level(cfg), input_name, bar, client)}
+            served["noop"] = {"rows": sweep(url, NOOP_MODEL, singles, _one_level(cfg), input_name, bar, client)}
         except TorchshipError as e:
             served["noop"] = {"error": str(e)}
     else:
@@ -739,16 +740,14 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
                                                  f"models with changed configs, which only the embedded server allows; "
                                                  f"not done against {url}"}
         if NOOP_MODEL in ready:
-            served["noop"] = {"rows": sweep(url, NOOP_MODEL, [pool[i:i + 1] for i in range(len(pool))], _one_level(cfg),
-                                             input_name, bar, client)}
+            served["noop"] = {"rows": sweep(url, NOOP_MODEL, singles, _one_level(cfg), input_name, bar, client)}
     if cfg.overhead:
         profile_dir = server.cfg.backend_profile if server is not None else None
         trace_file = server.cfg.trace_file if server is not None else None
-        served["overhead"] = bench_overhead(cfg, export_dir, manifest, url, models, client, profile_dir, bar, trace_file)
+        served["overhead"] = bench_overhead(cfg, export_dir, manifest, singles, url, models, client, profile_dir, bar, trace_file)
         save()
     if cfg.rate:
-        served["open_loop"] = {m: open_loop(url, m, [pool[i:i + 1] for i in range(len(pool))], cfg.rate, cfg.duration_s,
-                                            input_name) for m in models}
+        served["open_loop"] = {m: open_loop(url, m, singles, cfg.rate, cfg.duration_s, input_name) for m in models}
     pa = find_perf_analyzer(cfg.perf_analyzer) if cfg.cross_check else None
     if not cfg.cross_check:
         served["perf_analyzer"] = {"skipped": "disabled (--no-cross-check)"}
@@ -1040,16 +1039,10 @@ def compare(old: dict, new: dict, threshold: float = 1.2) -> tuple[list[dict], l
 def comparable(old: dict, new: dict) -> list[str]:
     """BenchError if the two results measured different models (every ratio would read as a regression or
     a gain); otherwise notes on what else differs between them (the machine), for the reader."""
-    def model(r):
-        e = r.get("export", {})
-        return e.get("name"), e.get("input_shape"), e.get("dtype")
-
-    if model(old) != model(new):
-        def say(r):
-            name, shape, dtype = model(r)
-            return f"{name} {shape} {dtype}"
-        raise BenchError(f"--compare: the results are of different models ({say(old)} against {say(new)}); "
-                         "compare two runs of one export")
+    a, b = ([r.get("export", {}).get(k) for k in ("name", "input_shape", "dtype")] for r in (old, new))
+    if a != b:
+        raise BenchError(f"--compare: the results are of different models ({' '.join(map(str, a))} against "
+                         f"{' '.join(map(str, b))}); compare two runs of one export")
     notes = []
     for key in ("cpu", "gpu", "cores"):
         a, b = old.get("machine", {}).get(key), new.get("machine", {}).get(key)

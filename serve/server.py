@@ -269,12 +269,13 @@ class TritonServer:
         self.repo = Path(cfg.repo).resolve()
         if not self.repo.is_dir():
             raise ServerError(f"repository {self.repo} does not exist (build one with torchship repo)")
-        if not cfg.models and not self.repository_models():
+        names = list(cfg.models) or self.repository_models()  # the models start() will load
+        if not names:
             hint = ("it is an export directory: build a repository from it with torchship repo "
                     f"{cfg.repo} --out model_repository" if (self.repo / "manifest.json").exists()
                     else "build one with torchship repo EXPORT_DIR")
             raise ServerError(f"{self.repo} holds no model (no <model>/config.pbtxt); {hint}")
-        self.check_configs()
+        self.check_configs(names)
         flags = {"--grpc-port": cfg.grpc_port, "--http-port": cfg.http_port, "--metrics-port": cfg.metrics_port}
         given = [p for p in flags.values() if p]
         for flag, port in flags.items():
@@ -452,14 +453,14 @@ class TritonServer:
             self.stop()
             raise
 
-    def check_configs(self) -> None:
-        """Parse each config.pbtxt this server will load, so that a broken one is named with its line
+    def check_configs(self, names: Sequence[str]) -> None:
+        """Parse the config.pbtxt of each model in ``names``, so that a broken one is named with its line
         before the server starts (Triton itself only logs it, among its start-up lines)."""
         from google.protobuf.text_format import ParseError
 
         from .repository import read_config
 
-        for name in self.cfg.models or self.repository_models():
+        for name in names:
             path = self.repo / name / "config.pbtxt"
             try:
                 read_config(path)

@@ -69,23 +69,29 @@ def check_hashes(export_dir: str | Path, manifest: dict[str, Any]) -> list[str]:
         for rel, sha in artifact_files(a).items():
             listed[rel] = sha
     for rel, sha in listed.items():
-        p = d / rel
-        if not p.exists():
-            problems.append(f"{rel} is missing")
-        elif sha256_file(p) != sha:
-            problems.append(f"{rel} was altered or truncated (sha256 differs from the manifest)")
+        problem = _file_problem(d, rel, sha)
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def _file_problem(d: Path, rel: str, sha: str | None) -> str | None:
+    """Why the file ``rel`` under ``d`` is not the one the manifest lists by its sha256, or None."""
+    if not (d / rel).is_file():
+        return f"{rel} is missing"
+    if sha256_file(d / rel) != sha:
+        return f"{rel} was altered or truncated (sha256 differs from the manifest)"
+    return None
 
 
 def read_reference(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str, np.ndarray]:
     """The export's reference arrays (reference.npz: inputs, eager outputs, held-out labels), once its
     sha256 matches the manifest's; ArtifactError naming the file if it is missing or altered."""
-    p = Path(export_dir) / REFERENCE
-    if not p.is_file():
-        raise ArtifactError(f"{p} is missing; export again")
-    if sha256_file(p) != manifest["reference"].get("sha256"):
-        raise ArtifactError(f"{p} was altered or truncated (sha256 differs from the manifest); export again")
-    with np.load(p) as z:
+    d = Path(export_dir)
+    problem = _file_problem(d, REFERENCE, manifest["reference"].get("sha256"))
+    if problem:
+        raise ArtifactError(f"{d}: {problem}; export again")
+    with np.load(d / REFERENCE) as z:
         return {k: z[k] for k in z.files}
 
 
