@@ -937,6 +937,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
 
                     results["machine"]["python_host"] = server.python_host
                     results["machine"]["server_cpus"] = server_cpus(server)
+                    results["machine"]["server_model_cpus"] = server.model_cpus
                 url = server.url if server is not None else cfg.url
                 log(f"served: {url}")
                 bench_served(cfg, export_dir, manifest, url, server, bar, results, save)
@@ -973,7 +974,8 @@ def bench_server(serve_cfg, cfg: BenchConfig, manifest: dict, out: Path):
     """An embedded TritonServer (not started) set up as bench measures one: serve_cfg's repository with
     the floor models' beside it, the backends' profile written (under ``out`` unless serve_cfg names a
     directory), Triton's tracing when ``cfg.trace`` (into OUT/triton_trace.json unless serve_cfg
-    names a file), cfg.server_cpus unless serve_cfg pins the server itself, and cfg.python_host unless
+    names a file), cfg.server_cpus and cfg.server_model_cpus unless serve_cfg pins the server or its models
+    itself, and cfg.python_host unless
     serve_cfg names a host other than auto. Give it, started, to run_bench's ``server``; ``torchship
     run`` does."""
     import dataclasses
@@ -985,6 +987,7 @@ def bench_server(serve_cfg, cfg: BenchConfig, manifest: dict, out: Path):
     serve_cfg = dataclasses.replace(serve_cfg, backend_profile=serve_cfg.backend_profile or str(out / "backend_profile"),
                                     trace_file=serve_cfg.trace_file or (str(trace) if cfg.trace else None),
                                     cpus=serve_cfg.cpus or cfg.server_cpus,
+                                    model_cpus=serve_cfg.model_cpus or cfg.server_model_cpus,
                                     python_host=cfg.python_host if serve_cfg.python_host == "auto" else serve_cfg.python_host)
     return TritonServer(serve_cfg, extra_repos=[noop_repo(out, manifest)])
 

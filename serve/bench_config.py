@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.errors import ConfigError
 
-from .config import check_url, parse_cpus
+from .config import check_url, cpu_range, parse_cpus
 
 IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
 
@@ -54,6 +54,8 @@ class BenchConfig:
                                                           "backends run (see torchship serve --help)")
     server_cpus: Optional[str] = opt(None, "embedded server: run it on these CPUs only (see torchship serve --cpus); "
                                            "pin the bench itself, client and in-process runs, with taskset -c")
+    server_model_cpus: Optional[str] = opt(None, "embedded server: run its model instances on these CPUs, one CPU or one "
+                                                 "range (see torchship serve --model-cpus)")
     skip_in_process: bool = opt(False, "skip the in-process part")
     skip_served: bool = opt(False, "skip the served part")
     plots: bool = opt(True, "draw the matplotlib plots")
@@ -81,6 +83,11 @@ class BenchConfig:
             if self.url:
                 raise ConfigError("--server-cpus pins the embedded server; an external one (--url) is pinned where it runs")
             parse_cpus(self.server_cpus, "--server-cpus")
+        if self.server_model_cpus is not None:
+            if self.url:
+                raise ConfigError("--server-model-cpus pins the embedded server's models; an external server is "
+                                  "pinned where it runs (Triton's --host-policy=cpu,cpu-cores=LO-HI)")
+            cpu_range(self.server_model_cpus, "--server-model-cpus")
         if self.trace and (self.url or self.skip_served or not self.overhead):
             raise ConfigError("--trace needs the overhead measurement on the embedded server (no --url, --skip-served "
                               "or --no-overhead)")

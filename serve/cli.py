@@ -55,6 +55,8 @@ def main_serve(ns: argparse.Namespace) -> int:
         print(f"backends: {host[info['python_host']]}" + (f" ({server.python_host_note})" if server.python_host_note else ""))
         if cfg.cpus:
             print(f"pinned to CPUs {cpu_list(info['cpus'])} (--cpus {cfg.cpus})")
+        if cfg.model_cpus:
+            print(f"model instances pinned to CPUs {cpu_list(info['model_cpus'])} (--model-cpus {cfg.model_cpus})")
         if cfg.trace_file:
             print(f"trace: {cfg.trace_file} (Triton's timestamps for every request, written when the server stops)")
         kept = "" if cfg.log else ", removed after a clean stop: --log FILE keeps one"

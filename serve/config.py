@@ -48,6 +48,16 @@ def check_url(url: str, flag: str = "--url") -> None:
         raise ConfigError(f"{flag} {url}: {port!r} is not a port number (1-65535); {fix}")
 
 
+def cpu_range(spec: str, flag: str = "--model-cpus") -> tuple[int, int]:
+    """One CPU or one range of CPUs ("1", "2-3"), as Triton's host policy takes it (cpu-cores=LO-HI): the
+    first and last CPU. Raises ConfigError for any other list, or a CPU this machine does not have."""
+    cpus = parse_cpus(spec, flag)
+    if cpus != list(range(cpus[0], cpus[-1] + 1)):
+        raise ConfigError(f"{flag} {spec!r}: give one CPU or one range (as in 1 or 2-3); Triton's host policy "
+                          "pins model instances to a single range")
+    return cpus[0], cpus[-1]
+
+
 def cpu_list(cpus) -> str:
     """CPU numbers as the comma list parse_cpus reads back ("0,2,3")."""
     return ",".join(map(str, sorted(cpus)))
@@ -109,6 +119,11 @@ class ServeConfig:
     cpus: Optional[str] = opt(None, "run the server (every thread of it, the models' included) on these CPUs only, as a "
                                     "Linux CPU list: 1, 0-3 or 0,2-3 (default: the CPUs this process may use). Keeps "
                                     "Triton's threads on CPUs whose caches they share; fewer CPUs serve less under load")
+    model_cpus: Optional[str] = opt(None, "run the model instances (KIND_CPU) on these CPUs, one CPU or one range: 1 or "
+                                          "2-3, through Triton's host policy (--host-policy=cpu,cpu-cores=...); the rest "
+                                          "of the server (gRPC, scheduling) stays on --cpus. Keeps the model's memory "
+                                          "traffic out of the caches the protocol code runs from; fewer CPUs serve "
+                                          "less under load")
     python_host: Literal["auto", "server", "stub"] = opt("auto", "where torchship's Python-based backends run: inside the "
                                                           "Triton server process (server: a small library built on "
                                                           "first use, needing a C compiler and a shared libpython), in "
@@ -128,5 +143,7 @@ class ServeConfig:
             raise ConfigError("--cpu-latency-us must be 0 or more")
         if self.cpus is not None:
             parse_cpus(self.cpus)
+        if self.model_cpus is not None:
+            cpu_range(self.model_cpus)
         if self.trace_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_file))):
             raise ConfigError(f"--trace-file {self.trace_file}: its directory does not exist")

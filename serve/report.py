@@ -126,10 +126,14 @@ def overhead_lines(ov: dict[str, Any] | None, host: str | None = None) -> list[s
 
 
 def cpu_pinning(m: dict[str, Any]) -> str:
-    """' · bench on CPUs …, server on CPUs …' when either ran on fewer than all of the machine's CPUs."""
+    """' · bench on CPUs …, server on CPUs …' when either ran on fewer than all of the machine's CPUs, and where
+    the server's model instances were pinned."""
     every = list(range(m.get("cores") or 0))
     parts = [f"{who} on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}"
              for who, c in (("bench", m.get("bench_cpus")), ("server", m.get("server_cpus"))) if c and c != every]
+    if m.get("server_model_cpus"):  # set only when pinned, even to every CPU
+        c = m["server_model_cpus"]
+        parts.append(f"its model instances on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}")
     return " · " + ", ".join(parts) if parts else ""
 
 

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -23,7 +24,7 @@ from google.protobuf import json_format
 from torchship.errors import ServerError
 
 from . import child_env
-from .config import ServeConfig, cpu_list, cuda_visible, parse_cpus
+from .config import ServeConfig, cpu_list, cpu_range, cuda_visible, parse_cpus
 from .repository import EMBEDDED_CONFIG, read_config
 
 HERE = Path(__file__).resolve().parent
@@ -240,6 +241,23 @@ class CpuLatencyRequest:
             self.fd = None
 
 
+def affinity_refused(cpus: Sequence[int]) -> Optional[str]:
+    """Why Linux would refuse to run a thread on ``cpus`` (None if it would not), asked by a throwaway
+    thread, since an affinity call pins only the calling thread: taskset's mask on this process does not
+    bind the server's model threads, a cgroup's CPU set does."""
+    why: list[str] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            why.append(e.strerror or str(e))
+    t = threading.Thread(target=probe, name="torchship-affinity-probe")
+    t.start()
+    t.join()
+    return why[0] if why else None
+
+
 def server_env() -> dict[str, str]:
     """LD_LIBRARY_PATH for the wheel's libraries; this environment's bin/ first on PATH, because the
     stub's embedded Python adopts the virtual environment found there (it ignores PYTHONPATH)."""
@@ -299,6 +317,16 @@ class TritonServer:
         self.cpu_latency: Optional[CpuLatencyRequest] = None
         self.python_host, self.python_host_note = resolve_python_host(cfg.python_host)
         self.cpus: list[int] = parse_cpus(cfg.cpus) if cfg.cpus else []  # [] : inherit this process's CPUs
+        # Triton pins each KIND_CPU instance's thread (and what it starts: stubs, runtime threads) to this range
+        self.model_cpus: list[int] = []
+        if cfg.model_cpus:
+            lo, hi = cpu_range(cfg.model_cpus)
+            self.model_cpus = list(range(lo, hi + 1))
+            refused = affinity_refused(self.model_cpus)
+            if refused:
+                raise ServerError(f"--model-cpus {cfg.model_cpus}: Linux refused to run a thread on CPUs "
+                                  f"{cpu_list(self.model_cpus)} ({refused}); choose CPUs in this container's or "
+                                  "cgroup's CPU set")
 
     def _in_child(self, die_with_parent: Callable[[], Any]) -> None:
         """In the child before exec: tie the server's life to this process (``die_with_parent``, looked up
@@ -339,6 +367,8 @@ class TritonServer:
                f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0", f"--cache-directory={home / 'caches'}"]
         if not cuda_visible():
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
+        if self.model_cpus:  # "cpu" is the host policy Triton gives every KIND_CPU instance by default
+            cmd.append(f"--host-policy=cpu,cpu-cores={self.model_cpus[0]}-{self.model_cpus[-1]}")
         if self.cfg.trace_file:
             cmd += [f"--trace-config=triton,file={Path(self.cfg.trace_file).resolve()}", "--trace-config=level=TIMESTAMPS",
                     "--trace-config=rate=1", "--trace-config=count=-1", "--trace-config=log_frequency=0"]
@@ -580,7 +610,7 @@ def stall_note(models: list[str]) -> str:
 def describe(server: TritonServer) -> dict:
     return {"grpc": server.url, "python_host": server.python_host, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
             "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None,
-            "cpus": server_cpus(server)}
+            "cpus": server_cpus(server), "model_cpus": server.model_cpus}
 
 
 def server_cpus(server: TritonServer) -> list[int]:

@@ -239,7 +239,8 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
             server.start()
             log(f"Triton ready at {server.url} with {', '.join(server.loaded)} (backends hosted: {server.python_host})"
                 + (f"; {server.python_host_note}" if server.python_host_note else "")
-                + (f"; pinned to CPUs {cpu_list(server.cpus)}" if server.cpus else ""))
+                + (f"; pinned to CPUs {cpu_list(server.cpus)}" if server.cpus else "")
+                + (f"; model instances on CPUs {cpu_list(server.model_cpus)}" if server.model_cpus else ""))
             if first <= 3:
                 try:
                     report = check_served(server.url, dirs["export"])

@@ -1,5 +1,6 @@
 """A real Triton server over real gRPC: parity per format, batching, bad input, shutdown, model control."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -640,6 +641,73 @@ def test_cpus_are_checked_and_a_refused_pin_is_named(repo, tmp_path, monkeypatch
     with pytest.raises(ServerError, match="Linux refused to run the server on CPUs 4000: this process may use CPUs 0"):
         server.start()
     assert server.proc is None and list(tmp_path.glob("tritonserver-*.log")) == []
+
+
+def _cpu_ticks(pid: int) -> dict[int, int]:
+    """CPU time (user + system clock ticks) of every thread of a process, by thread id."""
+    ticks = {}
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            fields = (t / "stat").read_text().rsplit(")", 1)[1].split()
+            ticks[int(t.name)] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+@pytest.mark.parametrize("host", ["server", "stub"])
+def test_model_cpus_pin_the_models_and_leave_the_protocol_where_it_was(repo, exported, tmp_path, host):
+    """--model-cpus: the thread that runs a model (in the server process, or the stub process that Triton
+    starts from it) is on the CPUs given, through Triton's host policy; gRPC and the rest stay on --cpus.
+    The hold model busy-waits 40 ms per request in its instance, so that thread is by far the busiest."""
+    import subprocess
+
+    from serve.bench import HOLD_MODEL, noop_repo
+    from serve.server import describe
+
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    if first == last:
+        pytest.skip("needs a second CPU to tell the models' CPU from the server's")
+    x = np.random.default_rng(0).random((3, 3, 32, 32), dtype=np.float32)
+    hold = np.zeros((1, 3, 32, 32), np.float32)
+    hold.flat[0] = 40_000  # µs
+    cfg = ServeConfig(repo=str(repo), models=("tiny_cnn_onnx", HOLD_MODEL), cpus=str(first), model_cpus=str(last),
+                      python_host=host)
+    with TritonServer(cfg, extra_repos=[noop_repo(tmp_path, read_manifest(exported))]) as s:
+        client = TritonClient(s.url)
+        got = client.infer("tiny_cnn_onnx", x)
+        pids = [s.proc.pid] + [int(p) for p in subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True,
+                                                                text=True).stdout.split()]
+        before = {p: _cpu_ticks(p) for p in pids}
+        for _ in range(8):
+            client.infer(HOLD_MODEL, hold)
+        used = {(p, t): n - before[p].get(t, 0) for p in pids for t, n in _cpu_ticks(p).items()}
+        busiest = max(used, key=used.get)
+        mask = {(p, t): tuple(sorted(os.sched_getaffinity(t))) for p, t in used}
+        assert describe(s)["model_cpus"] == [last]
+    assert used[busiest] >= 20  # clock ticks (100 a second): most of the 0.32 s of holding
+    assert mask[busiest] == (last,)
+    server_threads = [m for (p, _), m in mask.items() if p == pids[0]]
+    assert server_threads.count((first,)) > 10 and set(server_threads) <= {(first,), (last,)}
+    if host == "stub":  # every stub process comes from a pinned instance thread
+        assert {m for (p, _), m in mask.items() if p != pids[0]} == {(last,)}
+    np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
+
+
+def test_model_cpus_are_checked(repo, monkeypatch, capsys):
+    from torchship.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"has CPUs 0-{os.cpu_count() - 1}"):
+        ServeConfig(repo=str(repo), model_cpus=str(os.cpu_count()))
+    assert run_cli("bench", repo, "--url", "127.0.0.1:1", "--server-model-cpus", "0") == 2
+    assert "--server-model-cpus pins the embedded server's models" in capsys.readouterr().err
+    monkeypatch.setattr(os, "cpu_count", lambda: 4096)
+    for spec, message in (("0,2", "one CPU or one range"), ("1-0", "write CPU numbers")):
+        with pytest.raises(ConfigError, match=message):
+            ServeConfig(repo=str(repo), model_cpus=spec)
+    assert run_cli("serve", repo, "--model-cpus", "0,2") == 2
+    assert "--model-cpus '0,2': give one CPU or one range" in capsys.readouterr().err
+    # a CPU that passes the check but that Linux will not give a thread: refused before the server starts
+    with pytest.raises(ServerError, match="--model-cpus 4000: Linux refused to run a thread on CPUs 4000"):
+        TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), model_cpus="4000"))
 
 
 def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
