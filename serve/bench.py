@@ -974,10 +974,9 @@ def bench_server(serve_cfg, cfg: BenchConfig, manifest: dict, out: Path):
     """An embedded TritonServer (not started) set up as bench measures one: serve_cfg's repository with
     the floor models' beside it, the backends' profile written (under ``out`` unless serve_cfg names a
     directory), Triton's tracing when ``cfg.trace`` (into OUT/triton_trace.json unless serve_cfg
-    names a file), cfg.server_cpus and cfg.server_model_cpus unless serve_cfg pins the server or its models
-    itself, and cfg.python_host unless
-    serve_cfg names a host other than auto. Give it, started, to run_bench's ``server``; ``torchship
-    run`` does."""
+    names a file), cfg.server_cpus and cfg.server_model_cpus unless serve_cfg pins the server or its
+    models itself, and cfg.python_host unless serve_cfg names a host other than auto. Give it, started,
+    to run_bench's ``server``; ``torchship run`` does."""
     import dataclasses
 
     from .server import TritonServer

@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.errors import ConfigError
 
-from .config import check_url, cpu_range, parse_cpus
+from .config import check_url, parse_cpu_range, parse_cpus
 
 IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
 
@@ -87,7 +87,7 @@ class BenchConfig:
             if self.url:
                 raise ConfigError("--server-model-cpus pins the embedded server's models; an external server is "
                                   "pinned where it runs (Triton's --host-policy=cpu,cpu-cores=LO-HI)")
-            cpu_range(self.server_model_cpus, "--server-model-cpus")
+            parse_cpu_range(self.server_model_cpus, "--server-model-cpus")
         if self.trace and (self.url or self.skip_served or not self.overhead):
             raise ConfigError("--trace needs the overhead measurement on the embedded server (no --url, --skip-served "
                               "or --no-overhead)")

@@ -48,14 +48,14 @@ def check_url(url: str, flag: str = "--url") -> None:
         raise ConfigError(f"{flag} {url}: {port!r} is not a port number (1-65535); {fix}")
 
 
-def cpu_range(spec: str, flag: str = "--model-cpus") -> tuple[int, int]:
-    """One CPU or one range of CPUs ("1", "2-3"), as Triton's host policy takes it (cpu-cores=LO-HI): the
-    first and last CPU. Raises ConfigError for any other list, or a CPU this machine does not have."""
+def parse_cpu_range(spec: str, flag: str = "--model-cpus") -> list[int]:
+    """One CPU or one range of CPUs ("1", "2-3"), as Triton's host policy takes it (cpu-cores=LO-HI), as
+    sorted CPU numbers. Raises ConfigError for any other list, or a CPU this machine does not have."""
     cpus = parse_cpus(spec, flag)
     if cpus != list(range(cpus[0], cpus[-1] + 1)):
         raise ConfigError(f"{flag} {spec!r}: give one CPU or one range (as in 1 or 2-3); Triton's host policy "
                           "pins model instances to a single range")
-    return cpus[0], cpus[-1]
+    return cpus
 
 
 def cpu_list(cpus) -> str:
@@ -144,6 +144,6 @@ class ServeConfig:
         if self.cpus is not None:
             parse_cpus(self.cpus)
         if self.model_cpus is not None:
-            cpu_range(self.model_cpus)
+            parse_cpu_range(self.model_cpus)
         if self.trace_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_file))):
             raise ConfigError(f"--trace-file {self.trace_file}: its directory does not exist")

@@ -133,7 +133,7 @@ def cpu_pinning(m: dict[str, Any]) -> str:
              for who, c in (("bench", m.get("bench_cpus")), ("server", m.get("server_cpus"))) if c and c != every]
     if m.get("server_model_cpus"):  # set only when pinned, even to every CPU
         c = m["server_model_cpus"]
-        parts.append(f"its model instances on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}")
+        parts.append(f"models on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}")
     return " · " + ", ".join(parts) if parts else ""
 
 

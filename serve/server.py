@@ -24,7 +24,7 @@ from google.protobuf import json_format
 from torchship.errors import ServerError
 
 from . import child_env
-from .config import ServeConfig, cpu_list, cpu_range, cuda_visible, parse_cpus
+from .config import ServeConfig, cpu_list, cuda_visible, parse_cpu_range, parse_cpus
 from .repository import EMBEDDED_CONFIG, read_config
 
 HERE = Path(__file__).resolve().parent
@@ -318,10 +318,8 @@ class TritonServer:
         self.python_host, self.python_host_note = resolve_python_host(cfg.python_host)
         self.cpus: list[int] = parse_cpus(cfg.cpus) if cfg.cpus else []  # [] : inherit this process's CPUs
         # Triton pins each KIND_CPU instance's thread (and what it starts: stubs, runtime threads) to this range
-        self.model_cpus: list[int] = []
-        if cfg.model_cpus:
-            lo, hi = cpu_range(cfg.model_cpus)
-            self.model_cpus = list(range(lo, hi + 1))
+        self.model_cpus: list[int] = parse_cpu_range(cfg.model_cpus) if cfg.model_cpus else []
+        if self.model_cpus:
             refused = affinity_refused(self.model_cpus)
             if refused:
                 raise ServerError(f"--model-cpus {cfg.model_cpus}: Linux refused to run a thread on CPUs "

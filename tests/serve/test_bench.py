@@ -65,7 +65,7 @@ def test_results_and_report_are_well_formed(bench_run):
     assert cpu_pinning({"cores": 4, "bench_cpus": [0], "server_cpus": [2, 3]}) == " · bench on CPU 0, server on CPUs 2,3"
     assert m["server_model_cpus"] == []  # not pinned
     assert (cpu_pinning({"cores": 2, "bench_cpus": [0], "server_cpus": [0], "server_model_cpus": [1]})
-            == " · bench on CPU 0, server on CPU 0, its model instances on CPU 1")
+            == " · bench on CPU 0, server on CPU 0, models on CPU 1")
     assert "Where the time goes at batch 1" in report and "one at a time over one bidirectional gRPC stream" in report
     gains = report.split("Dynamic batching gain for tiny_cnn_onnx")[1].split("\n\n")[1].splitlines()
     assert gains[0].startswith("- concurrency 1: ") and gains[0].endswith("(no batches formed: the difference is not batching)")
