@@ -221,20 +221,23 @@ def test_unreachable_server_keeps_partial_results(exported, tmp_path):
 
 
 def test_bench_server_takes_the_bench_settings_the_serve_section_leaves_open(exported, repo, tmp_path):
-    """torchship run hands bench_server its serve section: bench.python_host and bench.server_cpus apply
-    where that section leaves them at their defaults, and give way where it sets them."""
+    """torchship run hands bench_server its serve section: bench.python_host, bench.server_cpus and
+    bench.server_model_cpus apply where that section leaves them at their defaults, and give way where it
+    sets them."""
     from serve.bench import bench_server
     from serve.config import ServeConfig
     from torchship.manifest import read_manifest
 
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "python_host": "stub",
-                                     "server_cpus": "0"})
+                                     "server_cpus": "0", "server_model_cpus": "0"})
     manifest = read_manifest(exported)
     s = bench_server(ServeConfig(repo=str(repo)), cfg, manifest, tmp_path)
-    assert (s.python_host, s.cpus) == ("stub", [0])
+    assert (s.python_host, s.cpus, s.model_cpus) == ("stub", [0], [0])
+    assert "--host-policy=cpu,cpu-cores=0-0" in s.command()
     last = max(os.sched_getaffinity(0))
-    s = bench_server(ServeConfig(repo=str(repo), python_host="server", cpus=str(last)), cfg, manifest, tmp_path)
-    assert (s.python_host, s.cpus) == ("server", [last])
+    s = bench_server(ServeConfig(repo=str(repo), python_host="server", cpus=str(last), model_cpus=str(last)), cfg,
+                     manifest, tmp_path)
+    assert (s.python_host, s.cpus, s.model_cpus) == ("server", [last], [last])
     assert s.proc is None  # nothing started
 
 
