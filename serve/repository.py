@@ -204,5 +204,12 @@ torchship serve {cfg.out}
 The embedded Triton 2.51 does not know the `torch_aoti` platform. `torchship serve` loads that model with
 `embedded.pbtxt` instead: the same tensors, batched (up to the largest bucket) over the static-batch
 AOTInductor packages `model.pt2`, `model_bs*.pt2`, padding each batch up to the next bucket.
+
+## CPU instances on CPUs of their own
+
+For the lowest latency one request at a time, keep the models' memory traffic away from the CPUs that
+run gRPC: `torchship serve {cfg.out} --cpus 0-1 --model-cpus 2-3`, or in any Triton, including the
+container above, `taskset -c 0-1 tritonserver ... --host-policy=cpu,cpu-cores=2-3` (Triton pins every
+`KIND_CPU` instance thread to that range).
 """
 
