@@ -4,8 +4,10 @@ all in one run folder, each stage reading only what the previous ones wrote to d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -116,12 +118,26 @@ def _stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]):
     from serve.config import RepoConfig, ServeConfig
     from train.config import TrainConfig
 
-    train = build(TrainConfig, settings["train"], {"out": str(dirs["train"])})
-    export = build(ExportConfig, settings["export"], {"out": str(dirs["export"]), "checkpoint": str(dirs["train"])})
-    repo = build(RepoConfig, settings["repo"], {"out": str(dirs["repo"])})
-    serve = build(ServeConfig, settings["serve"], {"repo": str(dirs["repo"]), "log": str(dirs["logs"] / "tritonserver.log")})
-    bench = build(BenchConfig, settings["bench"], {"out": str(dirs["bench"]), "export_dir": str(dirs["export"])})
+    train = _build_section("train", TrainConfig, settings, {"out": str(dirs["train"])})
+    export = _build_section("export", ExportConfig, settings, {"out": str(dirs["export"]), "checkpoint": str(dirs["train"])})
+    repo = _build_section("repo", RepoConfig, settings, {"out": str(dirs["repo"])})
+    serve = _build_section("serve", ServeConfig, settings, {"repo": str(dirs["repo"]),
+                                                            "log": str(dirs["logs"] / "tritonserver.log")})
+    bench = _build_section("bench", BenchConfig, settings, {"out": str(dirs["bench"]), "export_dir": str(dirs["export"])})
     return train, export, repo, serve, bench
+
+
+def _build_section(section: str, cls: type, settings: dict[str, dict[str, Any]], fixed: dict[str, Any]) -> Any:
+    """build() for one section of run's settings. The configs' errors name the stage commands' flags
+    (--requests); here the user wrote SECTION.KEY (in --set or a config file), so the message says that."""
+    try:
+        return build(cls, settings[section], fixed)
+    except ConfigError as e:
+        keys = {}
+        for f in dataclasses.fields(cls):
+            keys[f"--{f.name.replace('_', '-')}"] = f"{section}.{f.name}"
+            keys[f"--no-{f.name.replace('_', '-')}"] = f"{section}.{f.name}=false"
+        raise ConfigError(re.sub(r"--[a-z0-9][a-z0-9-]*", lambda m: keys.get(m.group(0), m.group(0)), str(e))) from None
 
 
 def _require(stage: str, dirs: dict[str, Path], start: str) -> None:

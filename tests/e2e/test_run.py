@@ -152,6 +152,11 @@ def test_the_summary_names_a_file_it_cannot_read(tmp_path):
 def test_config_errors_name_the_option(tmp_path, capsys):
     assert run_cli("run", "--out", tmp_path / "r", "--set", "train.epochz=3") == 2
     assert "unknown option 'epochz'" in capsys.readouterr().err
+    # a section's own errors name the key the user wrote, not the stage command's flag
+    assert run_cli("run", "--out", tmp_path / "r", "--set", "bench.requests=abc") == 2
+    assert "bench.requests: cannot read 'abc' as int" in capsys.readouterr().err
+    assert run_cli("run", "--out", tmp_path / "r", "--set", "serve.model_cpus=0,2") == 2
+    assert "serve.model_cpus '0,2'" in capsys.readouterr().err
     (tmp_path / "c.yaml").write_text("trainn:\n  epochs: 1\n")
     assert run_cli("run", "--out", tmp_path / "r", "--config", tmp_path / "c.yaml") == 2
     assert "unknown section [trainn]" in capsys.readouterr().err
