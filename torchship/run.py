@@ -133,11 +133,17 @@ def _build_section(section: str, cls: type, settings: dict[str, dict[str, Any]],
     try:
         return build(cls, settings[section], fixed)
     except ConfigError as e:
-        keys = {}
-        for f in dataclasses.fields(cls):
-            keys[f"--{f.name.replace('_', '-')}"] = f"{section}.{f.name}"
-            keys[f"--no-{f.name.replace('_', '-')}"] = f"{section}.{f.name}=false"
-        raise ConfigError(re.sub(r"--[a-z0-9][a-z0-9-]*", lambda m: keys.get(m.group(0), m.group(0)), str(e))) from None
+        raise _in_run_terms(section, cls, e) from None
+
+
+def _in_run_terms(section: str, cls: type, e: ConfigError) -> ConfigError:
+    """``e`` with each of the section's flags (--requests, --no-overhead) written as run takes it
+    (bench.requests, bench.overhead=false)."""
+    keys = {}
+    for f in dataclasses.fields(cls):
+        keys[f"--{f.name.replace('_', '-')}"] = f"{section}.{f.name}"
+        keys[f"--no-{f.name.replace('_', '-')}"] = f"{section}.{f.name}=false"
+    return ConfigError(re.sub(r"--[a-z0-9][a-z0-9-]*", lambda m: keys.get(m.group(0), m.group(0)), str(e)))
 
 
 def _require(stage: str, dirs: dict[str, Path], start: str) -> None:
@@ -416,7 +422,14 @@ def main_run(ns: argparse.Namespace) -> int:
         print(f"--from {ns.start}: continuing {run_dir}")
     else:
         run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    _stage_configs(settings, layout(run_dir))  # validate every section before any work starts
+    train_cfg = _stage_configs(settings, layout(run_dir))[0]  # validate every section before any work starts
+    if ns.start == "train":  # and where training would run (fp16 needs CUDA), before the run folder is made
+        from train.loop import resolve_device
+
+        try:
+            resolve_device(train_cfg)
+        except ConfigError as e:
+            raise _in_run_terms("train", type(train_cfg), e) from None
     run_pipeline(run_dir, settings, ns.start)
     return 0
 

@@ -150,6 +150,8 @@ def test_the_summary_names_a_file_it_cannot_read(tmp_path):
 
 
 def test_config_errors_name_the_option(tmp_path, capsys):
+    import torch
+
     assert run_cli("run", "--out", tmp_path / "r", "--set", "train.epochz=3") == 2
     assert "unknown option 'epochz'" in capsys.readouterr().err
     # a section's own errors name the key the user wrote, not the stage command's flag
@@ -157,6 +159,10 @@ def test_config_errors_name_the_option(tmp_path, capsys):
     assert "bench.requests: cannot read 'abc' as int" in capsys.readouterr().err
     assert run_cli("run", "--out", tmp_path / "r", "--set", "serve.model_cpus=0,2") == 2
     assert "serve.model_cpus '0,2'" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # where training would run is checked before the run folder is made
+        assert run_cli("run", "--out", tmp_path / "r", "--amp", "fp16") == 2
+        assert "train.amp fp16 needs CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
     (tmp_path / "c.yaml").write_text("trainn:\n  epochs: 1\n")
     assert run_cli("run", "--out", tmp_path / "r", "--config", tmp_path / "c.yaml") == 2
     assert "unknown section [trainn]" in capsys.readouterr().err
