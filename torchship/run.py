@@ -138,12 +138,13 @@ def _build_section(section: str, cls: type, settings: dict[str, dict[str, Any]],
 
 def _in_run_terms(section: str, cls: type, e: ConfigError) -> ConfigError:
     """``e`` with each of the section's flags (--requests, --no-overhead) written as run takes it
-    (bench.requests, bench.overhead=false)."""
+    (bench.requests, bench.overhead=false), and the section named as in a config file ([bench])."""
     keys = {}
     for f in dataclasses.fields(cls):
         keys[f"--{f.name.replace('_', '-')}"] = f"{section}.{f.name}"
         keys[f"--no-{f.name.replace('_', '-')}"] = f"{section}.{f.name}=false"
-    return ConfigError(re.sub(r"--[a-z0-9][a-z0-9-]*", lambda m: keys.get(m.group(0), m.group(0)), str(e)))
+    msg = str(e).replace(f"for {cls.__name__};", f"in [{section}];")  # build()'s unknown-option error
+    return ConfigError(re.sub(r"--[a-z0-9][a-z0-9-]*", lambda m: keys.get(m.group(0), m.group(0)), msg))
 
 
 def _require(stage: str, dirs: dict[str, Path], start: str) -> None:

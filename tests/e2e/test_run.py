@@ -153,7 +153,7 @@ def test_config_errors_name_the_option(tmp_path, capsys):
     import torch
 
     assert run_cli("run", "--out", tmp_path / "r", "--set", "train.epochz=3") == 2
-    assert "unknown option 'epochz'" in capsys.readouterr().err
+    assert "unknown option 'epochz' in [train]" in capsys.readouterr().err
     # a section's own errors name the key the user wrote, not the stage command's flag
     assert run_cli("run", "--out", tmp_path / "r", "--set", "bench.requests=abc") == 2
     assert "bench.requests: cannot read 'abc' as int" in capsys.readouterr().err
