@@ -76,10 +76,11 @@ def namespace_overrides(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
     return {k: v for k, v in vars(ns).items() if k in names}
 
 
-def build(cls: type, *layers: dict[str, Any]) -> Any:
+def build(cls: type, *layers: dict[str, Any], section: str | None = None) -> Any:
     """Build ``cls`` from dict layers (later layers win), converting and checking types.
 
-    Unknown keys raise ConfigError naming them, so a typo in a config file is not ignored.
+    Unknown keys raise ConfigError naming them, so a typo in a config file is not ignored; with
+    ``section`` (a config file's table, as torchship run reads it) the error names that, not the class.
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -88,7 +89,8 @@ def build(cls: type, *layers: dict[str, Any]) -> Any:
         for key, value in (layer or {}).items():
             key = key.replace("-", "_")
             if key not in fields:
-                raise ConfigError(f"unknown option '{key}' for {cls.__name__}; known: {', '.join(sorted(fields))}")
+                where = f"in [{section}]" if section else f"for {cls.__name__}"
+                raise ConfigError(f"unknown option '{key}' {where}; known: {', '.join(sorted(fields))}")
             values[key] = _coerce(value, hints[key], flag_name(fields[key]))
     try:
         return cls(**values)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import build, load_config_file
+from .config import build, flag_name, load_config_file
 from .errors import ConfigError, GateError, TorchshipError
 from .io import atomic_write_json, atomic_write_text, read_json
 from .manifest import MANIFEST, read_manifest
@@ -131,20 +131,19 @@ def _build_section(section: str, cls: type, settings: dict[str, dict[str, Any]],
     """build() for one section of run's settings. The configs' errors name the stage commands' flags
     (--requests); here the user wrote SECTION.KEY (in --set or a config file), so the message says that."""
     try:
-        return build(cls, settings[section], fixed)
+        return build(cls, settings[section], fixed, section=section)
     except ConfigError as e:
         raise _in_run_terms(section, cls, e) from None
 
 
 def _in_run_terms(section: str, cls: type, e: ConfigError) -> ConfigError:
     """``e`` with each of the section's flags (--requests, --no-overhead) written as run takes it
-    (bench.requests, bench.overhead=false), and the section named as in a config file ([bench])."""
+    (bench.requests, bench.overhead=false)."""
     keys = {}
     for f in dataclasses.fields(cls):
-        keys[f"--{f.name.replace('_', '-')}"] = f"{section}.{f.name}"
-        keys[f"--no-{f.name.replace('_', '-')}"] = f"{section}.{f.name}=false"
-    msg = str(e).replace(f"for {cls.__name__};", f"in [{section}];")  # build()'s unknown-option error
-    return ConfigError(re.sub(r"--[a-z0-9][a-z0-9-]*", lambda m: keys.get(m.group(0), m.group(0)), msg))
+        keys[flag_name(f)] = f"{section}.{f.name}"
+        keys[flag_name(f).replace("--", "--no-", 1)] = f"{section}.{f.name}=false"
+    return ConfigError(re.sub(r"--[a-z0-9][a-z0-9-]*", lambda m: keys.get(m.group(0), m.group(0)), str(e)))
 
 
 def _require(stage: str, dirs: dict[str, Path], start: str) -> None:

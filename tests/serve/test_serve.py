@@ -643,6 +643,11 @@ def test_cpus_are_checked_and_a_refused_pin_is_named(repo, tmp_path, monkeypatch
     assert server.proc is None and list(tmp_path.glob("tritonserver-*.log")) == []
 
 
+def _children(pid: int) -> list[int]:
+    """Child processes of every thread of ``pid``: Triton's stubs are forked by whichever thread loads the model."""
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+
+
 def _cpu_ticks(pid: int) -> dict[int, int]:
     """CPU time (user + system clock ticks) of every thread of a process, by thread id."""
     ticks = {}
@@ -658,8 +663,6 @@ def test_model_cpus_pin_the_models_and_leave_the_protocol_where_it_was(repo, exp
     """--model-cpus: the thread that runs a model (in the server process, or the stub process that Triton
     starts from it) is on the CPUs given, through Triton's host policy; gRPC and the rest stay on --cpus.
     The hold model busy-waits 40 ms per request in its instance, so that thread is by far the busiest."""
-    import subprocess
-
     from serve.bench import HOLD_MODEL, noop_repo
     from serve.server import describe
 
@@ -674,8 +677,7 @@ def test_model_cpus_pin_the_models_and_leave_the_protocol_where_it_was(repo, exp
     with TritonServer(cfg, extra_repos=[noop_repo(tmp_path, read_manifest(exported))]) as s:
         client = TritonClient(s.url)
         got = client.infer("tiny_cnn_onnx", x)
-        pids = [s.proc.pid] + [int(p) for p in subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True,
-                                                                text=True).stdout.split()]
+        pids = [s.proc.pid] + _children(s.proc.pid)
         before = {p: _cpu_ticks(p) for p in pids}
         for _ in range(8):
             client.infer(HOLD_MODEL, hold)
@@ -763,9 +765,7 @@ def test_default_server_hosts_the_backends_in_its_own_process(server):
     from serve.server import describe
 
     assert server.python_host == "server" and describe(server)["python_host"] == "server"
-    # children of every thread: the stubs are forked by whichever thread loads the model
-    children = [c for t in Path(f"/proc/{server.proc.pid}/task").iterdir() for c in (t / "children").read_text().split()]
-    stubs = [c for c in children if "triton_python_backend_stub" in Path(f"/proc/{c}/cmdline").read_text()]
+    stubs = [c for c in _children(server.proc.pid) if "triton_python_backend_stub" in Path(f"/proc/{c}/cmdline").read_text()]
     assert not stubs, "models should run inside tritonserver, not in python-backend stubs"
 
 
