@@ -914,13 +914,18 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
 
         bar = tqdm(total=n_in + n_served, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
     failure: TorchshipError | None = None
-    cpu_latency = None
+    awake = None
     try:
-        if cfg.cpu_latency_us is not None:  # held for the whole run, so every path is measured alike
-            from .server import CpuLatencyRequest
+        if cfg.cpu_latency_us is not None or cfg.spin_cpus:  # held for the whole run, so every path is measured alike
+            from .config import parse_cpus
+            from .server import KeepAwake
 
-            cpu_latency = CpuLatencyRequest(cfg.cpu_latency_us)
-            results["machine"]["cpu_latency_us"] = cfg.cpu_latency_us
+            spin = parse_cpus(cfg.spin_cpus, "--spin-cpus") if cfg.spin_cpus else []
+            awake = KeepAwake(cfg.cpu_latency_us, spin)
+            if cfg.cpu_latency_us is not None:
+                results["machine"]["cpu_latency_us"] = cfg.cpu_latency_us
+            if spin:
+                results["machine"]["spin_cpus"] = spin
         if not cfg.skip_in_process:
             log("in-process: " + ", ".join(cfg.variants) + f" at batch {', '.join(map(str, cfg.batch_sizes))}")
             results["in_process"] = bench_in_process(cfg, export_dir, manifest, device, bar)
@@ -938,6 +943,9 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
                     results["machine"]["python_host"] = server.python_host
                     results["machine"]["server_cpus"] = server_cpus(server)
                     results["machine"]["server_model_cpus"] = server.model_cpus
+                    if server.spin_cpus:  # run's serve.spin_cpus: the server holds spinners of its own
+                        spun = set(results["machine"].get("spin_cpus", [])) | set(server.spin_cpus)
+                        results["machine"]["spin_cpus"] = sorted(spun)
                 url = server.url if server is not None else cfg.url
                 log(f"served: {url}")
                 bench_served(cfg, export_dir, manifest, url, server, bar, results, save)
@@ -953,8 +961,8 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     finally:
         if bar:
             bar.close()
-        if cpu_latency is not None:
-            cpu_latency.close()
+        if awake is not None:
+            awake.close()
     rec = recommend(results, cfg.p99_budget_ms, manifest["max_batch"]) if "served" in results else {"error": "no served results"}
     results["recommendation"] = rec
     if cfg.write_config and "error" not in rec:

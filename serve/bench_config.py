@@ -46,6 +46,8 @@ class BenchConfig:
                              "the model, backend, after the model and response leg (tracing adds a little time)")
     cpu_latency_us: Optional[int] = opt(None, "hold a /dev/cpu_dma_latency request at this many microseconds for the "
                                               "whole run (0: idle CPUs keep polling; see torchship serve --help); needs root")
+    spin_cpus: Optional[str] = opt(None, "keep these CPUs from going idle for the whole run with lowest-priority "
+                                         "spinners (see torchship serve --spin-cpus); no root needed")
     transport: Literal["unary", "stream"] = opt("unary", "how requests are sent one at a time (the batch-1 overhead "
                                                "and concurrency 1): one unary ModelInfer call each, as "
                                                "perf_analyzer sends them, or over one bidirectional gRPC "
@@ -75,6 +77,8 @@ class BenchConfig:
             raise ConfigError("--p99-budget-ms must be positive")
         if self.cpu_latency_us is not None and self.cpu_latency_us < 0:
             raise ConfigError("--cpu-latency-us must be 0 or more")
+        if self.spin_cpus is not None:
+            parse_cpus(self.spin_cpus, "--spin-cpus")
         if self.rate is not None and self.rate <= 0:
             raise ConfigError("--rate must be positive")
         if self.url is not None:

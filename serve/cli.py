@@ -57,6 +57,8 @@ def main_serve(ns: argparse.Namespace) -> int:
             print(f"pinned to CPUs {cpu_list(info['cpus'])} (--cpus {cfg.cpus})")
         if cfg.model_cpus:
             print(f"model instances pinned to CPUs {cpu_list(info['model_cpus'])} (--model-cpus {cfg.model_cpus})")
+        if cfg.spin_cpus:
+            print(f"spinners keep CPUs {cpu_list(info['spin_cpus'])} from going idle (--spin-cpus {cfg.spin_cpus})")
         if cfg.trace_file:
             print(f"trace: {cfg.trace_file} (Triton's timestamps for every request, written when the server stops)")
         kept = "" if cfg.log else ", removed after a clean stop: --log FILE keeps one"

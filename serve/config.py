@@ -116,6 +116,10 @@ class ServeConfig:
     cpu_latency_us: Optional[int] = opt(None, "while serving, ask Linux to keep idle CPUs within this wake-up latency "
                                               "(a /dev/cpu_dma_latency request, as tuned's latency-performance profile does; "
                                               "0 keeps them polling). Trades power for latency; needs root")
+    spin_cpus: Optional[str] = opt(None, "while serving, keep these CPUs (a Linux CPU list: 1, 0-3 or 0,2-3) from going "
+                                         "idle: one lowest-priority (SCHED_IDLE) process per CPU spins there and gives "
+                                         "way at once to any real work. Spares requests the wake-up of an idle CPU, as "
+                                         "--cpu-latency-us 0 does, without root; top then shows those CPUs fully busy")
     cpus: Optional[str] = opt(None, "run the server (every thread of it, the models' included) on these CPUs only, as a "
                                     "Linux CPU list: 1, 0-3 or 0,2-3 (default: the CPUs this process may use). Keeps "
                                     "Triton's threads on CPUs whose caches they share; fewer CPUs serve less under load")
@@ -145,5 +149,7 @@ class ServeConfig:
             parse_cpus(self.cpus)
         if self.model_cpus is not None:
             parse_cpu_range(self.model_cpus)
+        if self.spin_cpus is not None:
+            parse_cpus(self.spin_cpus, "--spin-cpus")
         if self.trace_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_file))):
             raise ConfigError(f"--trace-file {self.trace_file}: its directory does not exist")

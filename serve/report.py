@@ -126,14 +126,20 @@ def overhead_lines(ov: dict[str, Any] | None, host: str | None = None) -> list[s
 
 
 def cpu_pinning(m: dict[str, Any]) -> str:
-    """' · bench on CPUs …, server on CPUs …' when either ran on fewer than all of the machine's CPUs, and where
-    the server's model instances were pinned."""
+    """' · bench on CPUs …, server on CPUs …' when either ran on fewer than all of the machine's CPUs, where
+    the server's model instances were pinned, and what kept idle CPUs awake (a wake-up latency request,
+    spinners)."""
     every = list(range(m.get("cores") or 0))
     parts = [f"{who} on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}"
              for who, c in (("bench", m.get("bench_cpus")), ("server", m.get("server_cpus"))) if c and c != every]
     if m.get("server_model_cpus"):  # set only when pinned, even to every CPU
         c = m["server_model_cpus"]
         parts.append(f"models on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}")
+    if m.get("cpu_latency_us") is not None:
+        parts.append(f"idle CPUs held within {m['cpu_latency_us']} µs of waking")
+    if m.get("spin_cpus"):
+        c = m["spin_cpus"]
+        parts.append(f"spinners on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}")
     return " · " + ", ".join(parts) if parts else ""
 
 

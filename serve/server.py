@@ -241,6 +241,102 @@ class CpuLatencyRequest:
             self.fd = None
 
 
+# One spinner, in a session of its own. Linux's autogroups share CPU time between sessions before it looks at
+# a task's policy, so it first gives its session's group the lowest weight (nice 19: where autogroups are
+# off, or in a container's cgroup, the write is harmless), then itself SCHED_IDLE, then pins itself to the
+# CPU in argv[1], says so, and yields in a loop: whenever the scheduler hands it the CPU while real work
+# waits (a tick inside a long model run), it hands it straight back.
+SPINNER = ("import os, sys\n"
+           "try:\n"
+           "    with open('/proc/self/autogroup', 'w') as f:\n"
+           "        f.write('19')\n"
+           "except OSError:\n"
+           "    pass\n"
+           "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+           "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+           "print('spinning', flush=True)\n"
+           "y = os.sched_yield\n"
+           "while True:\n"
+           "    y()\n")
+
+
+class IdleSpinners:
+    """Keeps ``cpus`` from going idle without root: one process per CPU, pinned there at SCHED_IDLE, the
+    lowest priority Linux has, spins for as long as this object is open. Any other thread that wakes on
+    that CPU preempts it at once and gets all but a sliver of the CPU, so it costs no throughput; what it
+    saves is the halt: on a virtual machine a vCPU with nothing to run halts, and the thread woken there
+    next (a request's model instance, the gRPC thread with its reply) waits for the vCPU and then finds
+    cold caches. A rootless stand-in for CpuLatencyRequest(0) on the CPUs that serve, at the price of
+    those CPUs showing 100 % busy. ``flag`` names the option in errors."""
+
+    def __init__(self, cpus: Sequence[int], flag: str = "--spin-cpus"):
+        self.procs: list[subprocess.Popen] = []
+        if not hasattr(os, "SCHED_IDLE"):
+            raise ServerError(f"{flag} needs Linux's SCHED_IDLE scheduling class, which this system lacks")
+        check_affinity(cpus, flag, cpu_list(cpus))
+        try:
+            for cpu in cpus:
+                # its own session, so a Ctrl-C at the terminal reaches torchship only, which stops it
+                proc = subprocess.Popen([sys.executable, "-S", "-c", SPINNER, str(cpu)], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                        preexec_fn=_die_with_parent())
+                self.procs.append(proc)
+                said = proc.stdout.readline()
+                if said != b"spinning\n":  # it died setting itself up; its last line says why
+                    proc.wait()
+                    why = proc.stderr.read().decode(errors="replace").strip().splitlines() or ["no message"]
+                    raise ServerError(f"{flag}: the spinner for CPU {cpu} exited with code {proc.returncode}: {why[-1]}")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()  # nothing to finish: it only spins
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+        self.procs = []
+
+
+class KeepAwake:
+    """What serve and bench hold while they measure or serve, so that a request does not wait for an idle
+    CPU to wake: a /dev/cpu_dma_latency request of ``latency_us`` (root) and spinners on ``spin_cpus``
+    (any user); either may be absent. ``spin_flag`` names the spinners' option in errors."""
+
+    def __init__(self, latency_us: Optional[int], spin_cpus: Sequence[int], spin_flag: str = "--spin-cpus"):
+        self.spinners: Optional[IdleSpinners] = None
+        self.latency = CpuLatencyRequest(latency_us) if latency_us is not None else None
+        try:
+            self.spinners = IdleSpinners(spin_cpus, spin_flag) if spin_cpus else None
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def spinning(self) -> list[int]:
+        """The spinners' PIDs ([] when none run)."""
+        return self.spinners.pids if self.spinners else []
+
+    def close(self) -> None:
+        for held in (self.latency, self.spinners):
+            if held is not None:
+                held.close()
+
+
+def check_affinity(cpus: Sequence[int], flag: str, spec: str) -> None:
+    """Raise ServerError naming ``flag`` and what the user wrote (``spec``) if Linux would not run a thread on ``cpus``."""
+    refused = affinity_refused(cpus)
+    if refused:
+        raise ServerError(f"{flag} {spec}: Linux refused to run a thread on CPUs {cpu_list(cpus)} ({refused}); choose "
+                          "CPUs in this container's or cgroup's CPU set")
+
+
 def affinity_refused(cpus: Sequence[int]) -> Optional[str]:
     """Why Linux would refuse to run a thread on ``cpus`` (None if it would not), asked by a throwaway
     thread, since an affinity call pins only the calling thread: taskset's mask on this process does not
@@ -314,17 +410,14 @@ class TritonServer:
         self.loaded: list[str] = []
         self.stop_note: Optional[str] = None  # set by stop() when it had to cut the shutdown short
         self._log_start = 0  # where this start's lines begin in the log
-        self.cpu_latency: Optional[CpuLatencyRequest] = None
+        self.awake: Optional[KeepAwake] = None  # held from start to stop
         self.python_host, self.python_host_note = resolve_python_host(cfg.python_host)
         self.cpus: list[int] = parse_cpus(cfg.cpus) if cfg.cpus else []  # [] : inherit this process's CPUs
         # Triton pins each KIND_CPU instance's thread (and what it starts: stubs, runtime threads) to this range
         self.model_cpus: list[int] = parse_cpu_range(cfg.model_cpus) if cfg.model_cpus else []
+        self.spin_cpus: list[int] = parse_cpus(cfg.spin_cpus, "--spin-cpus") if cfg.spin_cpus else []
         if self.model_cpus:
-            refused = affinity_refused(self.model_cpus)
-            if refused:
-                raise ServerError(f"--model-cpus {cfg.model_cpus}: Linux refused to run a thread on CPUs "
-                                  f"{cpu_list(self.model_cpus)} ({refused}); choose CPUs in this container's or "
-                                  "cgroup's CPU set")
+            check_affinity(self.model_cpus, "--model-cpus", cfg.model_cpus)
 
     def _in_child(self, die_with_parent: Callable[[], Any]) -> None:
         """In the child before exec: tie the server's life to this process (``die_with_parent``, looked up
@@ -431,7 +524,7 @@ class TritonServer:
         env = server_env()
         if self.cfg.backend_profile:
             env["TORCHSHIP_BACKEND_PROFILE"] = str(Path(self.cfg.backend_profile).resolve())
-        cpu_latency = CpuLatencyRequest(self.cfg.cpu_latency_us) if self.cfg.cpu_latency_us is not None else None
+        awake = KeepAwake(self.cfg.cpu_latency_us, self.spin_cpus)
         if self.log_path is None:
             self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         log = open(self.log_path, "ab")
@@ -440,8 +533,7 @@ class TritonServer:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                          preexec_fn=functools.partial(self._in_child, _die_with_parent()))
         except BaseException as e:
-            if cpu_latency is not None:
-                cpu_latency.close()
+            awake.close()
             if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
                 self.log_path.unlink(missing_ok=True)
             if self.cpus and isinstance(e, subprocess.SubprocessError):  # only the affinity call can fail in the child
@@ -453,7 +545,7 @@ class TritonServer:
             raise
         finally:
             log.close()
-        self.cpu_latency = cpu_latency
+        self.awake = awake
         deadline = time.monotonic() + self.cfg.ready_timeout
         try:
             client = self._client()
@@ -530,9 +622,9 @@ class TritonServer:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs, or once every
         request is answered and a model still will not unload (``stop_note`` then says which)."""
-        if self.cpu_latency is not None:
-            self.cpu_latency.close()
-            self.cpu_latency = None
+        if self.awake is not None:
+            self.awake.close()
+            self.awake = None
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         try:
@@ -608,7 +700,8 @@ def stall_note(models: list[str]) -> str:
 def describe(server: TritonServer) -> dict:
     return {"grpc": server.url, "python_host": server.python_host, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
             "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None,
-            "cpus": server_cpus(server), "model_cpus": server.model_cpus}
+            "cpus": server_cpus(server), "model_cpus": server.model_cpus,
+            "spin_cpus": server.spin_cpus}
 
 
 def server_cpus(server: TritonServer) -> list[int]:

@@ -262,7 +262,8 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
             log(f"Triton ready at {server.url} with {', '.join(server.loaded)} (backends hosted: {server.python_host})"
                 + (f"; {server.python_host_note}" if server.python_host_note else "")
                 + (f"; pinned to CPUs {cpu_list(server.cpus)}" if server.cpus else "")
-                + (f"; model instances on CPUs {cpu_list(server.model_cpus)}" if server.model_cpus else ""))
+                + (f"; model instances on CPUs {cpu_list(server.model_cpus)}" if server.model_cpus else "")
+                + (f"; spinners on CPUs {cpu_list(server.spin_cpus)}" if server.spin_cpus else ""))
             if first <= 3:
                 try:
                     report = check_served(server.url, dirs["export"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, spinners_of
 from torchship.io import sha256_file
 
 CONFIG = Path(__file__).with_name("tiny.toml")
@@ -53,13 +53,15 @@ def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
     ckpts = run_dir / "train/checkpoints"
     before = {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")}
     log_before = (run_dir / "train/train.log").read_text()
-    # the rerun's server and its models are pinned too: serve.cpus and serve.model_cpus reach them through run
+    # the rerun's server and its models are pinned too, with a spinner beside them: serve.cpus, serve.model_cpus
+    # and serve.spin_cpus reach them through run
     last = max(os.sched_getaffinity(0))
     assert run_cli("run", "--out", run_dir, "--config", CONFIG, "--from", "export", "--set", f"serve.cpus={last}",
-                   "--set", f"serve.model_cpus={last}",
+                   "--set", f"serve.model_cpus={last}", "--set", f"serve.spin_cpus={last}",
                    "--set", 'export.formats=["onnx","torchscript"]', "--set", "bench.variants=[\"onnx\"]") == 0
     machine = json.loads((run_dir / "bench/results.json").read_text())["machine"]
-    assert machine["server_cpus"] == machine["server_model_cpus"] == [last]
+    assert machine["server_cpus"] == machine["server_model_cpus"] == machine["spin_cpus"] == [last]
+    assert spinners_of(os.getpid()) == []
     assert {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")} == before
     assert (run_dir / "train/train.log").read_text() == log_before
     rec = json.loads((run_dir / "run.json").read_text())

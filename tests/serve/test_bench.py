@@ -10,7 +10,7 @@ import pytest
 from serve.bench import compare, read_profile, run_bench, served_runs, trace_legs
 from serve.bench_config import BenchConfig
 from serve.report import cpu_pinning
-from tests.conftest import run_cli
+from tests.conftest import run_cli, spinners_of
 from torchship.config import build
 from torchship.errors import BenchError, ClientError, ServerError
 
@@ -22,7 +22,8 @@ SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "
 def bench_run(exported, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "rate": 50.0, "duration_s": 0.5,
-                                     "trace": True, "transport": "stream"})  # the default, unary, in the tests below
+                                     "trace": True, "transport": "stream",  # the default, unary, in the tests below
+                                     "spin_cpus": str(max(os.sched_getaffinity(0)))})
     return run_bench(cfg, log=lambda *a: None), out
 
 
@@ -64,6 +65,10 @@ def test_results_and_report_are_well_formed(bench_run):
     assert pinned == (m["server_cpus"] != list(range(m["cores"])))
     assert cpu_pinning({"cores": 4, "bench_cpus": [0], "server_cpus": [2, 3]}) == " · bench on CPU 0, server on CPUs 2,3"
     assert m["server_model_cpus"] == []  # not pinned
+    assert m["spin_cpus"] == [max(os.sched_getaffinity(0))] and "spinners on CPU" in report.splitlines()[2]
+    assert spinners_of(os.getpid()) == []  # gone with the run
+    assert (cpu_pinning({"cores": 2, "cpu_latency_us": 0, "spin_cpus": [0, 1]})
+            == " · idle CPUs held within 0 µs of waking, spinners on CPUs 0,1")
     assert (cpu_pinning({"cores": 2, "bench_cpus": [0], "server_cpus": [0], "server_model_cpus": [1]})
             == " · bench on CPU 0, server on CPU 0, models on CPU 1")
     assert "Where the time goes at batch 1" in report and "one at a time over one bidirectional gRPC stream" in report

@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 from serve.client import TritonClient, check_served
 from serve.config import ServeConfig
 from serve.server import TritonServer
-from tests.conftest import run_cli
+from tests.conftest import children, run_cli, spinners_of
 from torchship import runtime
 from torchship.errors import ClientError, ParityError, ServerError
 from torchship.manifest import read_manifest
@@ -643,11 +643,6 @@ def test_cpus_are_checked_and_a_refused_pin_is_named(repo, tmp_path, monkeypatch
     assert server.proc is None and list(tmp_path.glob("tritonserver-*.log")) == []
 
 
-def _children(pid: int) -> list[int]:
-    """Child processes of every thread of ``pid``: Triton's stubs are forked by whichever thread loads the model."""
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
-
-
 def _cpu_ticks(pid: int) -> dict[int, int]:
     """CPU time (user + system clock ticks) of every thread of a process, by thread id."""
     ticks = {}
@@ -677,7 +672,7 @@ def test_model_cpus_pin_the_models_and_leave_the_protocol_where_it_was(repo, exp
     with TritonServer(cfg, extra_repos=[noop_repo(tmp_path, read_manifest(exported))]) as s:
         client = TritonClient(s.url)
         got = client.infer("tiny_cnn_onnx", x)
-        pids = [s.proc.pid] + _children(s.proc.pid)
+        pids = [s.proc.pid] + children(s.proc.pid)
         before = {p: _cpu_ticks(p) for p in pids}
         for _ in range(8):
             client.infer(HOLD_MODEL, hold)
@@ -710,6 +705,70 @@ def test_model_cpus_are_checked(repo, monkeypatch, capsys):
     # a CPU that passes the check but that Linux will not give a thread: refused before the server starts
     with pytest.raises(ServerError, match="--model-cpus 4000: Linux refused to run a thread on CPUs 4000"):
         TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), model_cpus="4000"))
+
+
+def _cpu_share_in_a_session_of_its_own(cpu: int) -> float:
+    """CPU time over wall time of a busy loop pinned to ``cpu``, in a session of its own as the server runs."""
+    import subprocess
+    import sys
+
+    loop = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nt, c = time.perf_counter(), time.process_time()\n"
+            "while time.perf_counter() - t < 0.5:\n    pass\nprint((time.process_time() - c) / (time.perf_counter() - t))")
+    return float(subprocess.run([sys.executable, "-c", loop], capture_output=True, text=True, check=True,
+                                start_new_session=True).stdout)
+
+
+def test_spinners_keep_a_cpu_busy_and_give_it_up_to_any_work():
+    """--spin-cpus: one process per CPU, pinned there at SCHED_IDLE in a session of its own, gone at close.
+    A busy process in another session (Linux shares CPU time between sessions' autogroups before it looks
+    at a task's policy) still gets the CPU: a spinner at normal weight would take half of it."""
+    from serve.server import IdleSpinners
+
+    cpu = max(os.sched_getaffinity(0))
+    spinners = IdleSpinners([cpu])
+    try:
+        (pid,) = spinners.pids
+        assert spinners_of(os.getpid()) == [pid]
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE and os.sched_getaffinity(pid) == {cpu}
+        assert os.getsid(pid) == pid  # its own session: a Ctrl-C at the terminal reaches torchship only
+        share = _cpu_share_in_a_session_of_its_own(cpu)
+    finally:
+        spinners.close()
+    assert share > 0.9, f"a busy process got {share:.0%} of a CPU beside a spinner"
+    assert spinners_of(os.getpid()) == [] and spinners.pids == []
+
+
+def test_spin_cpus_are_held_while_serving_and_gone_after_stop(repo, exported):
+    from serve.server import describe
+
+    cpu = max(os.sched_getaffinity(0))
+    x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
+    with TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), spin_cpus=str(cpu))) as s:
+        spinning = spinners_of(os.getpid())
+        assert spinning == s.awake.spinning and len(spinning) == 1
+        assert describe(s)["spin_cpus"] == [cpu]
+        got = TritonClient(s.url).infer("tiny_cnn_onnx", x)
+    assert spinners_of(os.getpid()) == []
+    np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
+
+
+def test_spin_cpus_are_checked(repo, monkeypatch, capsys):
+    from serve.server import IdleSpinners
+    from torchship.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--spin-cpus '{os.cpu_count()}': this machine has CPUs 0-"):
+        ServeConfig(repo=str(repo), spin_cpus=str(os.cpu_count()))
+    assert run_cli("bench", repo, "--url", "127.0.0.1:1", "--spin-cpus", "0-") == 2
+    assert "--spin-cpus '0-': write CPU numbers" in capsys.readouterr().err
+    # a CPU that passes the check but that Linux will not give a thread: refused before anything starts
+    monkeypatch.setattr(os, "cpu_count", lambda: 4096)
+    with pytest.raises(ServerError, match="--spin-cpus 4000: Linux refused to run a thread on CPUs 4000"):
+        TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), spin_cpus="4000")).start()
+    # Linux drops CPUs it lacks from a mask, so 0,4000 passes that check; the spinner for 4000 fails, and the
+    # one already spinning on 0 goes with it
+    with pytest.raises(ServerError, match="--spin-cpus: the spinner for CPU 4000 exited with code 1: OSError"):
+        IdleSpinners([0, 4000])
+    assert spinners_of(os.getpid()) == []
 
 
 def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
@@ -765,7 +824,7 @@ def test_default_server_hosts_the_backends_in_its_own_process(server):
     from serve.server import describe
 
     assert server.python_host == "server" and describe(server)["python_host"] == "server"
-    stubs = [c for c in _children(server.proc.pid) if "triton_python_backend_stub" in Path(f"/proc/{c}/cmdline").read_text()]
+    stubs = [c for c in children(server.proc.pid) if "triton_python_backend_stub" in Path(f"/proc/{c}/cmdline").read_text()]
     assert not stubs, "models should run inside tritonserver, not in python-backend stubs"
 
 
