@@ -267,9 +267,10 @@ class IdleSpinners:
     saves is the halt: on a virtual machine a vCPU with nothing to run halts, and the thread woken there
     next (a request's model instance, the gRPC thread with its reply) waits for the vCPU and then finds
     cold caches. A rootless stand-in for CpuLatencyRequest(0) on the CPUs that serve, at the price of
-    those CPUs showing 100 % busy. ``flag`` names the option in errors."""
+    those CPUs showing 100 % busy."""
 
-    def __init__(self, cpus: Sequence[int], flag: str = "--spin-cpus"):
+    def __init__(self, cpus: Sequence[int]):
+        flag = "--spin-cpus"
         self.procs: list[subprocess.Popen] = []
         if not hasattr(os, "SCHED_IDLE"):
             raise ServerError(f"{flag} needs Linux's SCHED_IDLE scheduling class, which this system lacks")
@@ -307,13 +308,13 @@ class IdleSpinners:
 class KeepAwake:
     """What serve and bench hold while they measure or serve, so that a request does not wait for an idle
     CPU to wake: a /dev/cpu_dma_latency request of ``latency_us`` (root) and spinners on ``spin_cpus``
-    (any user); either may be absent. ``spin_flag`` names the spinners' option in errors."""
+    (any user); either may be absent."""
 
-    def __init__(self, latency_us: Optional[int], spin_cpus: Sequence[int], spin_flag: str = "--spin-cpus"):
+    def __init__(self, latency_us: Optional[int], spin_cpus: Sequence[int]):
         self.spinners: Optional[IdleSpinners] = None
         self.latency = CpuLatencyRequest(latency_us) if latency_us is not None else None
         try:
-            self.spinners = IdleSpinners(spin_cpus, spin_flag) if spin_cpus else None
+            self.spinners = IdleSpinners(spin_cpus) if spin_cpus else None
         except BaseException:
             self.close()
             raise
@@ -524,16 +525,18 @@ class TritonServer:
         env = server_env()
         if self.cfg.backend_profile:
             env["TORCHSHIP_BACKEND_PROFILE"] = str(Path(self.cfg.backend_profile).resolve())
-        awake = KeepAwake(self.cfg.cpu_latency_us, self.spin_cpus)
         if self.log_path is None:
             self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         log = open(self.log_path, "ab")
         self._log_start = log.seek(0, os.SEEK_END)  # a given log may hold earlier runs' lines
+        awake: Optional[KeepAwake] = None
         try:
+            awake = KeepAwake(self.cfg.cpu_latency_us, self.spin_cpus)
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                          preexec_fn=functools.partial(self._in_child, _die_with_parent()))
         except BaseException as e:
-            awake.close()
+            if awake is not None:
+                awake.close()
             if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
                 self.log_path.unlink(missing_ok=True)
             if self.cpus and isinstance(e, subprocess.SubprocessError):  # only the affinity call can fail in the child

@@ -12,14 +12,22 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _read(path: Path) -> str:
+    """A /proc file's text, or "" when its thread or process ended meanwhile."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def children(pid: int) -> list[int]:
     """Child processes of every thread of ``pid``: Triton's stubs are forked by whichever thread loads the model."""
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in _read(t / "children").split()]
 
 
 def spinners_of(pid: int) -> list[int]:
     """The idle spinners (serve --spin-cpus, bench --spin-cpus) that ``pid`` started and that are still there."""
-    return [c for c in children(pid) if "sched_yield" in Path(f"/proc/{c}/cmdline").read_text()]
+    return [c for c in children(pid) if "sched_yield" in _read(Path(f"/proc/{c}/cmdline"))]
 
 
 def run_cli(*argv: str) -> int:
