@@ -916,16 +916,15 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     failure: TorchshipError | None = None
     awake = None
     try:
-        if cfg.cpu_latency_us is not None or cfg.spin_cpus:  # held for the whole run, so every path is measured alike
-            from .config import parse_cpus
-            from .server import KeepAwake
+        from .config import parse_cpus
+        from .server import KeepAwake
 
-            spin = parse_cpus(cfg.spin_cpus, "--spin-cpus") if cfg.spin_cpus else []
-            awake = KeepAwake(cfg.cpu_latency_us, spin)
-            if cfg.cpu_latency_us is not None:
-                results["machine"]["cpu_latency_us"] = cfg.cpu_latency_us
-            if spin:
-                results["machine"]["spin_cpus"] = spin
+        spin = parse_cpus(cfg.spin_cpus, "--spin-cpus") if cfg.spin_cpus else []
+        awake = KeepAwake(cfg.cpu_latency_us, spin)  # held for the whole run, so every path is measured alike
+        if cfg.cpu_latency_us is not None:
+            results["machine"]["cpu_latency_us"] = cfg.cpu_latency_us
+        if spin:
+            results["machine"]["spin_cpus"] = spin
         if not cfg.skip_in_process:
             log("in-process: " + ", ".join(cfg.variants) + f" at batch {', '.join(map(str, cfg.batch_sizes))}")
             results["in_process"] = bench_in_process(cfg, export_dir, manifest, device, bar)

@@ -319,11 +319,6 @@ class KeepAwake:
             self.close()
             raise
 
-    @property
-    def spinning(self) -> list[int]:
-        """The spinners' PIDs ([] when none run)."""
-        return self.spinners.pids if self.spinners else []
-
     def close(self) -> None:
         for held in (self.latency, self.spinners):
             if held is not None:

@@ -745,7 +745,7 @@ def test_spin_cpus_are_held_while_serving_and_gone_after_stop(repo, exported):
     x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
     with TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), spin_cpus=str(cpu))) as s:
         spinning = spinners_of(os.getpid())
-        assert spinning == s.awake.spinning and len(spinning) == 1
+        assert spinning == s.awake.spinners.pids and len(spinning) == 1
         assert describe(s)["spin_cpus"] == [cpu]
         got = TritonClient(s.url).infer("tiny_cnn_onnx", x)
     assert spinners_of(os.getpid()) == []
