@@ -3,7 +3,8 @@ process against a repository, with the environment its Python stub needs set up 
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -17,7 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from google.protobuf import json_format
 
@@ -202,19 +203,32 @@ def resolve_python_host(host: str) -> tuple[str, str]:
         return "stub", f"serving from python-backend stubs: {str(e).splitlines()[0]}"
 
 
-@functools.cache
-def _die_with_parent() -> Callable[[], Any]:
-    """A call for the child before exec that asks Linux to SIGTERM the server when torchship's process dies,
-    so a killed client (SIGKILL, an unhandled SIGTERM) never leaves an orphaned server behind. libc is
-    opened here, in the parent: between fork and exec the child only calls prctl, with no import or dlopen
-    that could wait on a lock another thread of this process held at the fork."""
-    try:
-        import ctypes
+# What runs between fork and exec decides whether starting a child is safe in a process with threads at work
+# (gRPC's pollers, a client's requests). A Popen preexec_fn makes Python fork() and run every at-fork handler
+# that a native library registered, gRPC's among them: with requests in flight they can abort the child
+# ("Fatal Python error: Aborted" in _execute_child), hang it, or close descriptors the parent's gRPC still
+# polls. Without one, Popen uses vfork and runs none. So torchship never passes a preexec_fn: a child pinned
+# to CPUs inherits the mask of the thread that starts it (``TritonServer._pinned``), and a child that must
+# die with torchship asks for that itself, first thing. For the server binary a short Python trampoline does
+# it and then execs the server: PR_SET_PDEATHSIG survives exec, and the pid stays the server's.
+PR_SET_PDEATHSIG = ("import ctypes, os, signal, sys\n"
+                    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+                    "if os.getppid() != int(sys.argv[1]):  # torchship died before the request took hold\n"
+                    "    sys.exit('torchship, which started this process, is gone')\n")
+DIE_WITH_PARENT_AND_EXEC = PR_SET_PDEATHSIG + "os.execv(sys.argv[2], sys.argv[3:])\n"
 
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return lambda: None  # not Linux: stop() in finally blocks remains the only guard
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that Linux SIGTERMs it when torchship's process dies, so a killed client (SIGKILL, an
+    unhandled SIGTERM) never leaves an orphaned server behind; off Linux, ``argv`` as it is (stop() in
+    finally blocks is then the only guard). A program that is not there raises FileNotFoundError here, in
+    this process, as Popen would, rather than in the trampoline."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    program = shutil.which(argv[0])
+    if program is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+    return [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT_AND_EXEC, str(os.getpid()), program, *argv]
 
 
 CPU_LATENCY_DEVICE = "/dev/cpu_dma_latency"
@@ -241,19 +255,20 @@ class CpuLatencyRequest:
             self.fd = None
 
 
-# One spinner, in a session of its own. Linux's autogroups share CPU time between sessions before it looks at
-# a task's policy, so it first gives its session's group the lowest weight (nice 19: where autogroups are
-# off, or in a container's cgroup, the write is harmless), then itself SCHED_IDLE, then pins itself to the
-# CPU in argv[1], says so, and yields in a loop: whenever the scheduler hands it the CPU while real work
-# waits (a tick inside a long model run), it hands it straight back.
-SPINNER = ("import os, sys\n"
+# One spinner, in a session of its own. It asks to die with torchship (whose pid is argv[1]). Linux's
+# autogroups share CPU time between sessions before it looks at a task's policy, so it then gives its
+# session's group the lowest weight (nice 19: where autogroups are off, or in a container's cgroup, the write
+# is harmless), then itself SCHED_IDLE, then pins itself to the CPU in argv[2], says so, and yields in a loop:
+# whenever the scheduler hands it the CPU while real work waits (a tick inside a long model run), it hands
+# it straight back.
+SPINNER = (PR_SET_PDEATHSIG +
            "try:\n"
            "    with open('/proc/self/autogroup', 'w') as f:\n"
            "        f.write('19')\n"
            "except OSError:\n"
            "    pass\n"
            "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
-           "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+           "os.sched_setaffinity(0, {int(sys.argv[2])})\n"
            "print('spinning', flush=True)\n"
            "y = os.sched_yield\n"
            "while True:\n"
@@ -278,9 +293,9 @@ class IdleSpinners:
         try:
             for cpu in cpus:
                 # its own session, so a Ctrl-C at the terminal reaches torchship only, which stops it
-                proc = subprocess.Popen([sys.executable, "-S", "-c", SPINNER, str(cpu)], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                        preexec_fn=_die_with_parent())
+                proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", SPINNER, str(os.getpid()), str(cpu)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
                 self.procs.append(proc)
                 said = proc.stdout.readline()
                 if said != b"spinning\n":  # it died setting itself up; its last line says why
@@ -415,12 +430,25 @@ class TritonServer:
         if self.model_cpus:
             check_affinity(self.model_cpus, "--model-cpus", cfg.model_cpus)
 
-    def _in_child(self, die_with_parent: Callable[[], Any]) -> None:
-        """In the child before exec: tie the server's life to this process (``die_with_parent``, looked up
-        before the fork), and pin it to cfg.cpus (every thread Triton starts inherits the mask)."""
-        die_with_parent()
-        if self.cpus:
+    @contextlib.contextmanager
+    def _pinned(self) -> Iterator[None]:
+        """Pin the calling thread, and only it (Linux keeps a CPU mask per thread), to cfg.cpus for the block:
+        the server started there begins life on them, and every thread Triton starts inherits the mask."""
+        if not self.cpus:
+            yield
+            return
+        before = os.sched_getaffinity(0)
+        try:
             os.sched_setaffinity(0, self.cpus)
+        except OSError:
+            # no flag named: the pin comes from serve --cpus, bench --server-cpus or run's serve.cpus
+            raise ServerError(f"Linux refused to run the server on CPUs {cpu_list(self.cpus)}: this process may "
+                              f"use CPUs {cpu_list(before)} (a container or cgroup may allow fewer than the "
+                              "machine has); pin it to those") from None
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
 
     @property
     def grpc_port(self) -> int:
@@ -527,19 +555,14 @@ class TritonServer:
         awake: Optional[KeepAwake] = None
         try:
             awake = KeepAwake(self.cfg.cpu_latency_us, self.spin_cpus)
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                         preexec_fn=functools.partial(self._in_child, _die_with_parent()))
-        except BaseException as e:
+            with self._pinned():
+                self.proc = subprocess.Popen(dying_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT,
+                                             env=env, start_new_session=True)
+        except BaseException:
             if awake is not None:
                 awake.close()
             if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
                 self.log_path.unlink(missing_ok=True)
-            if self.cpus and isinstance(e, subprocess.SubprocessError):  # only the affinity call can fail in the child
-                allowed = cpu_list(os.sched_getaffinity(0))
-                # no flag named: the pin comes from serve --cpus, bench --server-cpus or run's serve.cpus
-                raise ServerError(f"Linux refused to run the server on CPUs {cpu_list(self.cpus)}: this process "
-                                  f"may use CPUs {allowed} (a container or cgroup may allow fewer than the "
-                                  "machine has); pin it to those") from None
             raise
         finally:
             log.close()

@@ -771,8 +771,28 @@ def test_spin_cpus_are_checked(repo, monkeypatch, capsys):
     assert spinners_of(os.getpid()) == []
 
 
+def test_the_server_and_spinners_start_without_running_this_process_fork_handlers(repo, exported):
+    """No preexec_fn anywhere: Popen then uses vfork and runs none of the at-fork handlers that native
+    libraries loaded here registered. gRPC's, with requests in flight on other threads, can abort the child
+    ("Fatal Python error: Aborted" in _execute_child) or close descriptors this process's gRPC still polls.
+    Python runs its own at-fork hooks exactly when it runs those, so one stands witness. The pin and the
+    spinners, which used to need a preexec_fn, are on."""
+    mask = os.sched_getaffinity(0)
+    last = max(mask)
+    forks: list[int] = []
+    os.register_at_fork(before=lambda: forks.append(1))  # cannot be unregistered; it only counts
+    x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
+    with TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), cpus=str(last), spin_cpus=str(last))) as s:
+        got = TritonClient(s.url).infer("tiny_cnn_onnx", x)
+        assert os.sched_getaffinity(s.proc.pid) == {last} and len(s.awake.spinners.pids) == 1
+        started = len(forks)
+    assert started == 0, "starting the server ran this process's at-fork handlers"
+    assert os.sched_getaffinity(0) == mask  # the thread that started it is no longer pinned
+    np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
+
+
 def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
-    """SIGKILL the process that started the server: no finally block runs, yet the server goes too."""
+    """SIGKILL the process that started the server: no finally block runs, yet the server and its spinner go too."""
     import subprocess
     import sys
 
@@ -781,26 +801,28 @@ def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
 import sys, time
 from serve.config import ServeConfig
 from serve.server import TritonServer
-s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",), log={str(tmp_path / "server.log")!r})).start()
-print(s.proc.pid, flush=True)
+s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",), log={str(tmp_path / "server.log")!r},
+                             spin_cpus="0")).start()
+print(s.proc.pid, *s.awake.spinners.pids, flush=True)
 time.sleep(600)
 """)
     holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               cwd=str(Path(__file__).resolve().parents[2]))
-    server_pid = int(holder.stdout.readline())
+    server_pid, spinner_pid = map(int, holder.stdout.readline().split())
     os.kill(server_pid, 0)  # it is up
     holder.kill()
     holder.wait(30)
     deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            os.kill(server_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    else:
-        os.kill(server_pid, signal.SIGKILL)
-        pytest.fail("the server outlived the process that started it")
+    for pid, what in ((spinner_pid, "a spinner"), (server_pid, "the server")):
+        while time.time() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"{what} outlived the process that started it")
     with pytest.raises(ProcessLookupError):
         os.killpg(server_pid, 0)  # its stubs are gone too
 
