@@ -46,10 +46,22 @@ def _torch_setup(threads: int):
     return torch
 
 
-def torch_fn(module, device: str, dtype: str = "float32"):
+def torch_fn(module, device: str, threads: int = 0):
+    import threading
+
     import torch
 
+    set_here = threading.local()
+
     def fn(x: np.ndarray) -> list[np.ndarray]:
+        if threads > 0 and not getattr(set_here, "done", False):
+            # torch.set_num_threads sets OpenMP's thread count for the calling thread only. ATen's own ops
+            # re-apply it in each new thread, but AOTInductor's compiled code and oneDNN read the calling
+            # thread's OpenMP setting as it is (OMP_NUM_THREADS, else one per core). A served model runs on
+            # a thread other than the one that loaded it (Triton's instance thread), so each thread sets
+            # it on its first call.
+            torch.set_num_threads(threads)
+            set_here.done = True
         with torch.inference_mode():
             x = np.ascontiguousarray(x)
             t = torch.from_numpy(x if x.flags.writeable else x.copy()).to(device)  # a view of a request buffer
@@ -112,22 +124,22 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
     torch = _torch_setup(threads)
     if fmt == "torchscript":
         m = torch.jit.load(path, map_location=device).eval()
-        r = Runner(torch_fn(m, device), inputs, outputs)
+        r = Runner(torch_fn(m, device, threads), inputs, outputs)
         r.input_names = [a.name for a in m.forward.schema.arguments[1:]]
         return r
     if fmt == "exported_program":
         ep = torch.export.load(path)
         m = ep.module().to(device)
-        r = Runner(torch_fn(m, device), inputs, outputs)
+        r = Runner(torch_fn(m, device, threads), inputs, outputs)
         r.input_names = list(ep.graph_signature.user_inputs)
         return r
     if fmt == "aoti":
         m = torch._inductor.aoti_load_package(path)
-        return Runner(torch_fn(m, device), inputs, outputs)
+        return Runner(torch_fn(m, device, threads), inputs, outputs)
     if fmt == "aoti_buckets":
         if not buckets:
             raise ValueError("aoti_buckets needs the bucket files")
-        fns = {int(b): torch_fn(torch._inductor.aoti_load_package(f), device) for b, f in buckets.items()}
+        fns = {int(b): torch_fn(torch._inductor.aoti_load_package(f), device, threads) for b, f in buckets.items()}
         return Runner(lambda x: padded_call(fns, x), inputs, outputs)
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
 

@@ -1,6 +1,9 @@
 """Export stage: every format, dynamic batch, names, preprocessing contract, and a verifier that can fail."""
 
+import json
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -148,6 +151,48 @@ def test_sha256_mismatch_and_missing_artifact_are_reported(exported, tmp_path):
         verify_export(d)
     assert "exported_program/model.pt2 was altered or truncated" in str(e.value)
     assert "aoti/model.pt2 is missing" in str(e.value)
+
+
+# In a fresh process: load an artifact with 2 threads, run it on a thread other than the loader's, and say
+# what OpenMP's setting is in that thread and how many threads the run started (a parallel region of 2
+# starts a worker); the run on the loading thread first, as the baseline.
+RUN_ON_ANOTHER_THREAD = """
+import ctypes, json, os, sys, threading
+import numpy as np
+from torchship import runtime
+from torchship.manifest import read_manifest
+export_dir, fmt = sys.argv[1], sys.argv[2]
+art = next(a for a in read_manifest(export_dir)["artifacts"] if a["format"] == fmt)
+r = runtime.load_artifact(export_dir, art, ["images"], ["logits"], threads=2)
+omp = ctypes.CDLL(next(line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line))
+x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
+seen = {}
+def run():
+    before = len(os.listdir("/proc/self/task"))
+    r.run({"images": x})
+    seen[threading.current_thread().name] = (omp.omp_get_max_threads(), len(os.listdir("/proc/self/task")) - before)
+t = threading.Thread(target=run, name="instance")
+t.start()
+t.join()
+print(json.dumps(seen["instance"]))
+"""
+
+
+@pytest.mark.parametrize("fmt", ["aoti_buckets", "torchscript"])
+def test_a_torch_artifact_runs_with_its_thread_count_on_any_thread(exported, fmt):
+    """Triton runs a model on its instance thread, not on the thread that loaded it. torch.set_num_threads
+    sets OpenMP's thread count for the calling thread only, and AOTInductor's code reads the running
+    thread's own (here OMP_NUM_THREADS=1), so a served AOTInductor model ran on one thread whatever the
+    config asked. TorchScript's ATen ops re-apply the count themselves; it is checked alongside."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", RUN_ON_ANOTHER_THREAD, str(exported), fmt], env=env, check=True,
+                         capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[2])).stdout
+    omp_threads, started = json.loads(out.strip().splitlines()[-1])
+    assert omp_threads == 2, f"{fmt} ran with OpenMP set to {omp_threads} thread(s) on a thread other than the loader's"
+    assert started >= 1  # the run's parallel region started its second thread
 
 
 def test_padded_rows_never_leak(monkeypatch):
