@@ -211,11 +211,17 @@ def resolve_python_host(host: str) -> tuple[str, str]:
 # to CPUs inherits the mask of the thread that starts it (``TritonServer._pinned``), and a child that must
 # die with torchship asks for that itself, first thing. For the server binary a short Python trampoline does
 # it and then execs the server: PR_SET_PDEATHSIG survives exec, and the pid stays the server's.
-PR_SET_PDEATHSIG = ("import ctypes, os, signal, sys\n"
-                    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-                    "if os.getppid() != int(sys.argv[1]):  # torchship died before the request took hold\n"
-                    "    sys.exit('torchship, which started this process, is gone')\n")
-DIE_WITH_PARENT_AND_EXEC = PR_SET_PDEATHSIG + "os.execv(sys.argv[2], sys.argv[3:])\n"
+DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                   "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+                   "if os.getppid() != int(sys.argv[1]):  # torchship died before the request took hold\n"
+                   "    sys.exit('torchship, which started this process, is gone')\n")
+DIE_WITH_PARENT_AND_EXEC = DIE_WITH_PARENT + "os.execv(sys.argv[2], sys.argv[3:])\n"
+
+
+def python_child(code: str, *args: str) -> list[str]:
+    """argv for a short isolated Python child running ``code`` (which starts with DIE_WITH_PARENT): its
+    argv[1] is this process's pid, then ``args``."""
+    return [sys.executable, "-I", "-S", "-c", code, str(os.getpid()), *args]
 
 
 def dying_with_parent(argv: list[str]) -> list[str]:
@@ -228,7 +234,7 @@ def dying_with_parent(argv: list[str]) -> list[str]:
     program = shutil.which(argv[0])
     if program is None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
-    return [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT_AND_EXEC, str(os.getpid()), program, *argv]
+    return python_child(DIE_WITH_PARENT_AND_EXEC, program, *argv)
 
 
 CPU_LATENCY_DEVICE = "/dev/cpu_dma_latency"
@@ -261,7 +267,7 @@ class CpuLatencyRequest:
 # is harmless), then itself SCHED_IDLE, then pins itself to the CPU in argv[2], says so, and yields in a loop:
 # whenever the scheduler hands it the CPU while real work waits (a tick inside a long model run), it hands
 # it straight back.
-SPINNER = (PR_SET_PDEATHSIG +
+SPINNER = (DIE_WITH_PARENT +
            "try:\n"
            "    with open('/proc/self/autogroup', 'w') as f:\n"
            "        f.write('19')\n"
@@ -293,9 +299,8 @@ class IdleSpinners:
         try:
             for cpu in cpus:
                 # its own session, so a Ctrl-C at the terminal reaches torchship only, which stops it
-                proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", SPINNER, str(os.getpid()), str(cpu)],
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+                proc = subprocess.Popen(python_child(SPINNER, str(cpu)), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, start_new_session=True)
                 self.procs.append(proc)
                 said = proc.stdout.readline()
                 if said != b"spinning\n":  # it died setting itself up; its last line says why
