@@ -70,6 +70,13 @@ def init_distributed(device: str) -> Dist:
     if device == "cuda":
         torch.cuda.set_device(local)
     if not dist.is_initialized():
+        # Before the group exists: torch.distributed.nn.functional (imported by torch._dynamo, which DDP imports)
+        # takes group=group.WORLD as a default argument, evaluated at import. Imported after init, those
+        # defaults keep the group alive past destroy_process_group, and Gloo's threads run on into interpreter
+        # shutdown, where freeing the group at last can abort the rank ("terminate called without an active
+        # exception"). Imported now, the defaults are None.
+        import torch.distributed.nn  # noqa: F401
+
         backend = "nccl" if device == "cuda" else "gloo"
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             # torchrun's agent store outlives a worker restart: without a per-attempt prefix a restarted
