@@ -3,11 +3,12 @@ process against a repository, with the environment its Python stub needs set up 
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import errno
 import hashlib
 import io
 import os
+import queue
 import re
 import shutil
 import signal
@@ -18,7 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 from google.protobuf import json_format
 
@@ -208,7 +209,7 @@ def resolve_python_host(host: str) -> tuple[str, str]:
 # that a native library registered, gRPC's among them: with requests in flight they can abort the child
 # ("Fatal Python error: Aborted" in _execute_child), hang it, or close descriptors the parent's gRPC still
 # polls. Without one, Popen uses vfork and runs none. So torchship never passes a preexec_fn: a child pinned
-# to CPUs inherits the mask of the thread that starts it (``TritonServer._pinned``), and a child that must
+# to CPUs inherits the mask of the thread that starts it (``start_child``), and a child that must
 # die with torchship asks for that itself, first thing. For the server binary a short Python trampoline does
 # it and then execs the server: PR_SET_PDEATHSIG survives exec, and the pid stays the server's.
 DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
@@ -235,6 +236,67 @@ def dying_with_parent(argv: list[str]) -> list[str]:
     if program is None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
     return python_child(DIE_WITH_PARENT_AND_EXEC, program, *argv)
+
+
+class CpusRefused(Exception):
+    """Linux would not let a child start on the CPUs asked for; ``allowed`` is what the caller may use."""
+
+    def __init__(self, allowed: set[int]):
+        super().__init__(f"CPUs {cpu_list(allowed)} allowed")
+        self.allowed = allowed
+
+
+_starter_lock = threading.Lock()
+_starter: Optional[tuple[int, queue.SimpleQueue]] = None  # (pid, its queue): a forked child needs its own
+
+
+def _run_starts(jobs: queue.SimpleQueue) -> None:
+    while True:
+        fn, done = jobs.get()
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(fn())
+            except BaseException as e:
+                done.set_exception(e)
+
+
+def start_child(argv: list[str], cpus: Sequence[int] = (), **popen) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **popen)``, started from torchship's starter thread, a thread that lives as long
+    as this process. Linux sends a child its PR_SET_PDEATHSIG when the *thread* that started it ends, not the
+    process: a server or spinner started straight from a thread that then ends (a worker thread, a request
+    handler) was SIGTERMed at once. The child begins on ``cpus``, else on the CPUs of the calling thread, as if
+    that thread had started it. Raises CpusRefused if Linux will not allow ``cpus``."""
+    global _starter
+    if not hasattr(os, "sched_setaffinity"):  # not Linux: no death signal to tie to a thread, and no pins
+        return subprocess.Popen(argv, **popen)
+    mask = set(cpus) or os.sched_getaffinity(0)
+    allowed = os.sched_getaffinity(0)
+
+    def start() -> subprocess.Popen:
+        before = os.sched_getaffinity(0)
+        try:
+            os.sched_setaffinity(0, mask)  # Linux keeps a mask per thread; the child inherits this one
+        except OSError:
+            raise CpusRefused(allowed) from None
+        try:
+            return subprocess.Popen(argv, **popen)
+        finally:
+            os.sched_setaffinity(0, before)
+
+    with _starter_lock:
+        if _starter is None or _starter[0] != os.getpid():
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_run_starts, args=(jobs,), name="torchship-starter", daemon=True).start()
+            _starter = (os.getpid(), jobs)
+        jobs = _starter[1]
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    jobs.put((start, done))
+    try:
+        return done.result()
+    except BaseException:
+        if not done.done():  # interrupted (Ctrl-C) while the child was being started: end it once it is
+            done.add_done_callback(lambda f: f.exception() is None and (f.result().kill(), f.result().wait()))
+        raise
 
 
 CPU_LATENCY_DEVICE = "/dev/cpu_dma_latency"
@@ -299,8 +361,8 @@ class IdleSpinners:
         try:
             for cpu in cpus:
                 # its own session, so a Ctrl-C at the terminal reaches torchship only, which stops it
-                proc = subprocess.Popen(python_child(SPINNER, str(cpu)), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True)
+                proc = start_child(python_child(SPINNER, str(cpu)), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, start_new_session=True)
                 self.procs.append(proc)
                 said = proc.stdout.readline()
                 if said != b"spinning\n":  # it died setting itself up; its last line says why
@@ -435,26 +497,6 @@ class TritonServer:
         if self.model_cpus:
             check_affinity(self.model_cpus, "--model-cpus", cfg.model_cpus)
 
-    @contextlib.contextmanager
-    def _pinned(self) -> Iterator[None]:
-        """Pin the calling thread, and only it (Linux keeps a CPU mask per thread), to cfg.cpus for the block:
-        the server started there begins life on them, and every thread Triton starts inherits the mask."""
-        if not self.cpus:
-            yield
-            return
-        before = os.sched_getaffinity(0)
-        try:
-            os.sched_setaffinity(0, self.cpus)
-        except OSError:
-            # no flag named: the pin comes from serve --cpus, bench --server-cpus or run's serve.cpus
-            raise ServerError(f"Linux refused to run the server on CPUs {cpu_list(self.cpus)}: this process may "
-                              f"use CPUs {cpu_list(before)} (a container or cgroup may allow fewer than the "
-                              "machine has); pin it to those") from None
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, before)
-
     @property
     def grpc_port(self) -> int:
         return self.ports["--grpc-port"]
@@ -510,6 +552,9 @@ class TritonServer:
         """Start the server, load every model (or cfg.models) and wait until all are ready.
         Raises ServerError with the tail of the server log on failure. A port this server picked that
         another process takes before Triton binds it is picked again, up to PORT_ATTEMPTS starts."""
+        if self.running:
+            raise ServerError(f"this server is already running (pid {self.proc.pid}, gRPC at {self.url}); stop() it "
+                              "before starting it again")
         attempt = 1
         while True:
             try:
@@ -560,9 +605,14 @@ class TritonServer:
         awake: Optional[KeepAwake] = None
         try:
             awake = KeepAwake(self.cfg.cpu_latency_us, self.spin_cpus)
-            with self._pinned():
-                self.proc = subprocess.Popen(dying_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT,
-                                             env=env, start_new_session=True)
+            try:  # every thread Triton starts inherits the mask it begins with
+                self.proc = start_child(dying_with_parent(self.command()), self.cpus, stdout=log,
+                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            except CpusRefused as e:
+                # no flag named: the pin comes from serve --cpus, bench --server-cpus or run's serve.cpus
+                raise ServerError(f"Linux refused to run the server on CPUs {cpu_list(self.cpus)}: this process may "
+                                  f"use CPUs {cpu_list(e.allowed)} (a container or cgroup may allow fewer than the "
+                                  "machine has); pin it to those") from None
         except BaseException:
             if awake is not None:
                 awake.close()
@@ -688,8 +738,12 @@ class TritonServer:
             self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def __enter__(self) -> "TritonServer":
-        return self.start()
+        return self if self.running else self.start()  # `with TritonServer(cfg).start() as s:` starts one
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -787,7 +787,31 @@ def test_the_server_and_spinners_start_without_running_this_process_fork_handler
         assert os.sched_getaffinity(s.proc.pid) == {last} and len(s.awake.spinners.pids) == 1
         started = len(forks)
     assert started == 0, "starting the server ran this process's at-fork handlers"
-    assert os.sched_getaffinity(0) == mask  # the thread that started it is no longer pinned
+    assert os.sched_getaffinity(0) == mask  # the thread that asked for it was never pinned
+    starter = next(t for t in threading.enumerate() if t.name == "torchship-starter")
+    assert os.sched_getaffinity(starter.native_id) == mask  # and the thread that started it is no longer
+    np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_server_started_from_a_thread_that_ends_keeps_serving(repo, exported):
+    """Linux sends a child its death signal when the thread that started it ends, not the process: a server
+    or spinner started straight from a worker thread was SIGTERMed as soon as that thread returned."""
+    box: dict = {}
+
+    def start():
+        box["server"] = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), spin_cpus="0")).start()
+
+    worker = threading.Thread(target=start)
+    worker.start()
+    worker.join()
+    x = np.random.default_rng(1).random((1, 3, 32, 32), dtype=np.float32)
+    with box["server"] as s:  # started already: entering does not start it again
+        time.sleep(1.0)  # the signal, had it come, came when the thread ended; Triton then drains and exits
+        assert s.proc.poll() is None, "the server ended with the thread that started it"
+        assert all(p.poll() is None for p in s.awake.spinners.procs), "a spinner ended with the thread that started it"
+        got = TritonClient(s.url).infer("tiny_cnn_onnx", x)
+        with pytest.raises(ServerError, match="already running"):
+            s.start()
     np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
 
 
