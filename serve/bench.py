@@ -920,7 +920,9 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
         from .server import KeepAwake
 
         spin = parse_cpus(cfg.spin_cpus, "--spin-cpus") if cfg.spin_cpus else []
-        awake = KeepAwake(cfg.cpu_latency_us, spin)  # held for the whole run, so every path is measured alike
+        # held for the whole run, so every path is measured alike; a CPU the given server spins already
+        # (run's serve.spin_cpus) gets no second spinner
+        awake = KeepAwake(cfg.cpu_latency_us, [c for c in spin if server is None or c not in server.spin_cpus])
         if cfg.cpu_latency_us is not None:
             results["machine"]["cpu_latency_us"] = cfg.cpu_latency_us
         if spin:

@@ -49,16 +49,38 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         assert needle in summary
 
 
-def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
+def test_from_export_reuses_the_checkpoint_without_retraining(run_dir, monkeypatch):
+    from serve.server import IdleSpinners
+
     ckpts = run_dir / "train/checkpoints"
     before = {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")}
     log_before = (run_dir / "train/train.log").read_text()
+    spinning: list[int] = []  # the CPUs of the spinners open now, one entry per spinner
+    most: dict[int, int] = {}
+    real_init, real_close = IdleSpinners.__init__, IdleSpinners.close
+
+    def init(self, cpus):
+        real_init(self, cpus)
+        self.counted = list(cpus)
+        spinning.extend(cpus)
+        most.update({c: max(most.get(c, 0), spinning.count(c)) for c in cpus})
+
+    def close(self):
+        for c in getattr(self, "counted", []):
+            spinning.remove(c)
+        self.counted = []
+        real_close(self)
+
+    monkeypatch.setattr(IdleSpinners, "__init__", init)
+    monkeypatch.setattr(IdleSpinners, "close", close)
     # the rerun's server and its models are pinned too, with a spinner beside them: serve.cpus, serve.model_cpus
-    # and serve.spin_cpus reach them through run
+    # and serve.spin_cpus reach them through run; bench.spin_cpus on the same CPU adds no second spinner
     last = max(os.sched_getaffinity(0))
     assert run_cli("run", "--out", run_dir, "--config", CONFIG, "--from", "export", "--set", f"serve.cpus={last}",
                    "--set", f"serve.model_cpus={last}", "--set", f"serve.spin_cpus={last}",
+                   "--set", f"bench.spin_cpus={last}",
                    "--set", 'export.formats=["onnx","torchscript"]', "--set", "bench.variants=[\"onnx\"]") == 0
+    assert most == {last: 1}, f"spinners open at once per CPU, at most: {most}"
     machine = json.loads((run_dir / "bench/results.json").read_text())["machine"]
     assert machine["server_cpus"] == machine["server_model_cpus"] == machine["spin_cpus"] == [last]
     assert spinners_of(os.getpid()) == []
