@@ -14,7 +14,7 @@ from tests.conftest import run_cli
 from torchship import runtime
 from torchship.errors import ArtifactError, ParityError
 from torchship.io import sha256_file
-from torchship.manifest import read_manifest, write_manifest
+from torchship.manifest import artifact, read_manifest, write_manifest
 
 
 def test_every_format_exported_and_verified(exported):
@@ -193,6 +193,20 @@ def test_a_torch_artifact_runs_with_its_thread_count_on_any_thread(exported, fmt
     omp_threads, started = json.loads(out.strip().splitlines()[-1])
     assert omp_threads == 2, f"{fmt} ran with OpenMP set to {omp_threads} thread(s) on a thread other than the loader's"
     assert started >= 1  # the run's parallel region started its second thread
+
+
+def test_an_aoti_package_runs_flat_with_torchs_own_outputs(exported):
+    """runtime.aoti_model skips torch's per-call tree-spec parsing for one-tensor models; the outputs must be
+    torch's callable's, bit for bit."""
+    import torch
+
+    path = str(exported / artifact(read_manifest(exported), "aoti")["file"])
+    flat = runtime.aoti_model(path)
+    assert not isinstance(flat, type(torch._inductor.aoti_load_package(path)))  # the flat path was taken
+    x = torch.from_numpy(np.random.default_rng(0).random((2, 3, 32, 32), dtype=np.float32))
+    with torch.inference_mode():
+        got, want = flat(x), torch._inductor.aoti_load_package(path)(x)
+    assert isinstance(got, list) and len(got) == 1 and torch.equal(got[0], want)
 
 
 def test_padded_rows_never_leak(monkeypatch):
