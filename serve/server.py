@@ -269,8 +269,8 @@ def start_child(argv: list[str], cpus: Sequence[int] = (), **popen) -> subproces
     global _starter
     if not hasattr(os, "sched_setaffinity"):  # not Linux: no death signal to tie to a thread, and no pins
         return subprocess.Popen(argv, **popen)
-    mask = set(cpus) or os.sched_getaffinity(0)
     allowed = os.sched_getaffinity(0)
+    mask = set(cpus) or allowed
 
     def start() -> subprocess.Popen:
         before = os.sched_getaffinity(0)
@@ -293,10 +293,15 @@ def start_child(argv: list[str], cpus: Sequence[int] = (), **popen) -> subproces
     jobs.put((start, done))
     try:
         return done.result()
-    except BaseException:
-        if not done.done():  # interrupted (Ctrl-C) while the child was being started: end it once it is
-            done.add_done_callback(lambda f: f.exception() is None and (f.result().kill(), f.result().wait()))
+    except BaseException:  # the start failed (nothing to end), or a Ctrl-C came: end the child once it is up
+        done.add_done_callback(_end_started)
         raise
+
+
+def _end_started(done: concurrent.futures.Future) -> None:
+    if done.exception() is None:
+        done.result().kill()
+        done.result().wait()
 
 
 CPU_LATENCY_DEVICE = "/dev/cpu_dma_latency"
