@@ -799,11 +799,16 @@ def test_a_server_started_from_a_thread_that_ends_keeps_serving(repo, exported):
     box: dict = {}
 
     def start():
-        box["server"] = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), spin_cpus="0")).start()
+        try:
+            box["server"] = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), spin_cpus="0")).start()
+        except BaseException as e:  # raised again below, in the test's own thread
+            box["error"] = e
 
     worker = threading.Thread(target=start)
     worker.start()
     worker.join()
+    if "error" in box:
+        raise box["error"]
     x = np.random.default_rng(1).random((1, 3, 32, 32), dtype=np.float32)
     with box["server"] as s:  # started already: entering does not start it again
         time.sleep(1.0)  # the signal, had it come, came when the thread ended; Triton then drains and exits
