@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from torchship.config import add_dataclass_arguments, build, namespace_overrides, to_argv
-from torchship.errors import TorchshipError
+from torchship.errors import ConfigError, TorchshipError
 
 from . import checkpoint as ck
 from .config import TrainConfig
@@ -30,7 +30,11 @@ def auto_nproc(device: str) -> int:
 
 def preflight(cfg: TrainConfig, world: int) -> None:
     """Every check that needs no process group, so mistakes surface before ranks start."""
-    resolve_device(cfg)
+    device = resolve_device(cfg)
+    if device == "cuda" and world > torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"--nproc {world} starts one rank per GPU, but {n} GPU(s) are visible; use --nproc {n} or "
+                          "fewer (0: one per GPU)")
     cfg.check_world(world)
     prepare_out(cfg)
     resume = cfg.resolved_resume()
@@ -40,6 +44,10 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         ck.load_train_state(d)
     if cfg.data not in ("digits", "synthetic"):
         scan_image_folder(cfg.data)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if device == "cpu" and world > cpus:
+        print(f"torchship train: note: {world} ranks on {cpus} CPU(s) take turns on the cores, which is slower than "
+              f"--nproc {cpus}", file=sys.stderr, flush=True)
 
 
 def run_train(cfg: TrainConfig) -> TrainResult | None:

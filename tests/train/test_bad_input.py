@@ -92,6 +92,28 @@ def test_batch_smaller_than_world_size(tmp_path, capsys):
     assert "smaller than the world size 2" in err_line(capsys)
 
 
+def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """Checked with CUDA made to look present (one GPU): each rank takes a GPU of its own, so a second rank
+    would fail in torch.cuda.set_device after torchrun had started it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert run_cli(*BASE, "--data", "synthetic", "--nproc", "2", "--out", tmp_path / "o") == 2
+    assert "--nproc 2 starts one rank per GPU, but 1 GPU(s) are visible" in err_line(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_more_ranks_than_cpus_is_noted(tmp_path, monkeypatch, capsys):
+    from train import launch
+    from train.config import TrainConfig
+    from torchship.config import build
+
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0})
+    launch.preflight(build(TrainConfig, {"arch": "tiny_cnn", "data": "synthetic", "out": str(tmp_path / "o")}), 2)
+    assert "2 ranks on 1 CPU(s) take turns on the cores" in capsys.readouterr().err
+
+
 def test_existing_output_is_not_overwritten(trained, tmp_path, capsys):
     out = trained.parent.parent
     before = (out / "checkpoints" / "index.json").read_text()
