@@ -76,10 +76,9 @@ def torch_fn(module, device: str, threads: int = 0):
 def aoti_model(path: str):
     """An AOTInductor package, loaded: a function of the input tensor that returns the outputs as a flat list.
     torch's own callable (AOTICompiledModel) parses the package's input and output tree specs from JSON on
-    every call: 9 µs in a tight loop, but 60-70 µs right after a resnet18 run has swept the caches (a 2-core
-    Xeon), 3-4 % of the run. For a model that takes one positional
-    tensor, as every model torchship exports does, the loader's flat run is the same call without that;
-    any other signature keeps torch's callable."""
+    every call, in Python that runs on the caches the model has just swept (README: "What was lowered"). For
+    a model that takes one positional tensor, as every model torchship exports does, the loader's flat run is
+    the same call without that; any other signature keeps torch's callable."""
     import torch
     from torch.utils import _pytree as pytree
 

@@ -31,8 +31,7 @@ def auto_nproc(device: str) -> int:
 def preflight(cfg: TrainConfig, world: int) -> None:
     """Every check that needs no process group, so mistakes surface before ranks start."""
     device = resolve_device(cfg)
-    if device == "cuda" and world > torch.cuda.device_count():
-        n = torch.cuda.device_count()
+    if device == "cuda" and world > (n := torch.cuda.device_count()):
         raise ConfigError(f"--nproc {world} starts one rank per GPU, but {n} GPU(s) are visible; use --nproc {n} or "
                           "fewer (0: one per GPU)")
     cfg.check_world(world)

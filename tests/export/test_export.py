@@ -201,11 +201,11 @@ def test_an_aoti_package_runs_flat_with_torchs_own_outputs(exported):
     import torch
 
     path = str(exported / artifact(read_manifest(exported), "aoti")["file"])
-    flat = runtime.aoti_model(path)
-    assert not isinstance(flat, type(torch._inductor.aoti_load_package(path)))  # the flat path was taken
+    flat, compiled = runtime.aoti_model(path), torch._inductor.aoti_load_package(path)
+    assert not isinstance(flat, type(compiled))  # the flat path was taken
     x = torch.from_numpy(np.random.default_rng(0).random((2, 3, 32, 32), dtype=np.float32))
     with torch.inference_mode():
-        got, want = flat(x), torch._inductor.aoti_load_package(path)(x)
+        got, want = flat(x), compiled(x)
     assert isinstance(got, list) and len(got) == 1 and torch.equal(got[0], want)
 
 
