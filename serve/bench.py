@@ -26,6 +26,11 @@ from .bench_config import BenchConfig
 NOOP_MODEL = "_torchship_noop"
 HOLD_MODEL = "_torchship_hold"
 RESULTS_FORMAT = "torchship.bench/1"  # the "format" tag of results.json
+# The first calls of each path in each block of the side-by-side overhead run on caches the path before
+# it has just used (the same model's weights in this process, the hold's buffer). Left out of its
+# percentiles, at most this many per block (a fifth of a short block); the means keep every call, as
+# Triton's statistics do.
+SETTLING_CALLS = 5
 
 
 # ---------------------------------------------------------------- statistics and machine
@@ -37,6 +42,17 @@ def summarize(lat_s: list[float] | np.ndarray) -> dict[str, float]:
     p = np.percentile(a, [50, 90, 95, 99])
     return {"n": int(a.size), "p50_ms": p[0], "p90_ms": p[1], "p95_ms": p[2], "p99_ms": p[3],
             "mean_ms": float(a.mean()), "std_ms": float(a.std()), "min_ms": float(a.min()), "max_ms": float(a.max())}
+
+
+def settling_calls(per_block: int) -> int:
+    """How many calls at the start of each block the overhead percentiles leave out."""
+    return min(SETTLING_CALLS, per_block // 5)
+
+
+def split_block_starts(values: Sequence[Any], per_block: int, settle: int) -> tuple[list[Any], list[Any]]:
+    """A path's calls in time order, ``per_block`` per block: (the first ``settle`` of each block, the rest)."""
+    first = [v for j, v in enumerate(values) if j % per_block < settle]
+    return first, [v for j, v in enumerate(values) if j % per_block >= settle]
 
 
 def machine_info() -> dict[str, Any]:
@@ -547,7 +563,8 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, xs: list[
     artifact in this process (back to back, and again after a floor-long pause before each call, as a
     served model runs), and the no-op floor. The excess is served − in-process − floor; Triton's
     statistics and the backend's own profile say where it goes, and with ``trace_file`` (the embedded
-    server's trace file) Triton's per-request timestamps split each round trip into TRACE_LEGS. ``xs``: the
+    server's trace file) Triton's per-request timestamps split each round trip into TRACE_LEGS. Percentiles
+    and the trace leave out each block's settling calls (SETTLING_CALLS); means keep them. ``xs``: the
     batch-1 inputs, sent in turn."""
     from torchship import runtime
 
@@ -627,21 +644,35 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, xs: list[
                 with contextlib.suppress(TorchshipError):  # a failed run reports its own error
                     set_trace(client, False)
     after = {m: settled_stats(client, m, _served_count(before[m]) + per_block * cfg.blocks) for m in watched}
-    floor = summarize(lat["floor"]) if have_noop else {}
+    # percentiles from each block's steady calls; means (beside Triton's statistics, which count every call) from all
+    settle = settling_calls(per_block)
+    starts, steady = {}, {}
+    for name, v in lat.items():
+        starts[name], steady[name] = split_block_starts(v, per_block, settle)
+    if stamps:
+        stamps = {name: split_block_starts(v, per_block, settle)[1] for name, v in stamps.items()}
+
+    def mean_ms(name: str) -> float:
+        return float(np.mean(lat[name])) * 1e3
+    floor = summarize(steady["floor"]) if have_noop else {}
     rows = []
     for model, v in twins.items():
-        inp, srv = summarize(lat[f"{model}/in-process"]), summarize(lat[f"{model}/served"])
+        inp, srv = summarize(steady[f"{model}/in-process"]), summarize(steady[f"{model}/served"])
         row = {"model": model, "variant": v, "in_process": inp, "served": srv, "floor": floor,
                "server": stats_delta(before[model], after[model]),
-               "backend": profile_delta(prof_before[model], settled_profile(profile_dir, model))}
-        row["client_side_us"] = srv["mean_ms"] * 1e3 - row["server"]["server_us"]
+               "backend": profile_delta(prof_before[model], settled_profile(profile_dir, model)),
+               "all_calls": {"in_process_mean_ms": mean_ms(f"{model}/in-process"),
+                             "served_mean_ms": mean_ms(f"{model}/served")},
+               "block_starts": {"in_process": summarize(starts[f"{model}/in-process"]),
+                                "served": summarize(starts[f"{model}/served"])}}
+        row["client_side_us"] = row["all_calls"]["served_mean_ms"] * 1e3 - row["server"]["server_us"]
         if floor:
             row["excess_p50_ms"] = srv["p50_ms"] - inp["p50_ms"] - floor["p50_ms"]
-            paused = summarize(lat[f"{model}/in-process-paused"])
+            paused = summarize(steady[f"{model}/in-process-paused"])
             row["in_process_paused"] = {"pause_ms": pauses[f"{model}/in-process-paused"] * 1e3, **paused}
             row["excess_vs_paused_p50_ms"] = srv["p50_ms"] - paused["p50_ms"] - floor["p50_ms"]
         if holds.get(model):
-            h, held = summarize(lat[f"{model}/hold"]), float(np.mean(holds[model]))
+            h, held = summarize(steady[f"{model}/hold"]), float(np.mean(holds[model]))
             read = [float(np.frombuffer(r.raw_output_contents[0], np.float32)[0]) for r in hold_resps[model]
                     if r.raw_output_contents and r.raw_output_contents[0]]
             row["hold"] = {"hold_us": held, "hold_us_per_block": holds[model], "memory_bytes": hold_bytes[model],
@@ -651,6 +682,7 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, xs: list[
         rows.append(row)
     waits = [0.0, *sorted(float(np.mean(v)) for v in holds.values() if v)]
     res = {"batch": 1, "requests_per_path": per_block * cfg.blocks, "blocks": cfg.blocks, "threads": cfg.threads,
+           "settling_per_block": settle, "timed_per_path": (per_block - settle) * cfg.blocks,
            "rows": rows, "notes": notes, "after_wait_us": after_wait(request(NOOP_MODEL, xs[0], ins[0]), waits)}
     if trace_file:
         model_of = {p: (HOLD_MODEL if p.endswith("/hold") else NOOP_MODEL if p == "floor" else p.split("/")[0])
@@ -661,7 +693,7 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, xs: list[
             res["trace"] = {"file": str(trace_file), "error": f"cannot read Triton's trace: {e}"}
     if have_noop:
         res["floor_server"] = stats_delta(before[NOOP_MODEL], after[NOOP_MODEL])
-        res["floor_client_side_us"] = floor["mean_ms"] * 1e3 - res["floor_server"]["server_us"]
+        res["floor_client_side_us"] = mean_ms("floor") * 1e3 - res["floor_server"]["server_us"]
     return res
 
 

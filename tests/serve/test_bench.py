@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from serve.bench import compare, read_profile, run_bench, served_runs, trace_legs
+from serve.bench import compare, read_profile, run_bench, served_runs, split_block_starts, trace_legs
 from serve.bench_config import BenchConfig
 from serve.report import cpu_pinning
 from tests.conftest import run_cli, spinners_of
@@ -82,14 +82,16 @@ def test_overhead_is_measured_side_by_side_and_attributed(bench_run, exported):
     """In-process, served and floor for every served model, with Triton's and the backend's breakdown."""
     results, _ = bench_run
     ov = results["served"]["overhead"]
-    n = ov["requests_per_path"]
+    n, timed = ov["requests_per_path"], ov["timed_per_path"]  # made; in the percentiles (each block's first left out)
+    assert ov["settling_per_block"] >= 1 and timed == n - ov["settling_per_block"] * ov["blocks"]
     assert {r["model"]: r["variant"] for r in ov["rows"]} == {
         "tiny_cnn_onnx": "onnx", "tiny_cnn_torchscript": "torchscript", "tiny_cnn_aoti": "aoti_buckets"}
     for r in ov["rows"]:
-        assert r["in_process"]["n"] == r["served"]["n"] == r["floor"]["n"] == n
+        assert r["in_process"]["n"] == r["served"]["n"] == r["floor"]["n"] == timed
+        assert r["block_starts"]["served"]["n"] == r["block_starts"]["in_process"]["n"] == n - timed
         assert r["excess_p50_ms"] == pytest.approx(r["served"]["p50_ms"] - r["in_process"]["p50_ms"] - r["floor"]["p50_ms"])
         q = r["in_process_paused"]  # the same artifact, with an untimed floor-long sleep before each call
-        assert q["n"] == n and q["pause_ms"] > 0 and q["p50_ms"] < q["pause_ms"] + r["in_process"]["p50_ms"]
+        assert q["n"] == timed and q["pause_ms"] > 0 and q["p50_ms"] < q["pause_ms"] + r["in_process"]["p50_ms"]
         assert r["excess_vs_paused_p50_ms"] == pytest.approx(r["served"]["p50_ms"] - q["p50_ms"] - r["floor"]["p50_ms"])
         assert r["server"]["requests"] == n, "statistics must cover exactly this section's requests"
         b = r["backend"]
@@ -102,7 +104,7 @@ def test_overhead_is_measured_side_by_side_and_attributed(bench_run, exported):
     assert ov["floor_server"]["requests"] == n
     for r in ov["rows"]:  # the hold spins the model's in-process time, so it can't answer faster than that
         held = r["hold"]["hold_us_per_block"]  # set before each block from the model's in-process times so far
-        assert len(held) == ov["blocks"] and r["hold"]["n"] == n and r["hold"]["min_ms"] >= min(held) / 1e3
+        assert len(held) == ov["blocks"] and r["hold"]["n"] == timed and r["hold"]["min_ms"] >= min(held) / 1e3
         assert r["served_minus_hold_p50_ms"] == pytest.approx(r["served"]["p50_ms"] - r["hold"]["p50_ms"])
     files = {a["name"]: a["file"] for a in json.loads((exported / "manifest.json").read_text())["artifacts"]}
     for r in ov["rows"]:  # meanwhile it reads through a buffer as large as the model's file (bucket 1's for buckets)
@@ -128,7 +130,7 @@ def test_trace_splits_every_round_trip(bench_run):
     """--trace: every timed call of every served path is matched with its own trace in Triton's file."""
     results, out = bench_run
     ov = results["served"]["overhead"]
-    legs, n = ov["trace"]["legs"], ov["requests_per_path"]
+    legs, n = ov["trace"]["legs"], ov["timed_per_path"]
     assert (out / "triton_trace.json").stat().st_size > 0
     assert set(legs) == {f"{r['model']}/{p}" for r in ov["rows"] for p in ("served", "hold")} | {"floor"}
     for path, g in legs.items():
@@ -140,6 +142,17 @@ def test_trace_splits_every_round_trip(bench_run):
     aw = ov["after_wait_us"]
     assert set(aw) == {"spin", "sleep"} and len(aw["spin"]) == 1 + len(ov["rows"]) and min(aw["spin"].values()) > 0
     assert "Triton's trace" in (out / "report.md").read_text()
+
+
+def test_block_starts_are_split_from_each_blocks_steady_calls():
+    """The overhead percentiles leave out the first calls of every block, and only those: a path's first calls
+    after another path ran are slow for a reason no served request meets (the other path swept the caches)."""
+    per_block, settle = 6, 2
+    calls = [100.0 if j % per_block < settle else 1.0 + j for j in range(3 * per_block)]  # 3 blocks, slow starts
+    first, rest = split_block_starts(calls, per_block, settle)
+    assert first == [100.0] * 6 and len(rest) == 12 and max(rest) < 100
+    assert rest == [c for c in calls if c != 100.0]  # in order, nothing else dropped
+    assert split_block_starts(calls, per_block, 0) == ([], calls)
 
 
 def test_trace_legs_match_each_call_with_its_own_request():
