@@ -44,22 +44,16 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(row)} |" for row in rows)]
 
 
-def in_process_mean_ms(row: dict[str, Any]) -> float:
-    """The in-process mean over every call, beside Triton's statistics (results before settling calls: the only mean)."""
-    return row.get("all_calls", {}).get("in_process_mean_ms", row["in_process"].get("mean_ms", 0.0))
-
-
 def settling_note(ov: dict[str, Any]) -> str:
     """What the percentiles leave out: each path's first calls in each block, and what those cost."""
     settle = ov.get("settling_per_block", 0)
     if not settle:
         return ""
-    slow = [f"{r['model']} {r['block_starts']['served']['p50_ms']:.3f} ms served, "
-            f"{r['block_starts']['in_process']['p50_ms']:.3f} ms in-process"
-            for r in ov["rows"] if r.get("block_starts", {}).get("served", {}).get("n")]
+    slow = "; ".join(f"{r['model']} {r['block_starts']['served']['p50_ms']:.3f} ms served, "
+                     f"{r['block_starts']['in_process']['p50_ms']:.3f} ms in-process" for r in ov["rows"])
     return (f" Percentiles leave out the first {settle} calls of each path in each block ({ov['timed_per_path']} "
-            "timed per path), which run on caches the path before has just used"
-            + (f" (their p50: {'; '.join(slow)})" if slow else "") + "; the means below count every call.")
+            f"timed per path), which run on caches the path before has just used (their p50: {slow}); the means "
+            "below count every call.")
 
 
 def overhead_lines(ov: dict[str, Any] | None, host: str | None = None) -> list[str]:
@@ -99,7 +93,7 @@ def overhead_lines(ov: dict[str, Any] | None, host: str | None = None) -> list[s
         lines.append(f"| {r['model']} | {_f(sv['queue_us'], '.0f')} | {_f(sv['compute_input_us'], '.0f')} | "
                      f"{_f(sv['compute_infer_us'], '.0f')} | {_f(b.get('pre_us'), '.0f')} | {_f(b.get('run_us'), '.0f')} | "
                      f"{_f(b.get('post_us'), '.0f')} | {_f(sv['compute_output_us'], '.0f')} | {_f(r['client_side_us'], '.0f')} | "
-                     f"{_f(in_process_mean_ms(r) * 1e3, '.0f')} |")
+                     f"{_f(r['all_calls']['in_process_mean_ms'] * 1e3, '.0f')} |")
     if "floor_server" in ov:
         fs = ov["floor_server"]
         lines.append(f"| floor (no-op) | {_f(fs['queue_us'], '.0f')} | {_f(fs['compute_input_us'], '.0f')} | "
