@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from torchship.errors import ArtifactError, ParityError
-from torchship.io import atomic_write_text
+from torchship.io import atomic_write_text, usable_cpus
 from torchship.manifest import PARITY_MD, REFERENCE, check_hashes, read_manifest, write_manifest
 
 
@@ -75,7 +75,7 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
     failures: list[str] = []
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="torchship-verify-") as tmp, \
-            ThreadPoolExecutor(max_workers=max(1, min(2, (os.cpu_count() or 1) // threads))) as pool:
+            ThreadPoolExecutor(max_workers=max(1, min(2, usable_cpus() // threads))) as pool:
         futures = {a["name"]: pool.submit(_run_artifact, d, manifest, a, device, threads, Path(tmp)) for a in arts}
         for a in arts:
             name = a["name"]

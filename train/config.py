@@ -19,7 +19,7 @@ class TrainConfig:
     lr: float = opt(2e-3, "peak learning rate of AdamW (warm-up then cosine decay)")
     weight_decay: float = opt(5e-4, "AdamW weight decay")
     amp: Literal["off", "bf16", "fp16"] = opt("off", "autocast precision: bf16 on CPU/CUDA, fp16 (with GradScaler) on CUDA only")
-    nproc: int = opt(1, "DDP processes to launch through torchrun on this machine (0: one per GPU, or 2 on a CPU with the cores)")
+    nproc: int = opt(1, "DDP processes to launch through torchrun on this machine (0: one per GPU, or on CPU 2 where this process may use two CPUs or more, else 1)")
     out: str = opt("runs/train", "output directory for checkpoints, metrics.jsonl and the log")
     resume: Optional[str] = opt(None, "resume exactly from this checkpoint directory (or an output directory: its latest); "
                                       "'auto': resume from OUT's latest checkpoint if it has one, else start fresh (restartable jobs)")

@@ -12,6 +12,7 @@ import torch
 
 from torchship.config import add_dataclass_arguments, build, namespace_overrides, to_argv
 from torchship.errors import ConfigError, TorchshipError
+from torchship.io import usable_cpus
 
 from . import checkpoint as ck
 from .config import TrainConfig
@@ -22,10 +23,10 @@ ERROR_FILE_ENV = "TORCHSHIP_ERROR_FILE"
 
 
 def auto_nproc(device: str) -> int:
-    """One rank per GPU; on CPU two ranks when the machine has at least two cores, else one."""
+    """One rank per GPU; on CPU two ranks when this process may use at least two CPUs, else one."""
     if device == "cuda":
         return max(1, torch.cuda.device_count())
-    return 2 if (os.cpu_count() or 1) >= 2 else 1
+    return 2 if usable_cpus() >= 2 else 1
 
 
 def preflight(cfg: TrainConfig, world: int) -> None:
@@ -43,7 +44,7 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         ck.load_train_state(d)
     if cfg.data not in ("digits", "synthetic"):
         scan_image_folder(cfg.data)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cpus()
     if device == "cpu" and world > cpus:
         print(f"torchship train: note: {world} ranks on {cpus} CPU(s) take turns on the cores, which is slower than "
               f"--nproc {cpus}", file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
 """Every bad training input is a one-line error naming the problem, and nothing is overwritten."""
 
+import os
 import shutil
 
 import pytest
@@ -109,9 +110,21 @@ def test_more_ranks_than_cpus_is_noted(tmp_path, monkeypatch, capsys):
     from train.config import TrainConfig
     from torchship.config import build
 
-    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     launch.preflight(build(TrainConfig, {"arch": "tiny_cnn", "data": "synthetic", "out": str(tmp_path / "o")}), 2)
     assert "2 ranks on 1 CPU(s) take turns on the cores" in capsys.readouterr().err
+
+
+def test_default_ranks_follow_the_cpus_this_process_may_use(monkeypatch):
+    """Under ``taskset -c 0`` (or a one-CPU cpuset) the default is one rank, not the two that the note above
+    would then call slower: the count is the affinity mask's, not the machine's."""
+    from train import launch
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert launch.auto_nproc("cpu") == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 5})
+    assert launch.auto_nproc("cpu") == 2
 
 
 def test_existing_output_is_not_overwritten(trained, tmp_path, capsys):
