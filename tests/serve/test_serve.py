@@ -820,6 +820,51 @@ def test_a_server_started_from_a_thread_that_ends_keeps_serving(repo, exported):
     np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
 
 
+def test_a_start_interrupted_while_waiting_on_the_starter_ends_the_child(monkeypatch):
+    """Ctrl-C (here a SIGINT whose handler raises) while the caller waits for the starter thread: the caller
+    gets the interrupt at once, and the child that the starter brings up after it is killed, not orphaned
+    (nothing else holds its Popen)."""
+    import subprocess
+    import sys
+
+    from serve import server
+
+    class Interrupted(BaseException):
+        pass
+
+    def raise_interrupted(signum, frame):
+        raise Interrupted
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def slow_popen(*args, **kw):  # runs on the starter thread: the interrupt lands while the caller waits
+        time.sleep(1.0)
+        started.append(real_popen(*args, **kw))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", slow_popen)
+    old = signal.signal(signal.SIGINT, raise_interrupted)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(Interrupted):
+            server.start_child([sys.executable, "-c", "import time; time.sleep(60)"])
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
+    deadline = time.monotonic() + 10
+    try:
+        while not (started and started[0].poll() is not None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started, "the starter never ran the start"
+        assert started[0].returncode == -signal.SIGKILL, "the child outlived the interrupted start"
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+
+
 def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
     """SIGKILL the process that started the server: no finally block runs, yet the server and its spinner go too."""
     import subprocess
