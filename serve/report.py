@@ -46,8 +46,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def settling_note(ov: dict[str, Any]) -> str:
     """What the percentiles leave out: each path's first calls in each block, and what those cost."""
-    settle = ov.get("settling_per_block", 0)
-    if not settle:
+    settle = ov["settling_per_block"]
+    if not settle:  # blocks shorter than 5 calls leave nothing out
         return ""
     slow = "; ".join(f"{r['model']} {r['block_starts']['served']['p50_ms']:.3f} ms served, "
                      f"{r['block_starts']['in_process']['p50_ms']:.3f} ms in-process" for r in ov["rows"])

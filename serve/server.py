@@ -300,8 +300,9 @@ def start_child(argv: list[str], cpus: Sequence[int] = (), **popen) -> subproces
 
 def _end_started(done: concurrent.futures.Future) -> None:
     if done.exception() is None:
-        done.result().kill()
-        done.result().wait()
+        proc = done.result()
+        proc.kill()
+        proc.wait()
 
 
 CPU_LATENCY_DEVICE = "/dev/cpu_dma_latency"
