@@ -656,21 +656,28 @@ class TritonServer:
             raise
 
     def check_configs(self, names: Sequence[str]) -> None:
-        """Parse the config.pbtxt of each model in ``names``, so that a broken one is named with its line
-        before the server starts (Triton itself only logs it, among its start-up lines)."""
+        """Parse the config of each model in ``names`` (its embedded.pbtxt where it has one, as load() does,
+        else its config.pbtxt), so that a broken one is named with its line, and one that asks for GPU
+        instances on a machine without a CUDA GPU is refused, before the server starts (Triton itself only
+        logs either among its start-up lines)."""
         from google.protobuf.text_format import ParseError
-
-        from .repository import read_config
+        from tritonclient.grpc import model_config_pb2 as mc
 
         for name in names:
-            path = self.repo / name / "config.pbtxt"
+            path = self.repo / name / EMBEDDED_CONFIG
+            if not path.exists():
+                path = self.repo / name / "config.pbtxt"
             try:
-                read_config(path)
+                config = read_config(path)
             except FileNotFoundError:
-                pass  # an unknown model: Triton's own load error names it
+                continue  # an unknown model: Triton's own load error names it
             except (ParseError, UnicodeDecodeError) as e:
                 raise ServerError(f"{path}: {str(e).rstrip('.')}; fix it, or build the repository again with torchship "
                                   "repo") from None
+            if any(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in config.instance_group) and not cuda_visible():
+                raise ServerError(f"model {name} asks for GPU instances (KIND_GPU in {path}) and no CUDA GPU is visible "
+                                  "here; build the repository again with torchship repo EXPORT_DIR --instance-kind cpu, "
+                                  "or serve it on a machine with a GPU")
 
     def repository_models(self) -> list[str]:
         return sorted(p.name for p in self.repo.iterdir() if (p / "config.pbtxt").exists())

@@ -1,13 +1,16 @@
 """The generated repository: layout, protobuf configs, and names that agree with the manifest."""
 
+import json
+import sys
+
 import numpy as np
 import pytest
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from serve.repository import EMBEDDED_CONFIG
 from tests.conftest import run_cli
-from torchship.manifest import read_manifest
+from torchship.manifest import read_manifest, read_reference
 
 
 def cfg(path):
@@ -39,7 +42,8 @@ def test_layout_and_configs(repo, exported):
         else:
             assert c.max_batch_size == 8 and list(c.input[0].dims) == [3, 32, 32]
             assert c.dynamic_batching.max_queue_delay_microseconds == 2000
-    assert "nvcr.io/nvidia/tritonserver:" in (repo / "README.md").read_text()
+    readme = (repo / "README.md").read_text()
+    assert "nvcr.io/nvidia/tritonserver:" in readme and "The models run on the CPU (`KIND_CPU` instances)" in readme
 
 
 @pytest.mark.parametrize("args, message", [
@@ -47,9 +51,85 @@ def test_layout_and_configs(repo, exported):
     (["--max-batch", "1000"], "exceeds the export's max batch"),
     (["--formats", "onnx", "tensorrt"], "tensorrt cannot be served"),
     (["--instance-count", "0"], "must be at least 1"),
+    (["--ort-accelerator", "tensorrt", "--instance-kind", "cpu"], "configures ONNX Runtime on a GPU, and these instances are KIND_CPU"),
 ])
 def test_bad_repository_options_are_refused_and_write_nothing(exported, tmp_path, capsys, args, message):
     out = tmp_path / "repo"
     assert run_cli("repo", exported, "--out", out, *args) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def gpu_repo(exported, tmp_path_factory):
+    """A repository for a GPU server, built here (no GPU needed to build one)."""
+    out = tmp_path_factory.mktemp("gpu") / "repo"
+    assert run_cli("repo", exported, "--out", out, "--instance-kind", "gpu", "--ort-accelerator", "tensorrt",
+                   "--no-trt-fp16", "--trt-cache", "/engines") == 0
+    return out
+
+
+def config_json(config):
+    """A config as Triton hands it to a backend: JSON with the proto's own field names."""
+    return json_format.MessageToDict(config, preserving_proto_field_name=True)
+
+
+def test_gpu_repository_configs_and_the_providers_the_backend_builds_from_them(gpu_repo, monkeypatch):
+    from torchship import runtime
+
+    monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)  # the name the backends import it under when served
+    from serve.backends.torchship_backend import OnnxRuntimeModel
+
+    configs = {p.parent.name + "/" + p.name: cfg(p) for p in sorted(gpu_repo.glob("*/*.pbtxt"))}
+    assert sorted(configs) == ["tiny_cnn_aoti/config.pbtxt", "tiny_cnn_aoti/embedded.pbtxt",
+                               "tiny_cnn_onnx/config.pbtxt", "tiny_cnn_torchscript/config.pbtxt"]
+    for name, c in configs.items():
+        (group,) = c.instance_group
+        assert group.kind == mc.ModelInstanceGroup.KIND_GPU and list(group.gpus) == [0], name
+        assert bool(c.optimization.execution_accelerators.gpu_execution_accelerator) == name.startswith("tiny_cnn_onnx"), name
+    onnx = configs["tiny_cnn_onnx/config.pbtxt"]
+    (acc,) = onnx.optimization.execution_accelerators.gpu_execution_accelerator
+    assert acc.name == "tensorrt" and acc.parameters["precision_mode"] == "FP32"
+    assert acc.parameters["trt_engine_cache_enable"] == "1" and acc.parameters["trt_engine_cache_path"] == "/engines"
+    # what the ONNX Runtime backend asks for on a GPU instance: TensorRT first, then CUDA, then the CPU
+    assert OnnxRuntimeModel().ort_providers(config_json(onnx), "cuda:0") == [
+        ("TensorrtExecutionProvider", {"device_id": 0, "trt_fp16_enable": False, "trt_engine_cache_enable": True,
+                                       "trt_engine_cache_path": "/engines"}),
+        ("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+    assert OnnxRuntimeModel().ort_providers(config_json(onnx), "cpu") == ["CPUExecutionProvider"]
+    assert "The models run on GPU 0 (`KIND_GPU` instances)" in (gpu_repo / "README.md").read_text()
+
+
+def test_a_gpu_instance_runs_on_cuda_where_there_is_one_and_on_the_cpu_elsewhere(gpu_repo, exported, monkeypatch):
+    """The pytorch backend's instance, initialized as Triton initializes a KIND_GPU instance: its device
+    follows CUDA, and its outputs still match the export's reference."""
+    import torch
+
+    from torchship import runtime
+
+    monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)
+    from serve.backends.torchship_backend import PyTorchModel
+
+    mdir = gpu_repo / "tiny_cnn_torchscript"
+    said = []
+    model = PyTorchModel()
+    model.log = said.append
+    model.initialize({"model_config": json.dumps(config_json(cfg(mdir / "config.pbtxt"))), "model_name": mdir.name,
+                      "model_repository": str(mdir), "model_version": "1", "model_instance_kind": "GPU",
+                      "model_instance_device_id": "0"})
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert said[-1].endswith(f"on {device}, 1 intra-op thread(s)"), said
+    m = read_manifest(exported)
+    ref, tol = read_reference(exported, m), m["tolerances"]
+    (out,), _, _ = model.run([ref["input/random_b5"]])
+    np.testing.assert_allclose(out[0], ref["expected/random_b5/logits"], rtol=tol["rtol"], atol=tol["atol"])
+
+
+def test_serving_a_gpu_repository_without_a_gpu_is_refused_before_the_server_starts(gpu_repo, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: the repository is servable here")
+    assert run_cli("serve", gpu_repo) == 2
+    err = capsys.readouterr().err
+    assert "asks for GPU instances (KIND_GPU in" in err and "--instance-kind cpu" in err, err
