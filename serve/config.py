@@ -73,6 +73,9 @@ def cuda_visible() -> bool:
         return False
 
 
+TRT_CACHE = "/tmp/trt_cache"  # TensorRT engine cache inside the server, unless --trt-cache says
+
+
 @dataclass
 class RepoConfig:
     out: str = opt(REPOSITORY_DIR, "repository directory to write")
@@ -84,8 +87,9 @@ class RepoConfig:
     threads: Optional[int] = opt(None, "intra-op threads per instance (default: the thread count the AOTInductor packages were compiled for, else 1)")
     version: int = opt(1, "version folder to write the artifacts into")
     ort_accelerator: Literal["none", "cuda", "tensorrt"] = opt("none", "ONNX Runtime GPU execution accelerator to configure")
-    trt_fp16: bool = opt(True, "with --ort-accelerator tensorrt: allow FP16 engines")
-    trt_cache: str = opt("/tmp/trt_cache", "with --ort-accelerator tensorrt: engine cache directory inside the server")
+    trt_fp16: Optional[bool] = opt(None, "with --ort-accelerator tensorrt: allow FP16 engines (default: allowed)")
+    trt_cache: Optional[str] = opt(None, f"with --ort-accelerator tensorrt: engine cache directory inside the server "
+                                         f"(default: {TRT_CACHE})")
     max_batch: Optional[int] = opt(None, "max_batch_size (default: the export's max batch)")
     overwrite: bool = opt(False, "replace an existing repository directory")
 
@@ -101,6 +105,12 @@ class RepoConfig:
             raise ConfigError("--version must be at least 1")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError("--max-batch must be at least 1 (leave it out for the export's max batch)")
+        trt = [flag for flag, v in ((f"--{'' if self.trt_fp16 else 'no-'}trt-fp16", self.trt_fp16),
+                                    ("--trt-cache", self.trt_cache)) if v is not None]
+        if trt and self.ort_accelerator != "tensorrt":
+            one = len(trt) == 1
+            raise ConfigError(f"{' and '.join(trt)} {'applies' if one else 'apply'} to TensorRT engines only; add "
+                              f"--ort-accelerator tensorrt, or leave {'it' if one else 'them'} out")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import artifact, read_manifest, read_reference, sample_key
 
-from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, RepoConfig, cuda_visible
+from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig, cuda_visible
 
 EMBEDDED_CONFIG = "embedded.pbtxt"
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "int64": mc.TYPE_INT64}
@@ -76,9 +76,9 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
         if cfg.ort_accelerator != "none" and kind == mc.ModelInstanceGroup.KIND_GPU:
             acc = c.optimization.execution_accelerators.gpu_execution_accelerator.add(name=cfg.ort_accelerator)
             if cfg.ort_accelerator == "tensorrt":
-                acc.parameters["precision_mode"] = "FP16" if cfg.trt_fp16 else "FP32"
+                acc.parameters["precision_mode"] = "FP32" if cfg.trt_fp16 is False else "FP16"
                 acc.parameters["trt_engine_cache_enable"] = "1"
-                acc.parameters["trt_engine_cache_path"] = cfg.trt_cache
+                acc.parameters["trt_engine_cache_path"] = cfg.trt_cache or TRT_CACHE
                 acc.parameters["max_workspace_size_bytes"] = str(1 << 30)
     else:  # parameter names of Triton's pytorch backend
         _param(c, "INTRA_OP_THREAD_COUNT", cfg.threads)

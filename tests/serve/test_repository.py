@@ -52,6 +52,7 @@ def test_layout_and_configs(repo, exported):
     (["--formats", "onnx", "tensorrt"], "tensorrt cannot be served"),
     (["--instance-count", "0"], "must be at least 1"),
     (["--ort-accelerator", "tensorrt", "--instance-kind", "cpu"], "configures ONNX Runtime on a GPU, and these instances are KIND_CPU"),
+    (["--no-trt-fp16", "--instance-kind", "gpu"], "--no-trt-fp16 applies to TensorRT engines only; add --ort-accelerator tensorrt"),
 ])
 def test_bad_repository_options_are_refused_and_write_nothing(exported, tmp_path, capsys, args, message):
     out = tmp_path / "repo"
