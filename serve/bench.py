@@ -717,7 +717,7 @@ def _format_of(model: str, manifest: dict) -> str:
 def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, server, bar, results: dict,
                  save: Callable[[], None]) -> None:
     from .client import TritonClient
-    from .repository import EMBEDDED_CONFIG, read_config
+    from .repository import read_config, served_config_path
 
     client = TritonClient(url)
     client.wait_ready(15)
@@ -743,7 +743,7 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     if server is not None:
         for model in models:
             fmt = _format_of(model, manifest)
-            base_path = server.repo / model / (EMBEDDED_CONFIG if (server.repo / model / EMBEDDED_CONFIG).exists() else "config.pbtxt")
+            base_path = served_config_path(server.repo / model)
             if fmt in cfg.batching_compare:
                 off = read_config(base_path)
                 off.ClearField("dynamic_batching")

@@ -40,6 +40,7 @@ def model_names(manifest: dict[str, Any], formats=("onnx", "torchscript", "aoti"
 
 
 def _instance_kind(cfg: RepoConfig) -> int:
+    """The instance_group kind the configs get; "auto" asks torch whether CUDA is visible."""
     if cfg.instance_kind == "gpu":
         return mc.ModelInstanceGroup.KIND_GPU
     if cfg.instance_kind == "cpu":
@@ -51,8 +52,10 @@ def _param(config: mc.ModelConfig, key: str, value: Any) -> None:
     config.parameters[key].string_value = str(value)
 
 
-def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch: int, batch_one: bool = False) -> mc.ModelConfig:
-    """The config.pbtxt of one model. ``batch_one``: no batching, explicit batch dimension of 1."""
+def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch: int, kind: int,
+                 batch_one: bool = False) -> mc.ModelConfig:
+    """The config.pbtxt of one model, with instances of ``kind`` (_instance_kind). ``batch_one``: no
+    batching, explicit batch dimension of 1."""
     names = model_names(manifest)
     c = mc.ModelConfig(name=names[fmt])
     c.version_policy.latest.num_versions = 1
@@ -66,7 +69,6 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
                      label_filename="labels.txt")
     if not batch_one:
         c.dynamic_batching.max_queue_delay_microseconds = cfg.max_queue_delay_us
-    kind = _instance_kind(cfg)
     group = c.instance_group.add(kind=kind, count=cfg.instance_count)
     if kind == mc.ModelInstanceGroup.KIND_GPU:
         group.gpus.append(0)
@@ -90,6 +92,12 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
     w.inputs[inp["name"]].dims.extend(lead + [int(d) for d in inp["shape"][1:]])
     w.inputs[inp["name"]].input_data_file = inp["name"]
     return c
+
+
+def served_config_path(model_dir: str | Path) -> Path:
+    """The config the embedded server loads a model with: its embedded.pbtxt where it has one, else its config.pbtxt."""
+    d = Path(model_dir)
+    return d / EMBEDDED_CONFIG if (d / EMBEDDED_CONFIG).exists() else d / "config.pbtxt"
 
 
 def config_text(c: mc.ModelConfig) -> str:
@@ -116,7 +124,8 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     missing = [f for f in cfg.formats if f not in formats]
     if not formats:
         raise ArtifactError(f"{d} has none of the formats {', '.join(cfg.formats)}")
-    if cfg.ort_accelerator != "none" and _instance_kind(cfg) != mc.ModelInstanceGroup.KIND_GPU:
+    kind = _instance_kind(cfg)
+    if cfg.ort_accelerator != "none" and kind != mc.ModelInstanceGroup.KIND_GPU:
         why = "--instance-kind cpu" if cfg.instance_kind == "cpu" else "--instance-kind auto, and no CUDA GPU is visible here"
         raise ConfigError(f"--ort-accelerator {cfg.ort_accelerator} configures ONNX Runtime on a GPU, and these instances "
                           f"are KIND_CPU ({why}); add --instance-kind gpu to build a repository for a GPU server")
@@ -138,19 +147,19 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
             (mdir / "warmup").mkdir()
             (mdir / "warmup" / manifest["inputs"][0]["name"]).write_bytes(sample.tobytes())
             if fmt == "aoti":
-                _write_aoti(d, manifest, cfg, max_batch, mdir, vdir)
+                _write_aoti(d, manifest, cfg, max_batch, kind, mdir, vdir)
                 continue
             a = artifact(manifest, fmt)
             shutil.copy2(d / a["file"], vdir / PLATFORMS[fmt][1])
-            (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch)))
-        (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg))
+            (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind)))
+        (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU))
     return {"models": {f: names[f] for f in formats}, "skipped": missing, "path": str(out)}
 
 
-def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, mdir: Path, vdir: Path) -> None:
+def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path) -> None:
     # the official container: model.pt2 is a batch-1 package
-    (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, batch_one=True)))
-    emb = build_config(manifest, "aoti", cfg, max_batch)
+    (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind, batch_one=True)))
+    emb = build_config(manifest, "aoti", cfg, max_batch, kind)
     emb.platform = ""
     emb.backend = "pytorch"
     try:
@@ -174,10 +183,9 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, mdir: Path, 
     (mdir / EMBEDDED_CONFIG).write_text(config_text(emb))
 
 
-def _readme(manifest, names, formats, cfg: RepoConfig) -> str:
+def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool) -> str:
     inp, outp = manifest["inputs"][0], manifest["outputs"][0]
     rows = "\n".join(f"| `{names[f]}` | {f} | `{PLATFORMS[f][0]}` |" for f in formats)
-    gpu = _instance_kind(cfg) == mc.ModelInstanceGroup.KIND_GPU
     kind_note = ("The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
                  "`torchship repo --instance-kind cpu` builds the same repository for a machine without one." if gpu else
                  "The models run on the CPU (`KIND_CPU` instances), in the container too; `torchship repo --instance-kind "

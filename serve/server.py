@@ -27,7 +27,7 @@ from torchship.errors import ServerError
 
 from . import child_env
 from .config import ServeConfig, cpu_list, cuda_visible, parse_cpu_range, parse_cpus
-from .repository import EMBEDDED_CONFIG, read_config
+from .repository import EMBEDDED_CONFIG, read_config, served_config_path
 
 HERE = Path(__file__).resolve().parent
 EXIT_TIMEOUT_S = 20  # Triton's own limit for draining and unloading after SIGTERM
@@ -664,9 +664,7 @@ class TritonServer:
         from tritonclient.grpc import model_config_pb2 as mc
 
         for name in names:
-            path = self.repo / name / EMBEDDED_CONFIG
-            if not path.exists():
-                path = self.repo / name / "config.pbtxt"
+            path = served_config_path(self.repo / name)
             try:
                 config = read_config(path)
             except FileNotFoundError:
@@ -688,9 +686,9 @@ class TritonServer:
         from tritonclient.utils import InferenceServerException
 
         client = client or self._client()
-        emb = self.repo / name / EMBEDDED_CONFIG
-        if override is None and emb.exists():
-            override = read_config(emb)
+        path = served_config_path(self.repo / name)
+        if override is None and path.name == EMBEDDED_CONFIG:  # Triton reads config.pbtxt itself
+            override = read_config(path)
         config = json_format.MessageToJson(override) if override is not None else None
         try:
             client.load_model(name, config=config)
