@@ -94,9 +94,9 @@ class BackendModel:
         params = _params(cfg)
         self.reject_non_finite = params.get("reject_non_finite", "true").lower() != "false"
         threads = int(params.get("intra_op_thread_count") or params.get("INTRA_OP_THREAD_COUNT") or 1)
-        device = "cpu"
-        if args.get("model_instance_kind") == "GPU" and self.cuda_available():
-            device = f"cuda:{args.get('model_instance_device_id', 0)}"
+        device, why_cpu = self.device_for(args)
+        if why_cpu:
+            self.log(f"{self.name}: a GPU instance, run on the CPU: {why_cpu}")
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         path = os.path.join(version_dir, cfg.get("default_model_filename") or self.default_filename)
         fmt = self.runner_format(path, params)
@@ -115,14 +115,20 @@ class BackendModel:
             self.profile = Profile(os.path.join(os.environ[PROFILE_ENV], f"{self.name}--{os.getpid()}-{id(self):x}.json"))
         self.log(f"{self.name}: {fmt} from {path} on {device}, {threads} intra-op thread(s)")
 
-    @staticmethod
-    def cuda_available():
+    def device_for(self, args):
+        """(device, why): where this instance runs, and for a GPU instance that runs on the CPU, why."""
+        if args.get("model_instance_kind") != "GPU":
+            return "cpu", ""
+        why = self.cuda_missing()
+        return ("cpu", why) if why else (f"cuda:{args.get('model_instance_device_id', 0)}", "")
+
+    def cuda_missing(self):
+        """Why this backend cannot run on CUDA here ("" if it can)."""
         try:
             import torch
-
-            return torch.cuda.is_available()
         except ImportError:
-            return False
+            return "torch is not installed, so no CUDA device can be found"
+        return "" if torch.cuda.is_available() else "torch sees no CUDA device"
 
     def ort_providers(self, cfg, device):
         return None
@@ -182,6 +188,15 @@ class OnnxRuntimeModel(BackendModel):
 
     def runner_format(self, path, params):
         return "onnx"
+
+    def cuda_missing(self):
+        import onnxruntime as ort
+
+        why = super().cuda_missing()
+        if not why and "CUDAExecutionProvider" not in ort.get_available_providers():
+            why = (f"this onnxruntime ({ort.__version__}) has no CUDAExecutionProvider; install onnxruntime-gpu "
+                   "in the serving environment")
+        return why
 
     def ort_providers(self, cfg, device):
         if not device.startswith("cuda"):

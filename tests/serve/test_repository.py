@@ -126,6 +126,36 @@ def test_a_gpu_instance_runs_on_cuda_where_there_is_one_and_on_the_cpu_elsewhere
     np.testing.assert_allclose(out[0], ref["expected/random_b5/logits"], rtol=tol["rtol"], atol=tol["atol"])
 
 
+def test_a_gpu_instance_runs_on_cuda_only_where_its_runtime_can(monkeypatch):
+    """Where a KIND_GPU instance runs, decided per backend: the pytorch backend needs a CUDA device that torch
+    sees; the ONNX Runtime backend also needs an onnxruntime built with CUDA (a GPU machine with the CPU
+    build of onnxruntime runs ONNX on the CPU, and the log says what to install)."""
+    import onnxruntime
+    import torch
+
+    from torchship import runtime
+
+    monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)
+    from serve.backends.torchship_backend import OnnxRuntimeModel, PyTorchModel
+
+    gpu = {"model_instance_kind": "GPU", "model_instance_device_id": "1"}
+    cuda_builds = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: cuda_builds)
+    assert PyTorchModel().device_for(gpu) == ("cuda:1", "")
+    assert OnnxRuntimeModel().device_for(gpu) == ("cuda:1", "")
+    assert OnnxRuntimeModel().device_for({**gpu, "model_instance_kind": "CPU"}) == ("cpu", "")
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    device, why = OnnxRuntimeModel().device_for(gpu)
+    assert device == "cpu" and "has no CUDAExecutionProvider; install onnxruntime-gpu" in why, why
+    assert PyTorchModel().device_for(gpu) == ("cuda:1", "")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for model in (PyTorchModel(), OnnxRuntimeModel()):
+        assert model.device_for(gpu) == ("cpu", "torch sees no CUDA device")
+
+
 def test_serving_a_gpu_repository_without_a_gpu_is_refused_before_the_server_starts(gpu_repo, capsys):
     import torch
 
