@@ -76,6 +76,18 @@ def repo(exported, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def backend(monkeypatch):
+    """serve/backends/torchship_backend.py, imported as a served backend imports it: with torchship.runtime under
+    the name torchship_runtime, the copy each backend directory carries."""
+    from torchship import runtime
+
+    monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)
+    from serve.backends import torchship_backend
+
+    return torchship_backend
+
+
 @pytest.fixture(scope="session")
 def server(repo):
     """One real embedded Triton server for the serve tests."""

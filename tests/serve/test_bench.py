@@ -2,7 +2,6 @@
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -319,17 +318,12 @@ def test_a_server_stop_note_reaches_the_bench_log_results_and_report(exported, t
     assert "killed at the end: tiny_cnn_onnx still loaded" in (tmp_path / "report.md").read_text()
 
 
-def test_the_hold_reads_memory_while_it_waits(monkeypatch):
+def test_the_hold_reads_memory_while_it_waits(backend):
     """The hold model, called directly as its host calls it: it waits as long as asked, reads through a buffer of
     the size asked meanwhile and says how much it read; asked for no bytes, it only waits."""
     import time
 
-    from torchship import runtime
-
-    monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)  # the name the backends import it under when served
-    from serve.backends.torchship_backend import FloorModel
-
-    hold = FloorModel()
+    hold = backend.FloorModel()
     hold.initialize({"model_name": "hold", "model_config": json.dumps({
         "input": [{"name": "x"}], "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": ["10"]}],
         "parameters": {"hold": {"string_value": "true"}}})})

@@ -1,7 +1,6 @@
 """The generated repository: layout, protobuf configs, and names that agree with the manifest."""
 
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -75,12 +74,8 @@ def config_json(config):
     return json_format.MessageToDict(config, preserving_proto_field_name=True)
 
 
-def test_gpu_repository_configs_and_the_providers_the_backend_builds_from_them(gpu_repo, monkeypatch):
-    from torchship import runtime
-
-    monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)  # the name the backends import it under when served
-    from serve.backends.torchship_backend import OnnxRuntimeModel
-
+def test_gpu_repository_configs_and_the_providers_the_backend_builds_from_them(gpu_repo, backend):
+    OnnxRuntimeModel = backend.OnnxRuntimeModel
     configs = {p.parent.name + "/" + p.name: cfg(p) for p in sorted(gpu_repo.glob("*/*.pbtxt"))}
     assert sorted(configs) == ["tiny_cnn_aoti/config.pbtxt", "tiny_cnn_aoti/embedded.pbtxt",
                                "tiny_cnn_onnx/config.pbtxt", "tiny_cnn_torchscript/config.pbtxt"]
@@ -101,19 +96,14 @@ def test_gpu_repository_configs_and_the_providers_the_backend_builds_from_them(g
     assert "The models run on GPU 0 (`KIND_GPU` instances)" in (gpu_repo / "README.md").read_text()
 
 
-def test_a_gpu_instance_runs_on_cuda_where_there_is_one_and_on_the_cpu_elsewhere(gpu_repo, exported, monkeypatch):
+def test_a_gpu_instance_runs_on_cuda_where_there_is_one_and_on_the_cpu_elsewhere(gpu_repo, exported, backend):
     """The pytorch backend's instance, initialized as Triton initializes a KIND_GPU instance: its device
     follows CUDA, and its outputs still match the export's reference."""
     import torch
 
-    from torchship import runtime
-
-    monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)
-    from serve.backends.torchship_backend import PyTorchModel
-
     mdir = gpu_repo / "tiny_cnn_torchscript"
     said = []
-    model = PyTorchModel()
+    model = backend.PyTorchModel()
     model.log = said.append
     model.initialize({"model_config": json.dumps(config_json(cfg(mdir / "config.pbtxt"))), "model_name": mdir.name,
                       "model_repository": str(mdir), "model_version": "1", "model_instance_kind": "GPU",
@@ -126,18 +116,14 @@ def test_a_gpu_instance_runs_on_cuda_where_there_is_one_and_on_the_cpu_elsewhere
     np.testing.assert_allclose(out[0], ref["expected/random_b5/logits"], rtol=tol["rtol"], atol=tol["atol"])
 
 
-def test_a_gpu_instance_runs_on_cuda_only_where_its_runtime_can(monkeypatch):
+def test_a_gpu_instance_runs_on_cuda_only_where_its_runtime_can(backend, monkeypatch):
     """Where a KIND_GPU instance runs, decided per backend: the pytorch backend needs a CUDA device that torch
     sees; the ONNX Runtime backend also needs an onnxruntime built with CUDA (a GPU machine with the CPU
     build of onnxruntime runs ONNX on the CPU, and the log says what to install)."""
     import onnxruntime
     import torch
 
-    from torchship import runtime
-
-    monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)
-    from serve.backends.torchship_backend import OnnxRuntimeModel, PyTorchModel
-
+    OnnxRuntimeModel, PyTorchModel = backend.OnnxRuntimeModel, backend.PyTorchModel
     gpu = {"model_instance_kind": "GPU", "model_instance_device_id": "1"}
     cuda_builds = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
