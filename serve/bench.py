@@ -714,6 +714,32 @@ def _format_of(model: str, manifest: dict) -> str:
     return model[len(manifest["name"]) + 1:]
 
 
+def check_models(cfg: BenchConfig, manifest: dict, server=None) -> None:
+    """Refuse --models naming a model that will not be served, before anything is measured or written:
+    the models of the given server, else of the server at --url, else of the repository the bench
+    serves itself (--repo, or the one it builds from the export)."""
+    if server is not None:
+        where, known = f"the server at {server.url}", list(server.loaded)
+    elif cfg.url:
+        from .client import TritonClient
+
+        client = TritonClient(cfg.url)
+        client.wait_ready(15)
+        where, known = f"the server at {cfg.url}", client.ready_models()
+    elif cfg.repo:
+        repo = Path(cfg.repo)
+        if not repo.is_dir():
+            raise BenchError(f"--repo {repo}: no such directory (build one with torchship repo)")
+        where, known = f"repository {repo}", sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").exists())
+    else:
+        from .repository import model_names
+
+        where, known = f"the repository built from {cfg.export_dir}", sorted(model_names(manifest).values())
+    missing = [m for m in cfg.models if m not in known]
+    if missing:
+        raise BenchError(f"--models {' '.join(missing)}: not in {where}; choose from {', '.join(known) or 'none'}")
+
+
 def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, server, bar, results: dict,
                  save: Callable[[], None]) -> None:
     from .client import TritonClient
@@ -908,6 +934,8 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
         raise BenchError("give an EXPORT_DIR (its manifest names the model, inputs and reference data)")
     export_dir = Path(cfg.export_dir)
     manifest = read_manifest(export_dir)
+    if cfg.models and not cfg.skip_served:
+        check_models(cfg, manifest, server)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     device = manifest.get("device", "cpu")

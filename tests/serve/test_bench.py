@@ -11,7 +11,7 @@ from serve.bench_config import BenchConfig
 from serve.report import cpu_pinning
 from tests.conftest import run_cli, spinners_of
 from torchship.config import build
-from torchship.errors import BenchError, ClientError, ServerError
+from torchship.errors import BenchError, ServerError
 
 SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "iters": 8, "blocks": 2, "warmup": 1,
          "concurrency": [1, 4], "requests": 16, "progress": False, "cross_check": False}
@@ -258,11 +258,16 @@ def test_bench_server_takes_the_bench_settings_the_serve_section_leaves_open(exp
     assert s.proc is None  # nothing started
 
 
-def test_unknown_model_is_a_clear_error(exported, server, tmp_path):
-    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "skip_in_process": True,
-                                     "url": server.url, "models": ["tiny_cnn_nope"]})
-    with pytest.raises(ClientError, match="tiny_cnn_nope is not served"):
+@pytest.mark.parametrize("where", ["url", "repo", "built"])
+def test_unknown_model_is_refused_before_anything_runs(exported, repo, server, tmp_path, where):
+    """--models naming a model that will not be served is refused up front, naming the models there are,
+    before the in-process part runs or a server starts, with nothing written."""
+    out = tmp_path / "out"
+    given = {"url": {"url": server.url}, "repo": {"repo": str(repo)}, "built": {}}[where]
+    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "models": ["tiny_cnn_nope"], **given})
+    with pytest.raises(BenchError, match=r"--models tiny_cnn_nope: not in .*; choose from .*tiny_cnn_onnx"):
         run_bench(cfg, log=lambda *a: None)
+    assert not out.exists()
 
 
 def test_budget_no_configuration_meets(exported, server, tmp_path, capsys):
