@@ -81,14 +81,16 @@ def test_one_stream_carries_requests_in_turn_and_survives_a_refusal(server, expo
         channel.close()
 
 
-def test_served_parity_check_passes(server, exported, capsys):
+def test_served_parity_check_passes(server, exported, capsys, tmp_path):
     report = check_served(server.url, exported)
     assert report["pass"] and sorted(report["models"]) == sorted(MODELS)
     assert run_cli("infer", "--url", server.url, "--check", exported, "--model", "tiny_cnn_onnx") == 0
     assert f"served parity: PASS (1 model at {server.url})" in capsys.readouterr().out
-    assert run_cli("infer", "--url", server.url, "--check", exported, "--model", "tiny_cnn_onx") == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"model tiny_cnn_onx is not served at {server.url} (served: " in err[0], err
+    np.save(tmp_path / "x.npy", np.zeros((3, 32, 32), np.float32))
+    for args in (["--check", exported], [tmp_path / "x.npy"]):  # a mistyped model name, with the names there are
+        assert run_cli("infer", "--url", server.url, "--model", "tiny_cnn_onx", *args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"model tiny_cnn_onx is not served at {server.url} (served: {', '.join(sorted(MODELS))}" in err[0], err
 
 
 def check_each_response(inputs, outputs, reference):
