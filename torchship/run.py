@@ -158,20 +158,26 @@ def _require(stage: str, dirs: dict[str, Path], start: str) -> None:
             raise ConfigError(f"--from {start}: {path} is missing; run the '{producer}' stage first (or start --from {producer})")
 
 
-def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str = "train", log=print) -> dict[str, Any]:
+def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str = "train", log=print,
+                 overwrite: bool = False) -> dict[str, Any]:
     """Run the stages from ``start`` on, in ``run_dir``. Returns the run record (also in run.json).
-    Raises GateError naming the stage whose gate failed."""
+    Starting from training in a folder that already holds a run needs ``overwrite``: it replaces that
+    run's checkpoints. Raises GateError naming the stage whose gate failed."""
     start = ALIASES.get(start, start)
     if start not in STAGES:
         raise ConfigError(f"--from {start}: choose one of {', '.join(STAGES)}")
     dirs = layout(run_dir)
+    if start == STAGES[0] and not overwrite and ((run_dir / "run.json").exists() or dirs["train"].exists()):
+        raise ConfigError(f"--out {run_dir} already holds a run; pass --from STAGE ({', '.join(STAGES[1:])}) to go on "
+                          "from a finished stage, --overwrite to redo it from training (its checkpoints are replaced), "
+                          "or another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
     dirs["logs"].mkdir(exist_ok=True)
     first = STAGES.index(start)
     if first > 0:
         _require(start, dirs, start)
     train_cfg, export_cfg, repo_cfg, serve_cfg, bench_cfg = _stage_configs(settings, dirs)
-    if first == 0 and dirs["train"].exists():
+    if first == 0:  # an existing train/ is a run that stopped before its record, or one --overwrite replaces
         train_cfg.overwrite = True
     record: dict[str, Any] = {"run_dir": str(run_dir), "from": start, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                               "settings": settings, "stages": {}, "gates": {}}
@@ -313,7 +319,7 @@ def outcome_line(run_dir: Path, outcome: dict[str, Any]) -> str:
     """The summary's headline: whether every stage ran and passed, and if not, where the run stopped and
     how to go on from there."""
     status, where = outcome.get("status"), outcome.get("stage")
-    again = f"`torchship run --out {run_dir} --from {where}`"
+    again = f"`torchship run --out {run_dir} " + ("--overwrite`" if where == STAGES[0] else f"--from {where}`")
     if status == "passed":
         return "**all gates passed**"
     if status == "gate failed":
@@ -400,6 +406,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="TOML or YAML file with [train] [export] [repo] [serve] [bench] [run] sections")
     p.add_argument("--from", dest="start", default="train", metavar="STAGE",
                    help=f"start at this stage, reusing the run folder's earlier outputs: {', '.join(STAGES)}")
+    p.add_argument("--overwrite", action="store_true",
+                   help="redo a run folder that already holds a run from training, replacing its checkpoints")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any stage option, e.g. --set train.epochs=3 --set bench.requests=50 (repeatable)")
     p.add_argument("--arch", default=None, help="shortcut for --set train.arch=...")
@@ -431,7 +439,7 @@ def main_run(ns: argparse.Namespace) -> int:
             resolve_device(train_cfg)
         except ConfigError as e:
             raise _in_run_terms("train", type(train_cfg), e) from None
-    run_pipeline(run_dir, settings, ns.start)
+    run_pipeline(run_dir, settings, ns.start, overwrite=ns.overwrite)
     return 0
 
 

@@ -149,6 +149,25 @@ def test_from_a_stage_whose_inputs_are_missing(tmp_path, capsys):
     assert "run the 'export' stage first" in capsys.readouterr().err
 
 
+def test_a_finished_run_is_not_redone_without_overwrite(run_dir, tmp_path, capsys):
+    """`run --out` on a folder that holds a run would train over its checkpoints: refused, with the ways
+    on, and nothing in the folder touched. --overwrite lets it through (here to a data error of its own)."""
+    before = {p: sha256_file(p) for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    assert run_cli("run", "--out", run_dir, "--config", CONFIG) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a run" in err[0] and "--from STAGE" in err[0] and "--overwrite" in err[0], err
+    assert {p: sha256_file(p) for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+    stopped = tmp_path / "stopped"  # a run stopped in training, before its record was written
+    (stopped / "train").mkdir(parents=True)
+    missing = tmp_path / "no-such-images"
+    assert run_cli("run", "--out", stopped, "--config", CONFIG, "--set", f"train.data={missing}") == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert run_cli("run", "--out", stopped, "--config", CONFIG, "--set", f"train.data={missing}", "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" not in err and str(missing) in err, err
+    assert "--overwrite`" in (stopped / "summary.md").read_text()  # the way on from a failed training
+
+
 def test_a_corrupt_run_record_is_refused_before_any_stage_runs(tmp_path, capsys):
     run = tmp_path / "r"
     (run / "model_repository").mkdir(parents=True)
