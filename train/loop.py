@@ -229,7 +229,8 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
     per_rank = cfg.batch_size // d.world
     n_classes = len(data.classes)
     if len(data.train) < cfg.batch_size:
-        raise DataError(f"the training split has {len(data.train)} samples, fewer than --batch-size {cfg.batch_size}")
+        raise DataError(f"the training split has {len(data.train)} samples, fewer than --batch-size {cfg.batch_size}; "
+                        "lower --batch-size, or add images (or lower --val-fraction)")
     steps_per_epoch = len(_batches(len(data.train), d, per_rank, 0, cfg.seed, True))
     total_steps = steps_per_epoch * cfg.epochs
     in_ch = data.preprocessing.channels
