@@ -38,6 +38,11 @@ def layout(run_dir: Path) -> dict[str, Path]:
             "bench": run_dir / "bench", "logs": run_dir / "logs", "check": run_dir / "served_parity.json"}
 
 
+def has_checkpoints(run_dir: Path) -> bool:
+    """Whether training in ``run_dir`` has written checkpoints, which a run from its first stage replaces."""
+    return (layout(run_dir)["train"] / "checkpoints").exists()
+
+
 class RssSampler:
     """Peak resident memory of this process and all its descendants together, sampled from /proc."""
 
@@ -167,8 +172,8 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     if start not in STAGES:
         raise ConfigError(f"--from {start}: choose one of {', '.join(STAGES)}")
     dirs = layout(run_dir)
-    if start == STAGES[0] and not overwrite and ((run_dir / "run.json").exists() or dirs["train"].exists()):
-        raise ConfigError(f"--out {run_dir} already holds a run; pass --from STAGE ({', '.join(STAGES[1:])}) to go on "
+    if start == STAGES[0] and not overwrite and has_checkpoints(run_dir):
+        raise ConfigError(f"--out {run_dir} already holds a trained run; pass --from STAGE ({', '.join(STAGES[1:])}) to go on "
                           "from a finished stage, --overwrite to redo it from training (its checkpoints are replaced), "
                           "or another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -319,7 +324,8 @@ def outcome_line(run_dir: Path, outcome: dict[str, Any]) -> str:
     """The summary's headline: whether every stage ran and passed, and if not, where the run stopped and
     how to go on from there."""
     status, where = outcome.get("status"), outcome.get("stage")
-    again = f"`torchship run --out {run_dir} " + ("--overwrite`" if where == STAGES[0] else f"--from {where}`")
+    redo = where == STAGES[0] and has_checkpoints(run_dir)  # a training stopped after a checkpoint
+    again = f"`torchship run --out {run_dir} " + ("--overwrite`" if redo else f"--from {where}`")
     if status == "passed":
         return "**all gates passed**"
     if status == "gate failed":

@@ -155,17 +155,22 @@ def test_a_finished_run_is_not_redone_without_overwrite(run_dir, tmp_path, capsy
     before = {p: sha256_file(p) for p in sorted(run_dir.rglob("*")) if p.is_file()}
     assert run_cli("run", "--out", run_dir, "--config", CONFIG) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "already holds a run" in err[0] and "--from STAGE" in err[0] and "--overwrite" in err[0], err
+    assert len(err) == 1 and "already holds a trained run" in err[0] and "--from STAGE" in err[0] and "--overwrite" in err[0], err
     assert {p: sha256_file(p) for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
-    stopped = tmp_path / "stopped"  # a run stopped in training, before its record was written
-    (stopped / "train").mkdir(parents=True)
-    missing = tmp_path / "no-such-images"
+    # a run stopped in training before its first checkpoint has nothing to lose: run it again as it was
+    stopped, missing = tmp_path / "stopped", tmp_path / "no-such-images"
+    for _ in range(2):
+        assert run_cli("run", "--out", stopped, "--config", CONFIG, "--set", f"train.data={missing}") == 2
+        err = capsys.readouterr().err
+        assert "already holds" not in err and str(missing) in err, err
+    assert f"`torchship run --out {stopped} --from train`" in (stopped / "summary.md").read_text()
+    (stopped / "train" / "checkpoints").mkdir(parents=True)  # one stopped after a checkpoint: only with --overwrite
     assert run_cli("run", "--out", stopped, "--config", CONFIG, "--set", f"train.data={missing}") == 2
-    assert "already holds a run" in capsys.readouterr().err
+    assert "already holds a trained run" in capsys.readouterr().err
     assert run_cli("run", "--out", stopped, "--config", CONFIG, "--set", f"train.data={missing}", "--overwrite") == 2
     err = capsys.readouterr().err
-    assert "already holds a run" not in err and str(missing) in err, err
-    assert "--overwrite`" in (stopped / "summary.md").read_text()  # the way on from a failed training
+    assert "already holds" not in err and str(missing) in err, err
+    assert f"`torchship run --out {stopped} --overwrite`" in (stopped / "summary.md").read_text()
 
 
 def test_a_corrupt_run_record_is_refused_before_any_stage_runs(tmp_path, capsys):
