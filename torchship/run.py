@@ -166,8 +166,8 @@ def _require(stage: str, dirs: dict[str, Path], start: str) -> None:
 def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str = "train", log=print,
                  overwrite: bool = False) -> dict[str, Any]:
     """Run the stages from ``start`` on, in ``run_dir``. Returns the run record (also in run.json).
-    Starting from training in a folder that already holds a run needs ``overwrite``: it replaces that
-    run's checkpoints. Raises GateError naming the stage whose gate failed."""
+    Starting from training in a folder whose training wrote checkpoints needs ``overwrite``: it replaces
+    them. Raises GateError naming the stage whose gate failed."""
     start = ALIASES.get(start, start)
     if start not in STAGES:
         raise ConfigError(f"--from {start}: choose one of {', '.join(STAGES)}")
@@ -182,7 +182,7 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     if first > 0:
         _require(start, dirs, start)
     train_cfg, export_cfg, repo_cfg, serve_cfg, bench_cfg = _stage_configs(settings, dirs)
-    if first == 0:  # an existing train/ is a run that stopped before its record, or one --overwrite replaces
+    if first == 0:  # an existing train/ holds no checkpoint yet, or --overwrite said to replace them
         train_cfg.overwrite = True
     record: dict[str, Any] = {"run_dir": str(run_dir), "from": start, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                               "settings": settings, "stages": {}, "gates": {}}
@@ -413,7 +413,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="start", default="train", metavar="STAGE",
                    help=f"start at this stage, reusing the run folder's earlier outputs: {', '.join(STAGES)}")
     p.add_argument("--overwrite", action="store_true",
-                   help="redo a run folder that already holds a run from training, replacing its checkpoints")
+                   help="redo a run folder whose training wrote checkpoints from training, replacing them")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any stage option, e.g. --set train.epochs=3 --set bench.requests=50 (repeatable)")
     p.add_argument("--arch", default=None, help="shortcut for --set train.arch=...")
