@@ -698,11 +698,8 @@ def bench_overhead(cfg: BenchConfig, export_dir: Path, manifest: dict, xs: list[
 
 
 def served_models(client, manifest: dict, cfg: BenchConfig) -> list[str]:
-    ready = client.ready_models()
+    ready = client.require_models(cfg.models)
     if cfg.models:
-        missing = [m for m in cfg.models if m not in ready]
-        if missing:
-            raise ClientError(f"model {', '.join(missing)} is not served at {client.url} (served: {', '.join(ready) or 'none'})")
         return list(cfg.models)
     mine = [m for m in ready if m.startswith(manifest["name"] + "_")]
     if not mine:
@@ -727,10 +724,12 @@ def check_models(cfg: BenchConfig, manifest: dict, server=None) -> None:
         client.wait_ready(15)
         where, known = f"the server at {cfg.url}", client.ready_models()
     elif cfg.repo:
+        from .repository import repository_models
+
         repo = Path(cfg.repo)
         if not repo.is_dir():
             raise BenchError(f"--repo {repo}: no such directory (build one with torchship repo)")
-        where, known = f"repository {repo}", sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").exists())
+        where, known = f"repository {repo}", repository_models(repo)
     else:
         from .repository import model_names
 

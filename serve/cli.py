@@ -112,9 +112,7 @@ def main_infer(ns: argparse.Namespace) -> int:
     heldout = _check_local_inputs(ns)  # a mistyped path is refused before any connection is tried
     client = TritonClient(ns.url)
     client.wait_ready(10)
-    ready = client.ready_models()
-    if ns.model and ns.model not in ready:
-        raise ClientError(f"model {ns.model} is not served at {ns.url} (served: {', '.join(ready) or 'none'})")
+    ready = client.require_models([ns.model] if ns.model else [])
     model = ns.model or next(iter(ready), None)
     if model is None:
         raise ClientError(f"no model is ready at {ns.url}")

@@ -73,6 +73,14 @@ class TritonClient:
         index = self._call("repository index", self.client.get_model_repository_index, as_json=True)
         return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
 
+    def require_models(self, wanted=()) -> list[str]:
+        """The ready models; ClientError naming each of ``wanted`` that is not among them, and what is served."""
+        ready = self.ready_models()
+        missing = [m for m in wanted if m not in ready]
+        if missing:
+            raise ClientError(f"model {', '.join(missing)} is not served at {self.url} (served: {', '.join(ready) or 'none'})")
+        return ready
+
     def config(self, model: str) -> dict[str, Any]:
         if model not in self._configs:
             self._configs[model] = self._call(f"model {model}", self.client.get_model_config, model, as_json=True)["config"]
@@ -216,14 +224,10 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
     ref = read_reference(d, manifest)
     client = TritonClient(url)
     client.wait_ready()
-    ready = client.ready_models()
-    served = f"served: {', '.join(ready) or 'none'}"
-    unknown = [m for m in models or () if m not in ready]
-    if unknown:
-        raise ClientError(f"model {', '.join(unknown)} is not served at {url} ({served})")
+    ready = client.require_models(models or ())
     models = list(models or [m for m in ready if m.startswith(manifest["name"] + "_")])
     if not models:
-        raise ClientError(f"no model of {manifest['name']!r} is ready at {url} ({served})")
+        raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(ready) or 'none'})")
     results: dict[str, Any] = {}
     failures: list[str] = []
     out_name = manifest["outputs"][0]["name"]

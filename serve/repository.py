@@ -94,6 +94,11 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
     return c
 
 
+def repository_models(repo: str | Path) -> list[str]:
+    """The models of a repository folder: its subfolders with a config.pbtxt, sorted."""
+    return sorted(p.name for p in Path(repo).iterdir() if (p / "config.pbtxt").exists())
+
+
 def served_config_path(model_dir: str | Path) -> Path:
     """The config the embedded server loads a model with: its embedded.pbtxt where it has one, else its config.pbtxt."""
     d = Path(model_dir)

@@ -27,7 +27,7 @@ from torchship.errors import ServerError
 
 from . import child_env
 from .config import ServeConfig, cpu_list, cuda_visible, parse_cpu_range, parse_cpus
-from .repository import EMBEDDED_CONFIG, read_config, served_config_path
+from .repository import EMBEDDED_CONFIG, read_config, repository_models, served_config_path
 
 HERE = Path(__file__).resolve().parent
 EXIT_TIMEOUT_S = 20  # Triton's own limit for draining and unloading after SIGTERM
@@ -678,7 +678,7 @@ class TritonServer:
                                   "or serve it on a machine with a GPU")
 
     def repository_models(self) -> list[str]:
-        return sorted(p.name for p in self.repo.iterdir() if (p / "config.pbtxt").exists())
+        return repository_models(self.repo)
 
     def load(self, name: str, client=None, deadline: float | None = None, override=None) -> None:
         """Load (or reload) one model: with ``override`` (a ModelConfig) if given, else with
