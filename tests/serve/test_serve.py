@@ -195,6 +195,26 @@ def test_bad_input_gets_an_error_and_the_server_keeps_answering(server, exported
     assert server.proc.poll() is None
 
 
+def test_one_non_finite_value_anywhere_is_refused_and_extreme_finite_ones_are_served(server, exported):
+    """The in-server host checks each request's buffer for NaN and Inf by their bits: one bad value at the
+    first, a middle or the last position is enough, while the largest, smallest and subnormal finite
+    values and -0.0 pass and are served like any input."""
+    client = TritonClient(server.url)
+    x = np.random.default_rng(3).random((1, 3, 32, 32), dtype=np.float32)
+    for pos, bad in ((0, np.inf), (x.size // 2, np.nan), (x.size - 1, -np.inf), (x.size - 1, np.nan)):
+        y = x.copy()
+        y.flat[pos] = bad
+        with pytest.raises(ClientError, match="NaN or Inf"):
+            client.infer("tiny_cnn_torchscript", y)
+    fi = np.finfo(np.float32)
+    y = x.copy()
+    y.flat[:5] = [fi.max, fi.min, fi.tiny, fi.smallest_subnormal, -0.0]
+    with np.errstate(over="ignore", invalid="ignore"):  # the extremes may overflow inside the model
+        want = in_process(exported, "torchscript").run({"images": y})["logits"]
+    np.testing.assert_allclose(client.infer("tiny_cnn_torchscript", y), want, atol=1e-5, rtol=1e-5)
+    client.close()
+
+
 def test_explicit_model_control_unload_and_load(server, exported):
     client = TritonClient(server.url)
     client.client.unload_model("tiny_cnn_torchscript")
