@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Tuple
 
 import numpy as np
 import onnx
@@ -138,6 +139,27 @@ def test_verifier_rejects_a_perturbed_torchscript_weight(exported, tmp_path):
     rehash(d, "torchscript/model.pt")
     with pytest.raises(ParityError, match="torchscript"):
         verify_export(d, only=["torchscript"])
+
+
+class _PlusOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def _times_ten(module, inputs: Tuple[torch.Tensor], output: torch.Tensor):
+    return output * 10
+
+
+def test_a_torchscript_modules_compiled_hooks_still_run(tmp_path):
+    """The loader calls a TorchScript module's forward directly (cheaper on cold caches) only where that
+    is the same as calling the module: a forward hook compiled into it must still run."""
+    plain, hooked = _PlusOne(), _PlusOne()
+    hooked.register_forward_hook(_times_ten)
+    x = np.zeros((1, 2), np.float32)
+    for name, m, want in (("plain", plain, 1.0), ("hooked", hooked, 10.0)):
+        torch.jit.script(m).save(str(tmp_path / f"{name}.pt"))
+        r = runtime.load("torchscript", str(tmp_path / f"{name}.pt"), ["x"], ["y"])
+        np.testing.assert_array_equal(r.run({"x": x})["y"], np.full((1, 2), want, np.float32))
 
 
 def test_sha256_mismatch_and_missing_artifact_are_reported(exported, tmp_path):
