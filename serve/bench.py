@@ -721,8 +721,11 @@ def check_models(cfg: BenchConfig, manifest: dict, server=None) -> None:
         from .client import TritonClient
 
         client = TritonClient(cfg.url)
-        client.wait_ready(15)
-        where, known = f"the server at {cfg.url}", client.ready_models()
+        try:
+            client.wait_ready(15)
+            where, known = f"the server at {cfg.url}", client.ready_models()
+        finally:
+            client.close()
     elif cfg.repo:
         from .repository import repository_models
 

@@ -57,7 +57,7 @@ def torch_fn(module, device: str, threads: int = 0):
     import torch
 
     set_here = threading.local()
-    on_cpu = device == "cpu"
+    on_cpu, sync = device == "cpu", device.startswith("cuda")
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
     def fn(x: np.ndarray) -> list[np.ndarray]:
@@ -69,12 +69,12 @@ def torch_fn(module, device: str, threads: int = 0):
             # it on its first call.
             torch.set_num_threads(threads)
             set_here.done = True
-        # A request's input is a read-only view of its buffer, taken as it is (a copy costs ~5 µs cold), as
+        # A request's input is a read-only view of its buffer, taken as it is rather than copied, as
         # Triton's own libtorch backend wraps request buffers; torch warns once about such a view.
         t = torch.from_numpy(x if x.flags.c_contiguous else np.ascontiguousarray(x))
         with torch._C._InferenceMode(True):  # what torch.inference_mode() enters, without its Python layer
             out = module(t if on_cpu else t.to(device))
-            if not on_cpu and device.startswith("cuda"):
+            if sync:
                 torch.cuda.synchronize()
         outs = out if isinstance(out, (list, tuple)) else [out]
         return [o.numpy() if on_cpu and o.dtype == torch.float32 else o.detach().float().cpu().numpy() for o in outs]
@@ -83,7 +83,7 @@ def torch_fn(module, device: str, threads: int = 0):
 
 def script_call(m):
     """A loaded TorchScript module's callable: its forward method itself, which skips nn.Module.__call__'s
-    Python (~5 µs on cold caches), unless the module has forward hooks compiled in, which only the full
+    Python, unless the module has forward hooks compiled in, which only the full
     call runs."""
     return m if m._c._get_forward_pre_hooks() or m._c._get_forward_hooks() else m.forward
 
