@@ -15,16 +15,10 @@ from typing import Any
 import numpy as np
 
 from torchship.errors import ArtifactError, ParityError
-from torchship.io import atomic_write_text, usable_cpus
+from torchship.device import usable_cpus
+from torchship.io import atomic_write_text
+from torchship.parity import check_output
 from torchship.manifest import PARITY_MD, REFERENCE, check_hashes, read_manifest, write_manifest
-
-
-def compare(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float) -> dict[str, Any]:
-    """Max abs / rel difference and the allclose verdict (|a - b| <= atol + rtol * |b|)."""
-    diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
-    rel = diff / np.maximum(np.abs(ref.astype(np.float64)), atol)
-    ok = bool(np.all(diff <= atol + rtol * np.abs(ref))) and bool(np.all(np.isfinite(out)))
-    return {"max_abs": float(diff.max()) if diff.size else 0.0, "max_rel": float(rel.max()) if rel.size else 0.0, "pass": ok}
 
 
 def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, threads: int, tmp: Path) -> dict:
@@ -96,28 +90,11 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
                 entry["pass"] = False
             for key, batch in manifest["reference"]["sets"].items():
                 for o in out_names:
-                    got = res["outputs"].get(f"{key}/{o}")
-                    want = ref[f"expected/{key}/{o}"]
-                    row: dict[str, Any] = {"batch": batch, "output": o}
-                    entry["sets"][f"{key}/{o}"] = row
-                    if got is None:
-                        row["pass"] = False
-                        failures.append(f"{name}: no output {o!r} for {key}")
-                    elif got.shape != want.shape:  # then shapes
-                        row["pass"] = False
-                        row["shape"] = list(got.shape)
-                        failures.append(f"{name}: {key} output {o!r} has shape {list(got.shape)}, eager {list(want.shape)}")
-                    else:  # then values
-                        row.update(compare(got, want, tol["atol"], tol["rtol"]))
-                        if key == "heldout":
-                            agree = got.argmax(-1) == want.argmax(-1)
-                            row["top1_agree"] = f"{int(agree.sum())}/{agree.size}"
-                            if not agree.all():
-                                row["pass"] = False
-                                failures.append(f"{name}: top-1 class differs from eager on {int((~agree).sum())} real samples")
-                        if not row["pass"] and not any(f.startswith(f"{name}: {key} ") for f in failures):
-                            failures.append(f"{name}: {key} (batch {batch}) max abs diff {row['max_abs']:.3g} exceeds "
-                                            f"atol {tol['atol']:g} + rtol {tol['rtol']:g}")
+                    row, failure = check_output(res["outputs"].get(f"{key}/{o}"), ref[f"expected/{key}/{o}"], tol,
+                                                f"{name}: {key} output {o!r}", batch, top1=key == "heldout")
+                    entry["sets"][f"{key}/{o}"] = {**row, "output": o}
+                    if failure:
+                        failures.append(failure)
                     entry["pass"] = entry["pass"] and row["pass"]
     verification = {"verified_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": device, "tolerances": tol,
                     "pass": not failures, "failures": failures, "artifacts": results}

@@ -130,27 +130,6 @@ def staging_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[P
         raise
 
 
-def usable_cpus() -> int:
-    """How many CPUs this process may run on: its affinity mask (``taskset``, a container's cpuset), which
-    ``os.cpu_count()`` ignores; the machine's count where the platform has no affinity call."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo (Linux), else platform.processor(), for figures' machine lines."""
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def git_revision(cwd: str | os.PathLike | None = None) -> str | None:
     """The current git commit of the source tree, or None outside a checkout."""
     import subprocess

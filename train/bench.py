@@ -61,7 +61,7 @@ def main() -> int:
             print(f"round {r + 1}: {label}: {ips:.0f} images/s", file=sys.stderr, flush=True)
     import torch
 
-    from torchship.io import cpu_name
+    from torchship.device import cpu_name
 
     cpu = cpu_name()
     print(f"\n{a.arch}, digits at 32x32, global batch {a.batch_size}, {a.steps} steps per run, median of {a.rounds} "

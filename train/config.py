@@ -18,8 +18,12 @@ class TrainConfig:
     batch_size: int = opt(64, "global batch size, split evenly across DDP ranks")
     lr: float = opt(2e-3, "peak learning rate of AdamW (warm-up then cosine decay)")
     weight_decay: float = opt(5e-4, "AdamW weight decay")
-    amp: Literal["off", "bf16", "fp16"] = opt("off", "autocast precision: bf16 on CPU/CUDA, fp16 (with GradScaler) on CUDA only")
-    nproc: int = opt(1, "DDP processes to launch through torchrun on this machine (0: one per GPU, or on CPU 2 where this process may use two CPUs or more, else 1)")
+    amp: Literal["auto", "off", "bf16", "fp16"] = opt("auto", "autocast precision. auto: bf16 on a CUDA GPU that supports it "
+                                                     "and on a CPU that computes bf16 natively (AVX512-BF16 or AMX), "
+                                                     "else off; bf16 on a CPU without it is emulated and much slower; "
+                                                     "fp16 (with GradScaler) needs CUDA")
+    nproc: int = opt(0, "DDP processes to launch through torchrun on this machine (0: one per GPU; on a CPU one process "
+                        "using every core, which trains faster there than several ranks)")
     out: str = opt("runs/train", "output directory for checkpoints, metrics.jsonl and the log")
     resume: Optional[str] = opt(None, "resume exactly from this checkpoint directory (or an output directory: its latest); "
                                       "'auto': resume from OUT's latest checkpoint if it has one, else start fresh (restartable jobs)")

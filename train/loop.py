@@ -19,13 +19,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from torchship.config import as_dict
+from torchship.device import check_amp, resolve_amp
+from torchship.device import resolve_device as _resolve_device
 from torchship.errors import CheckpointError, ConfigError, DataError
 from torchship.io import git_revision
 
 from . import checkpoint as ck
 from .config import TrainConfig
 from .data import DataSplit, check_data_source, heldout_samples, load_data
-from .models import Normalize, build_model, check_arch, parse_model_args
+from torchship.models import Normalize, build_model, check_arch, parse_model_args
 
 
 @dataclass
@@ -53,11 +55,9 @@ class Dist:
 
 
 def resolve_device(cfg: TrainConfig) -> str:
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible")
-    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if cfg.amp == "fp16" and device != "cuda":
-        raise ConfigError("--amp fp16 needs CUDA (fp16 autocast with GradScaler); on CPU use --amp bf16 or --amp off")
+    """Where training runs; ConfigError for --device cuda without CUDA or --amp fp16 off CUDA."""
+    device = _resolve_device(cfg.device)
+    check_amp(cfg.amp, device)
     return device
 
 
@@ -258,8 +258,11 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
 
     opt = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, max(1, min(100, total_steps // 10))))
-    scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
+    amp, amp_reason = resolve_amp(cfg.amp, device)
+    if d.main:
+        log(f"amp {amp}" + ("" if cfg.amp == amp else f" (--amp {cfg.amp})") + f": {amp_reason}")
+    scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
 
     def autocast():
         return torch.autocast(device_type=device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
@@ -286,7 +289,7 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
         "input_shape": [in_ch, *data.preprocessing.image_size], "preprocessing": data.preprocessing.to_dict(),
         "data": {"source": data.source, "train_samples": len(data.train), "val_samples": len(data.val),
                  "val_fraction": cfg.val_fraction, "seed": cfg.seed},
-        "train_config": as_dict(cfg), "world_size": d.world, "device": device, "amp": cfg.amp,
+        "train_config": as_dict(cfg), "world_size": d.world, "device": device, "amp": amp, "amp_reason": amp_reason,
         "torch_version": torch.__version__, "git_revision": git_revision(),
     }
 
@@ -315,7 +318,7 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
     if d.main:
         log(f"training {cfg.arch} on {data.source}: {len(data.train)} train / {len(data.val)} val images, "
             f"{n_classes} classes, input {in_ch}x{data.preprocessing.image_size[0]}x{data.preprocessing.image_size[1]}, "
-            f"world size {d.world}, device {device}, amp {cfg.amp}, {steps_per_epoch} steps/epoch")
+            f"world size {d.world}, device {device}, amp {amp}, {steps_per_epoch} steps/epoch")
 
     prof = None
     if cfg.profile and d.main:

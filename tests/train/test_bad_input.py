@@ -117,16 +117,19 @@ def test_more_ranks_than_cpus_is_noted(tmp_path, monkeypatch, capsys):
     assert "2 ranks on 1 CPU(s) take turns on the cores" in capsys.readouterr().err
 
 
-def test_default_ranks_follow_the_cpus_this_process_may_use(monkeypatch):
-    """Under ``taskset -c 0`` (or a one-CPU cpuset) the default is one rank, not the two that the note above
-    would then call slower: the count is the affinity mask's, not the machine's."""
+def test_default_ranks_are_one_process_on_a_cpu_and_one_per_gpu(monkeypatch):
+    """--nproc 0: on a CPU one process using every CPU it may use (the affinity mask's count, not the
+    machine's), which trains faster there than DDP ranks; on CUDA one rank per GPU. Each says why."""
+    import torch
+
     from train import launch
 
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
-    assert launch.auto_nproc("cpu") == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 5})
-    assert launch.auto_nproc("cpu") == 2
+    n, why = launch.auto_nproc("cpu")
+    assert n == 1 and "one process with 2 thread(s)" in why and "--nproc N runs N DDP ranks" in why
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert launch.auto_nproc("cuda") == (4, "one rank per visible GPU (4)")
 
 
 def test_existing_output_is_not_overwritten(trained, tmp_path, capsys):

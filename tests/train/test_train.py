@@ -1,6 +1,7 @@
 """Training behaviour on CPU: AMP, exact resume, checkpoint contents and crash safety."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,12 +12,12 @@ from torchship.errors import CheckpointError
 from train import checkpoint as ck
 from train.config import TrainConfig
 from train.loop import train
-from train.models import build_model
+from torchship.models import build_model
 
 
 def cfg(tmp_path, **kw) -> TrainConfig:
     base = {"arch": "tiny_cnn", "data": "synthetic", "synthetic_samples": 128, "epochs": 2, "batch_size": 16,
-            "lr": 1e-2, "out": str(tmp_path), "progress": False}
+            "lr": 1e-2, "out": str(tmp_path), "progress": False, "amp": "off"}
     base.update(kw)
     return build(TrainConfig, base)
 
@@ -32,6 +33,43 @@ def test_bf16_amp_loss_goes_down(tmp_path):
     assert all(b < a for a, b in zip(ls, ls[1:])), ls
     assert ls[-1] < 0.85 * ls[0], ls
     assert json.loads((res.latest / ck.META).read_text())["amp"] == "bf16"
+
+
+@pytest.mark.parametrize("flags, amp", [({"avx2", "fma"}, "off"), ({"avx2", "avx512f", "avx512_bf16"}, "bf16"),
+                                        ({"avx2", "amx_tile", "amx_bf16"}, "bf16")])
+def test_amp_auto_is_bf16_only_where_the_cpu_computes_it_natively(tmp_path, monkeypatch, capsys, flags, amp):
+    """The CPU's features decide, forced both ways here whatever this machine has: the choice and its reason
+    are printed once and recorded in the checkpoint's metadata."""
+    from torchship import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: flags)
+    res = train(cfg(tmp_path, amp="auto", epochs=1))
+    meta = json.loads((res.latest / ck.META).read_text())
+    assert meta["amp"] == amp and meta["train_config"]["amp"] == "auto"
+    assert ("computes bf16 natively" if amp == "bf16" else "no native bf16") in meta["amp_reason"]
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("amp ")]
+    assert said == [f"amp {amp} (--amp auto): {meta['amp_reason']}"], said
+
+
+def test_explicit_bf16_on_a_cpu_without_it_runs_with_a_warning(monkeypatch):
+    from torchship import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: {"avx2"})
+    amp, why = device.resolve_amp("bf16", "cpu")
+    assert amp == "bf16" and why.startswith("warning: this CPU has no native bf16") and "emulated" in why
+    monkeypatch.setattr(device, "cpu_flags", lambda: {"avx512_bf16"})
+    assert device.resolve_amp("bf16", "cpu") == ("bf16", "as asked")
+    assert device.resolve_amp("off", "cpu") == ("off", "as asked")
+
+
+def test_cpu_flags_are_read_from_this_machine():
+    from torchship import device
+
+    flags = device.cpu_flags()
+    if not Path("/proc/cpuinfo").exists():
+        pytest.skip("no /proc/cpuinfo")
+    assert "fpu" in flags or "neon" in flags or "asimd" in flags or "fp" in flags, sorted(flags)[:20]
+    assert device.native_bf16_flag() == next((f for f in device.NATIVE_BF16_FLAGS if f in flags), None)
 
 
 def weights(ckpt_dir):
@@ -78,7 +116,7 @@ def test_checkpoint_loads_weights_only_into_a_fresh_model(trained):
     model.load_state_dict(sd, strict=True)
     held = np.load(trained / ck.HELDOUT)
     x = torch.from_numpy(held["images"][:8])
-    from train.models import WithPreprocessing
+    from torchship.models import WithPreprocessing
 
     pre = meta["preprocessing"]
     out1 = WithPreprocessing(model, pre["mean"], pre["std"]).eval()(x)
