@@ -12,11 +12,13 @@ import numpy as np
 import torch
 
 import torchship
+from torchship.device import resolve_device
 from torchship.errors import ArtifactError, CheckpointError, ConfigError
 from torchship.io import check_out_dir, sha256_file, staging_dir
 from torchship.manifest import FORMAT, MANIFEST, REFERENCE, read_manifest, write_manifest
+from torchship.runtime import in_chunks
 from train import checkpoint as ck
-from train.models import WithPreprocessing, model_from_meta
+from torchship.models import WithPreprocessing, model_from_meta
 
 from . import exporters
 from .config import ExportConfig
@@ -49,12 +51,6 @@ def load_deployable(checkpoint: str | Path) -> tuple[torch.nn.Module, dict[str, 
     return WithPreprocessing(model, pre["mean"], pre["std"]).eval(), meta, ckdir
 
 
-def _device(cfg: ExportConfig) -> str:
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible")
-    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-
-
 def _reference(model: torch.nn.Module, ckdir: Path, shape: list[int], cfg: ExportConfig, device: str) -> dict[str, np.ndarray]:
     """Reference inputs (held-out real images + random batches 1, odd, max) and eager fp32 outputs."""
     sets: dict[str, np.ndarray] = {}
@@ -69,9 +65,8 @@ def _reference(model: torch.nn.Module, ckdir: Path, shape: list[int], cfg: Expor
     with torch.no_grad():
         for key, x in sets.items():
             ref[f"input/{key}"] = x
-            out = torch.cat([model(torch.from_numpy(x[i:i + cfg.max_batch]).to(device)).float().cpu()
-                             for i in range(0, len(x), cfg.max_batch)])
-            ref[f"expected/{key}/{exporters.OUTPUT}"] = out.numpy()
+            (out,) = in_chunks(lambda b: [model(torch.from_numpy(b).to(device)).float().cpu().numpy()], x, cfg.max_batch)
+            ref[f"expected/{key}/{exporters.OUTPUT}"] = out
     if labels is not None:
         ref["labels/heldout"] = labels
     return ref
@@ -86,7 +81,7 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
     """
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     deploy, meta, ckdir = load_deployable(cfg.checkpoint)
-    device = _device(cfg)
+    device = resolve_device(cfg.device)
     shape = list(meta["input_shape"])
     eager = deploy.to(device)
     model = eager if cfg.dtype == "float32" else CastWrapper(_clone(deploy), DTYPES[cfg.dtype]).to(device).eval()

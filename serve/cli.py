@@ -14,7 +14,7 @@ import numpy as np
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
 from torchship.errors import ClientError, DataError, ShapeError
 
-from .config import RepoConfig, ServeConfig, check_url, cpu_list
+from .config import RepoConfig, ServeConfig, check_url
 
 
 def add_repo_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +40,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_serve(ns: argparse.Namespace) -> int:
-    from .server import TritonServer, describe
+    from .embedded import TritonServer, describe
 
     cfg = build(ServeConfig, namespace_overrides(ns, ServeConfig), {"repo": ns.repo})
     server = TritonServer(cfg)
@@ -51,16 +51,6 @@ def main_serve(ns: argparse.Namespace) -> int:
         info = describe(server)
         print(f"Triton ready: gRPC {info['grpc']}  HTTP {info['http']}  metrics {info['metrics']}")
         print(f"models: {', '.join(info['models'])}")
-        host = {"server": "inside the server process", "stub": "in Triton's python-backend stub processes"}
-        print(f"backends: {host[info['python_host']]}" + (f" ({server.python_host_note})" if server.python_host_note else ""))
-        if cfg.cpus:
-            print(f"pinned to CPUs {cpu_list(info['cpus'])} (--cpus {cfg.cpus})")
-        if cfg.model_cpus:
-            print(f"model instances pinned to CPUs {cpu_list(info['model_cpus'])} (--model-cpus {cfg.model_cpus})")
-        if cfg.spin_cpus:
-            print(f"spinners keep CPUs {cpu_list(info['spin_cpus'])} from going idle (--spin-cpus {cfg.spin_cpus})")
-        if cfg.trace_file:
-            print(f"trace: {cfg.trace_file} (Triton's timestamps for every request, written when the server stops)")
         kept = "" if cfg.log else ", removed after a clean stop: --log FILE keeps one"
         print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained{kept})")
         print(f"try: torchship infer --url {info['grpc']} --check EXPORT_DIR   (served outputs against eager)", flush=True)
@@ -96,7 +86,8 @@ def add_infer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_infer(ns: argparse.Namespace) -> int:
-    from .client import TritonClient, check_served, served_markdown
+    from .client import TritonClient
+    from .parity import check_served, served_markdown
 
     check_url(ns.url)
     if ns.check:

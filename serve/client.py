@@ -1,4 +1,4 @@
-"""A thin typed layer over tritonclient.grpc, and the served-parity check (``infer --check``)."""
+"""A thin typed layer over tritonclient.grpc: requests, responses, streams, and errors as one line."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from torchship.errors import ClientError, ParityError, ServerError, ShapeError
-from torchship.manifest import read_manifest, read_reference
+from torchship.errors import ClientError, ServerError, ShapeError
 
 
 
@@ -24,7 +23,6 @@ class TritonClient:
         self.timeout_s = timeout_s
         self.client = grpcclient.InferenceServerClient(url)
         self._configs: dict[str, dict[str, Any]] = {}
-        # the inference hot path talks to tritonclient's generated stub directly (see infer())
         self._channel, self._model_infer = infer_channel(url)
 
     def _call(self, what: str, fn, *args, **kwargs):
@@ -122,8 +120,11 @@ class TritonClient:
         return ClientError(msg if msg.startswith(name + ":") else f"{what}: {msg}")
 
     def infer_batches(self, model: str, x: np.ndarray) -> np.ndarray:
-        """Run any number of rows, one request per chunk that fits the model's batching."""
-        return _served(self, model, x)
+        """Run any number of rows, one request per chunk that fits the model's batching (one row at a time
+        for a model without batching, whose dims carry the leading 1)."""
+        from torchship.runtime import in_chunks
+
+        return in_chunks(lambda part: [self.infer(model, part)], x, self.max_batch(model) or 1)[0]
 
     def statistics(self, model: str = "") -> dict[str, Any]:
         return self._call("statistics", self.client.get_inference_statistics, model, as_json=True)
@@ -150,8 +151,7 @@ class InferStream:
     """Requests one at a time over one bidirectional ModelStreamInfer call on ``channel``, used like the
     unary stub: ``stream(req)`` sends a ModelInferRequest and returns its ModelInferResponse. After the
     first request a round trip is one message each way on a call that is already open, without the
-    set-up and tear-down of a unary call (measured against unary calls in the README, "Served latency
-    at batch 1"). One request in flight at a time. A refused request raises ClientError with the
+    set-up and tear-down of a unary call. One request in flight at a time. A refused request raises ClientError with the
     server's message, and the stream stays open. ``deadline_s`` bounds the whole stream; the per-call
     ``timeout`` is accepted for the unary stub's signature only."""
 
@@ -207,74 +207,3 @@ def decode(response, output: str) -> np.ndarray:
                 return deserialize_bytes_tensor(raw).reshape(t.shape)
             return np.frombuffer(raw, dtype=triton_to_np_dtype(t.datatype)).reshape(t.shape)
     raise ClientError(f"the response has no output {output!r}")
-
-
-def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None = None,
-                 tolerances: dict[str, float] | None = None) -> dict[str, Any]:
-    """Send the export's reference inputs through gRPC to every served model of this export and
-    compare with the eager outputs under the manifest's tolerances.
-
-    Returns per-model results; raises ParityError listing every mismatch.
-    """
-    from export.verify import compare
-
-    d = Path(export_dir)
-    manifest = read_manifest(d)
-    tol = tolerances or manifest["tolerances"]
-    ref = read_reference(d, manifest)
-    client = TritonClient(url)
-    client.wait_ready()
-    ready = client.require_models(models or ())
-    models = list(models or [m for m in ready if m.startswith(manifest["name"] + "_")])
-    if not models:
-        raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(ready) or 'none'})")
-    results: dict[str, Any] = {}
-    failures: list[str] = []
-    out_name = manifest["outputs"][0]["name"]
-    for model in models:
-        rows = {}
-        for key, batch in manifest["reference"]["sets"].items():
-            x = ref[f"input/{key}"]
-            want = ref[f"expected/{key}/{out_name}"]
-            try:
-                got = _served(client, model, x)
-            except (ClientError, ShapeError) as e:
-                failures.append(f"{model}: {key}: {e}")
-                rows[key] = {"batch": batch, "pass": False, "error": str(e)}
-                continue
-            if got.shape != want.shape:
-                failures.append(f"{model}: {key} returned shape {list(got.shape)}, eager {list(want.shape)}")
-                rows[key] = {"batch": batch, "pass": False}
-                continue
-            row = {"batch": batch, **compare(got, want, tol["atol"], tol["rtol"])}
-            if key == "heldout":
-                agree = got.argmax(-1) == want.argmax(-1)
-                row["top1_agree"] = f"{int(agree.sum())}/{agree.size}"
-                row["pass"] = row["pass"] and bool(agree.all())
-            if not row["pass"]:
-                failures.append(f"{model}: {key} (batch {batch}) max abs diff {row['max_abs']:.3g} beyond tolerance")
-            rows[key] = row
-        results[model] = rows
-    client.close()
-    report = {"url": url, "export_dir": str(d), "tolerances": tol, "models": results, "pass": not failures, "failures": failures}
-    if failures:
-        err = ParityError(failures, what=f"served parity at {url}")
-        err.report = report
-        raise err
-    return report
-
-
-def _served(client: TritonClient, model: str, x: np.ndarray) -> np.ndarray:
-    if client.max_batch(model) == 0:  # batch-1 model: dims carry the leading 1
-        return np.concatenate([client.infer(model, x[i:i + 1]) for i in range(len(x))])
-    mb = client.max_batch(model)
-    return np.concatenate([client.infer(model, x[i:i + mb]) for i in range(0, len(x), mb)])
-
-
-def served_markdown(report: dict[str, Any]) -> str:
-    lines = ["| model | inputs | batch | max abs diff | top-1 agree | result |", "|---|---|---|---|---|---|"]
-    for model, rows in report["models"].items():
-        for key, r in rows.items():
-            abs_ = f"{r['max_abs']:.2e}" if "max_abs" in r else "-"
-            lines.append(f"| {model} | {key} | {r['batch']} | {abs_} | {r.get('top1_agree', '')} | {'pass' if r['pass'] else 'FAIL'} |")
-    return "\n".join(lines)

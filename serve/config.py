@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -13,22 +12,6 @@ DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT = 8001, 8000, 8002
 # The official container the repository targets: 26.03+ serves torch_aoti; see deploy/README.md.
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.07-py3"
 REPOSITORY_DIR = "model_repository"
-
-
-def parse_cpus(spec: str, flag: str = "--cpus") -> list[int]:
-    """A Linux CPU list ("1", "0-3", "0,2-3", as taskset -c and cpuset take it) as sorted CPU numbers.
-    Raises ConfigError naming the problem: bad syntax, or a CPU this machine does not have."""
-    cpus: set[int] = set()
-    for part in spec.replace(" ", "").split(","):
-        lo, sep, hi = part.partition("-")
-        if not (lo.isdigit() and (hi.isdigit() if sep else not hi)) or (sep and int(hi) < int(lo)):
-            raise ConfigError(f"{flag} {spec!r}: write CPU numbers and ranges, as in 1, 0-3 or 0,2-3")
-        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
-    have = os.cpu_count() or 1
-    missing = sorted(c for c in cpus if c >= have)
-    if missing:
-        raise ConfigError(f"{flag} {spec!r}: this machine has CPUs 0-{have - 1}, not {', '.join(map(str, missing))}")
-    return sorted(cpus)
 
 
 def check_url(url: str, flag: str = "--url") -> None:
@@ -46,31 +29,6 @@ def check_url(url: str, flag: str = "--url") -> None:
         raise ConfigError(f"{flag} {url}: no host; {fix}")
     if not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"{flag} {url}: {port!r} is not a port number (1-65535); {fix}")
-
-
-def parse_cpu_range(spec: str, flag: str = "--model-cpus") -> list[int]:
-    """One CPU or one range of CPUs ("1", "2-3"), as Triton's host policy takes it (cpu-cores=LO-HI), as
-    sorted CPU numbers. Raises ConfigError for any other list, or a CPU this machine does not have."""
-    cpus = parse_cpus(spec, flag)
-    if cpus != list(range(cpus[0], cpus[-1] + 1)):
-        raise ConfigError(f"{flag} {spec!r}: give one CPU or one range (as in 1 or 2-3); Triton's host policy "
-                          "pins model instances to a single range")
-    return cpus
-
-
-def cpu_list(cpus) -> str:
-    """CPU numbers as the comma list parse_cpus reads back ("0,2,3")."""
-    return ",".join(map(str, sorted(cpus)))
-
-
-def cuda_visible() -> bool:
-    """Whether torch sees a CUDA device here (decides KIND_GPU and the server's CUDA memory pools)."""
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 TRT_CACHE = "/tmp/trt_cache"  # TensorRT engine cache inside the server, unless --trt-cache says
@@ -123,43 +81,11 @@ class ServeConfig:
     ready_timeout: float = opt(120.0, "seconds to wait for the server and every model to become ready")
     log: Optional[str] = opt(None, "server log file (default: a temp file, removed after a clean stop and kept after a failure)")
     models: tuple[str, ...] = opt((), "load only these models (default: every model in the repository)")
-    cpu_latency_us: Optional[int] = opt(None, "while serving, ask Linux to keep idle CPUs within this wake-up latency "
-                                              "(a /dev/cpu_dma_latency request, as tuned's latency-performance profile does; "
-                                              "0 keeps them polling). Trades power for latency; needs root")
-    spin_cpus: Optional[str] = opt(None, "while serving, keep these CPUs (a Linux CPU list: 1, 0-3 or 0,2-3) from going "
-                                         "idle: one lowest-priority (SCHED_IDLE) process per CPU spins there and gives "
-                                         "way at once to any real work. Spares requests the wake-up of an idle CPU, as "
-                                         "--cpu-latency-us 0 does, without root; top then shows those CPUs fully busy")
-    cpus: Optional[str] = opt(None, "run the server (every thread of it, the models' included) on these CPUs only, as a "
-                                    "Linux CPU list: 1, 0-3 or 0,2-3 (default: the CPUs this process may use). Keeps "
-                                    "Triton's threads on CPUs whose caches they share; fewer CPUs serve less under load")
-    model_cpus: Optional[str] = opt(None, "run the model instances (KIND_CPU) on these CPUs, one CPU or one range: 1 or "
-                                          "2-3, through Triton's host policy (--host-policy=cpu,cpu-cores=...); the rest "
-                                          "of the server (gRPC, scheduling) stays on --cpus. Keeps the model's memory "
-                                          "traffic out of the caches the protocol code runs from; fewer CPUs serve "
-                                          "less under load")
-    python_host: Literal["auto", "server", "stub"] = opt("auto", "where torchship's Python-based backends run: inside the "
-                                                          "Triton server process (server: a small library built on "
-                                                          "first use, needing a C compiler and a shared libpython), in "
-                                                          "Triton's python-backend stub processes (stub), or server "
-                                                          "where it builds and no GPU is visible, else stub (auto)")
-    backend_profile: Optional[str] = opt(None, "directory where the Python-based backends write the time spent before, "
-                                               "in and after the model (one JSON file per model instance: <model>--<id>.json)")
-    trace_file: Optional[str] = opt(None, "record Triton's per-request timestamps (its trace extension, level TIMESTAMPS, "
-                                          "every request) into this JSON file, written when tracing is switched off or "
-                                          "the server stops; adds a little time to every request")
+    triton_args: tuple[str, ...] = opt((), "extra tritonserver arguments, passed on as they are (repeatable: "
+                                           "--triton-arg=--host-policy=cpu,cpu-cores=1-1 --triton-arg=--log-verbose=1)",
+                                       flag="--triton-arg", append=True)
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a port number")
-        if self.cpu_latency_us is not None and self.cpu_latency_us < 0:
-            raise ConfigError("--cpu-latency-us must be 0 or more")
-        if self.cpus is not None:
-            parse_cpus(self.cpus)
-        if self.model_cpus is not None:
-            parse_cpu_range(self.model_cpus)
-        if self.spin_cpus is not None:
-            parse_cpus(self.spin_cpus, "--spin-cpus")
-        if self.trace_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.trace_file))):
-            raise ConfigError(f"--trace-file {self.trace_file}: its directory does not exist")

@@ -24,7 +24,9 @@ from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import artifact, read_manifest, read_reference, sample_key
 
-from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig, cuda_visible
+from torchship.device import cuda_visible
+
+from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig
 
 EMBEDDED_CONFIG = "embedded.pbtxt"
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "int64": mc.TYPE_INT64}
@@ -62,8 +64,11 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
     c.platform, c.default_model_filename = PLATFORMS[fmt]
     c.max_batch_size = 0 if batch_one else max_batch
     lead = [1] if batch_one else []
+    image = manifest.get("preprocessing", {}).get("layout") == "NCHW"
     for spec in manifest["inputs"]:
-        c.input.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + [int(d) for d in spec["shape"][1:]])
+        inp = c.input.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + [int(d) for d in spec["shape"][1:]])
+        if image and not batch_one:  # Triton's image clients read the layout from here (dims must be [C, H, W])
+            inp.format = mc.ModelInput.FORMAT_NCHW
     for spec in manifest["outputs"]:
         c.output.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + [int(d) for d in spec["shape"][1:]],
                      label_filename="labels.txt")
@@ -228,12 +233,4 @@ torchship serve {cfg.out}
 The embedded Triton 2.51 does not know the `torch_aoti` platform. `torchship serve` loads that model with
 `embedded.pbtxt` instead: the same tensors, batched (up to the largest bucket) over the static-batch
 AOTInductor packages `model.pt2`, `model_bs*.pt2`, padding each batch up to the next bucket.
-
-## CPU instances on CPUs of their own
-
-For the lowest latency one request at a time, keep the models' memory traffic away from the CPUs that
-run gRPC: `torchship serve {cfg.out} --cpus 0-1 --model-cpus 2-3`, or in any Triton, including the
-container above, `taskset -c 0-1 tritonserver ... --host-policy=cpu,cpu-cores=2-3` (Triton pins every
-`KIND_CPU` instance thread to that range).
 """
-

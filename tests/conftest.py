@@ -12,24 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _read(path: Path) -> str:
-    """A /proc file's text, or "" when its thread or process ended meanwhile."""
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
-def children(pid: int) -> list[int]:
-    """Child processes of every thread of ``pid``: Triton's stubs are forked by whichever thread loads the model."""
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in _read(t / "children").split()]
-
-
-def spinners_of(pid: int) -> list[int]:
-    """The idle spinners (serve --spin-cpus, bench --spin-cpus) that ``pid`` started and that are still there."""
-    return [c for c in children(pid) if "sched_yield" in _read(Path(f"/proc/{c}/cmdline"))]
-
-
 def run_cli(*argv: str) -> int:
     from torchship.cli import main
 
@@ -45,7 +27,7 @@ def trained(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("trained")
     res = train(build(TrainConfig, {"arch": "tiny_cnn", "epochs": 6, "lr": 3e-2, "batch_size": 32, "out": str(out),
-                                    "progress": False, "seed": 0}))
+                                    "progress": False, "seed": 0, "amp": "off"}))
     return res.best
 
 
@@ -92,7 +74,7 @@ def backend(monkeypatch):
 def server(repo):
     """One real embedded Triton server for the serve tests."""
     from serve.config import ServeConfig
-    from serve.server import TritonServer
+    from serve.embedded import TritonServer
 
     s = TritonServer(ServeConfig(repo=str(repo)))
     s.start()

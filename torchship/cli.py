@@ -7,7 +7,7 @@ import importlib
 import sys
 import warnings
 
-from .errors import TorchshipError
+from .errors import Interrupted, TorchshipError
 
 # subcommand -> (module, help). Modules are imported lazily so `torchship --help` is fast.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "repo": ("serve.cli", "build a Triton model repository from an export manifest"),
     "serve": ("serve.cli", "start the embedded Triton Inference Server on a repository"),
     "infer": ("serve.cli", "send images or reference inputs to a Triton server over gRPC"),
-    "bench": ("serve.bench_cli", "benchmark in-process and served latency/throughput, or compare two results"),
+    "bench": ("serve.bench.cli", "benchmark in-process and served latency/throughput, or compare two results"),
     "run": ("torchship.run", "train, export, verify, serve, check and benchmark in one run folder"),
 }
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(ns._handler(ns) or 0)
     except TorchshipError as e:
-        print(f"torchship {ns.command}: error: {e}", file=sys.stderr)
+        print(f"torchship {ns.command}: {'' if isinstance(e, Interrupted) else 'error: '}{e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"torchship {ns.command}: interrupted", file=sys.stderr)

@@ -17,11 +17,14 @@ from typing import Any, Literal
 from .errors import ConfigError
 
 
-def opt(default: Any, help: str, *, flag: str | None = None, cli: bool = True, **kw: Any) -> Any:
-    """A config field with its help text (say the unit) and, optionally, its flag name."""
-    md = {"help": help, "flag": flag, "cli": cli}
-    if isinstance(default, (list, dict)):  # mutable: a fresh copy per instance
-        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=md, **kw)
+def opt(default: Any, help: str, *, flag: str | None = None, cli: bool = True, append: bool = False, **kw: Any) -> Any:
+    """A config field with its help text (say the unit) and, optionally, its flag name; ``append``: a
+    sequence given as one value per flag (``--flag=A --flag=B``), for values that may start with '-'."""
+    md = {"help": help, "flag": flag, "cli": cli, "append": append}
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):  # mutable: a fresh copy per instance
+        import copy
+
+        return dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d), metadata=md, **kw)
     return dataclasses.field(default=default, metadata=md, **kw)
 
 
@@ -54,6 +57,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, exclude:
         elif origin is Literal:
             kwargs["choices"] = list(typing.get_args(tp))
             kwargs["type"] = type(typing.get_args(tp)[0])
+        elif origin in (tuple, list) and f.metadata.get("append"):
+            kwargs["action"] = "append"
         elif origin in (tuple, list):
             inner = typing.get_args(tp)[0]
             kwargs["nargs"] = "+"
@@ -91,19 +96,25 @@ def build(cls: type, *layers: dict[str, Any], section: str | None = None) -> Any
             if key not in fields:
                 where = f"in [{section}]" if section else f"for {cls.__name__}"
                 raise ConfigError(f"unknown option '{key}' {where}; known: {', '.join(sorted(fields))}")
-            values[key] = _coerce(value, hints[key], flag_name(fields[key]))
+            values[key] = _coerce(value, hints[key], flag_name(fields[key]), fields[key].metadata.get("append", False))
     try:
         return cls(**values)
     except TypeError as e:
         raise ConfigError(f"{cls.__name__}: {e}") from None
 
 
-def _coerce(value: Any, tp: Any, flag: str) -> Any:
+def _coerce(value: Any, tp: Any, flag: str, append: bool = False) -> Any:
     inner, optional = _unwrap_optional(tp)
     if value is None:
         if optional:
             return None
         raise ConfigError(f"{flag} may not be empty")
+    if dataclasses.is_dataclass(inner):  # a nested stage config, given as its own table
+        if isinstance(value, inner):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{flag} must be a table of {inner.__name__} options")
+        return build(inner, value)
     origin = typing.get_origin(inner)
     try:
         if inner is bool:
@@ -122,7 +133,7 @@ def _coerce(value: Any, tp: Any, flag: str) -> Any:
         if origin in (tuple, list):
             elem = typing.get_args(inner)[0]
             if isinstance(value, str):
-                value = [v for v in value.replace(",", " ").split() if v]
+                value = [value] if append else [v for v in value.replace(",", " ").split() if v]
             seq = [elem(v) for v in value]
             return tuple(seq) if origin is tuple else seq
         if inner in (int, float, str):
@@ -150,6 +161,8 @@ def to_argv(cfg: Any, exclude: tuple[str, ...] = ()) -> list[str]:
         flag = flag_name(f)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)) and f.metadata.get("append"):
+            argv += [f"{flag}={v}" for v in value]
         elif isinstance(value, (list, tuple)):
             if value:
                 argv += [flag, *map(str, value)]

@@ -54,3 +54,9 @@ class GateError(TorchshipError):
     """A pipeline gate failed in ``torchship run``; the message names the stage."""
 
     exit_code = 3
+
+
+class Interrupted(TorchshipError):
+    """Ctrl-C or SIGTERM stopped a command; the message says where, and how to go on."""
+
+    exit_code = 130

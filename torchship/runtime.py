@@ -7,7 +7,6 @@ Kept free of torchship imports so the serving backends can carry a copy of this 
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Callable, Sequence
 
 import numpy as np
@@ -48,60 +47,33 @@ def _torch_setup(threads: int):
 
 
 def torch_fn(module, device: str, threads: int = 0):
-    """``module`` as a function of one numpy batch, under inference mode, returning float32 numpy arrays.
-    A served model runs it right after its previous run swept the caches, where every torch call costs
-    several microseconds, so it makes no call it can skip: no .to() on the CPU, and outputs that are
-    already float32 on the CPU become arrays as they are."""
+    """``module`` as a function of one numpy batch, under inference mode, returning float32 numpy arrays."""
     import threading
 
     import torch
 
     set_here = threading.local()
-    on_cpu, sync = device == "cpu", device.startswith("cuda")
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
     def fn(x: np.ndarray) -> list[np.ndarray]:
         if threads > 0 and not getattr(set_here, "done", False):
-            # torch.set_num_threads sets OpenMP's thread count for the calling thread only. ATen's own ops
-            # re-apply it in each new thread, but AOTInductor's compiled code and oneDNN read the calling
-            # thread's OpenMP setting as it is (OMP_NUM_THREADS, else one per core). A served model runs on
-            # a thread other than the one that loaded it (Triton's instance thread), so each thread sets
-            # it on its first call.
+            # torch.set_num_threads sets OpenMP's thread count for the calling thread only, and AOTInductor's
+            # compiled code reads the calling thread's setting. A served model runs on a thread other than
+            # the one that loaded it, so each thread sets it on its first call.
             torch.set_num_threads(threads)
             set_here.done = True
-        # A request's input is a read-only view of its buffer, taken as it is rather than copied, as
-        # Triton's own libtorch backend wraps request buffers; torch warns once about such a view.
-        t = torch.from_numpy(x if x.flags.c_contiguous else np.ascontiguousarray(x))
-        with torch._C._InferenceMode(True):  # what torch.inference_mode() enters, without its Python layer
-            out = module(t if on_cpu else t.to(device))
-            if sync:
-                torch.cuda.synchronize()
+        with torch.inference_mode():
+            out = module(torch.from_numpy(np.ascontiguousarray(x)).to(device))
         outs = out if isinstance(out, (list, tuple)) else [out]
-        return [o.numpy() if on_cpu and o.dtype == torch.float32 else o.detach().float().cpu().numpy() for o in outs]
+        return [o.detach().float().cpu().numpy() for o in outs]
     return fn
 
 
-def script_call(m):
-    """A loaded TorchScript module's callable: its forward method itself, which skips nn.Module.__call__'s
-    Python, unless the module has forward hooks compiled in, which only the full
-    call runs."""
-    return m if m._c._get_forward_pre_hooks() or m._c._get_forward_hooks() else m.forward
-
-
-def aoti_model(path: str):
-    """An AOTInductor package, loaded: a function of the input tensor that returns the outputs as a flat list.
-    torch's own callable (AOTICompiledModel) parses the package's input and output tree specs from JSON on
-    every call, in Python that runs on the caches the model has just swept (README: "What was lowered"). For
-    a model that takes one positional tensor, as every model torchship exports does, the loader's flat run is
-    the same call without that; any other signature keeps torch's callable."""
-    import torch
-    from torch.utils import _pytree as pytree
-
-    compiled = torch._inductor.aoti_load_package(path)
-    loader = compiled.loader
-    if pytree.treespec_loads(loader.get_call_spec()[0]) != pytree.tree_structure(((None,), {})):
-        return compiled
-    return lambda t: loader.run([t])
+def in_chunks(fn: Callable[[np.ndarray], list[np.ndarray]], x: np.ndarray, size: int) -> list[np.ndarray]:
+    """``fn`` over ``x`` in batches of at most ``size`` rows, the outputs joined again."""
+    if len(x) <= size:
+        return fn(x)
+    parts = [fn(x[i:i + size]) for i in range(0, len(x), size)]
+    return [np.concatenate([p[k] for p in parts]) for k in range(len(parts[0]))]
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
@@ -119,8 +91,7 @@ def padded_call(fns: dict[int, Callable[[np.ndarray], list[np.ndarray]]], x: np.
     largest = max(fns)
     n = x.shape[0]
     if n > largest:
-        parts = [padded_call(fns, x[i:i + largest]) for i in range(0, n, largest)]
-        return [np.concatenate([p[k] for p in parts]) for k in range(len(parts[0]))]
+        return in_chunks(lambda part: padded_call(fns, part), x, largest)
     b = bucket_for(n, fns)
     if b != n:
         x = np.concatenate([x, np.repeat(x[-1:], b - n, axis=0)])
@@ -155,7 +126,7 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
     torch = _torch_setup(threads)
     if fmt == "torchscript":
         m = torch.jit.load(path, map_location=device).eval()
-        r = Runner(torch_fn(script_call(m), device, threads), inputs, outputs)
+        r = Runner(torch_fn(m, device, threads), inputs, outputs)
         r.input_names = [a.name for a in m.forward.schema.arguments[1:]]
         return r
     if fmt == "exported_program":
@@ -165,11 +136,11 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
         r.input_names = list(ep.graph_signature.user_inputs)
         return r
     if fmt == "aoti":
-        return Runner(torch_fn(aoti_model(path), device, threads), inputs, outputs)
+        return Runner(torch_fn(torch._inductor.aoti_load_package(path), device, threads), inputs, outputs)
     if fmt == "aoti_buckets":
         if not buckets:
             raise ValueError("aoti_buckets needs the bucket files")
-        fns = {int(b): torch_fn(aoti_model(f), device, threads) for b, f in buckets.items()}
+        fns = {int(b): torch_fn(torch._inductor.aoti_load_package(f), device, threads) for b, f in buckets.items()}
         return Runner(lambda x: padded_call(fns, x), inputs, outputs)
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
 

@@ -6,7 +6,11 @@ import argparse
 
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
 
-from .bench_config import BenchConfig
+from ..config import ServeConfig
+from .config import BenchConfig
+
+# torchship serve's options that bench passes on to its embedded server (the rest it sets itself)
+SERVE_OPTIONS = ("ready_timeout", "triton_args")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,10 +20,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=1.2,
                    help="with --compare: latency ratio above this (or throughput below its inverse) is a regression")
     add_dataclass_arguments(p, BenchConfig)
+    exclude = tuple(f for f in ServeConfig.__dataclass_fields__ if f not in SERVE_OPTIONS)
+    add_dataclass_arguments(p, ServeConfig, exclude=exclude)
 
 
 def main_bench(ns: argparse.Namespace) -> int:
-    from .bench import comparable, compare, load_results, run_bench
+    from .compare import comparable, compare, load_results
+    from .run import run_bench
 
     if ns.compare:
         old, new = load_results(ns.compare[0]), load_results(ns.compare[1])
@@ -36,6 +43,7 @@ def main_bench(ns: argparse.Namespace) -> int:
             print(f"{r['key']:<{width}}  {r['old']:>10.3f}  {r['new']:>10.3f}  {r['ratio']:>8.2f}{flag}")
         print(f"{len(regressions)} regression(s) beyond {ns.threshold:g}x out of {len(rows)} figures")
         return 1 if regressions else 0
-    cfg = build(BenchConfig, namespace_overrides(ns, BenchConfig), {"export_dir": ns.export_dir})
+    serve = {k: v for k, v in namespace_overrides(ns, ServeConfig).items() if k in SERVE_OPTIONS}
+    cfg = build(BenchConfig, namespace_overrides(ns, BenchConfig), {"export_dir": ns.export_dir, "serve": serve})
     run_bench(cfg)
     return 0

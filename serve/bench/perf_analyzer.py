@@ -1,7 +1,7 @@
 """Triton's perf_analyzer, for cross-checking torchship's own load generator.
 
 The binary ships inside the ``tritonclient==2.51.0`` manylinux1 wheel (the PyPI package
-``perf-analyzer`` is a placeholder). ``python -m serve.perf_analyzer install`` fetches that wheel
+``perf-analyzer`` is a placeholder). ``python -m serve.bench.perf_analyzer install`` fetches that wheel
 with pip, unpacks the binary into a cache folder and links the two libraries it needs from the
 nvidia-pytriton wheel under their plain names.
 """
@@ -18,7 +18,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from . import child_env
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchship" / "perf_analyzer"
 NEEDED = {"libb64.so.0d": "libb64-", "libcudart.so.12": "libcudart-"}
@@ -34,7 +33,7 @@ def locate(explicit: str | None = None) -> str | None:
 
 def install() -> Path:
     """Fetch perf_analyzer into the cache folder; returns the binary's path."""
-    from .server import triton_home
+    from ..embedded.wheel import triton_home
 
     (CACHE / "bin").mkdir(parents=True, exist_ok=True)
     (CACHE / "lib").mkdir(parents=True, exist_ok=True)
@@ -59,7 +58,7 @@ def install() -> Path:
 def run(binary: str, url: str, model: str, levels: list[int], manifest: dict[str, Any], requests: int = 300) -> list[dict]:
     """perf_analyzer at each concurrency level (count windows, and windows may differ by 50 %: the
     defaults never settle on a small noisy machine). Returns per level: throughput and latency percentiles in ms, server breakdown in µs."""
-    env = child_env(dict(os.environ))  # perf_analyzer as it ships: the cross-check's reference
+    env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(CACHE / "lib"), env.get("LD_LIBRARY_PATH", "")) if p)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,8 +96,26 @@ def input_data_json(manifest: dict[str, Any], count: int = 16) -> str:
     return json.dumps({"data": rows})
 
 
+def cross_check(cfg, url: str, models: list[str], manifest: dict[str, Any]) -> dict[str, Any]:
+    """perf_analyzer at concurrency 1 and the highest level, on the ONNX model where one is served (else the
+    first): {model: {"levels": [...], "dynamic_batching": bool}} or {"skipped": why}."""
+    if not cfg.cross_check:
+        return {"skipped": "disabled (--no-cross-check)"}
+    binary = locate(cfg.perf_analyzer)
+    if not binary:
+        return {"skipped": "perf_analyzer not found (python -m serve.bench.perf_analyzer install fetches it)"}
+    from ..client import TritonClient
+
+    model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
+    try:
+        batching = "dynamic_batching" in TritonClient(url).config(model)  # the config perf_analyzer meets
+        return {model: {"levels": run(binary, url, model, [1, max(cfg.concurrency)], manifest), "dynamic_batching": batching}}
+    except Exception as e:
+        return {model: {"error": f"{type(e).__name__}: {e}"}}
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["install"]:
         print(install())
     else:
-        print(locate() or "perf_analyzer not installed; run: python -m serve.perf_analyzer install")
+        print(locate() or "perf_analyzer not installed; run: python -m serve.bench.perf_analyzer install")

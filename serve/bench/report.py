@@ -1,4 +1,5 @@
-"""The benchmark report: markdown tables, three plots, and which format wins where."""
+"""The benchmark report: served latency and throughput first, then the recommendation, in-process beside
+served, Triton's own breakdown, and the plots."""
 
 from __future__ import annotations
 
@@ -7,36 +8,12 @@ from typing import Any
 
 from torchship.io import atomic_write_text
 
-from .config import cpu_list
+# the in-process variant each served format runs: the embedded server serves _aoti from the bucket packages
+SERVED_VARIANT = {"onnx": "onnx", "torchscript": "torchscript", "aoti": "aoti_buckets"}
 
 
 def _f(v, spec=".2f", dash="-"):
     return format(v, spec) if isinstance(v, (int, float)) else dash
-
-
-def wins(results: dict[str, Any]) -> list[str]:
-    lines = []
-    rows = results.get("in_process", {}).get("rows", [])
-    for b in sorted({r["batch"] for r in rows}):
-        at = [r for r in rows if r["batch"] == b and r.get("n")]
-        if at:
-            best = min(at, key=lambda r: r["p50_ms"])
-            eager = next((r for r in at if r["variant"] == "eager"), None)
-            vs = f" ({eager['p50_ms'] / best['p50_ms']:.1f}x faster than eager)" if eager and best is not eager else ""
-            lines.append(f"- In-process, batch {b}: **{best['variant']}** has the lowest p50, {best['p50_ms']:.2f} ms{vs}.")
-    served = results.get("served", {}).get("models", {})
-    levels = sorted({r["concurrency"] for m in served.values() for r in m["rows"]})
-    for c in levels:
-        at = [(name, r) for name, m in served.items() for r in m["rows"] if r["concurrency"] == c and r.get("n")]
-        if at:
-            name, r = max(at, key=lambda x: x[1]["requests_per_s"])
-            lines.append(f"- Served, concurrency {c}: **{name}** has the highest throughput, {r['requests_per_s']:.0f} req/s "
-                         f"(p99 {r['p99_ms']:.2f} ms).")
-    return lines
-
-
-ONE_AT_A_TIME = {"stream": "; at 1 (and in the batch-1 overhead) they go one at a time over one bidirectional gRPC stream",
-                 "unary": "; at 1 (and in the batch-1 overhead) each is one unary gRPC call"}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -44,116 +21,71 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(row)} |" for row in rows)]
 
 
-def settling_note(ov: dict[str, Any]) -> str:
-    """What the percentiles leave out: each path's first calls in each block, and what those cost."""
-    settle = ov["settling_per_block"]
-    if not settle:  # blocks shorter than 5 calls leave nothing out
-        return ""
-    slow = "; ".join(f"{r['model']} {r['block_starts']['served']['p50_ms']:.3f} ms served, "
-                     f"{r['block_starts']['in_process']['p50_ms']:.3f} ms in-process" for r in ov["rows"])
-    return (f" Percentiles leave out the first {settle} calls of each path in each block ({ov['timed_per_path']} "
-            f"timed per path), which run on caches the path before has just used (their p50: {slow}); the means "
-            "below count every call.")
-
-
-def overhead_lines(ov: dict[str, Any] | None, host: str | None = None) -> list[str]:
-    """In-process, served and floor side by side at batch 1, and where the difference goes."""
-    if not ov or not ov.get("rows"):
-        return []
-    def p50_p99(d):
-        return f"{_f(d.get('p50_ms'), '.3f')} / {_f(d.get('p99_ms'), '.3f')}"
-
-    lines = ["### Where the time goes at batch 1", "",
-             f"Measured side by side: {ov['blocks']} rotating blocks, {ov['requests_per_path']} requests per path, one "
-             f"request in flight, {ov['threads']} intra-op thread(s). Excess = served − in-process − floor (p50)."
-             + settling_note(ov), ""]
-    lines += _table(["model", "in-process p50 / p99 ms", "served p50 / p99 ms", "floor p50 / p99 ms", "excess ms"],
-                    [[f"{r['model']} ({r['variant']})", p50_p99(r["in_process"]), p50_p99(r["served"]), p50_p99(r["floor"]),
-                      _f(r.get("excess_p50_ms"), "+.3f")] for r in ov["rows"]])
-    paused = [r for r in ov["rows"] if "in_process_paused" in r]
-    if paused:
-        lines += ["", "A served model never runs back to back: a round trip passes between two runs. The same artifact "
-                  "in this process with a pause as long as the floor before each call (untimed) shows what that "
-                  "alone costs on this machine; excess (paused) = served − paused in-process − floor.", ""]
-        lines += _table(["model", "in-process p50 ms", "after a pause p50 ms", "pause ms", "excess ms", "excess (paused) ms"],
-                        [[r["model"], _f(r["in_process"].get("p50_ms"), ".3f"), _f(r["in_process_paused"].get("p50_ms"), ".3f"),
-                          f"{r['in_process_paused']['pause_ms']:.3f}", _f(r.get("excess_p50_ms"), "+.3f"),
-                          _f(r.get("excess_vs_paused_p50_ms"), "+.3f")] for r in paused])
-    where = {"server": "in the server process, where the backend reports the model's own run as compute infer and "
-                       "the time before and after it as compute input and output",
-             "stub": "in python-backend stubs, all inside compute infer (with the hand-over to the stub)"}.get(
-        host, "where the embedded server hosts it")
-    lines += ["", f"Backend host: {host or 'external server'}. Mean µs per request: Triton's statistics (queue, compute "
-              f"input, compute infer, compute output), the backend's own profile (before the model, the model, after "
-              f"it; {where}), and the rest (client, gRPC, network) = client mean − server total.", "",
-              "| path | queue | input | infer | ↳ before model | ↳ model | ↳ after model | output | client + gRPC | in-process mean |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in ov["rows"]:
-        sv, b = r["server"], r.get("backend") or {}
-        lines.append(f"| {r['model']} | {_f(sv['queue_us'], '.0f')} | {_f(sv['compute_input_us'], '.0f')} | "
-                     f"{_f(sv['compute_infer_us'], '.0f')} | {_f(b.get('pre_us'), '.0f')} | {_f(b.get('run_us'), '.0f')} | "
-                     f"{_f(b.get('post_us'), '.0f')} | {_f(sv['compute_output_us'], '.0f')} | {_f(r['client_side_us'], '.0f')} | "
-                     f"{_f(r['all_calls']['in_process_mean_ms'] * 1e3, '.0f')} |")
-    if "floor_server" in ov:
-        fs = ov["floor_server"]
-        lines.append(f"| floor (no-op) | {_f(fs['queue_us'], '.0f')} | {_f(fs['compute_input_us'], '.0f')} | "
-                     f"{_f(fs['compute_infer_us'], '.0f')} | | | | {_f(fs['compute_output_us'], '.0f')} | "
-                     f"{_f(ov['floor_client_side_us'], '.0f')} | |")
-    held = [r for r in ov["rows"] if "hold" in r]
-    if held:
-        reads = any(r["hold"].get("memory_bytes") for r in held)
-        lines += ["", "The floor depends on how long the model takes: threads that waited longer wake slower, and caches "
-                  "go cold. The hold model busy-waits each model's in-process p50"
-                  + (", reading through a buffer as large as the model's artifact meanwhile (as the model streams its "
-                     "weights)," if reads else "") + " and answers like the no-op, so served − hold is what the real "
-                  "model costs beyond its in-process time and that longer floor.", ""]
-        lines += _table(["model", "hold µs", "hold buffer MB", "hold read MB", "hold p50 ms", "floor at that duration ms",
-                         "served − hold ms"],
-                        [[r["model"], f"{r['hold']['hold_us']:.0f}", f"{r['hold'].get('memory_bytes', 0) / 1e6:.1f}",
-                          f"{r['hold'].get('read_bytes_mean', 0) / 1e6:.1f}",
-                          _f(r["hold"].get("p50_ms"), ".3f"), _f(r["floor_at_duration_p50_ms"], ".3f"),
-                          _f(r["served_minus_hold_p50_ms"], "+.3f")] for r in held])
-    aw = ov.get("after_wait_us")
-    if aw and len(aw.get("spin", {})) > 1:
-        waits = sorted(aw["spin"], key=float)
-        lines += ["", "This machine after a pause: the same small piece of client work (serialize and parse one request) "
-                  "timed right after the bench thread spun or slept that long (median µs). Whatever runs after a "
-                  "model-length pause (the response path, the next request) pays this too.", ""]
-        lines += _table(["after", *(f"{float(w) / 1e3:.2f} ms" for w in waits)],
-                        [[mode, *(_f(aw[mode].get(w), ".1f") for w in waits)] for mode in ("spin", "sleep")])
-    tr = ov.get("trace")
-    if tr:
-        lines += ["", f"Triton's trace ({tr['file']}): each round trip split at the server's timestamps, median µs "
-                  "per leg: request (client send until the server has read it), to the model (parsing, queue, batcher), "
-                  "backend (execute: the model and its wrapping; the hold's busy-wait included), after the model "
-                  "(hand-over to gRPC), response (send until the client has parsed it)."]
-        if "error" in tr:
-            lines.append(f"- {tr['error']}")
-        else:
-            lines += [""] + _table(["path", "requests", "request", "to the model", "backend", "after the model", "response"],
-                                   [[path, str(g["requests"]), *(_f(g[f"{leg}_us"], ".0f") for leg in
-                                                                 ("request", "to_model", "backend", "after_model", "response"))]
-                                    for path, g in tr["legs"].items()])
-    lines += [f"- {k}: {v}" for k, v in ov.get("notes", {}).items()]
+def served_lines(served: dict[str, Any]) -> list[str]:
+    """p50, p99 and throughput per model and concurrency, then the batching gain per model."""
+    rows = [[model, str(r["concurrency"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r["requests_per_s"], ".0f"),
+             _f(r["server"]["avg_batch"]), f"{r['ok']}/{r['sent']}"]
+            for model, mm in served.get("models", {}).items() for r in mm["rows"]]
+    lines = ["## Served over gRPC", "",
+             f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}). Closed loop: each level keeps "
+             "that many batch-1 requests in flight; dynamic batching as configured.", ""]
+    lines += _table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "avg batch", "ok/sent"], rows) + [""]
+    for model, mm in served.get("models", {}).items():
+        rs = mm["rows"]
+        if len(rs) > 1 and rs[0]["requests_per_s"]:
+            lines.append(f"- {model}: batching gain {rs[-1]['requests_per_s'] / rs[0]['requests_per_s']:.2f}x "
+                         f"(throughput at concurrency {rs[-1]['concurrency']} over concurrency {rs[0]['concurrency']})")
+    for model, off in served.get("batching_off", {}).items():
+        on = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
+        gains = [f"{r['concurrency']}: {on[r['concurrency']]['requests_per_s'] / r['requests_per_s']:.2f}x"
+                 for r in off["rows"] if r["requests_per_s"] and r["concurrency"] in on]
+        lines.append(f"- {model}: dynamic batching on over off, by concurrency: {', '.join(gains)}")
+    noop = (served.get("noop", {}).get("rows") or [{}])[0]
+    if noop.get("n"):
+        lines.append(f"- No-op round trip (same tensors, no model): p50 {noop['p50_ms']:.2f} ms, p99 {noop['p99_ms']:.2f} ms")
     return lines + [""]
 
 
-def cpu_pinning(m: dict[str, Any]) -> str:
-    """' · bench on CPUs …, server on CPUs …' when either ran on fewer than all of the machine's CPUs, where
-    the server's model instances were pinned, and what kept idle CPUs awake (a wake-up latency request,
-    spinners)."""
-    every = list(range(m.get("cores") or 0))
-    parts = [f"{who} on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}"
-             for who, c in (("bench", m.get("bench_cpus")), ("server", m.get("server_cpus"))) if c and c != every]
-    if m.get("server_model_cpus"):  # set only when pinned, even to every CPU
-        c = m["server_model_cpus"]
-        parts.append(f"models on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}")
-    if m.get("cpu_latency_us") is not None:
-        parts.append(f"idle CPUs held within {m['cpu_latency_us']} µs of waking")
-    if m.get("spin_cpus"):
-        c = m["spin_cpus"]
-        parts.append(f"spinners on CPU{'s' if len(c) > 1 else ''} {cpu_list(c)}")
-    return " · " + ", ".join(parts) if parts else ""
+def side_by_side(results: dict[str, Any]) -> list[str]:
+    """Each served model beside its artifact run in this process: batch-1 latency, and best throughput."""
+    ip = results.get("in_process", {}).get("rows", [])
+    served = results.get("served", {}).get("models", {})
+    name = results["export"]["name"]
+    rows = []
+    for model, mm in served.items():
+        variant = SERVED_VARIANT.get(model[len(name) + 1:])
+        mine = [r for r in ip if r["variant"] == variant and r.get("n")]
+        if not mine or not mm["rows"]:
+            continue
+        one = next((r for r in mine if r["batch"] == 1), {})
+        c1 = next((r for r in mm["rows"] if r["concurrency"] == 1), {})
+        best_ip = max(mine, key=lambda r: r["images_per_s"])
+        best_sv = max(mm["rows"], key=lambda r: r["requests_per_s"])
+        rows.append([model, variant, _f(one.get("p50_ms")), _f(c1.get("p50_ms")),
+                     f"{best_ip['images_per_s']:.0f} (batch {best_ip['batch']})",
+                     f"{best_sv['requests_per_s']:.0f} (concurrency {best_sv['concurrency']})"])
+    if not rows:
+        return []
+    return ["## In-process beside served", ""] + _table(
+        ["model", "artifact", "in-process p50 ms (batch 1)", "served p50 ms (concurrency 1)", "in-process images/s",
+         "served images/s"], rows) + [""]
+
+
+def breakdown_lines(served: dict[str, Any]) -> list[str]:
+    """Triton's own statistics per request (µs): where a served request's time goes inside the server."""
+    rows = []
+    for section, how in (("models", "on"), ("batching_off", "off")):
+        for model, mm in served.get(section, {}).items():
+            for r in mm["rows"]:
+                s = r["server"]
+                rows.append([model, how, str(r["concurrency"]), _f(s["queue_us"], ".0f"), _f(s["compute_input_us"], ".0f"),
+                             _f(s["compute_infer_us"], ".0f"), _f(s["compute_output_us"], ".0f"),
+                             _f(r.get("client_side_us"), ".0f")])
+    return ["## Triton's server-side breakdown", "",
+            "Mean µs per request from Triton's statistics; client-side is the client's mean latency less the "
+            "server's share (gRPC, serialization, network).", ""] + _table(
+        ["model", "batching", "concurrency", "queue", "compute input", "compute infer", "compute output", "client-side"],
+        rows) + [""]
 
 
 def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path:
@@ -162,94 +94,10 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
     lines = [f"# Benchmark: {results['export']['name']}", "",
              f"{results['created']} · CPU {m['cpu']} ({m['cores']} cores) · GPU {m.get('gpu') or 'none'} · "
              f"torch {m['versions'].get('torch')} · onnxruntime {m['versions'].get('onnxruntime')} · "
-             f"git {m.get('git_revision') or '?'}" + cpu_pinning(m), ""]
-    w = wins(results)
-    if w:
-        lines += ["## Which format wins where", "", *w, ""]
-    if "flops_per_sample" in lim:
-        lines += ["## Limits", "",
-                  f"- Model: {lim['flops_per_sample'] / 1e9:.3f} GFLOP per sample (counted with torch's FlopCounterMode).",
-                  f"- Device peak measured by a matmul: {lim['fp32_flops'] / 1e9:.1f} GFLOP/s fp32, "
-                  f"{lim['bf16_flops'] / 1e9:.1f} GFLOP/s bf16 ({results['config']['threads']} thread(s)).", ""]
-    ip = results.get("in_process")
-    if ip:
-        lines += ["## In-process latency", "",
-                  f"Device {ip['device']}, {ip['threads']} intra-op thread(s); real held-out images; variants interleaved in "
-                  f"{results['config']['blocks']} blocks after {results['config']['warmup']} warm-up runs each.", "",
-                  "| variant | batch | p50 ms | p90 ms | p95 ms | p99 ms | mean ms | std ms | images/s | % of fp32 matmul probe |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in ip["rows"]:
-            frac = ""
-            if "flops_per_sample" in lim and r.get("n"):
-                frac = f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim['fp32_flops']:.1f}"
-            lines.append(f"| {r['variant']} | {r['batch']} | {_f(r.get('p50_ms'))} | {_f(r.get('p90_ms'))} | {_f(r.get('p95_ms'))} | "
-                         f"{_f(r.get('p99_ms'))} | {_f(r.get('mean_ms'))} | {_f(r.get('std_ms'))} | {_f(r.get('images_per_s'), '.0f')} | {frac} |")
-        for k, v in ip.get("notes", {}).items():
-            lines.append(f"\n- {k}: {v}")
-        lines.append("")
+             f"git {m.get('git_revision') or '?'}", ""]
     served = results.get("served")
     if served:
-        floor = (served.get("noop", {}).get("rows") or [{}])[0]
-        lines += ["## Served through gRPC", "", f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}). "
-                  "Closed loop: each level keeps that many batch-1 requests in flight"
-                  f"{ONE_AT_A_TIME.get(results.get('config', {}).get('transport'), '')}. Server columns are Triton's own "
-                  "statistics per request (µs); client-side = client mean latency minus the server's share "
-                  "(network, serialization, gRPC).", ""]
-        if floor.get("n"):
-            lines += [f"No-op round trip (the protocol floor, same tensors), on its own before the overhead blocks: "
-                      f"p50 {floor['p50_ms']:.3f} ms, p99 {floor['p99_ms']:.3f} ms"
-                      + (" (the floor in the excess below is the one timed beside the models)." if served.get("overhead") else "."),
-                      ""]
-        lines += overhead_lines(served.get("overhead"), results.get("machine", {}).get("python_host"))
-        for section, title in (("models", "dynamic batching as configured"), ("batching_off", "dynamic batching off")):
-            for model, mm in served.get(section, {}).items():
-                lines += [f"### {model} — {title}", "",
-                          "| concurrency | ok/sent | p50 ms | p90 ms | p99 ms | req/s | avg batch | queue µs | input µs | infer µs | output µs | client-side µs |",
-                          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-                for r in mm["rows"]:
-                    s = r["server"]
-                    lines.append(f"| {r['concurrency']} | {r['ok']}/{r['sent']} | {_f(r.get('p50_ms'))} | {_f(r.get('p90_ms'))} | "
-                                 f"{_f(r.get('p99_ms'))} | {_f(r['requests_per_s'], '.0f')} | {_f(s['avg_batch'])} | "
-                                 f"{_f(s['queue_us'], '.0f')} | {_f(s['compute_input_us'], '.0f')} | {_f(s['compute_infer_us'], '.0f')} | "
-                                 f"{_f(s['compute_output_us'], '.0f')} | {_f(r.get('client_side_us'), '.0f')} |")
-                lines.append("")
-        for model, on in served.get("models", {}).items():
-            off = served.get("batching_off", {}).get(model)
-            if off:
-                lines += [f"Dynamic batching gain for {model} (throughput on / off):", ""]
-                for a, b in zip(on["rows"], off["rows"]):
-                    if b["requests_per_s"]:
-                        # where no batch formed, batching cannot explain the difference (drift, the batcher hop)
-                        alone = " (no batches formed: the difference is not batching)" if a["server"]["avg_batch"] <= 1 else ""
-                        gain = a["requests_per_s"] / b["requests_per_s"]
-                        lines.append(f"- concurrency {a['concurrency']}: {gain:.2f}x{alone}")
-                lines.append("")
-        if "reconfigured" in served:
-            lines += [f"Batching off and queue delays: {served['reconfigured']['skipped']}.", ""]
-        ol = served.get("open_loop")
-        if ol:
-            lines += ["### Open loop (Poisson arrivals)", "", "| model | target req/s | achieved | p50 ms | p99 ms | errors |", "|---|---|---|---|---|---|"]
-            lines += [f"| {k} | {v['rate_target']:g} | {v['achieved_rps']:.0f} | {_f(v.get('p50_ms'))} | {_f(v.get('p99_ms'))} | {v['errors']} |"
-                      for k, v in ol.items()]
-            lines.append("")
-        pa = served.get("perf_analyzer", {})
-        if "skipped" in pa:
-            lines += [f"perf_analyzer cross-check: {pa['skipped']}.", ""]
-        for model, res in pa.items():
-            if model == "skipped":
-                continue
-            lines += [f"### perf_analyzer cross-check: {model} (dynamic batching {'on' if res.get('dynamic_batching') else 'off'})", ""]
-            if "error" in res:
-                lines += [f"perf_analyzer failed: {res['error']}", ""]
-                continue
-            ours = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
-            lines += ["| concurrency | perf_analyzer req/s | torchship req/s | perf_analyzer p50 ms | torchship p50 ms | perf_analyzer p99 ms | torchship p99 ms |",
-                      "|---|---|---|---|---|---|---|"]
-            for r in res["levels"]:
-                o = ours.get(r["concurrency"], {})
-                lines.append(f"| {r['concurrency']} | {r['requests_per_s']:.0f} | {_f(o.get('requests_per_s'), '.0f')} | {r['p50_ms']:.2f} | "
-                             f"{_f(o.get('p50_ms'))} | {r['p99_ms']:.2f} | {_f(o.get('p99_ms'))} |")
-            lines.append("")
+        lines += served_lines(served)
     rec = results.get("recommendation", {})
     if rec:
         lines += ["## Recommendation", ""]
@@ -264,6 +112,39 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
             if rec.get("written"):
                 lines.append(f"- written to: {', '.join(rec['written'])}")
         lines.append("")
+    lines += side_by_side(results)
+    ip = results.get("in_process")
+    if ip:
+        lines += ["## In-process latency", "",
+                  f"Device {ip['device']}, {ip['threads']} intra-op thread(s); real held-out images; variants interleaved in "
+                  f"{results['config']['blocks']} blocks after {results['config']['warmup']} warm-up runs each.", ""]
+        probe = "flops_per_sample" in lim
+        lines += _table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "images/s"] + (["% of fp32 matmul probe"] if probe else []),
+                        [[r["variant"], str(r["batch"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r.get("mean_ms")),
+                          _f(r.get("images_per_s"), ".0f")]
+                         + ([f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim['fp32_flops']:.1f}"] if probe else [])
+                         for r in ip["rows"] if r.get("n")])
+        lines += [f"- {k}: {v}" for k, v in ip.get("notes", {}).items()] + [""]
+        if probe:
+            lines += [f"The model costs {lim['flops_per_sample'] / 1e9:.3f} GFLOP per sample (torch's FlopCounterMode); a "
+                      f"matmul reached {lim['fp32_flops'] / 1e9:.1f} GFLOP/s fp32 and {lim['bf16_flops'] / 1e9:.1f} GFLOP/s "
+                      f"bf16 here ({results['config']['threads']} thread(s)).", ""]
+    if served:
+        lines += breakdown_lines(served)
+        if "reconfigured" in served:
+            lines += [f"Batching off and queue delays: {served['reconfigured']['skipped']}.", ""]
+        for model, per_delay in served.get("delays", {}).items():
+            lines += [f"### {model} at other queue delays", ""] + _table(
+                ["delay µs", "concurrency", "p50 ms", "p99 ms", "req/s"],
+                [[d, str(r["concurrency"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r["requests_per_s"], ".0f")]
+                 for d, mm in per_delay.items() for r in mm["rows"]]) + [""]
+        ol = served.get("open_loop")
+        if ol:
+            lines += ["## Open loop (Poisson arrivals)", ""] + _table(
+                ["model", "target req/s", "achieved", "p50 ms", "p99 ms", "errors"],
+                [[k, f"{v['rate_target']:g}", f"{v['achieved_rps']:.0f}", _f(v.get("p50_ms")), _f(v.get("p99_ms")),
+                  str(v["errors"])] for k, v in ol.items()]) + [""]
+        lines += perf_analyzer_lines(served)
     if results.get("errors"):
         lines += ["## Errors", "", *[f"- {e}" for e in results["errors"]], ""]
     if results.get("server_stop_note"):
@@ -275,6 +156,26 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
     path = out / "report.md"
     atomic_write_text(path, "\n".join(lines))
     return path
+
+
+def perf_analyzer_lines(served: dict[str, Any]) -> list[str]:
+    pa = served.get("perf_analyzer", {})
+    if "skipped" in pa:
+        return [f"perf_analyzer cross-check: {pa['skipped']}.", ""]
+    lines = []
+    for model, res in pa.items():
+        lines += [f"## perf_analyzer cross-check: {model} (dynamic batching {'on' if res.get('dynamic_batching') else 'off'})", ""]
+        if "error" in res:
+            lines += [f"perf_analyzer failed: {res['error']}", ""]
+            continue
+        ours = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
+        lines += _table(["concurrency", "perf_analyzer req/s", "torchship req/s", "perf_analyzer p50 ms", "torchship p50 ms",
+                         "perf_analyzer p99 ms", "torchship p99 ms"],
+                        [[str(r["concurrency"]), f"{r['requests_per_s']:.0f}",
+                          _f(ours.get(r["concurrency"], {}).get("requests_per_s"), ".0f"), f"{r['p50_ms']:.2f}",
+                          _f(ours.get(r["concurrency"], {}).get("p50_ms")), f"{r['p99_ms']:.2f}",
+                          _f(ours.get(r["concurrency"], {}).get("p99_ms"))] for r in res["levels"]]) + [""]
+    return lines
 
 
 def draw_plots(results: dict[str, Any], out: Path) -> list[Path]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from serve.server import free_ports
+from serve.embedded.process import free_ports
 
 TRAIN = ["-m", "train", "--arch", "tiny_cnn", "--data", "synthetic", "--synthetic-samples", "96", "--batch-size", "16",
          "--epochs", "2", "--seed", "3", "--no-progress"]

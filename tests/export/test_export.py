@@ -71,7 +71,7 @@ def test_names_agree_across_manifest_onnx_graph_and_loaders(exported):
 def test_normalization_lives_in_the_graph(exported):
     """The contract: raw [0, 1] images in; the artifact normalizes exactly as training did."""
     from train import checkpoint as ck
-    from train.models import model_from_meta
+    from torchship.models import model_from_meta
 
     m = read_manifest(exported)
     assert m["preprocessing"]["normalization"] == "in_graph"
@@ -150,18 +150,6 @@ def _times_ten(module, inputs: Tuple[torch.Tensor], output: torch.Tensor):
     return output * 10
 
 
-def test_a_torchscript_modules_compiled_hooks_still_run(tmp_path):
-    """The loader calls a TorchScript module's forward directly (cheaper on cold caches) only where that
-    is the same as calling the module: a forward hook compiled into it must still run."""
-    plain, hooked = _PlusOne(), _PlusOne()
-    hooked.register_forward_hook(_times_ten)
-    x = np.zeros((1, 2), np.float32)
-    for name, m, want in (("plain", plain, 1.0), ("hooked", hooked, 10.0)):
-        torch.jit.script(m).save(str(tmp_path / f"{name}.pt"))
-        r = runtime.load("torchscript", str(tmp_path / f"{name}.pt"), ["x"], ["y"])
-        np.testing.assert_array_equal(r.run({"x": x})["y"], np.full((1, 2), want, np.float32))
-
-
 def test_sha256_mismatch_and_missing_artifact_are_reported(exported, tmp_path):
     from export.verify import verify_export
 
@@ -217,20 +205,6 @@ def test_a_torch_artifact_runs_with_its_thread_count_on_any_thread(exported, fmt
     assert started >= 1  # the run's parallel region started its second thread
 
 
-def test_an_aoti_package_runs_flat_with_torchs_own_outputs(exported):
-    """runtime.aoti_model skips torch's per-call tree-spec parsing for one-tensor models; the outputs must be
-    torch's callable's, bit for bit."""
-    import torch
-
-    path = str(exported / artifact(read_manifest(exported), "aoti")["file"])
-    flat, compiled = runtime.aoti_model(path), torch._inductor.aoti_load_package(path)
-    assert not isinstance(flat, type(compiled))  # the flat path was taken
-    x = torch.from_numpy(np.random.default_rng(0).random((2, 3, 32, 32), dtype=np.float32))
-    with torch.inference_mode():
-        got, want = flat(x), compiled(x)
-    assert isinstance(got, list) and len(got) == 1 and torch.equal(got[0], want)
-
-
 def test_padded_rows_never_leak(monkeypatch):
     """Bucket padding returns only the real rows; a planted leak is caught by the shape check."""
     fns = {1: lambda x: [x[:, :2] * 2], 4: lambda x: [x[:, :2] * 2]}
@@ -244,7 +218,7 @@ def test_padded_rows_never_leak(monkeypatch):
         b = runtime.bucket_for(x.shape[0], fns)
         return fns[b](np.concatenate([x, np.zeros((b - x.shape[0], x.shape[1]), x.dtype)]))
 
-    from export.verify import compare
+    from torchship.parity import compare
 
     leaked = leaky(fns, x)[0]
     assert leaked.shape != out.shape  # the verifier's shape check rejects this before comparing values

@@ -38,8 +38,11 @@ def test_layout_and_configs(repo, exported):
             emb = cfg(repo / name / EMBEDDED_CONFIG)
             assert emb.backend == "pytorch" and emb.max_batch_size == 8 and list(emb.input[0].dims) == [3, 32, 32]
             assert emb.parameters["buckets"].string_value == "1:model.pt2,8:model_bs8.pt2"
+            assert emb.input[0].format == mc.ModelInput.FORMAT_NCHW
+            assert c.input[0].format == mc.ModelInput.FORMAT_NONE  # Triton allows a layout only on [C, H, W] dims
         else:
             assert c.max_batch_size == 8 and list(c.input[0].dims) == [3, 32, 32]
+            assert c.input[0].format == mc.ModelInput.FORMAT_NCHW  # image clients read the layout here
             assert c.dynamic_batching.max_queue_delay_microseconds == 2000
     readme = (repo / "README.md").read_text()
     assert "nvcr.io/nvidia/tritonserver:" in readme and "The models run on the CPU (`KIND_CPU` instances)" in readme
@@ -112,7 +115,7 @@ def test_a_gpu_instance_runs_on_cuda_where_there_is_one_and_on_the_cpu_elsewhere
     assert said[-1].endswith(f"on {device}, 1 intra-op thread(s)"), said
     m = read_manifest(exported)
     ref, tol = read_reference(exported, m), m["tolerances"]
-    (out,), _, _ = model.run([ref["input/random_b5"]])
+    (out,) = model.run([ref["input/random_b5"]])
     np.testing.assert_allclose(out[0], ref["expected/random_b5/logits"], rtol=tol["rtol"], atol=tol["atol"])
 
 

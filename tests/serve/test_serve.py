@@ -1,6 +1,5 @@
 """A real Triton server over real gRPC: parity per format, batching, bad input, shutdown, model control."""
 
-import contextlib
 import json
 import os
 import shutil
@@ -13,10 +12,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from serve.client import TritonClient, check_served
+from serve.client import TritonClient
 from serve.config import ServeConfig
-from serve.server import TritonServer
-from tests.conftest import children, run_cli, spinners_of
+from serve.embedded import TritonServer
+from serve.parity import check_served
+from tests.conftest import run_cli
 from torchship import runtime
 from torchship.errors import ClientError, ParityError, ServerError
 from torchship.manifest import read_manifest
@@ -61,14 +61,12 @@ def refused_then_served(stream, exported) -> None:
 
 
 def test_one_stream_carries_requests_in_turn_and_survives_a_refusal(server, exported):
-    """The bench's one-at-a-time transport: every model over one ModelStreamInfer call answers as the
-    unary call does, for its own request; a refused request raises and the stream keeps serving."""
-    from serve.bench import one_at_a_time
+    """Every model over one ModelStreamInfer call answers as the unary call does, for its own request; a
+    refused request raises and the stream keeps serving."""
     from serve.client import InferStream, decode, infer_channel, request
 
     channel, unary = infer_channel(server.url)
-    stream = one_at_a_time(channel, unary, "stream")
-    assert isinstance(stream, InferStream) and one_at_a_time(channel, unary, "unary") is unary
+    stream = InferStream(channel)
     try:
         for k in range(6):
             for model in MODELS:
@@ -196,9 +194,9 @@ def test_bad_input_gets_an_error_and_the_server_keeps_answering(server, exported
 
 
 def test_one_non_finite_value_anywhere_is_refused_and_extreme_finite_ones_are_served(server, exported):
-    """The in-server host checks each request's buffer for NaN and Inf by their bits: one bad value at the
-    first, a middle or the last position is enough, while the largest, smallest and subnormal finite
-    values and -0.0 pass and are served like any input."""
+    """The backends check each request for NaN and Inf: one bad value at the first, a middle or the last
+    position is enough, while the largest, smallest and subnormal finite values and -0.0 pass and are
+    served like any input."""
     client = TritonClient(server.url)
     x = np.random.default_rng(3).random((1, 3, 32, 32), dtype=np.float32)
     for pos, bad in ((0, np.inf), (x.size // 2, np.nan), (x.size - 1, -np.inf), (x.size - 1, np.nan)):
@@ -291,7 +289,7 @@ def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported):
 
 
 def test_unload_stall_is_read_from_the_log():
-    from serve.server import UNLOAD_STALL_TICKS, loaded_models, unload_stalled
+    from serve.embedded.server import UNLOAD_STALL_TICKS, loaded_models, unload_stalled
 
     head = ("Signal (15) received.\n\"Timeout 20: Found 1 model versions that have in-flight inferences\"\n"
             "\"All models are stopped, unloading models\"\n")
@@ -368,7 +366,7 @@ def test_a_server_that_cannot_be_started_leaves_no_temp_log(repo, tmp_path, monk
 
 
 def test_unreachable_server_is_a_clear_error(capsys, exported):
-    from serve.server import free_ports
+    from serve.embedded.process import free_ports
 
     assert run_cli("infer", "--url", f"127.0.0.1:{free_ports()[0]}", "--heldout", exported) == 2
     assert "is the server running" in capsys.readouterr().err
@@ -408,7 +406,7 @@ def test_a_url_that_is_not_a_grpc_endpoint_is_named(server, exported, capsys):
 def test_infer_refuses_a_bad_local_path_before_connecting(case, tmp_path, capsys):
     """A missing or unsendable FILE, or a --heldout that is not an export, is named at once, not after
     waiting for a server (none runs at this URL)."""
-    from serve.server import free_ports
+    from serve.embedded.process import free_ports
 
     (tmp_path / "notes.txt").write_text("x")
     arg = {"missing": [tmp_path / "nope.npy"], "suffix": [tmp_path / "notes.txt"], "heldout": ["--heldout", tmp_path]}[case]
@@ -420,19 +418,12 @@ def test_infer_refuses_a_bad_local_path_before_connecting(case, tmp_path, capsys
 
 
 def test_unreachable_server_is_a_clear_error_on_the_lean_path():
-    from serve.server import free_ports
+    from serve.embedded.process import free_ports
 
     client = TritonClient(f"127.0.0.1:{free_ports()[0]}", timeout_s=5)
     client._configs["m"] = {"input": [{"name": "images"}], "output": [{"name": "logits"}]}  # skip the config fetch
     with pytest.raises(ServerError, match="is the server running"):
         client.infer("m", np.zeros((1, 3, 32, 32), np.float32))
-
-
-def test_trace_options_are_checked_before_anything_starts(capsys, repo, exported, tmp_path):
-    assert run_cli("serve", repo, "--trace-file", tmp_path / "missing" / "trace.json") == 2
-    assert "--trace-file" in capsys.readouterr().err
-    assert run_cli("bench", exported, "--url", "127.0.0.1:1", "--trace", "--out", tmp_path / "b") == 2
-    assert "--trace needs" in capsys.readouterr().err
 
 
 def test_serve_refuses_a_folder_without_models_before_starting(capsys, exported, tmp_path):
@@ -517,7 +508,7 @@ def test_each_endpoint_gets_its_own_port(repo, capsys, monkeypatch):
     import socket
     import types
 
-    import serve.server as srv
+    import serve.embedded.process as srv
 
     monkeypatch.setattr(srv, "socket", types.SimpleNamespace(socket=FirstFreePort, SOL_SOCKET=socket.SOL_SOCKET,
                                                              SO_REUSEADDR=socket.SO_REUSEADDR))
@@ -528,7 +519,6 @@ def test_each_endpoint_gets_its_own_port(repo, capsys, monkeypatch):
     monkeypatch.undo()
     assert run_cli("serve", repo, "--grpc-port", 50000, "--metrics-port", 50000) == 2
     assert "--grpc-port and --metrics-port are both 50000" in capsys.readouterr().err
-
 
 
 @pytest.mark.parametrize("flag", ["--grpc-port", "--metrics-port"])
@@ -591,7 +581,7 @@ def test_a_given_port_taken_after_the_check_is_named(repo, tmp_path, monkeypatch
     import socket
     import tempfile
 
-    from serve.server import free_ports
+    from serve.embedded.process import free_ports
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     port = free_ports()[0]
@@ -604,225 +594,29 @@ def test_a_given_port_taken_after_the_check_is_named(repo, tmp_path, monkeypatch
     assert server.grpc_port == port and server.proc.poll() is not None
     assert list(tmp_path.glob("tritonserver-*.log")) == [server.log_path]
 
-def test_cpu_latency_request_is_held_while_serving_and_released(tmp_path):
-    from serve.server import CPU_LATENCY_DEVICE, CpuLatencyRequest
-
-    with pytest.raises(ServerError, match="needs write access to .*nowhere"):
-        CpuLatencyRequest(0, device=str(tmp_path / "nowhere" / "cpu_dma_latency"))
-    if not os.access(CPU_LATENCY_DEVICE, os.W_OK):
-        pytest.skip(f"{CPU_LATENCY_DEVICE} is not writable here")
-
-    def current():
-        with open(CPU_LATENCY_DEVICE, "rb") as f:
-            return int.from_bytes(f.read(4), "little", signed=True)
-
-    baseline = current()
-    req = CpuLatencyRequest(0)
-    assert current() == 0
-    req.close()
-    assert current() == baseline and baseline != 0
-
-
-def test_cpus_pin_every_server_thread_and_the_model_still_answers(repo, exported):
-    """--cpus: every thread of the server process (Triton's, gRPC's, the backends' and the model's) runs
-    on the CPUs given, set before exec so that no thread starts outside them."""
-    from serve.server import describe
-
-    last = max(os.sched_getaffinity(0))
-    if last == 0:
-        pytest.skip("needs a second CPU to tell a pinned server from one that is not")
-    x = np.random.default_rng(0).random((3, 3, 32, 32), dtype=np.float32)
-    with TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), cpus=str(last))) as s:
-        got = TritonClient(s.url).infer("tiny_cnn_onnx", x)  # the model has run, so its threads exist
-        tasks = list(Path(f"/proc/{s.proc.pid}/task").iterdir())
-        masks = {tuple(sorted(os.sched_getaffinity(int(t.name)))) for t in tasks}
-        assert describe(s)["cpus"] == [last]
-    assert len(tasks) > 10 and masks == {(last,)}
-    np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
-
-
-def test_cpus_are_checked_and_a_refused_pin_is_named(repo, tmp_path, monkeypatch, capsys):
-    import tempfile
-
-    from serve.config import parse_cpus
-    from torchship.errors import ConfigError
-
-    for spec, message in (("1-0", "write CPU numbers"), ("", "write CPU numbers"), ("0,a", "write CPU numbers"),
-                          (str(os.cpu_count()), f"has CPUs 0-{os.cpu_count() - 1}, not {os.cpu_count()}")):
-        with pytest.raises(ConfigError, match=message):
-            ServeConfig(repo=str(repo), cpus=spec)
-    assert run_cli("serve", repo, "--cpus", "0-") == 2
-    assert "--cpus '0-'" in capsys.readouterr().err
-    assert run_cli("bench", repo, "--url", "127.0.0.1:1", "--server-cpus", "0") == 2
-    assert "--server-cpus" in capsys.readouterr().err
-    monkeypatch.setattr(os, "cpu_count", lambda: 4096)
-    assert parse_cpus("3, 0-1,1") == [0, 1, 3]
-    # a CPU that passes the check but that Linux will not give: the child's refusal becomes a clear error
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), cpus="4000"))
-    with pytest.raises(ServerError, match="Linux refused to run the server on CPUs 4000: this process may use CPUs 0"):
-        server.start()
-    assert server.proc is None and list(tmp_path.glob("tritonserver-*.log")) == []
-
-
-def _cpu_ticks(pid: int) -> dict[int, int]:
-    """CPU time (user + system clock ticks) of every thread of a process, by thread id."""
-    ticks = {}
-    for t in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            fields = (t / "stat").read_text().rsplit(")", 1)[1].split()
-            ticks[int(t.name)] = int(fields[11]) + int(fields[12])
-    return ticks
-
-
-@pytest.mark.parametrize("host", ["server", "stub"])
-def test_model_cpus_pin_the_models_and_leave_the_protocol_where_it_was(repo, exported, tmp_path, host):
-    """--model-cpus: the thread that runs a model (in the server process, or the stub process that Triton
-    starts from it) is on the CPUs given, through Triton's host policy; gRPC and the rest stay on --cpus.
-    The hold model busy-waits 40 ms per request in its instance, so that thread is by far the busiest."""
-    from serve.bench import HOLD_MODEL, noop_repo
-    from serve.server import describe
-
-    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
-    if first == last:
-        pytest.skip("needs a second CPU to tell the models' CPU from the server's")
-    x = np.random.default_rng(0).random((3, 3, 32, 32), dtype=np.float32)
-    hold = np.zeros((1, 3, 32, 32), np.float32)
-    hold.flat[0] = 40_000  # µs
-    cfg = ServeConfig(repo=str(repo), models=("tiny_cnn_onnx", HOLD_MODEL), cpus=str(first), model_cpus=str(last),
-                      python_host=host)
-    with TritonServer(cfg, extra_repos=[noop_repo(tmp_path, read_manifest(exported))]) as s:
-        client = TritonClient(s.url)
-        got = client.infer("tiny_cnn_onnx", x)
-        pids = [s.proc.pid] + children(s.proc.pid)
-        before = {p: _cpu_ticks(p) for p in pids}
-        for _ in range(8):
-            client.infer(HOLD_MODEL, hold)
-        used = {(p, t): n - before[p].get(t, 0) for p in pids for t, n in _cpu_ticks(p).items()}
-        busiest = max(used, key=used.get)
-        mask = {(p, t): tuple(sorted(os.sched_getaffinity(t))) for p, t in used}
-        assert describe(s)["model_cpus"] == [last]
-    assert used[busiest] >= 20  # clock ticks (100 a second): most of the 0.32 s of holding
-    assert mask[busiest] == (last,)
-    server_threads = [m for (p, _), m in mask.items() if p == pids[0]]
-    assert server_threads.count((first,)) > 10 and set(server_threads) <= {(first,), (last,)}
-    if host == "stub":  # every stub process comes from a pinned instance thread
-        assert {m for (p, _), m in mask.items() if p != pids[0]} == {(last,)}
-    np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
-
-
-def test_model_cpus_are_checked(repo, monkeypatch, capsys):
-    from torchship.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=f"has CPUs 0-{os.cpu_count() - 1}"):
-        ServeConfig(repo=str(repo), model_cpus=str(os.cpu_count()))
-    assert run_cli("bench", repo, "--url", "127.0.0.1:1", "--server-model-cpus", "0") == 2
-    assert "--server-model-cpus pins the embedded server's models" in capsys.readouterr().err
-    monkeypatch.setattr(os, "cpu_count", lambda: 4096)
-    for spec, message in (("0,2", "one CPU or one range"), ("1-0", "write CPU numbers")):
-        with pytest.raises(ConfigError, match=message):
-            ServeConfig(repo=str(repo), model_cpus=spec)
-    assert run_cli("serve", repo, "--model-cpus", "0,2") == 2
-    assert "--model-cpus '0,2': give one CPU or one range" in capsys.readouterr().err
-    # a CPU that passes the check but that Linux will not give a thread: refused before the server starts
-    with pytest.raises(ServerError, match="--model-cpus 4000: Linux refused to run a thread on CPUs 4000"):
-        TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), model_cpus="4000"))
-
-
-def _cpu_share_in_a_session_of_its_own(cpu: int) -> float:
-    """CPU time over wall time of a busy loop pinned to ``cpu``, in a session of its own as the server runs."""
-    import subprocess
-    import sys
-
-    loop = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nt, c = time.perf_counter(), time.process_time()\n"
-            "while time.perf_counter() - t < 0.5:\n    pass\nprint((time.process_time() - c) / (time.perf_counter() - t))")
-    return float(subprocess.run([sys.executable, "-c", loop], capture_output=True, text=True, check=True,
-                                start_new_session=True).stdout)
-
-
-def test_spinners_keep_a_cpu_busy_and_give_it_up_to_any_work():
-    """--spin-cpus: one process per CPU, pinned there at SCHED_IDLE in a session of its own, gone at close.
-    A busy process in another session (Linux shares CPU time between sessions' autogroups before it looks
-    at a task's policy) still gets the CPU: a spinner at normal weight would take half of it."""
-    from serve.server import IdleSpinners
-
-    cpu = max(os.sched_getaffinity(0))
-    spinners = IdleSpinners([cpu])
-    try:
-        (pid,) = spinners.pids
-        assert spinners_of(os.getpid()) == [pid]
-        assert os.sched_getscheduler(pid) == os.SCHED_IDLE and os.sched_getaffinity(pid) == {cpu}
-        assert os.getsid(pid) == pid  # its own session: a Ctrl-C at the terminal reaches torchship only
-        share = _cpu_share_in_a_session_of_its_own(cpu)
-    finally:
-        spinners.close()
-    assert share > 0.9, f"a busy process got {share:.0%} of a CPU beside a spinner"
-    assert spinners_of(os.getpid()) == [] and spinners.pids == []
-
-
-def test_spin_cpus_are_held_while_serving_and_gone_after_stop(repo, exported):
-    from serve.server import describe
-
-    cpu = max(os.sched_getaffinity(0))
-    x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
-    with TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), spin_cpus=str(cpu))) as s:
-        spinning = spinners_of(os.getpid())
-        assert spinning == s.awake.spinners.pids and len(spinning) == 1
-        assert describe(s)["spin_cpus"] == [cpu]
-        got = TritonClient(s.url).infer("tiny_cnn_onnx", x)
-    assert spinners_of(os.getpid()) == []
-    np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
-
-
-def test_spin_cpus_are_checked(repo, monkeypatch, capsys):
-    from serve.server import IdleSpinners
-    from torchship.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=f"--spin-cpus '{os.cpu_count()}': this machine has CPUs 0-"):
-        ServeConfig(repo=str(repo), spin_cpus=str(os.cpu_count()))
-    assert run_cli("bench", repo, "--url", "127.0.0.1:1", "--spin-cpus", "0-") == 2
-    assert "--spin-cpus '0-': write CPU numbers" in capsys.readouterr().err
-    # a CPU that passes the check but that Linux will not give a thread: refused before anything starts
-    monkeypatch.setattr(os, "cpu_count", lambda: 4096)
-    with pytest.raises(ServerError, match="--spin-cpus 4000: Linux refused to run a thread on CPUs 4000"):
-        TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), spin_cpus="4000")).start()
-    # Linux drops CPUs it lacks from a mask, so 0,4000 passes that check; the spinner for 4000 fails, and the
-    # one already spinning on 0 goes with it
-    with pytest.raises(ServerError, match="--spin-cpus: the spinner for CPU 4000 exited with code 1: OSError"):
-        IdleSpinners([0, 4000])
-    assert spinners_of(os.getpid()) == []
-
-
-def test_the_server_and_spinners_start_without_running_this_process_fork_handlers(repo, exported):
+def test_the_server_starts_without_running_this_process_fork_handlers(repo, exported):
     """No preexec_fn anywhere: Popen then uses vfork and runs none of the at-fork handlers that native
     libraries loaded here registered. gRPC's, with requests in flight on other threads, can abort the child
-    ("Fatal Python error: Aborted" in _execute_child) or close descriptors this process's gRPC still polls.
-    Python runs its own at-fork hooks exactly when it runs those, so one stands witness. The pin and the
-    spinners, which used to need a preexec_fn, are on."""
-    mask = os.sched_getaffinity(0)
-    last = max(mask)
+    ("Fatal Python error: Aborted" in _execute_child). Python runs its own at-fork hooks exactly when it runs
+    those, so one stands witness."""
     forks: list[int] = []
     os.register_at_fork(before=lambda: forks.append(1))  # cannot be unregistered; it only counts
     x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
-    with TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), cpus=str(last), spin_cpus=str(last))) as s:
+    with TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",))) as s:
         got = TritonClient(s.url).infer("tiny_cnn_onnx", x)
-        assert os.sched_getaffinity(s.proc.pid) == {last} and len(s.awake.spinners.pids) == 1
         started = len(forks)
     assert started == 0, "starting the server ran this process's at-fork handlers"
-    assert os.sched_getaffinity(0) == mask  # the thread that asked for it was never pinned
-    starter = next(t for t in threading.enumerate() if t.name == "torchship-starter")
-    assert os.sched_getaffinity(starter.native_id) == mask  # and the thread that started it is no longer
     np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
 
 
 def test_a_server_started_from_a_thread_that_ends_keeps_serving(repo, exported):
     """Linux sends a child its death signal when the thread that started it ends, not the process: a server
-    or spinner started straight from a worker thread was SIGTERMed as soon as that thread returned."""
+    started straight from a worker thread was SIGTERMed as soon as that thread returned."""
     box: dict = {}
 
     def start():
         try:
-            box["server"] = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), spin_cpus="0")).start()
+            box["server"] = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",))).start()
         except BaseException as e:  # raised again below, in the test's own thread
             box["error"] = e
 
@@ -835,7 +629,6 @@ def test_a_server_started_from_a_thread_that_ends_keeps_serving(repo, exported):
     with box["server"] as s:  # started already: entering does not start it again
         time.sleep(1.0)  # the signal, had it come, came when the thread ended; Triton then drains and exits
         assert s.proc.poll() is None, "the server ended with the thread that started it"
-        assert all(p.poll() is None for p in s.awake.spinners.procs), "a spinner ended with the thread that started it"
         got = TritonClient(s.url).infer("tiny_cnn_onnx", x)
         with pytest.raises(ServerError, match="already running"):
             s.start()
@@ -849,7 +642,7 @@ def test_a_start_interrupted_while_waiting_on_the_starter_ends_the_child(monkeyp
     import subprocess
     import sys
 
-    from serve import server
+    from serve.embedded import process as server
 
     class Interrupted(BaseException):
         pass
@@ -888,7 +681,7 @@ def test_a_start_interrupted_while_waiting_on_the_starter_ends_the_child(monkeyp
 
 
 def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
-    """SIGKILL the process that started the server: no finally block runs, yet the server and its spinner go too."""
+    """SIGKILL the process that started the server: no finally block runs, yet the server goes too."""
     import subprocess
     import sys
 
@@ -896,20 +689,19 @@ def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
     script.write_text(f"""
 import sys, time
 from serve.config import ServeConfig
-from serve.server import TritonServer
-s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",), log={str(tmp_path / "server.log")!r},
-                             spin_cpus="0")).start()
-print(s.proc.pid, *s.awake.spinners.pids, flush=True)
+from serve.embedded import TritonServer
+s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",), log={str(tmp_path / "server.log")!r})).start()
+print(s.proc.pid, flush=True)
 time.sleep(600)
 """)
     holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               cwd=str(Path(__file__).resolve().parents[2]))
-    server_pid, spinner_pid = map(int, holder.stdout.readline().split())
+    server_pid = int(holder.stdout.readline())
     os.kill(server_pid, 0)  # it is up
     holder.kill()
     holder.wait(30)
     deadline = time.time() + 60
-    for pid, what in ((spinner_pid, "a spinner"), (server_pid, "the server")):
+    for pid, what in ((server_pid, "the server"),):
         while time.time() < deadline:
             try:
                 os.kill(pid, 0)
@@ -921,75 +713,6 @@ time.sleep(600)
             pytest.fail(f"{what} outlived the process that started it")
     with pytest.raises(ProcessLookupError):
         os.killpg(server_pid, 0)  # its stubs are gone too
-
-
-def test_grpc_client_setting_stays_in_the_client(server, monkeypatch):
-    """torchship's clients poll their own gRPC replies (GRPC_EXPERIMENTS, set when serve is imported);
-    the server is started without that setting, and a user's own value is passed on untouched."""
-    import serve
-
-    environ = dict(e.split("=", 1) for e in Path(f"/proc/{server.proc.pid}/environ").read_text().split("\0") if "=" in e)
-    if serve._GRPC_DEFAULTED:
-        assert os.environ["GRPC_EXPERIMENTS"] == serve.GRPC_CLIENT_EXPERIMENTS
-        assert "GRPC_EXPERIMENTS" not in environ
-    monkeypatch.setattr(serve, "_GRPC_DEFAULTED", False)  # as if the user had set it
-    assert serve.child_env({"GRPC_EXPERIMENTS": serve.GRPC_CLIENT_EXPERIMENTS}) == {"GRPC_EXPERIMENTS": serve.GRPC_CLIENT_EXPERIMENTS}
-
-
-def test_default_server_hosts_the_backends_in_its_own_process(server):
-    """auto resolves to the in-server host here (a compiler and a shared libpython are present): no stub
-    process serves the models, and the server reports which host it used."""
-    from serve.server import describe
-
-    assert server.python_host == "server" and describe(server)["python_host"] == "server"
-    stubs = [c for c in children(server.proc.pid) if "triton_python_backend_stub" in Path(f"/proc/{c}/cmdline").read_text()]
-    assert not stubs, "models should run inside tritonserver, not in python-backend stubs"
-
-
-def test_stub_host_serves_the_same_outputs(repo, exported):
-    """The other host (Triton's python-backend stubs): every format at batch 1, odd and max equals
-    in-process, batched requests are routed back to their own senders, and a NaN input is refused."""
-    with TritonServer(ServeConfig(repo=str(repo), python_host="stub")) as s:
-        assert s.python_host == "stub"
-        assert check_served(s.url, exported)["pass"]
-        client = TritonClient(s.url)
-        for model, fmt in MODELS.items():
-            local = in_process(exported, fmt)
-            for n in (1, 5, 8):
-                x = np.random.default_rng(n).random((n, 3, 32, 32), dtype=np.float32)
-                np.testing.assert_allclose(client.infer(model, x), local.run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
-        xs = [np.random.default_rng(100 + i).random((1, 3, 32, 32), dtype=np.float32) for i in range(16)]
-        local = in_process(exported, "onnx")
-        check_each_response(xs, send_concurrently(s.url, "tiny_cnn_onnx", xs), lambda x: local.run({"images": x})["logits"])
-        with pytest.raises(ClientError, match="NaN"):
-            client.infer("tiny_cnn_onnx", np.full((1, 3, 32, 32), np.nan, np.float32))
-        client.close()
-
-
-def test_in_server_build_failures_name_what_is_missing(tmp_path, monkeypatch):
-    """No compiler (or a failing one): a one-line reason and the way out; auto falls back to the stub host."""
-    import serve.server as srv
-
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with pytest.raises(ServerError, match="building the in-server backend failed.*--python-host stub"):
-        srv.compile_inserver(tmp_path / "lib.so")
-    assert not (tmp_path / "lib.so").exists()
-    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH, CC unset: no compiler at all
-    monkeypatch.delenv("CC")
-    with pytest.raises(ServerError, match="needs a C compiler"):
-        srv.compile_inserver(tmp_path / "lib.so")
-
-    def broken(host="server"):
-        raise ServerError("the in-server backend needs a C compiler (cc) to build")
-
-    monkeypatch.setattr(srv, "backend_dir", broken)
-    monkeypatch.setattr(srv, "cuda_visible", lambda: False)
-    host, note = srv.resolve_python_host("auto")
-    assert host == "stub" and "needs a C compiler" in note
-    assert srv.resolve_python_host("server") == ("server", "")
-    monkeypatch.setattr(srv, "cuda_visible", lambda: True)  # not yet validated with CUDA: auto stays on stubs
-    host, note = srv.resolve_python_host("auto")
-    assert host == "stub" and "CUDA" in note
 
 
 def test_top_k_through_the_classification_extension(server, exported):
@@ -1007,6 +730,48 @@ def test_top_k_through_the_classification_extension(server, exported):
         assert idx == list(np.argsort(-logits)[:3])
         np.testing.assert_allclose(scores, np.sort(logits)[::-1][:3], atol=1e-5, rtol=1e-5)
         assert all(len(p.split(":")) == 3 and p.split(":")[2] for p in parsed), parsed
+    client.close()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_standard_image_client_reads_the_layout_and_gets_labelled_top_3(server, exported, tmp_path, protocol):
+    """What Triton's own image client does: read the input's layout and size from the served config,
+    preprocess an image file to match, and ask for the top 3 classes through the classification extension
+    (class_count). The labels come back, and the classes are the in-process top 3."""
+    from PIL import Image
+
+    if protocol == "grpc":
+        import tritonclient.grpc as tc
+
+        client = tc.InferenceServerClient(server.url)
+        config = client.get_model_config("tiny_cnn_onnx").config
+        inp, out = config.input[0], config.output[0]
+        layout, dims, name, dtype = tc.model_config_pb2.ModelInput.Format.Name(inp.format), list(inp.dims), inp.name, inp.data_type
+        dtype = tc.model_config_pb2.DataType.Name(dtype)[len("TYPE_"):]
+    else:
+        import tritonclient.http as tc
+
+        client = tc.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        config = client.get_model_config("tiny_cnn_onnx")
+        inp, out = config["input"][0], config["output"][0]
+        layout, dims, name, dtype = inp["format"], inp["dims"], inp["name"], inp["data_type"][len("TYPE_"):]
+    assert layout == "FORMAT_NCHW", layout
+    c, h, w = (int(d) for d in dims)
+    pixels = (np.random.default_rng(5).random((48, 40, 3)) * 255).astype(np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "photo.png")
+    with Image.open(tmp_path / "photo.png") as im:  # preprocess as the config says: C x H x W, scaled to [0, 1]
+        x = np.asarray(im.convert("RGB").resize((w, h), Image.BILINEAR), dtype=np.float32) / 255.0
+    x = np.ascontiguousarray(x.transpose(2, 0, 1)[None] if layout == "FORMAT_NCHW" else x[None])
+    assert x.shape == (1, c, h, w)
+    infer_input = tc.InferInput(name, list(x.shape), dtype)
+    infer_input.set_data_from_numpy(x)
+    requested = tc.InferRequestedOutput(out.name if protocol == "grpc" else out["name"], class_count=3)
+    result = client.infer("tiny_cnn_onnx", [infer_input], outputs=[requested])
+    rows = [v.decode() if isinstance(v, bytes) else v for v in result.as_numpy(requested.name()).reshape(-1)]
+    classes = read_manifest(exported)["classes"]
+    logits = in_process(exported, "onnx").run({"images": x})["logits"][0]
+    assert [int(r.split(":")[1]) for r in rows] == list(np.argsort(-logits)[:3])
+    assert [r.split(":", 2)[2] for r in rows] == [classes[i] for i in np.argsort(-logits)[:3]]
     client.close()
 
 

@@ -1,0 +1,110 @@
+"""Load generation over gRPC: a closed loop (N requests in flight) and an open loop (Poisson arrivals)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..client import infer_channel, request
+from .stats import summarize
+
+
+def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int, n: int, input_name: str) -> dict[str, Any]:
+    """Keep ``concurrency`` requests in flight until ``n`` complete; per-request latency in seconds. Requests
+    are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1 one at a time
+    in this thread, so no callback thread is in the measured path."""
+    import grpc
+
+    prepared = [request(model, x, input_name) for x in inputs]
+    lat: list[float] = []
+    errors: list[str] = []
+    channel, call = infer_channel(url)
+    t_start = time.perf_counter()
+    if concurrency == 1:
+        for i in range(n):
+            t0 = time.perf_counter()
+            try:
+                call(prepared[i % len(prepared)], timeout=60)
+                lat.append(time.perf_counter() - t0)
+            except grpc.RpcError as e:
+                errors.append(e.details() or str(e.code()))
+        channel.close()
+        return {"latencies_s": lat, "errors": errors, "wall_s": time.perf_counter() - t_start, "completed": n}
+    lock = threading.Lock()
+    done = threading.Event()
+    issued, finished = [0], [0]
+
+    def issue():
+        with lock:
+            if issued[0] >= n:
+                return
+            i = issued[0]
+            issued[0] += 1
+        t0 = time.perf_counter()
+        call.future(prepared[i % len(prepared)], timeout=60).add_done_callback(lambda f, t0=t0: complete(f, t0))
+
+    def complete(fut, t0):
+        dt = time.perf_counter() - t0
+        err = fut.exception()
+        with lock:
+            if err is not None:
+                errors.append(err.details() if hasattr(err, "details") else str(err))
+            else:
+                lat.append(dt)
+            finished[0] += 1
+            last = finished[0] >= n
+        if last:
+            done.set()
+        else:
+            issue()
+
+    for _ in range(min(concurrency, n)):
+        issue()
+    done.wait(timeout=max(60.0, n * 2.0))
+    wall = time.perf_counter() - t_start
+    channel.close()
+    return {"latencies_s": lat, "errors": errors, "wall_s": wall, "completed": finished[0]}
+
+
+def open_loop(url: str, model: str, inputs: list[np.ndarray], rate: float, duration: float, input_name: str) -> dict:
+    """Poisson arrivals at ``rate`` requests/s for ``duration`` seconds (latency includes queueing)."""
+    channel, call = infer_channel(url)
+    prepared = [request(model, x, input_name) for x in inputs]
+    rng = np.random.default_rng(0)
+    lat, errors, pending = [], [], threading.Semaphore(0)
+    sent = 0
+    t_start = time.perf_counter()
+    next_t = t_start
+    while next_t - t_start < duration:
+        now = time.perf_counter()
+        if now < next_t:
+            time.sleep(next_t - now)
+        t0 = time.perf_counter()
+
+        def cb(fut, t0=t0):
+            (errors.append(str(fut.exception())) if fut.exception() else lat.append(time.perf_counter() - t0))
+            pending.release()
+        call.future(prepared[sent % len(prepared)], timeout=60).add_done_callback(cb)
+        sent += 1
+        next_t += rng.exponential(1.0 / rate)
+    for _ in range(sent):
+        pending.acquire(timeout=60)
+    wall = time.perf_counter() - t_start
+    channel.close()
+    return {"rate_target": rate, "sent": sent, "achieved_rps": len(lat) / wall, **summarize(lat), "errors": len(errors)}
+
+
+def level_row(res: dict, delta: dict, concurrency: int, batch: int) -> dict[str, Any]:
+    """One concurrency level of a sweep: the client's percentiles and throughput beside Triton's breakdown."""
+    s = summarize(res["latencies_s"])
+    row = {"concurrency": concurrency, "sent": res["completed"], "ok": len(res["latencies_s"]), "failed": len(res["errors"]),
+           **s, "requests_per_s": len(res["latencies_s"]) / res["wall_s"] if res["wall_s"] else 0.0,
+           "images_per_s": batch * len(res["latencies_s"]) / res["wall_s"] if res["wall_s"] else 0.0, "server": delta}
+    if s.get("n"):
+        row["client_side_us"] = s["mean_ms"] * 1e3 - delta.get("server_us", 0.0)
+    if res["errors"]:
+        row["first_error"] = res["errors"][0][:300]
+    return row

@@ -1,0 +1,68 @@
+"""The recommendation: the served configuration with the highest throughput within the p99 budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def recommend(results: dict, budget_ms: float | None, max_batch: int) -> dict[str, Any]:
+    """The served configuration with the highest throughput whose p99 meets the budget."""
+    cands = []
+    served = results.get("served", {})
+    for model, m in served.get("models", {}).items():
+        for r in m["rows"]:
+            cands.append((model, "on", m.get("max_queue_delay_us", 0), r))
+    for model, m in served.get("batching_off", {}).items():
+        for r in m["rows"]:
+            cands.append((model, "off", 0, r))
+    for model, d in served.get("delays", {}).items():
+        for delay, m in d.items():
+            for r in m["rows"]:
+                cands.append((model, "on", int(delay), r))
+    cands = [c for c in cands if c[3].get("n") and not c[3]["failed"]]
+    if not cands:
+        return {"error": "no served measurements to recommend from"}
+    ok = [c for c in cands if budget_ms is None or c[3]["p99_ms"] <= budget_ms]
+    if not ok:
+        best = min(cands, key=lambda c: c[3]["p99_ms"])
+        return {"error": f"no configuration meets p99 <= {budget_ms:g} ms; the lowest p99 measured was "
+                         f"{best[3]['p99_ms']:.2f} ms ({best[0]}, concurrency {best[3]['concurrency']})",
+                "budget_ms": budget_ms}
+    model, batching, delay, r = max(ok, key=lambda c: c[3]["requests_per_s"])
+    c = r["concurrency"]
+    mbs = min(max_batch, 1 << max(0, (c - 1).bit_length())) if batching == "on" else max_batch
+    if batching == "on":
+        why_batch = (f"{c} requests in flight form batches of at most {c}, so max_batch_size {mbs}"
+                     f"{' (the export caps it at ' + str(max_batch) + ')' if mbs < c else ''}")
+    else:
+        why_batch = "requests ran one by one faster than the dynamic batcher merged them at this load"
+    return {"budget_ms": budget_ms, "model": model, "dynamic_batching": batching == "on",
+            "max_batch_size": mbs, "max_queue_delay_microseconds": delay, "instance_count": 1,
+            "at_concurrency": c, "p99_ms": r["p99_ms"], "requests_per_s": r["requests_per_s"],
+            "why": (f"highest throughput with p99 {'<= ' + format(budget_ms, 'g') + ' ms' if budget_ms else '(no budget given)'}; "
+                    f"{why_batch}; "
+                    "one instance: instance counts were not swept (on a 2-core CPU a second instance only competes for cores)")}
+
+
+def write_recommendation(repo: Path, rec: dict) -> list[str]:
+    """Apply the recommended batching to the model's configs in the repository (atomic writes)."""
+    from ..repository import EMBEDDED_CONFIG, config_text, read_config
+    from torchship.io import atomic_write_text
+
+    written = []
+    for name in ("config.pbtxt", EMBEDDED_CONFIG):
+        p = repo / rec["model"] / name
+        if not p.exists():
+            continue
+        c = read_config(p)
+        if c.max_batch_size == 0:  # a batch-1 config stays batch-1
+            continue
+        c.max_batch_size = max(1, min(c.max_batch_size, rec["max_batch_size"] or c.max_batch_size))
+        if rec["dynamic_batching"]:
+            c.dynamic_batching.max_queue_delay_microseconds = rec["max_queue_delay_microseconds"]
+        else:
+            c.ClearField("dynamic_batching")
+        atomic_write_text(p, config_text(c))
+        written.append(str(p))
+    return written

@@ -1,0 +1,191 @@
+"""The served part of the benchmark: closed-loop sweeps per model and concurrency, dynamic batching on
+and off, other queue delays, the no-op round trip, an open loop, and the perf_analyzer cross-check."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from torchship.errors import BenchError, ClientError, TorchshipError
+
+from ..client import TritonClient
+from ..repository import read_config, repository_models, served_config_path
+from .config import BenchConfig
+from .in_process import real_inputs, reference_pool
+from .load import closed_loop, level_row, open_loop
+from .stats import served_count, settled_stats, stats_delta, stats_of
+
+NOOP_MODEL = "_torchship_noop"
+
+
+def noop_repo(out: Path, manifest: dict) -> Path:
+    """A repository with one model of the export's tensors that answers zeros without running anything,
+    on the same backend host as the real models: the round trip of the protocol alone."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    root = out / "noop_repo"
+    mdir = root / NOOP_MODEL
+    if mdir.exists():
+        shutil.rmtree(mdir)
+    (mdir / "1").mkdir(parents=True)
+    inp, outp = manifest["inputs"][0], manifest["outputs"][0]
+    c = mc.ModelConfig(name=NOOP_MODEL, backend="torchship", max_batch_size=manifest["max_batch"])
+    c.input.add(name=inp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in inp["shape"][1:]])
+    c.output.add(name=outp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in outp["shape"][1:]])
+    c.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+    (mdir / "config.pbtxt").write_text(text_format.MessageToString(c))
+    return root
+
+
+def bench_server(serve_cfg, manifest: dict, out: Path):
+    """An embedded TritonServer (not started) on serve_cfg's repository, with the no-op model beside it.
+    Give it, started, to run_bench's ``server``; ``torchship run`` does."""
+    from ..embedded import TritonServer
+
+    return TritonServer(serve_cfg, extra_repos=[noop_repo(out, manifest)])
+
+
+def start_own_server(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Path):
+    """The bench's own embedded server: on --repo, else on a repository built from the export into OUT/repo."""
+    from ..config import RepoConfig
+    from ..repository import build_repository
+
+    repo = Path(cfg.repo) if cfg.repo else out / "repo"
+    if not cfg.repo:
+        build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
+    server = bench_server(dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")), manifest, out)
+    return server.start()
+
+
+def format_of(model: str, manifest: dict) -> str:
+    return model[len(manifest["name"]) + 1:]
+
+
+def served_models(client, manifest: dict, cfg: BenchConfig) -> list[str]:
+    ready = client.require_models(cfg.models)
+    if cfg.models:
+        return list(cfg.models)
+    mine = [m for m in ready if m.startswith(manifest["name"] + "_")]
+    if not mine:
+        raise ClientError(f"no model of {manifest['name']!r} is served at {client.url} (served: {', '.join(ready) or 'none'})")
+    return mine
+
+
+def check_models(cfg: BenchConfig, manifest: dict, server=None) -> None:
+    """Refuse --models naming a model that will not be served, before anything is measured or written:
+    the models of the given server, else of the server at --url, else of the repository the bench
+    serves itself (--repo, or the one it builds from the export)."""
+    if server is not None:
+        where, known = f"the server at {server.url}", list(server.loaded)
+    elif cfg.url:
+        client = TritonClient(cfg.url)
+        try:
+            client.wait_ready(15)
+            where, known = f"the server at {cfg.url}", client.ready_models()
+        finally:
+            client.close()
+    elif cfg.repo:
+        repo = Path(cfg.repo)
+        if not repo.is_dir():
+            raise BenchError(f"--repo {repo}: no such directory (build one with torchship repo)")
+        where, known = f"repository {repo}", repository_models(repo)
+    else:
+        from ..repository import model_names
+
+        where, known = f"the repository built from {cfg.export_dir}", sorted(model_names(manifest).values())
+    missing = [m for m in cfg.models if m not in known]
+    if missing:
+        raise BenchError(f"--models {' '.join(missing)}: not in {where}; choose from {', '.join(known) or 'none'}")
+
+
+def sweep(url: str, model: str, inputs: list[np.ndarray], cfg: BenchConfig, levels, input_name: str, bar, client) -> list[dict]:
+    """One closed-loop run per concurrency level, each after an untimed warm-up at that level."""
+    rows = []
+    for c in levels:
+        start = served_count(stats_of(client, model))
+        warm = min(cfg.requests, max(4, c * 2))
+        closed_loop(url, model, inputs, c, warm, input_name)
+        before = settled_stats(client, model, start + warm)
+        res = closed_loop(url, model, inputs, c, cfg.requests, input_name)
+        after = settled_stats(client, model, served_count(before) + cfg.requests)
+        rows.append(level_row(res, stats_delta(before, after), c, inputs[0].shape[0]))
+        if bar:
+            bar.update(cfg.requests)
+    return rows
+
+
+def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: bool, noop: bool) -> int:
+    """How many timed requests bench_served sends to ``models`` (with ``noop``: and to the no-op model):
+    the progress bar's total."""
+    per_sweep = cfg.requests * len(cfg.concurrency)
+    n = len(models) * per_sweep
+    if embedded:  # the batching-off sweeps and the delays
+        n += sum(format_of(m, manifest) in cfg.batching_compare for m in models) * per_sweep
+        n += len(models) * len(cfg.queue_delays_us) * per_sweep
+    return n + noop * cfg.requests
+
+
+def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, server, bar, results: dict,
+                 save: Callable[[], None]) -> None:
+    """Fill results["served"]: every served model of the export swept over cfg.concurrency, then (on the
+    embedded ``server``) again with dynamic batching off and at other queue delays."""
+    client = TritonClient(url)
+    client.wait_ready(15)
+    models = served_models(client, manifest, cfg)
+    embedded = server is not None
+    noop = embedded or NOOP_MODEL in client.ready_models()  # an embedded server can load it itself
+    if bar is not None:  # the start-up count assumed the export's three formats
+        bar.total = bar.n + served_runs(cfg, manifest, models, embedded, noop)
+        bar.refresh()
+    input_name = manifest["inputs"][0]["name"]
+    served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {}}
+    results["served"] = served
+    singles = [x[None] for x in real_inputs(reference_pool(export_dir, manifest), 64)]  # batch-1 requests
+
+    def run(model: str, levels=cfg.concurrency) -> list[dict]:
+        return sweep(url, model, singles, cfg, levels, input_name, bar, client)
+
+    for model in models:
+        cfgm = client.config(model)
+        served["models"][model] = {"max_batch_size": client.max_batch(model), "dynamic_batching": "dynamic_batching" in cfgm,
+                                   "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
+                                   "rows": run(model)}
+        save()
+    if embedded:
+        for model in models:
+            base = served_config_path(server.repo / model)
+            if format_of(model, manifest) in cfg.batching_compare:
+                off = read_config(base)
+                off.ClearField("dynamic_batching")
+                server.load(model, override=off)
+                served["batching_off"][model] = {"rows": run(model)}
+            for delay in cfg.queue_delays_us:
+                c = read_config(base)
+                c.dynamic_batching.max_queue_delay_microseconds = delay
+                server.load(model, override=c)
+                served["delays"].setdefault(model, {})[str(delay)] = {"rows": run(model)}
+            if format_of(model, manifest) in cfg.batching_compare or cfg.queue_delays_us:
+                server.load(model, override=read_config(base))  # back to the repository's config
+            save()
+    elif cfg.batching_compare or cfg.queue_delays_us:
+        served["reconfigured"] = {"skipped": "the sweeps with dynamic batching off and other queue delays reload "
+                                             f"models with changed configs, which only the embedded server allows; "
+                                             f"not done against {url}"}
+    if noop:
+        try:
+            if embedded:
+                server.load(NOOP_MODEL)
+            served["noop"] = {"rows": run(NOOP_MODEL, (1,))}
+        except TorchshipError as e:
+            served["noop"] = {"error": str(e)}
+    if cfg.rate:
+        served["open_loop"] = {m: open_loop(url, m, singles, cfg.rate, cfg.duration_s, input_name) for m in models}
+    from .perf_analyzer import cross_check
+
+    served["perf_analyzer"] = cross_check(cfg, url, models, {**manifest, "_dir": str(export_dir)})
+    client.close()

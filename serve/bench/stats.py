@@ -1,0 +1,127 @@
+"""Latency statistics, Triton's server-side breakdown, and the machine and limits figures are read against."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from torchship.device import cpu_name
+from torchship.io import git_revision
+
+
+def summarize(lat_s: list[float] | np.ndarray) -> dict[str, float]:
+    """Latency percentiles, mean and standard deviation in milliseconds."""
+    a = np.asarray(lat_s, dtype=np.float64) * 1e3
+    if a.size == 0:
+        return {"n": 0}
+    p = np.percentile(a, [50, 90, 95, 99])
+    return {"n": int(a.size), "p50_ms": p[0], "p90_ms": p[1], "p95_ms": p[2], "p99_ms": p[3],
+            "mean_ms": float(a.mean()), "std_ms": float(a.std()), "min_ms": float(a.min()), "max_ms": float(a.max())}
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine, its accelerator and the software versions, for the report's first line."""
+    import torch
+
+    info: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
+                            "python": sys.version.split()[0], "git_revision": git_revision(), "versions": {}}
+    for mod in ("torch", "torchvision", "onnx", "onnxruntime", "tritonclient", "numpy", "grpc"):
+        try:
+            info["versions"][mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if info["gpu"]:
+        try:
+            info["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return info
+
+
+def flops_per_sample(model, shape: list[int]) -> float:
+    """FLOPs of one forward pass per sample, counted by torch's FlopCounterMode (2 per multiply-add)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.rand(2, *shape)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(x)
+    return fc.get_total_flops() / 2
+
+
+def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, float]:
+    """Measured matmul throughput (FLOP/s) in fp32 and bf16: the roofline to read results against."""
+    import torch
+
+    torch.set_num_threads(threads)
+    out = {}
+    n = 8192 if device.startswith("cuda") else 1024
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.rand(n, n, device=device, dtype=dtype)
+        b = torch.rand(n, n, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        sync()
+        best = 0.0
+        for _ in range(5):  # best of five windows: the peak, not the average under noise
+            t0, k = time.perf_counter(), 0
+            while time.perf_counter() - t0 < seconds / 5:
+                a @ b
+                k += 1
+            sync()
+            best = max(best, 2 * n ** 3 * k / (time.perf_counter() - t0))
+        out[f"{name}_flops"] = best
+    return out
+
+
+def stats_of(client, model: str) -> dict[str, Any]:
+    s = client.statistics(model)["model_stats"]
+    s = [m for m in s if m.get("name") == model] or s
+    return s[0] if s else {}
+
+
+def served_count(stats: dict) -> int:
+    return int(stats.get("inference_stats", {}).get("success", {}).get("count", 0) or 0)
+
+
+def settled_stats(client, model: str, count: int, timeout_s: float = 2.0) -> dict[str, Any]:
+    """Statistics once ``count`` successful requests are on the books. Triton records a request when
+    it releases it, which can be just after the client has its response."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = stats_of(client, model)
+        if served_count(s) >= count or time.monotonic() > deadline:  # failed requests never count
+            return s
+        time.sleep(0.005)
+
+
+def stats_delta(before: dict, after: dict) -> dict[str, float]:
+    """Triton's server-side time per request (µs) between two statistics snapshots: queue, compute
+    input, compute infer, compute output, and the average batch the dynamic batcher formed."""
+    def get(d, *path):
+        for p in path:
+            d = d.get(p, {}) if isinstance(d, dict) else {}
+        return float(d) if not isinstance(d, dict) else 0.0
+
+    out: dict[str, float] = {}
+    ok = get(after, "inference_stats", "success", "count") - get(before, "inference_stats", "success", "count")
+    for part in ("queue", "compute_input", "compute_infer", "compute_output"):
+        ns = get(after, "inference_stats", part, "ns") - get(before, "inference_stats", part, "ns")
+        out[f"{part}_us"] = ns / 1e3 / ok if ok else 0.0
+    inf = get(after, "inference_count") - get(before, "inference_count")
+    exe = get(after, "execution_count") - get(before, "execution_count")
+    out["requests"] = ok
+    out["executions"] = exe
+    out["avg_batch"] = inf / exe if exe else 0.0
+    out["server_us"] = sum(out[f"{p}_us"] for p in ("queue", "compute_input", "compute_infer", "compute_output"))
+    return out

@@ -1,0 +1,339 @@
+"""The embedded Triton Inference Server: the wheel's binary run as a child process against a repository,
+with ports picked, readiness awaited, models loaded explicitly, and a shutdown that drains."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from google.protobuf import json_format
+
+from torchship.device import cuda_visible
+from torchship.errors import ServerError
+
+from ..config import ServeConfig
+from ..repository import EMBEDDED_CONFIG, read_config, repository_models, served_config_path
+from .process import dying_with_parent, free_ports, listens_on, port_in_use, start_child
+from .wheel import backend_dir, server_env, triton_home
+
+EXIT_TIMEOUT_S = 20  # Triton's own limit for draining and unloading after SIGTERM
+# Once SIGTERM's drain is over, Triton unloads every model and reports the ones still live once a second.
+UNLOAD_STALL_TICKS = 5
+# A port picked free can be taken by another process before Triton binds it; start() then picks again.
+PORT_ATTEMPTS = 3
+PORT_TAKEN = re.compile(r"Socket '[^']*:(\d+)' already in use")
+PORTS = ("--grpc-port", "--http-port", "--metrics-port")
+
+
+class TritonServer:
+    """Start/stop the embedded server. Use as a context manager; ``url`` is the gRPC address."""
+
+    def __init__(self, cfg: ServeConfig, extra_repos: Sequence[str | Path] = ()):
+        self.cfg = cfg
+        self.extra_repos = [Path(r).resolve() for r in extra_repos]
+        self.repo = Path(cfg.repo).resolve()
+        if not self.repo.is_dir():
+            raise ServerError(f"repository {self.repo} does not exist (build one with torchship repo)")
+        names = list(cfg.models) or repository_models(self.repo)  # the models start() will load
+        if not names:
+            hint = ("it is an export directory: build a repository from it with torchship repo "
+                    f"{cfg.repo} --out model_repository" if (self.repo / "manifest.json").exists()
+                    else "build one with torchship repo EXPORT_DIR")
+            raise ServerError(f"{self.repo} holds no model (no <model>/config.pbtxt); {hint}")
+        self.check_configs(names)
+        flags = dict(zip(PORTS, (cfg.grpc_port, cfg.http_port, cfg.metrics_port)))
+        given = [p for p in flags.values() if p]
+        for flag, port in flags.items():
+            if port and given.count(port) > 1:
+                same = " and ".join(f for f, p in flags.items() if p == port)
+                raise ServerError(f"{same} are both {port}; each endpoint needs its own port")
+            if port and port_in_use(cfg.host, port):
+                raise ServerError(f"{flag} {port}: {cfg.host}:{port} is already in use; choose another port, "
+                                  "or leave the flag out to pick a free one")
+        self.given = {flag for flag, port in flags.items() if port}  # the rest are picked, and picked again if taken
+        picked = iter(free_ports(cfg.host, 3 - len(given), avoid=given))
+        self.ports = {flag: port or next(picked) for flag, port in flags.items()}
+        self.proc: Optional[subprocess.Popen] = None
+        # without cfg.log, start() makes the log a temp file, removed after a clean stop and kept (and named)
+        # after a failure
+        self.log_path: Optional[Path] = Path(cfg.log) if cfg.log else None
+        self._keep_log = bool(cfg.log)
+        self.loaded: list[str] = []
+        self.stop_note: Optional[str] = None  # set by stop() when it had to cut the shutdown short
+        self._log_start = 0  # where this start's lines begin in the log
+
+    @property
+    def grpc_port(self) -> int:
+        return self.ports["--grpc-port"]
+
+    @property
+    def http_port(self) -> int:
+        return self.ports["--http-port"]
+
+    @property
+    def metrics_port(self) -> int:
+        return self.ports["--metrics-port"]
+
+    @property
+    def url(self) -> str:
+        return f"{self.cfg.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        home, _ = triton_home()
+        cmd = [str(home / "bin" / "tritonserver"), f"--model-repository={self.repo}",
+               *[f"--model-repository={r}" for r in self.extra_repos],
+               f"--backend-directory={backend_dir()}", "--model-control-mode=explicit",
+               f"--grpc-address={self.cfg.host}", f"--grpc-port={self.grpc_port}",
+               f"--http-address={self.cfg.host}", f"--http-port={self.http_port}",
+               f"--metrics-address={self.cfg.host}", f"--metrics-port={self.metrics_port}",
+               "--allow-gpu-metrics=false", "--exit-on-error=false", "--strict-readiness=true",
+               f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0", f"--cache-directory={home / 'caches'}"]
+        if not cuda_visible():
+            cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
+        return cmd + list(self.cfg.triton_args)
+
+    def log_tail(self, lines: int = 25) -> str:
+        """The end of the server log, for an error message: the log is then kept, and its path ends the tail."""
+        if self.log_path is None:  # never started
+            return "(no server log)"
+        self._keep_log = True
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no server log)"
+        keep = [line for line in text if "CudaDriverHelper" not in line]
+        # a refused option comes first, before Triton's whole usage text
+        refused = [line for line in keep[:-lines] if "unrecognized option" in line or "invalid argument" in line]
+        return "\n".join(refused[:3] + keep[-lines:] + [f"(full log: {self.log_path})"])
+
+    def start(self) -> "TritonServer":
+        """Start the server, load every model (or cfg.models) and wait until all are ready.
+        Raises ServerError with the tail of the server log on failure. A port this server picked that
+        another process takes before Triton binds it is picked again, up to PORT_ATTEMPTS starts."""
+        if self.running:
+            raise ServerError(f"this server is already running (pid {self.proc.pid}, gRPC at {self.url}); stop() it "
+                              "before starting it again")
+        attempt = 1
+        while True:
+            try:
+                return self._start_once()
+            except Exception:
+                flag = self.port_taken()
+                if flag is None:
+                    raise
+                port = self.ports[flag]
+                if flag in self.given or attempt == PORT_ATTEMPTS:
+                    why = ("it was taken after the check at start-up; choose another port, or leave the flag out "
+                           "to pick a free one" if flag in self.given else
+                           f"another process took each port picked for it, {PORT_ATTEMPTS} times")
+                    raise ServerError(f"{flag} {port}: {self.cfg.host}:{port} is already in use: {why} "
+                                      f"(server log: {self.log_path})") from None
+                self.repick(flag)
+                attempt += 1
+
+    def port_taken(self) -> Optional[str]:
+        """The flag of the port Triton could not bind, if that is why the last start failed."""
+        if self.proc is None or self.proc.poll() is None or self.log_path is None:
+            return None
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                found = PORT_TAKEN.search(f.read().decode(errors="replace"))
+        except OSError:
+            return None
+        port = int(found.group(1)) if found else None
+        return next((flag for flag, p in self.ports.items() if p == port), None)
+
+    def repick(self, flag: str) -> None:
+        """A new port for ``flag``, away from this server's others; the failed start's temp log goes."""
+        self.ports[flag] = free_ports(self.cfg.host, 1, avoid=list(self.ports.values()))[0]
+        if not self.cfg.log:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path, self._keep_log = None, False
+        self.proc, self.loaded, self.stop_note = None, [], None
+
+    def _start_once(self) -> "TritonServer":
+        env = server_env()
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        log = open(self.log_path, "ab")
+        self._log_start = log.seek(0, os.SEEK_END)  # a given log may hold earlier runs' lines
+        try:  # a session of its own: a Ctrl-C at the terminal reaches torchship, which stops the server
+            self.proc = start_child(dying_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        except BaseException:
+            if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
+                self.log_path.unlink(missing_ok=True)
+            raise
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.cfg.ready_timeout
+        try:
+            client = self._client()
+            while True:
+                if self.proc.poll() is not None:
+                    raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}")
+                try:  # a bounded wait: a port taken by something that is not a gRPC server never answers
+                    if (client.is_server_live(client_timeout=1.0)  # and it is this server that answers
+                            and listens_on(self.proc.pid, self.grpc_port) is not False):
+                        break
+                except Exception:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerError(f"tritonserver not live after {self.cfg.ready_timeout:.0f}s:\n{self.log_tail()}")
+                time.sleep(0.1)
+            names = list(self.cfg.models or repository_models(self.repo))
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:  # loads overlap their imports
+                for f in [pool.submit(self.load, n, None, deadline) for n in names]:
+                    f.result()
+            self.loaded.sort()
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def check_configs(self, names: Sequence[str]) -> None:
+        """Parse the config of each model in ``names`` (as load() reads it), so that a broken one is named with
+        its line, and one that asks for GPU instances where no CUDA GPU is visible is refused, before the
+        server starts (Triton itself only logs either among its start-up lines)."""
+        from google.protobuf.text_format import ParseError
+        from tritonclient.grpc import model_config_pb2 as mc
+
+        for name in names:
+            path = served_config_path(self.repo / name)
+            try:
+                config = read_config(path)
+            except FileNotFoundError:
+                continue  # an unknown model: Triton's own load error names it
+            except (ParseError, UnicodeDecodeError) as e:
+                raise ServerError(f"{path}: {str(e).rstrip('.')}; fix it, or build the repository again with torchship "
+                                  "repo") from None
+            if any(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in config.instance_group) and not cuda_visible():
+                raise ServerError(f"model {name} asks for GPU instances (KIND_GPU in {path}) and no CUDA GPU is visible "
+                                  "here; build the repository again with torchship repo EXPORT_DIR --instance-kind cpu, "
+                                  "or serve it on a machine with a GPU")
+
+    def load(self, name: str, client=None, deadline: float | None = None, override=None) -> None:
+        """Load (or reload) one model: with ``override`` (a ModelConfig) if given, else with
+        embedded.pbtxt where the repository has one, else with its config.pbtxt."""
+        from tritonclient.utils import InferenceServerException
+
+        client = client or self._client()
+        path = served_config_path(self.repo / name)
+        if override is None and path.name == EMBEDDED_CONFIG:  # Triton reads config.pbtxt itself
+            override = read_config(path)
+        config = json_format.MessageToJson(override) if override is not None else None
+        try:
+            client.load_model(name, config=config)
+        except InferenceServerException as e:
+            raise ServerError(f"model {name} failed to load: {e.message()}\n{self.log_tail()}") from None
+        while not client.is_model_ready(name):
+            if deadline and time.monotonic() > deadline:
+                raise ServerError(f"model {name} not ready in time:\n{self.log_tail()}")
+            time.sleep(0.05)
+        if name not in self.loaded:
+            self.loaded.append(name)
+
+    def _client(self):
+        import tritonclient.grpc as grpcclient
+
+        return grpcclient.InferenceServerClient(self.url)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs, or once every
+        request is answered and a model still will not unload (``stop_note`` then says which)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        try:
+            log = open(self.log_path, "rb")
+            log.seek(0, os.SEEK_END)
+        except OSError:  # the log was removed meanwhile: stop without watching it
+            log = io.BytesIO()
+        shutdown_log = b""  # what the server logs from SIGTERM on, read as it comes
+        self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        with log:
+            while True:
+                try:
+                    self.proc.wait(0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                shutdown_log += log.read()
+                stuck = unload_stalled(shutdown_log.decode(errors="replace"))
+                if stuck or time.monotonic() > deadline:
+                    if stuck:
+                        log.seek(0)
+                        self.stop_note = (stall_note(loaded_models(log.read().decode(errors="replace"))
+                                                     or [f"{stuck} model(s)"]) + f" (server log: {self.log_path})")
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(10)
+                    break
+        # stub processes share the server's process group; make sure none outlives it
+        gone = time.monotonic() + 10
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            while time.monotonic() < gone:  # until the killed stubs have been reaped
+                os.killpg(self.proc.pid, 0)
+                time.sleep(0.05)
+        except ProcessLookupError:
+            pass
+        if self.proc.returncode == 0 and not self._keep_log:
+            self.log_path.unlink(missing_ok=True)
+        return self.proc.returncode
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> "TritonServer":
+        return self if self.running else self.start()  # `with TritonServer(cfg).start() as s:` starts one
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def unload_stalled(log: str) -> int:
+    """How many models are still live after ``UNLOAD_STALL_TICKS`` unchanged reports once every request has
+    been answered, from what Triton logged after SIGTERM; 0 while the shutdown still makes progress."""
+    mark = log.find("All models are stopped, unloading models")
+    if mark < 0:
+        return 0
+    live = [int(n) for n in re.findall(r"Found (\d+) live models and 0 in-flight non-inference requests", log[mark:])]
+    if len(live) < UNLOAD_STALL_TICKS or len(set(live[-UNLOAD_STALL_TICKS:])) > 1:
+        return 0
+    return live[-1]
+
+
+def loaded_models(log: str) -> list[str]:
+    """The models that the log shows loaded and not unloaded since."""
+    state: dict[str, bool] = {}
+    for verb, name in re.findall(r"successfully (loaded|unloaded) '([^']+)'", log):
+        state[name] = verb == "loaded"
+    return sorted(n for n, up in state.items() if up)
+
+
+def stall_note(models: list[str]) -> str:
+    return (f"{', '.join(models)} still loaded at {UNLOAD_STALL_TICKS} checks in a row (one a second) after every "
+            f"request was answered, so the server was killed rather than left to its {EXIT_TIMEOUT_S} s exit "
+            "timeout. Triton 2.51 keeps a model loaded for good once the first request of a gRPC stream was "
+            "refused for it (a wrong shape, dtype or input name); unary calls, and refusals later in a stream, do "
+            "not")
+
+
+def describe(server: TritonServer) -> dict:
+    return {"grpc": server.url, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
+            "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None}

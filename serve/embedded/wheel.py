@@ -1,0 +1,87 @@
+"""The Triton server inside the nvidia-pytriton wheel: where it is, the backend directory it serves
+torchship's Python-based backends from, and the environment it needs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from torchship.errors import ServerError
+
+BACKENDS_SRC = Path(__file__).resolve().parents[1] / "backends"
+RUNTIME_SRC = Path(__file__).resolve().parents[2] / "torchship" / "runtime.py"
+# Python-based stand-ins for Triton's native backends the wheel lacks, and torchship's no-op model
+BACKENDS = ("onnxruntime", "pytorch", "torchship")
+
+
+def triton_home() -> tuple[Path, Path]:
+    """(pytriton/tritonserver directory, nvidia_pytriton.libs directory) from the installed wheel."""
+    try:
+        import pytriton
+    except ImportError:
+        raise ServerError("the embedded Triton server needs the nvidia-pytriton package: pip install nvidia-pytriton") from None
+    pkg = Path(pytriton.__file__).resolve().parent
+    home, libs = pkg / "tritonserver", pkg.parent / "nvidia_pytriton.libs"
+    if not (home / "bin" / "tritonserver").exists():
+        raise ServerError(f"no tritonserver binary under {home}; reinstall nvidia-pytriton")
+    return home, libs
+
+
+def backend_dir() -> Path:
+    """A backend directory: Triton's python backend with the stub for this Python, and torchship's
+    Python-based backends (one model.py each, run by that stub). Built once per content hash and reused."""
+    home, _ = triton_home()
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = home / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServerError(f"the Triton Python stub has no build for Python {ver}; use Python 3.10-3.13")
+    shared = [BACKENDS_SRC / "torchship_backend.py", BACKENDS_SRC / "torchship_stub.py", RUNTIME_SRC]
+    files = shared + [BACKENDS_SRC / b / "model.py" for b in BACKENDS]
+    h = hashlib.sha256(sys.version.encode())
+    for f in files + [stub]:
+        h.update(f.read_bytes())
+    root = Path(tempfile.gettempdir()) / f"torchship-backends-{os.getuid()}" / h.hexdigest()[:16]
+    if (root / ".complete").exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root.parent))
+    try:
+        (tmp / "python").mkdir()
+        for f in (home / "backends" / "python").iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp / "python" / f.name)
+        shutil.copy2(stub, tmp / "python" / "triton_python_backend_stub")
+        for name in BACKENDS:
+            (tmp / name).mkdir()
+            for f in shared:  # the stub imports torchship.runtime under the name torchship_runtime
+                shutil.copy2(f, tmp / name / ("torchship_runtime.py" if f == RUNTIME_SRC else f.name))
+            shutil.copy2(BACKENDS_SRC / name / "model.py", tmp / name / "model.py")
+        (tmp / ".complete").touch()
+        os.replace(tmp, root)
+    except OSError:
+        if not (root / ".complete").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process built it first, or the build failed
+    return root
+
+
+def server_env() -> dict[str, str]:
+    """LD_LIBRARY_PATH for the wheel's libraries; this environment's bin/ first on PATH, because the
+    stub's embedded Python adopts the virtual environment found there (it ignores PYTHONPATH)."""
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        raise ServerError(f"numpy {numpy.__version__} is installed; the Triton Python stub needs numpy<2 "
+                          "(with numpy 2 every response comes back empty): pip install 'numpy<2'")
+    _, libs = triton_home()
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    env["PATH"] = os.pathsep.join((str(Path(sys.prefix) / "bin"), env.get("PATH", "")))
+    env.pop("PYTHONPATH", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

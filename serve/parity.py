@@ -1,0 +1,63 @@
+"""Served parity (``infer --check``): the export's reference inputs through gRPC against eager's outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from torchship.errors import ClientError, ParityError, ShapeError
+from torchship.manifest import read_manifest, read_reference
+from torchship.parity import check_output
+
+from .client import TritonClient
+
+
+def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None = None,
+                 tolerances: dict[str, float] | None = None) -> dict[str, Any]:
+    """Send the export's reference inputs to every served model of this export (or ``models``) and compare
+    with the eager outputs under the manifest's tolerances, as verify does in-process.
+
+    Returns per-model results; raises ParityError listing every mismatch (its ``report`` holds them)."""
+    d = Path(export_dir)
+    manifest = read_manifest(d)
+    tol = tolerances or manifest["tolerances"]
+    ref = read_reference(d, manifest)
+    client = TritonClient(url)
+    client.wait_ready()
+    ready = client.require_models(models or ())
+    models = list(models or [m for m in ready if m.startswith(manifest["name"] + "_")])
+    if not models:
+        raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(ready) or 'none'})")
+    results: dict[str, Any] = {}
+    failures: list[str] = []
+    out_name = manifest["outputs"][0]["name"]
+    for model in models:
+        rows = {}
+        for key, batch in manifest["reference"]["sets"].items():
+            try:
+                got = client.infer_batches(model, ref[f"input/{key}"])
+            except (ClientError, ShapeError) as e:
+                failures.append(f"{model}: {key}: {e}")
+                rows[key] = {"batch": batch, "pass": False, "error": str(e)}
+                continue
+            rows[key], failure = check_output(got, ref[f"expected/{key}/{out_name}"], tol, f"{model}: {key}", batch,
+                                              top1=key == "heldout")
+            if failure:
+                failures.append(failure)
+        results[model] = rows
+    client.close()
+    report = {"url": url, "export_dir": str(d), "tolerances": tol, "models": results, "pass": not failures, "failures": failures}
+    if failures:
+        err = ParityError(failures, what=f"served parity at {url}")
+        err.report = report
+        raise err
+    return report
+
+
+def served_markdown(report: dict[str, Any]) -> str:
+    lines = ["| model | inputs | batch | max abs diff | top-1 agree | result |", "|---|---|---|---|---|---|"]
+    for model, rows in report["models"].items():
+        for key, r in rows.items():
+            abs_ = f"{r['max_abs']:.2e}" if "max_abs" in r else "-"
+            lines.append(f"| {model} | {key} | {r['batch']} | {abs_} | {r.get('top1_agree', '')} | {'pass' if r['pass'] else 'FAIL'} |")
+    return "\n".join(lines)
