@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli, spinners_of
+from tests.conftest import run_cli
 from torchship.io import sha256_file
 
 CONFIG = Path(__file__).with_name("tiny.toml")
@@ -41,49 +41,24 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     assert bench["format"] == "torchship.bench/1" and bench["in_process"]["rows"] and bench["served"]["models"]
     served = bench["served"]  # the run's own server is bench's embedded one: the floor and batching off are measured
     assert served["embedded"] and served["noop"]["rows"] and "tiny_cnn_onnx" in served["batching_off"]
-    assert all("excess_p50_ms" in r and "hold" in r for r in served["overhead"]["rows"])
     assert (run_dir / "bench/report.md").exists() and (run_dir / "logs/tritonserver.log").exists()
     summary = (run_dir / "summary.md").read_text()
-    for needle in ("all gates passed", "validation accuracy", "Parity against eager", "Served latency", "peak RSS",
-                   "| floor p50 ms | excess ms |"):
+    for needle in ("all gates passed", "validation accuracy", "Parity against eager", "## Served over gRPC", "peak RSS",
+                   "batching gain", "Recommendation: `tiny_cnn_", "## In-process beside served"):
         assert needle in summary
+    for word in ("excess", "hold", "twin", "settling"):
+        assert word not in summary.lower(), word
 
 
-def test_from_export_reuses_the_checkpoint_without_retraining(run_dir, monkeypatch):
-    from serve.server import IdleSpinners
-
+def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
     ckpts = run_dir / "train/checkpoints"
     before = {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")}
     log_before = (run_dir / "train/train.log").read_text()
-    spinning: list[int] = []  # the CPUs of the spinners open now, one entry per spinner
-    most: dict[int, int] = {}
-    real_init, real_close = IdleSpinners.__init__, IdleSpinners.close
-
-    def init(self, cpus):
-        real_init(self, cpus)
-        self.counted = list(cpus)
-        spinning.extend(cpus)
-        most.update({c: max(most.get(c, 0), spinning.count(c)) for c in cpus})
-
-    def close(self):
-        for c in getattr(self, "counted", []):
-            spinning.remove(c)
-        self.counted = []
-        real_close(self)
-
-    monkeypatch.setattr(IdleSpinners, "__init__", init)
-    monkeypatch.setattr(IdleSpinners, "close", close)
-    # the rerun's server and its models are pinned too, with a spinner beside them: serve.cpus, serve.model_cpus
-    # and serve.spin_cpus reach them through run; bench.spin_cpus on the same CPU adds no second spinner
-    last = max(os.sched_getaffinity(0))
-    assert run_cli("run", "--out", run_dir, "--config", CONFIG, "--from", "export", "--set", f"serve.cpus={last}",
-                   "--set", f"serve.model_cpus={last}", "--set", f"serve.spin_cpus={last}",
-                   "--set", f"bench.spin_cpus={last}",
+    # the serve section reaches the run's server: a Triton argument passed on as it is
+    assert run_cli("run", "--out", run_dir, "--config", CONFIG, "--from", "export",
+                   "--set", 'serve.triton_args=["--log-verbose=1"]',
                    "--set", 'export.formats=["onnx","torchscript"]', "--set", "bench.variants=[\"onnx\"]") == 0
-    assert most == {last: 1}, f"spinners open at once per CPU, at most: {most}"
-    machine = json.loads((run_dir / "bench/results.json").read_text())["machine"]
-    assert machine["server_cpus"] == machine["server_model_cpus"] == machine["spin_cpus"] == [last]
-    assert spinners_of(os.getpid()) == []
+    assert "Process for ModelInferHandler" in (run_dir / "logs/tritonserver.log").read_text()  # logged at verbose 1
     assert {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")} == before
     assert (run_dir / "train/train.log").read_text() == log_before
     rec = json.loads((run_dir / "run.json").read_text())
@@ -129,12 +104,12 @@ def test_a_run_stopped_by_an_error_says_where_and_how_to_go_on(run_dir, tmp_path
 
 
 def test_an_interrupted_run_says_so(run_dir, tmp_path, monkeypatch, capsys):
-    import serve.bench
+    import serve.bench.run
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(serve.bench, "run_bench", interrupt)
+    monkeypatch.setattr(serve.bench.run, "run_bench", interrupt)
     bad = tmp_path / "run"
     shutil.copytree(run_dir, bad)
     assert run_cli("run", "--out", bad, "--config", CONFIG, "--from", "bench") == 130
@@ -142,6 +117,64 @@ def test_an_interrupted_run_says_so(run_dir, tmp_path, monkeypatch, capsys):
     assert rec["outcome"] == {"status": "interrupted", "stage": "bench"} and rec["server_exit_code"] == 0
     summary = (bad / "summary.md").read_text()
     assert "all gates passed" not in summary and "**interrupted** in the bench stage" in summary
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"torchship run: interrupted in the bench stage: the stages after it did not run; go on with "
+                   f"torchship run --out {bad} --from bench"], err
+
+
+def processes_naming(text: str) -> list[int]:
+    """Processes whose command line mentions ``text`` (a run folder: its ranks' --out, the server's repository)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, waits_for", [("train", "epoch 1/"), ("bench", "== bench")])
+def test_ctrl_c_ends_with_one_line_and_leaves_no_process(tmp_path, stage, waits_for):
+    """Ctrl-C at the terminal (SIGINT to the whole foreground process group) during DDP training or during
+    the bench: one line names the stage and the command to go on, no traceback, and no rank, server or
+    stub process is left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "torchship.cli", "run", "--out", str(out), "--config", str(CONFIG), "--set",
+            "train.nproc=2", "--set", "train.epochs=30" if stage == "train" else "train.epochs=1", "--set",
+            "bench.requests=400", "--set", 'export.formats=["onnx"]', "--set", 'repo.formats=["onnx"]',
+            "--set", 'bench.variants=["onnx"]']
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen, deadline = [], time.monotonic() + 240
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if waits_for in line:
+                break
+            assert time.monotonic() < deadline, "".join(seen[-20:])
+        time.sleep(2.0)  # well inside the stage: ranks training, or the server answering the bench's requests
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err + rest, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    go_on = f"--out {out} --overwrite" if stage == "train" else f"--out {out} --from bench"
+    assert last.startswith(f"torchship run: interrupted in the {stage} stage") and last.endswith(go_on), err[-2000:]
+    time.sleep(1.0)
+    assert processes_naming(str(out)) == [], "a rank, server or stub process outlived the run"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
 
 
 def test_from_a_stage_whose_inputs_are_missing(tmp_path, capsys):
@@ -185,7 +218,8 @@ def test_a_corrupt_run_record_is_refused_before_any_stage_runs(tmp_path, capsys)
 
 def test_the_summary_names_a_file_it_cannot_read(tmp_path):
     """summary.md is written after a failure too, so a bad file must not replace the run's own error."""
-    from torchship.run import layout, summarize
+    from torchship.run import layout
+    from torchship.summary import summarize
 
     dirs = layout(tmp_path)
     for d, name in ((dirs["export"], "manifest.json"), (dirs["bench"], "results.json")):
@@ -205,8 +239,8 @@ def test_config_errors_name_the_option(tmp_path, capsys):
     # a section's own errors name the key the user wrote, not the stage command's flag
     assert run_cli("run", "--out", tmp_path / "r", "--set", "bench.requests=abc") == 2
     assert "bench.requests: cannot read 'abc' as int" in capsys.readouterr().err
-    assert run_cli("run", "--out", tmp_path / "r", "--set", "serve.model_cpus=0,2") == 2
-    assert "serve.model_cpus '0,2'" in capsys.readouterr().err
+    assert run_cli("run", "--out", tmp_path / "r", "--set", "serve.grpc_port=70000") == 2
+    assert "serve.grpc_port must be a port number" in capsys.readouterr().err
     if not torch.cuda.is_available():  # where training would run is checked before the run folder is made
         assert run_cli("run", "--out", tmp_path / "r", "--amp", "fp16") == 2
         assert "train.amp fp16 needs CUDA" in capsys.readouterr().err

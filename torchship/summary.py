@@ -1,0 +1,125 @@
+"""A run's summary.md: how it ended, each stage's time and gate, parity, and served latency and throughput
+beside in-process; and the peak memory of the run's whole process tree."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from .errors import TorchshipError
+from .manifest import MANIFEST, read_manifest
+
+
+class RssSampler:
+    """Peak resident memory of this process and all its descendants together, sampled from /proc."""
+
+    def __init__(self, interval: float = 0.25):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, args=(interval,), daemon=True)
+
+    @staticmethod
+    def tree_rss(root: int) -> int:
+        children: dict[int, list[int]] = {}
+        rss: dict[int, int] = {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(d))
+                rss[int(d)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, IndexError, ValueError):
+                continue
+        total, stack = 0, [root]
+        while stack:
+            p = stack.pop()
+            total += rss.get(p, 0)
+            stack.extend(children.get(p, []))
+        return total
+
+    def _loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.peak = max(self.peak, self.tree_rss(os.getpid()))
+            except OSError:
+                return
+
+    def __enter__(self) -> "RssSampler":
+        if os.path.isdir("/proc"):
+            self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+
+def outcome_line(run_dir: Path, outcome: dict[str, Any], markdown: bool = True) -> str:
+    """How the run ended: every gate passed, a gate failed, or where it stopped and the command that goes
+    on from there (``--overwrite`` for a training stopped after a checkpoint, else ``--from`` the stage)."""
+    status, where = outcome.get("status"), outcome.get("stage")
+    redo = where == "train" and (run_dir / "train" / "checkpoints").exists()
+    again = f"torchship run --out {run_dir} " + ("--overwrite" if redo else f"--from {where}")
+    b, q = ("**", "`") if markdown else ("", "")
+    if status == "passed":
+        return f"{b}all gates passed{b}"
+    if status == "gate failed":
+        return f"{b}a gate FAILED{b}: {outcome['error']}"
+    if status == "interrupted":
+        return f"{b}interrupted{b} in the {where} stage: the stages after it did not run; go on with {q}{again}{q}"
+    error = outcome.get("error", "unknown error").splitlines()[0]
+    return (f"{b}stopped by an error{b} in the {where} stage ({error}); the stages after it did not run; once fixed, "
+            f"go on with {q}{again}{q}")
+
+
+def summarize(run_dir: Path, record: dict[str, Any]) -> str:
+    lines = [f"# torchship run: {run_dir}", "", outcome_line(run_dir, record.get("outcome", {})), "",
+             "| stage | seconds | result |", "|---|---|---|"]
+    for name, st in record["stages"].items():
+        result = record["gates"].get(name, {}).get("detail", "")
+        if name == "train":
+            result = f"{st['arch']}, {st['world_size']} rank(s), amp {st['amp']}: " + result
+        lines.append(f"| {name} | {st['seconds']} | {result} |")
+    lines.append(f"| total | {record.get('total_seconds', '')} | peak RSS of the whole run (all processes): "
+                 f"{record.get('peak_rss_bytes', 0) / 2**30:.2f} GiB |")
+    # the summary is written after a failure too: a file that cannot be read is named, not raised
+    v = _readable(lines, run_dir / "export" / MANIFEST, read_manifest, run_dir / "export").get("verification")
+    if v:
+        lines += ["", "## Parity against eager (worst case over held-out and random batches)", "",
+                  "| artifact | max abs diff | max rel diff | top-1 agree | result |", "|---|---|---|---|---|"]
+        for name, e in v["artifacts"].items():
+            rows = e["sets"].values()
+            mx = max((r.get("max_abs", 0) for r in rows), default=0)
+            mr = max((r.get("max_rel", 0) for r in rows), default=0)
+            top = next((r.get("top1_agree") for r in rows if r.get("top1_agree")), "")
+            lines.append(f"| {name} | {mx:.2e} | {mr:.2e} | {top} | {'pass' if e['pass'] else 'FAIL'} |")
+    results = run_dir / "bench" / "results.json"
+    if "bench" in record["stages"]:
+        from serve.bench.compare import load_results
+        from serve.bench.report import served_lines, side_by_side
+
+        b = _readable(lines, results, load_results, results)
+        if b.get("served"):
+            lines += [""] + served_lines(b["served"])
+            rec = b.get("recommendation", {})
+            if "model" in rec:
+                lines += [f"Recommendation: `{rec['model']}` with max_batch_size {rec['max_batch_size']}: "
+                          f"{rec['requests_per_s']:.0f} req/s at p99 {rec['p99_ms']:.2f} ms.", ""]
+        if b:
+            lines += side_by_side(b)
+    lines += ["", f"Run folder: {run_dir}  ·  summary: {run_dir / 'summary.md'}  ·  bench report: {run_dir / 'bench' / 'report.md'}", ""]
+    return "\n".join(lines)
+
+
+def _readable(lines: list[str], path: Path, read, *args) -> dict[str, Any]:
+    """``read(*args)`` if ``path`` exists, else {}; a TorchshipError becomes a line of the summary."""
+    if not path.exists():
+        return {}
+    try:
+        return read(*args)
+    except TorchshipError as e:
+        lines += ["", f"(left out: {e})"]
+        return {}
