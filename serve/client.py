@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from torchship.errors import CheckpointError
@@ -159,3 +161,29 @@ def load_train_state(ckpt_dir: Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"--resume {path} is corrupt or truncated: {type(e).__name__}") from None
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    n = s["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
+    py = s["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -91,32 +90,6 @@ def init_distributed(device: str) -> Dist:
         else:
             dist.init_process_group(backend)
     return Dist(rank, local, world, True)
-
-
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": random.getstate(),
-    }
-
-
-def set_rng_state(s: dict[str, Any]) -> None:
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-    n = s["numpy"]
-    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
-    py = s["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _batches(ds_len: int, d: Dist, per_rank: int, epoch: int, seed: int, shuffle: bool) -> list[list[int]]:
@@ -224,7 +197,7 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
 
 
 def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log: _Log, on_step, t_start) -> TrainResult:
-    seed_everything(cfg.seed)
+    ck.seed_everything(cfg.seed)
     data: DataSplit = load_data(cfg.data, cfg.image_size, cfg.val_fraction, cfg.seed, cfg.synthetic_samples, cfg.num_classes)
     per_rank = cfg.batch_size // d.world
     n_classes = len(data.classes)
@@ -280,7 +253,7 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
         best_acc = state.get("best_acc", -1.0)
         val_acc = state.get("val_acc", 0.0)
         rngs = state["rng"]
-        set_rng_state(rngs[d.rank % len(rngs)])
+        ck.set_rng_state(rngs[d.rank % len(rngs)])
         log(f"resumed from {resume_dir} at epoch {start_epoch + 1}, step {global_step}")
 
     held = heldout_samples(data.val) if d.main else None
@@ -296,9 +269,9 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
     def save(epoch: int, step_in_epoch: int, metrics: dict[str, Any], is_eval: bool) -> Path | None:
         rngs = [None] * d.world
         if d.initialized:
-            dist.all_gather_object(rngs, rng_state())
+            dist.all_gather_object(rngs, ck.rng_state())
         else:
-            rngs = [rng_state()]
+            rngs = [ck.rng_state()]
         path = None
         if d.main:
             st = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),

@@ -85,8 +85,6 @@ def input_data_json(manifest: dict[str, Any], count: int = 16) -> str:
     """Real held-out images in perf_analyzer's JSON input format (random bytes would include NaNs)."""
     import json
 
-    import numpy as np
-
     from torchship.manifest import read_reference, sample_key
 
     ref = read_reference(manifest["_dir"], manifest)

@@ -15,7 +15,7 @@ from tests.conftest import run_cli
 from torchship import runtime
 from torchship.errors import ArtifactError, ParityError
 from torchship.io import sha256_file
-from torchship.manifest import artifact, read_manifest, write_manifest
+from torchship.manifest import read_manifest, write_manifest
 
 
 def test_every_format_exported_and_verified(exported):

@@ -161,19 +161,6 @@ def test_budget_no_configuration_meets(exported, server, tmp_path, capsys):
     assert "Batching off and queue delays: the sweeps" in (tmp_path / "report.md").read_text()
 
 
-def test_budget_no_configuration_meets(exported, server, tmp_path, capsys):
-    """Against an already-running server: a budget nothing meets is an error that keeps the results, and
-    the sweeps that need the embedded server (batching off, by default) are reported as not done."""
-    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "skip_in_process": True,
-                                     "url": server.url, "models": ["tiny_cnn_onnx"], "p99_budget_ms": 0.001})
-    with pytest.raises(BenchError, match="no configuration meets p99 <= 0.001 ms"):
-        run_bench(cfg, log=lambda *a: None)
-    served = json.loads((tmp_path / "results.json").read_text())["served"]
-    assert served["models"]["tiny_cnn_onnx"]["rows"] and not served["batching_off"]
-    assert "only the embedded server allows" in served["reconfigured"]["skipped"]
-    assert "Batching off and queue delays: the sweeps" in (tmp_path / "report.md").read_text()
-
-
 def test_one_at_a_time_counts_each_refusal_and_goes_on(server):
     """Concurrency 1: every good request is timed, every refused one is an error with the server's
     message, and the requests after a refusal are still sent."""
