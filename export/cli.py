@@ -12,7 +12,9 @@ from .config import ExportConfig
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory, its model.pt, or a training output directory (uses its best)")
+    p.add_argument("checkpoint", nargs="?", default="",
+                   help="checkpoint directory, its model.pt, or a training output directory (uses its best); "
+                        "or leave it out and give --model, --weights and --input")
     add_dataclass_arguments(p, ExportConfig)
 
 

@@ -20,6 +20,14 @@ DEFAULT_TOLERANCES = {
 @dataclass
 class ExportConfig:
     checkpoint: str = opt("", "checkpoint directory, its model.pt, or a training output directory (its best)", cli=False)
+    model: Optional[str] = opt(None, "your own model instead of a checkpoint: package.module:factory, called with the --model-arg values")
+    model_args: tuple[str, ...] = opt((), "KEY=VALUE for --model's factory (JSON values; repeatable)", flag="--model-arg", append=True)
+    weights: Optional[str] = opt(None, "with --model: a state_dict file (.pt/.pth from torch.save(model.state_dict()), or .safetensors)")
+    inputs: tuple[str, ...] = opt((), "with --model: NAME:DTYPE:DIMS per input, in forward's order; DIMS start with B, e.g. input_ids:int64:B,S (repeatable)", flag="--input", append=True)
+    dims: tuple[str, ...] = opt((), "NAME=MIN..MAX for each named dim of --input, e.g. S=1..128 (repeatable)", flag="--dim", append=True)
+    input_ranges: tuple[str, ...] = opt((), "NAME=LO..HI: the values of an input's random verification data; needed for integer inputs (repeatable)", flag="--input-range", append=True)
+    outputs: tuple[str, ...] = opt((), "output names in forward's order (default: a dict's keys, else output0, output1, ...; repeatable)", flag="--output", append=True)
+    example_inputs: Optional[str] = opt(None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench")
     out: str = opt("runs/export", "export directory to create")
     formats: tuple[str, ...] = opt(FORMATS, "formats to export: " + ", ".join(FORMATS))
     max_batch: int = opt(32, "largest batch size every artifact must accept (the dynamic batch range is 1..N)")
@@ -38,6 +46,20 @@ class ExportConfig:
     seed: int = opt(0, "seed for the random verification inputs")
 
     def __post_init__(self) -> None:
+        if self.model:
+            if self.checkpoint:
+                raise ConfigError(f"give a checkpoint ({self.checkpoint}) or --model with --weights, not both")
+            missing = [f for f, v in (("--weights", self.weights), ("--input", self.inputs)) if not v]
+            if missing:
+                raise ConfigError(f"--model needs {' and '.join(missing)} (see torchship export --help)")
+        else:
+            stray = [f for f, v in (("--weights", self.weights), ("--input", self.inputs), ("--dim", self.dims),
+                                    ("--input-range", self.input_ranges), ("--output", self.outputs),
+                                    ("--example-inputs", self.example_inputs), ("--model-arg", self.model_args)) if v]
+            if stray:
+                raise ConfigError(f"{stray[0]} goes with --model; a torchship checkpoint records its own signature")
+            if not self.checkpoint:
+                raise ConfigError("give a checkpoint to export, or --model PKG.MODULE:FACTORY --weights FILE --input ...")
         unknown = [f for f in self.formats if f not in FORMATS]
         if unknown:
             raise ConfigError(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")

@@ -9,10 +9,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-INPUT = "images"
-OUTPUT = "logits"
+from torchship.signature import BATCH, Signature
 
 
 @contextlib.contextmanager
@@ -31,16 +31,24 @@ def quiet():
                 logging.getLogger(n).setLevel(lvl)
 
 
-def batch_dim(max_batch: int):
-    return torch.export.Dim("batch", min=1, max=max_batch)
+def dynamic_shapes(sig: Signature, max_batch: int | None) -> dict[str, dict[int, Any]] | None:
+    """torch.export's dynamic_shapes for ``sig``: the batch dim (unless ``max_batch`` is None: a static
+    batch) and every named dim, one Dim object per name so that inputs sharing a dim share it."""
+    dims = {k: torch.export.Dim(k, min=lo, max=hi) for k, (lo, hi) in sig.dims.items()}
+    if max_batch:
+        dims[BATCH] = torch.export.Dim(BATCH, min=1, max=max_batch)
+    spec = {t.name: {i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str) and d in dims} for t in sig.inputs}
+    return spec if any(spec.values()) else None
 
 
-def example(shape: list[int], batch: int, device: str) -> torch.Tensor:
-    # batch >= 2: an example batch of 1 silently specializes the batch dimension to a constant
-    return torch.rand(batch, *shape, generator=torch.Generator().manual_seed(0)).to(device)
+def example(sig: Signature, batch: int, device: str) -> tuple[torch.Tensor, ...]:
+    """Example inputs for tracing. ``batch`` >= 2 and dynamic dims >= 2: a size of 1 would silently be
+    specialized to a constant."""
+    feeds = sig.random_inputs(np.random.default_rng(0), batch, sig.example_values())
+    return tuple(torch.from_numpy(feeds[t.name]).to(device) for t in sig.inputs)
 
 
-def torchscript(model: torch.nn.Module, ex: torch.Tensor, path: Path) -> dict[str, Any]:
+def torchscript(model: torch.nn.Module, ex: tuple, path: Path) -> dict[str, Any]:
     with quiet(), torch.no_grad():
         traced = torch.jit.trace(model, ex, check_trace=False)
         frozen = torch.jit.freeze(traced.eval())
@@ -48,9 +56,9 @@ def torchscript(model: torch.nn.Module, ex: torch.Tensor, path: Path) -> dict[st
     return {}
 
 
-def exported_program(model: torch.nn.Module, ex: torch.Tensor, path: Path, max_batch: int) -> dict[str, Any]:
+def exported_program(model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int) -> dict[str, Any]:
     with quiet():
-        ep = torch.export.export(model, (ex,), dynamic_shapes={INPUT: {0: batch_dim(max_batch)}})
+        ep = torch.export.export(model, ex, dynamic_shapes=dynamic_shapes(sig, max_batch))
         torch.export.save(ep, str(path))
     return {}
 
@@ -65,9 +73,9 @@ def torch_threads(n: int):
         torch.set_num_threads(old)
 
 
-def aoti(model: torch.nn.Module, ex: torch.Tensor, path: Path, max_batch: int | None, threads: int) -> dict[str, Any]:
+def aoti(model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int | None, threads: int) -> dict[str, Any]:
     """AOTInductor package with freezing (only effective as the global inductor flag, under no_grad).
-    ``max_batch`` None compiles a static-shape package for ``ex``'s batch size.
+    ``max_batch`` None compiles a package for ``ex``'s batch size (other named dims stay dynamic).
 
     On CPU the generated OpenMP kernels keep the thread count of the compiling process: a package
     compiled with 2 threads and run with 1 was several times slower here. So compile with the serving
@@ -75,20 +83,20 @@ def aoti(model: torch.nn.Module, ex: torch.Tensor, path: Path, max_batch: int | 
     """
     import torch._inductor.config as inductor_config
 
-    dyn = {INPUT: {0: batch_dim(max_batch)}} if max_batch else None
     with quiet(), torch.no_grad(), torch_threads(threads), inductor_config.patch(freezing=True):
-        ep = torch.export.export(model, (ex,), dynamic_shapes=dyn)
+        ep = torch.export.export(model, ex, dynamic_shapes=dynamic_shapes(sig, max_batch))
         torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs={})
     return {"freezing": True, "compile_threads": threads}
 
 
-def onnx(model: torch.nn.Module, ex: torch.Tensor, path: Path, max_batch: int, opset: int | None) -> dict[str, Any]:
+def onnx(model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int, opset: int | None) -> dict[str, Any]:
     import onnx as onnx_lib
 
     kwargs: dict[str, Any] = {"opset_version": opset} if opset else {}
     with quiet():
-        prog = torch.onnx.export(model, (ex,), dynamo=True, input_names=[INPUT], output_names=[OUTPUT],
-                                 dynamic_shapes={INPUT: {0: batch_dim(max_batch)}}, **kwargs)
+        prog = torch.onnx.export(model, ex, dynamo=True, input_names=[t.name for t in sig.inputs],
+                                 output_names=[t.name for t in sig.outputs],
+                                 dynamic_shapes=dynamic_shapes(sig, max_batch), **kwargs)
         prog.optimize()
         # one self-contained file below protobuf's 2 GB limit; external data beside it above
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -24,9 +24,10 @@ def main(spec_path: str) -> int:
         result["output_names"] = r.output_names
         ref = np.load(d / spec["reference"])
         outs = {}
+        names = spec["inputs"]
         for key in spec["sets"]:
-            got = runtime.in_chunks(lambda x: list(r.run({spec["inputs"][0]: x}).values()), ref[f"input/{key}"],
-                                    spec["max_batch"])
+            got = runtime.in_chunks(lambda xs: list(r.run(dict(zip(names, xs))).values()),
+                                    [ref[f"input/{key}/{n}"] for n in names], spec["max_batch"])
             for name, out in zip(spec["outputs"], got):
                 outs[f"{key}/{name}"] = out
         np.savez(spec["out"], **outs)

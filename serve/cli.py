@@ -178,7 +178,7 @@ def _gather_inputs(ns, chw: list[int], heldout: dict | None) -> tuple[list[tuple
         from torchship.manifest import read_reference
 
         ref = read_reference(ns.heldout, heldout)
-        x, y = ref["input/heldout"][: ns.n], ref["labels/heldout"][: ns.n]
+        x, y = ref[f"input/heldout/{heldout['inputs'][0]['name']}"][: ns.n], ref["labels/heldout"][: ns.n]
         if ns.n > len(x):
             print(f"torchship infer: {ns.heldout} holds {len(x)} held-out samples; sending those", file=sys.stderr)
         for i, (row, label) in enumerate(zip(x, y)):

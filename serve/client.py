@@ -106,6 +106,16 @@ class TritonClient:
         except ClientError as e:  # refused on the stream, which stays open
             raise self._refused(f"model {model}", False, str(e)) from None
 
+    def infer_all(self, model: str, feeds: dict[str, np.ndarray], version: str = "") -> dict[str, np.ndarray]:
+        """Send one batch of every input by name; returns every output by name."""
+        import grpc
+
+        try:
+            return decode_all(self._model_infer(request_feeds(model, feeds, version=version), timeout=self.timeout_s))
+        except grpc.RpcError as e:
+            msg = (e.details() or str(e.code())).strip()
+            raise self._refused(f"model {model}", e.code() == grpc.StatusCode.UNAVAILABLE, msg) from None
+
     def open_stream(self, requests: int = 1) -> "InferStream":
         """One bidirectional gRPC stream for infer(..., stream=); close() it when done. It ends with an
         error if its ``requests`` take longer than the client's timeout each (a stream has one deadline)."""
@@ -118,12 +128,19 @@ class TritonClient:
         name = what.split()[-1]
         return ClientError(msg if msg.startswith(name + ":") else f"{what}: {msg}")
 
-    def infer_batches(self, model: str, x: np.ndarray) -> np.ndarray:
-        """Run any number of rows, one request per chunk that fits the model's batching (one row at a time
-        for a model without batching, whose dims carry the leading 1)."""
+    def infer_batches(self, model: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run any number of rows of every input, one request per chunk that fits the model's batching (one
+        row at a time for a model without batching, whose dims carry the leading 1); every output by name."""
         from torchship.runtime import in_chunks
 
-        return in_chunks(lambda part: [self.infer(model, part)], x, self.max_batch(model) or 1)[0]
+        names = list(feeds)
+        outs: list[str] = []
+
+        def run(xs):
+            got = self.infer_all(model, dict(zip(names, xs)))
+            outs[:] = list(got)
+            return list(got.values())
+        return dict(zip(outs, in_chunks(run, [feeds[n] for n in names], self.max_batch(model) or 1)))
 
     def statistics(self, model: str = "") -> dict[str, Any]:
         return self._call("statistics", self.client.get_inference_statistics, model, as_json=True)
@@ -178,21 +195,32 @@ class InferStream:
 def request(model: str, x: np.ndarray, input_name: str, output: str | None = None, version: str = "", top_k: int = 0):
     """A ModelInferRequest carrying ``x`` as raw bytes (one copy), asking for ``output`` (default: all);
     with ``top_k``, as Triton's classification extension ('score:index:label' strings)."""
+    return request_feeds(model, {input_name: x}, output, version, top_k)
+
+
+def request_feeds(model: str, feeds: dict[str, np.ndarray], output: str | None = None, version: str = "", top_k: int = 0):
+    """A ModelInferRequest carrying every array of ``feeds`` under its input name."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import np_to_triton_dtype
 
-    dtype = np_to_triton_dtype(x.dtype)
-    if dtype is None or dtype == "BYTES":
-        raise ShapeError(f"cannot send a {x.dtype} array")
     req = service_pb2.ModelInferRequest(model_name=model, model_version=str(version))
-    t = req.inputs.add(name=input_name, datatype=dtype)
-    t.shape.extend(x.shape)
+    for name, x in feeds.items():
+        dtype = np_to_triton_dtype(x.dtype)
+        if dtype is None or dtype == "BYTES":
+            raise ShapeError(f"input {name}: cannot send a {x.dtype} array")
+        t = req.inputs.add(name=name, datatype=dtype)
+        t.shape.extend(x.shape)
+        req.raw_input_contents.append(np.ascontiguousarray(x).tobytes())
     if output:
         o = req.outputs.add(name=output)
         if top_k:
             o.parameters["classification"].int64_param = top_k
-    req.raw_input_contents.append(np.ascontiguousarray(x).tobytes())
     return req
+
+
+def decode_all(response) -> dict[str, np.ndarray]:
+    """Every output of a ModelInferResponse by name."""
+    return {t.name: decode(response, t.name) for t in response.outputs}
 
 
 def decode(response, output: str) -> np.ndarray:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from torchship.errors import ClientError, ParityError, ShapeError
-from torchship.manifest import read_manifest, read_reference
+from torchship.manifest import read_manifest, read_reference, reference_inputs
 from torchship.parity import check_output
 
 from .client import TritonClient
@@ -30,20 +30,23 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
         raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(ready) or 'none'})")
     results: dict[str, Any] = {}
     failures: list[str] = []
-    out_name = manifest["outputs"][0]["name"]
+    outputs = [o["name"] for o in manifest["outputs"]]
     for model in models:
         rows = {}
         for key, batch in manifest["reference"]["sets"].items():
             try:
-                got = client.infer_batches(model, ref[f"input/{key}"])
+                got = client.infer_batches(model, reference_inputs(ref, manifest, key))
             except (ClientError, ShapeError) as e:
                 failures.append(f"{model}: {key}: {e}")
                 rows[key] = {"batch": batch, "pass": False, "error": str(e)}
                 continue
-            rows[key], failure = check_output(got, ref[f"expected/{key}/{out_name}"], tol, f"{model}: {key}", batch,
-                                              top1=key == "heldout")
-            if failure:
-                failures.append(failure)
+            for o in outputs:
+                what = f"{model}: {key}" + (f" output {o!r}" if len(outputs) > 1 else "")
+                row, failure = check_output(got.get(o), ref[f"expected/{key}/{o}"], tol, what, batch,
+                                            top1=key == "heldout" and o == outputs[0])
+                rows[key if len(outputs) == 1 else f"{key}/{o}"] = row
+                if failure:
+                    failures.append(failure)
         results[model] = rows
     client.close()
     report = {"url": url, "export_dir": str(d), "tolerances": tol, "models": results, "pass": not failures, "failures": failures}

@@ -12,6 +12,7 @@ loads embedded.pbtxt instead (same tensors, batched over static-batch bucket pac
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,14 +23,15 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
-from torchship.manifest import artifact, read_manifest, read_reference, sample_key
+from torchship.manifest import artifact, read_manifest, read_reference, reference_inputs
 
 from torchship.device import cuda_visible
 
 from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig
 
 EMBEDDED_CONFIG = "embedded.pbtxt"
-DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "int64": mc.TYPE_INT64}
+DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_FP64, "int64": mc.TYPE_INT64,
+          "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
 SUFFIX = {"onnx": "onnx", "torchscript": "torchscript", "aoti": "aoti"}
 # format -> (Triton platform, file name in the version folder), as the official container expects them
 PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "torchscript": ("pytorch_libtorch", "model.pt"),
@@ -55,23 +57,26 @@ def _param(config: mc.ModelConfig, key: str, value: Any) -> None:
 
 
 def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch: int, kind: int,
-                 batch_one: bool = False) -> mc.ModelConfig:
+                 batch_one: bool = False, warmup: dict[str, np.ndarray] | None = None) -> mc.ModelConfig:
     """The config.pbtxt of one model, with instances of ``kind`` (_instance_kind). ``batch_one``: no
-    batching, explicit batch dimension of 1."""
+    batching, explicit batch dimension of 1. ``warmup``: one sample per input, for Triton's warm-up."""
     names = model_names(manifest)
     c = mc.ModelConfig(name=names[fmt])
     c.version_policy.latest.num_versions = 1
     c.platform, c.default_model_filename = PLATFORMS[fmt]
     c.max_batch_size = 0 if batch_one else max_batch
     lead = [1] if batch_one else []
-    image = manifest.get("preprocessing", {}).get("layout") == "NCHW"
+    image = (manifest.get("preprocessing") or {}).get("layout") == "NCHW"
     for spec in manifest["inputs"]:
-        inp = c.input.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + [int(d) for d in spec["shape"][1:]])
+        inp = c.input.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + config_dims(spec))
         if image and not batch_one:  # Triton's image clients read the layout from here (dims must be [C, H, W])
             inp.format = mc.ModelInput.FORMAT_NCHW
-    for spec in manifest["outputs"]:
-        c.output.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + [int(d) for d in spec["shape"][1:]],
-                     label_filename="labels.txt")
+    for i, spec in enumerate(manifest["outputs"]):
+        out = c.output.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + config_dims(spec))
+        if manifest.get("classes") and i == 0:  # Triton's classification extension, for classifiers
+            out.label_filename = "labels.txt"
+    if manifest.get("dims"):  # the stand-in backends refuse a dynamic dim outside its range
+        _param(c, "dim_ranges", json.dumps(dim_ranges(manifest)))
     if not batch_one:
         c.dynamic_batching.max_queue_delay_microseconds = cfg.max_queue_delay_us
     group = c.instance_group.add(kind=kind, count=cfg.instance_count)
@@ -91,12 +96,30 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
         _param(c, "INTRA_OP_THREAD_COUNT", cfg.threads)
         _param(c, "INTER_OP_THREAD_COUNT", 1)
         _param(c, "DISABLE_OPTIMIZED_EXECUTION", "false")
-    inp = manifest["inputs"][0]
-    w = c.model_warmup.add(name="real_sample", batch_size=1)
-    w.inputs[inp["name"]].data_type = DTYPES[inp["dtype"]]
-    w.inputs[inp["name"]].dims.extend(lead + [int(d) for d in inp["shape"][1:]])
-    w.inputs[inp["name"]].input_data_file = inp["name"]
+    if warmup:
+        w = c.model_warmup.add(name="real_sample", batch_size=1)
+        for inp in manifest["inputs"]:
+            w.inputs[inp["name"]].data_type = DTYPES[inp["dtype"]]
+            w.inputs[inp["name"]].dims.extend(lead + list(warmup[inp["name"]].shape[1:]))
+            w.inputs[inp["name"]].input_data_file = inp["name"]
     return c
+
+
+def dim_ranges(manifest: dict[str, Any]) -> dict[str, list]:
+    """input -> per non-batch dim, [name, min, max] for a dynamic one, else None."""
+    dims = manifest.get("dims", {})
+    return {t["name"]: [[d, dims[d]["min"], dims[d]["max"]] if d in dims else None for d in t["shape"][1:]]
+            for t in manifest["inputs"]}
+
+
+def config_dims(spec: dict[str, Any]) -> list[int]:
+    """A tensor's dims without the batch, as config.pbtxt takes them: -1 for a dynamic one."""
+    return [d if isinstance(d, int) else -1 for d in spec["shape"][1:]]
+
+
+def warmup_sample(manifest: dict[str, Any], ref: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One real sample per input (the first of the reference's real samples, else of its first set)."""
+    return {k: np.ascontiguousarray(v[:1]) for k, v in reference_inputs(ref, manifest).items()}
 
 
 def repository_models(repo: str | Path) -> list[str]:
@@ -126,10 +149,11 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     d = Path(export_dir)
     manifest = read_manifest(d)
     v = manifest.get("verification")
-    if v is not None and not v.get("pass"):
+    failed = [n for n, e in (v or {}).get("artifacts", {}).items() if not e.get("pass")]
+    if v is not None and not v.get("pass") and len(failed) == len(v.get("artifacts", {})):
         raise ArtifactError(f"{d} failed verification; fix the export before serving it ({'; '.join(v['failures'][:2])})")
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
-    have = {a["format"] for a in manifest["artifacts"]}
+    have = {a["format"] for a in manifest["artifacts"] if a["name"] not in failed}
     formats = [f for f in cfg.formats if f in have or (f == "aoti" and "aoti_buckets" in have)]
     missing = [f for f in cfg.formats if f not in formats]
     if not formats:
@@ -145,34 +169,39 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     if cfg.threads is None:
         compiled = {a.get("compile_threads") for a in manifest["artifacts"] if a.get("compile_threads")}
         cfg.threads = compiled.pop() if len(compiled) == 1 else 1
-    ref = read_reference(d, manifest)
-    sample = np.ascontiguousarray(ref[sample_key(ref)][:1], dtype=np.float32)
+    warm = warmup_sample(manifest, read_reference(d, manifest))
     names = model_names(manifest)
     with staging_dir(out, overwrite=True) as tmp:
         for fmt in formats:
             mdir = tmp / names[fmt]
             vdir = mdir / str(cfg.version)
             vdir.mkdir(parents=True)
-            (mdir / "labels.txt").write_text("\n".join(manifest["classes"]) + "\n")
+            if manifest.get("classes"):
+                (mdir / "labels.txt").write_text("\n".join(manifest["classes"]) + "\n")
             (mdir / "warmup").mkdir()
-            (mdir / "warmup" / manifest["inputs"][0]["name"]).write_bytes(sample.tobytes())
+            for name, x in warm.items():
+                (mdir / "warmup" / name).write_bytes(x.tobytes())
             if fmt == "aoti":
-                _write_aoti(d, manifest, cfg, max_batch, kind, mdir, vdir)
+                _write_aoti(d, manifest, cfg, max_batch, kind, mdir, vdir, warm, have)
                 continue
             a = artifact(manifest, fmt)
             shutil.copy2(d / a["file"], vdir / PLATFORMS[fmt][1])
-            (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind)))
+            (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
         (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU))
-    return {"models": {f: names[f] for f in formats}, "skipped": missing, "path": str(out)}
+    return {"models": {f: names[f] for f in formats}, "skipped": missing, "unverified": failed, "path": str(out)}
 
 
-def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path) -> None:
+def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
+                warm: dict[str, np.ndarray], have: set[str]) -> None:
     # the official container: model.pt2 is a batch-1 package
-    (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind, batch_one=True)))
-    emb = build_config(manifest, "aoti", cfg, max_batch, kind)
+    (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind, batch_one=True,
+                                                                warmup=warm)))
+    emb = build_config(manifest, "aoti", cfg, max_batch, kind, warmup=warm)
     emb.platform = ""
     emb.backend = "pytorch"
     try:
+        if "aoti_buckets" not in have:
+            raise ArtifactError("no verified aoti_buckets")
         b = artifact(manifest, "aoti_buckets")
         files = {int(k): v for k, v in b["buckets"].items()}
         if 1 not in files:
@@ -194,7 +223,14 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, m
 
 
 def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool) -> str:
-    inp, outp = manifest["inputs"][0], manifest["outputs"][0]
+    pre = manifest.get("preprocessing")
+    dims = manifest.get("dims", {})
+    tensors = [f"Input `{t['name']}`: {t['dtype']} {t['shape']}" + (f" — {pre['contract']}" if pre else "") + "."
+               for t in manifest["inputs"]]
+    tensors += [f"Output `{t['name']}`: {t['dtype']} {t['shape']}" +
+                (", with class labels for Triton's classification extension" if manifest.get("classes") and i == 0 else "")
+                + "." for i, t in enumerate(manifest["outputs"])]
+    tensors += [f"Dim `{k}`: {v['min']}..{v['max']} (`-1` in the configs)." for k, v in dims.items()]
     rows = "\n".join(f"| `{names[f]}` | {f} | `{PLATFORMS[f][0]}` |" for f in formats)
     kind_note = ("The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
                  "`torchship repo --instance-kind cpu` builds the same repository for a machine without one." if gpu else
@@ -208,8 +244,7 @@ Generated by `torchship repo` from an export manifest ({manifest['created']}, to
 |---|---|---|
 {rows}
 
-Input `{inp['name']}`: {inp['dtype']} {inp['shape']} — {manifest['preprocessing']['contract']}.
-Output `{outp['name']}`: {outp['dtype']} {outp['shape']}, with class labels for Triton's classification extension.
+{chr(10).join(tensors)}
 
 ## Serve it with the official Triton container (GPU)
 

@@ -95,9 +95,17 @@ def read_reference(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str
         return {k: z[k] for k in z.files}
 
 
-def sample_key(ref: dict[str, np.ndarray]) -> str:
-    """The reference input to draw real samples from: the held-out images where the export kept them."""
-    return "input/heldout" if "input/heldout" in ref else next(k for k in ref if k.startswith("input/"))
+def sample_set(manifest: dict[str, Any]) -> str:
+    """The reference set to draw real samples from: the held-out images or the example inputs where the
+    export has them, else its largest random batch."""
+    sets = manifest["reference"]["sets"]
+    return manifest["reference"].get("samples") or max(sets, key=lambda k: (sets[k], k == f"random_b{sets[k]}"))
+
+
+def reference_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any], key: str | None = None) -> dict[str, np.ndarray]:
+    """The inputs of one reference set (default: sample_set), by input name."""
+    key = key or sample_set(manifest)
+    return {t["name"]: ref[f"input/{key}/{t['name']}"] for t in manifest["inputs"]}
 
 
 def artifact(manifest: dict[str, Any], name: str) -> dict[str, Any]:

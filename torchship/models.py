@@ -70,15 +70,27 @@ def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return out
 
 
+def import_factory(spec: str, flag: str) -> Callable[..., Any]:
+    """The function a ``package.module:function`` name points to; ConfigError naming ``flag`` otherwise."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{flag} {spec!r} must look like package.module:function")
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` would: the working directory first
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{flag} {spec}: cannot import it ({e}); is the package on PYTHONPATH?") from None
+
+
 def check_arch(arch: str) -> Callable[..., nn.Module] | None:
     """Refuse an --arch that names no known model, before anything is written; returns the factory of a
     package.module:factory name, else None."""
     if ":" in arch:
-        module_name, _, attr = arch.partition(":")
-        try:
-            return getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"--arch {arch}: cannot import the factory ({e}); is the package on PYTHONPATH?") from None
+        return import_factory(arch, "--arch")
     if arch != "tiny_cnn" and arch not in TORCHVISION_ARCHS:
         raise ConfigError(f"--arch {arch!r} is unknown; use one of {', '.join(TORCHVISION_ARCHS + ('tiny_cnn',))} "
                           "or package.module:factory")

@@ -24,14 +24,13 @@ class Runner:
     input_names: list[str] | None = None
     output_names: list[str] | None = None
 
-    def __init__(self, fn: Callable[[np.ndarray], list[np.ndarray]], inputs: Sequence[str], outputs: Sequence[str]):
+    def __init__(self, fn: Callable[[list[np.ndarray]], list[np.ndarray]], inputs: Sequence[str], outputs: Sequence[str]):
         self._fn = fn
         self.contract_inputs = list(inputs)
         self.contract_outputs = list(outputs)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        x = feeds[self.contract_inputs[0]]
-        return dict(zip(self.contract_outputs, self._fn(x)))
+        return dict(zip(self.contract_outputs, self._fn([feeds[n] for n in self.contract_inputs])))
 
 
 def _torch_setup(threads: int):
@@ -47,14 +46,15 @@ def _torch_setup(threads: int):
 
 
 def torch_fn(module, device: str, threads: int = 0):
-    """``module`` as a function of one numpy batch, under inference mode, returning float32 numpy arrays."""
+    """``module`` as a function of a list of numpy inputs (its positional arguments), under inference mode,
+    returning its outputs as numpy arrays (floating outputs as float32)."""
     import threading
 
     import torch
 
     set_here = threading.local()
 
-    def fn(x: np.ndarray) -> list[np.ndarray]:
+    def fn(xs: list[np.ndarray]) -> list[np.ndarray]:
         if threads > 0 and not getattr(set_here, "done", False):
             # torch.set_num_threads sets OpenMP's thread count for the calling thread only, and AOTInductor's
             # compiled code reads the calling thread's setting. A served model runs on a thread other than
@@ -62,17 +62,19 @@ def torch_fn(module, device: str, threads: int = 0):
             torch.set_num_threads(threads)
             set_here.done = True
         with torch.inference_mode():
-            out = module(torch.from_numpy(np.ascontiguousarray(x)).to(device))
+            out = module(*[torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in xs])
         outs = out if isinstance(out, (list, tuple)) else [out]
-        return [o.detach().float().cpu().numpy() for o in outs]
+        return [(o.float() if o.is_floating_point() else o).detach().cpu().numpy() for o in outs]
     return fn
 
 
-def in_chunks(fn: Callable[[np.ndarray], list[np.ndarray]], x: np.ndarray, size: int) -> list[np.ndarray]:
-    """``fn`` over ``x`` in batches of at most ``size`` rows, the outputs joined again."""
-    if len(x) <= size:
-        return fn(x)
-    parts = [fn(x[i:i + size]) for i in range(0, len(x), size)]
+def in_chunks(fn: Callable[[list[np.ndarray]], list[np.ndarray]], xs: Sequence[np.ndarray], size: int) -> list[np.ndarray]:
+    """``fn`` over the inputs ``xs`` (arrays of equal length) in batches of at most ``size`` rows, the
+    outputs joined again."""
+    n = len(xs[0])
+    if n <= size:
+        return fn(list(xs))
+    parts = [fn([x[i:i + size] for x in xs]) for i in range(0, n, size)]
     return [np.concatenate([p[k] for p in parts]) for k in range(len(parts[0]))]
 
 
@@ -84,18 +86,18 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"batch {n} exceeds the largest bucket {max(buckets)}")
 
 
-def padded_call(fns: dict[int, Callable[[np.ndarray], list[np.ndarray]]], x: np.ndarray) -> list[np.ndarray]:
-    """Run ``x`` through static-batch functions keyed by batch size: pad up to the next bucket
-    with copies of the last row, run, and return only the real rows. Batches above the
+def padded_call(fns: dict[int, Callable[[list[np.ndarray]], list[np.ndarray]]], xs: list[np.ndarray]) -> list[np.ndarray]:
+    """Run the inputs ``xs`` through static-batch functions keyed by batch size: pad the batch dim up to
+    the next bucket with copies of the last row, run, and return only the real rows. Batches above the
     largest bucket are split into chunks."""
     largest = max(fns)
-    n = x.shape[0]
+    n = xs[0].shape[0]
     if n > largest:
-        return in_chunks(lambda part: padded_call(fns, part), x, largest)
+        return in_chunks(lambda part: padded_call(fns, part), xs, largest)
     b = bucket_for(n, fns)
     if b != n:
-        x = np.concatenate([x, np.repeat(x[-1:], b - n, axis=0)])
-    return [o[:n] for o in fns[b](x)]
+        xs = [np.concatenate([x, np.repeat(x[-1:], b - n, axis=0)]) for x in xs]
+    return [o[:n] for o in fns[b](xs)]
 
 
 def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], device: str = "cpu",
@@ -113,10 +115,10 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
                                            if device.startswith("cuda") else ["CPUExecutionProvider"]))
         sess = ort.InferenceSession(path, so, providers=providers)
         out_names = [o.name for o in sess.get_outputs()]
-        in_name = sess.get_inputs()[0].name
+        feed_names = list(inputs)  # the graph's own names; verification checks that they are the manifest's
 
-        def fn(x: np.ndarray) -> list[np.ndarray]:
-            return sess.run(out_names, {in_name: x})
+        def fn(xs: list[np.ndarray]) -> list[np.ndarray]:
+            return sess.run(out_names, dict(zip(feed_names, xs)))
         r = Runner(fn, inputs, outputs)
         r.input_names = [i.name for i in sess.get_inputs()]
         r.output_names = out_names
@@ -141,7 +143,7 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
         if not buckets:
             raise ValueError("aoti_buckets needs the bucket files")
         fns = {int(b): torch_fn(torch._inductor.aoti_load_package(f), device, threads) for b, f in buckets.items()}
-        return Runner(lambda x: padded_call(fns, x), inputs, outputs)
+        return Runner(lambda xs: padded_call(fns, xs), inputs, outputs)
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
 
 

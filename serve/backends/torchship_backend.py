@@ -39,6 +39,8 @@ class BackendModel:
         cfg = json.loads(args["model_config"])
         self.name = args["model_name"]
         self.inputs = [i["name"] for i in cfg["input"]]
+        self.in_float = {i["name"]: i["data_type"] in ("TYPE_FP16", "TYPE_FP32", "TYPE_FP64") for i in cfg["input"]}
+        self.dim_ranges = json.loads(_params(cfg).get("dim_ranges") or "{}")
         self.outputs = [o["name"] for o in cfg["output"]]
         self.out_dtypes = [np.dtype(TRITON_DTYPES[o["data_type"]]) for o in cfg["output"]]
         return cfg
@@ -82,36 +84,51 @@ class BackendModel:
     def ort_providers(self, cfg, device):
         return None
 
-    def run(self, arrays):
-        """One execution: ``arrays`` holds each request's input (None where the request has none). Returns,
-        per request, either the list of its output arrays or an error message."""
-        results = [None] * len(arrays)
-        batch, owners = [], []
-        for i, x in enumerate(arrays):
+    def refusal(self, feeds):
+        """Why a request's inputs cannot run (a missing input, a dynamic dim out of its range, NaN or Inf in
+        a float input), or None."""
+        for name in self.inputs:
+            x = feeds.get(name)
             if x is None:
-                results[i] = self.error(f"missing input '{self.inputs[0]}'")
-            elif self.reject_non_finite and not np.isfinite(x).all():
-                results[i] = self.error(f"input '{self.inputs[0]}' contains NaN or Inf values; "
-                                        "send finite pixel values in [0, 1]")
+                return f"missing input '{name}'"
+            for i, r in enumerate(self.dim_ranges.get(name) or ()):
+                if r and not r[1] <= x.shape[i + 1] <= r[2]:
+                    return (f"input '{name}' has {r[0]}={x.shape[i + 1]} (dim {i + 1} of shape {list(x.shape)}), "
+                            f"outside the model's range {r[1]}..{r[2]}")
+            if self.reject_non_finite and self.in_float[name] and not np.isfinite(x).all():
+                return f"input '{name}' contains NaN or Inf values; send finite values"
+        return None
+
+    def run(self, requests):
+        """One execution: ``requests`` holds each request's inputs by name (None where it lacks one). Returns,
+        per request, either the list of its output arrays or an error message. Requests whose inputs have
+        the same non-batch shapes run as one batch."""
+        results = [None] * len(requests)
+        groups = {}
+        for i, feeds in enumerate(requests):
+            why = self.refusal(feeds)
+            if why:
+                results[i] = self.error(why)
             else:
-                batch.append(x)
-                owners.append(i)
-        if not batch:
-            return results
-        x = batch[0] if len(batch) == 1 else np.concatenate(batch)
+                groups.setdefault(tuple(feeds[n].shape[1:] for n in self.inputs), []).append(i)
+        for owners in groups.values():
+            self.run_batch([requests[i] for i in owners], owners, results)
+        return results
+
+    def run_batch(self, batch, owners, results):
+        xs = {n: batch[0][n] if len(batch) == 1 else np.concatenate([f[n] for f in batch]) for n in self.inputs}
         try:
-            outs = self.runner.run({self.inputs[0]: x})
+            outs = self.runner.run(xs)
         except Exception as e:  # the model failed on this batch: fail its requests, keep serving
             for i in owners:
                 results[i] = self.error(f"inference failed: {type(e).__name__}: {e}")
-            return results
+            return
         start = 0
-        for x, i in zip(batch, owners):
-            n = x.shape[0]
+        for feeds, i in zip(batch, owners):
+            n = feeds[self.inputs[0]].shape[0]
             results[i] = [np.ascontiguousarray(outs[name][start:start + n], dtype=dt)
                           for name, dt in zip(self.outputs, self.out_dtypes)]
             start += n
-        return results
 
     def error(self, msg):
         return f"{self.name}: {msg}"
@@ -168,11 +185,11 @@ class NoopModel(BackendModel):
 
     def initialize(self, args):
         cfg = self.read_config(args)
-        self.out_dims = [[int(d) for d in o["dims"]] for o in cfg["output"]]
+        self.out_dims = [[max(1, int(d)) for d in o["dims"]] for o in cfg["output"]]  # a dynamic dim (-1) as 1
 
-    def run(self, arrays):
-        return [[np.zeros((0 if x is None else x.shape[0], *dims), dt) for dims, dt in zip(self.out_dims, self.out_dtypes)]
-                for x in arrays]
+    def run(self, requests):
+        return [[np.zeros((0 if f[self.inputs[0]] is None else f[self.inputs[0]].shape[0], *dims), dt)
+                 for dims, dt in zip(self.out_dims, self.out_dtypes)] for f in requests]
 
 
 MODELS = {"onnxruntime": OnnxRuntimeModel, "pytorch": PyTorchModel, "torchship": NoopModel}

@@ -16,8 +16,11 @@ class StubHost:
     def execute(self, requests):
         arrays = []
         for r in requests:
-            t = pb_utils.get_input_tensor_by_name(r, self.inputs[0])
-            arrays.append(None if t is None else t.as_numpy())
+            feeds = {}
+            for name in self.inputs:
+                t = pb_utils.get_input_tensor_by_name(r, name)
+                feeds[name] = None if t is None else t.as_numpy()
+            arrays.append(feeds)
         responses = []
         for res in self.run(arrays):
             if isinstance(res, str):

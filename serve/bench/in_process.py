@@ -9,22 +9,28 @@ from typing import Any, Callable
 import numpy as np
 
 from torchship.errors import TorchshipError
-from torchship.manifest import artifact, read_reference
+from torchship.manifest import artifact, read_reference, reference_inputs
 
 from .config import BenchConfig
 from .stats import summarize
 
 
-def reference_pool(export_dir: Path, manifest: dict) -> np.ndarray:
-    """The export's held-out real images (else its largest random batch), read and checked once per stage."""
-    ref = read_reference(export_dir, manifest)
-    return ref["input/heldout"] if "input/heldout" in ref else ref[f"input/random_b{manifest['max_batch']}"]
+def reference_pool(export_dir: Path, manifest: dict) -> dict[str, np.ndarray]:
+    """The export's real samples (held-out images or example inputs; else its largest random batch), by
+    input name, read and checked once per stage."""
+    return reference_inputs(read_reference(export_dir, manifest), manifest)
 
 
-def real_inputs(pool: np.ndarray, batch: int) -> np.ndarray:
-    """A batch drawn from ``pool`` (tiled if it holds fewer rows)."""
-    reps = -(-batch // len(pool))
-    return np.ascontiguousarray(np.concatenate([pool] * reps)[:batch])
+def real_inputs(pool: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+    """A batch of every input drawn from ``pool`` (tiled if it holds fewer rows)."""
+    reps = -(-batch // len(next(iter(pool.values()))))
+    return {k: np.ascontiguousarray(np.concatenate([v] * reps)[:batch]) for k, v in pool.items()}
+
+
+def single_rows(pool: dict[str, np.ndarray], n: int) -> list[dict[str, np.ndarray]]:
+    """``n`` batch-1 requests (feeds by input name) drawn from ``pool``."""
+    batch = real_inputs(pool, n)
+    return [{k: v[i:i + 1] for k, v in batch.items()} for i in range(n)]
 
 
 def load_variants(cfg: BenchConfig, export_dir: Path, manifest: dict, device: str) -> tuple[dict[str, Callable], dict]:
@@ -37,13 +43,13 @@ def load_variants(cfg: BenchConfig, export_dir: Path, manifest: dict, device: st
     for v in cfg.variants:
         try:
             if v == "eager":
-                from export.pipeline import load_deployable
+                from export.source import eager_from_manifest
 
-                model, _, _ = load_deployable(manifest["source_checkpoint"]["path"])
-                runners[v] = runtime.torch_fn(model.to(device), device)
+                fn = runtime.torch_fn(eager_from_manifest(manifest).to(device), device)
+                runners[v] = lambda feeds, fn=fn: fn([feeds[n] for n in ins])
                 continue
             r = runtime.load_artifact(str(export_dir), artifact(manifest, v), ins, outs, device=device, threads=cfg.threads)
-            runners[v] = lambda x, r=r, n=ins[0]: r.run({n: x})
+            runners[v] = r.run
             if v == "onnx":
                 notes[v] = f"ONNX Runtime providers: {', '.join(r.session.get_providers())}"
         except TorchshipError as e:

@@ -8,17 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from ..client import infer_channel, request
+from ..client import infer_channel, request_feeds
 from .stats import summarize
 
 
-def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int, n: int, input_name: str) -> dict[str, Any]:
+def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concurrency: int, n: int) -> dict[str, Any]:
     """Keep ``concurrency`` requests in flight until ``n`` complete; per-request latency in seconds. Requests
     are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1 one at a time
     in this thread, so no callback thread is in the measured path."""
     import grpc
 
-    prepared = [request(model, x, input_name) for x in inputs]
+    prepared = [request_feeds(model, feeds) for feeds in inputs]
     lat: list[float] = []
     errors: list[str] = []
     channel, call = infer_channel(url)
@@ -69,10 +69,10 @@ def closed_loop(url: str, model: str, inputs: list[np.ndarray], concurrency: int
     return {"latencies_s": lat, "errors": errors, "wall_s": wall, "completed": finished[0]}
 
 
-def open_loop(url: str, model: str, inputs: list[np.ndarray], rate: float, duration: float, input_name: str) -> dict:
+def open_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], rate: float, duration: float) -> dict:
     """Poisson arrivals at ``rate`` requests/s for ``duration`` seconds (latency includes queueing)."""
     channel, call = infer_channel(url)
-    prepared = [request(model, x, input_name) for x in inputs]
+    prepared = [request_feeds(model, feeds) for feeds in inputs]
     rng = np.random.default_rng(0)
     lat, errors, pending = [], [], threading.Semaphore(0)
     sent = 0

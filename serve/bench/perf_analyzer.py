@@ -82,15 +82,18 @@ def run(binary: str, url: str, model: str, levels: list[int], manifest: dict[str
 
 
 def input_data_json(manifest: dict[str, Any], count: int = 16) -> str:
-    """Real held-out images in perf_analyzer's JSON input format (random bytes would include NaNs)."""
+    """Real samples of every input in perf_analyzer's JSON input format (random bytes would include NaNs,
+    and integers out of range)."""
     import json
 
-    from torchship.manifest import read_reference, sample_key
+    from torchship.manifest import read_reference, reference_inputs
 
-    ref = read_reference(manifest["_dir"], manifest)
-    key = sample_key(ref)
-    name = manifest["inputs"][0]["name"]
-    rows = [{name: {"content": x.ravel().round(6).tolist(), "shape": list(x.shape)}} for x in ref[key][:count]]
+    pool = reference_inputs(read_reference(manifest["_dir"], manifest), manifest)
+    n = min(count, len(next(iter(pool.values()))))
+
+    def content(x):
+        return x.ravel().round(6).tolist() if x.dtype.kind == "f" else x.ravel().tolist()
+    rows = [{k: {"content": content(v[i]), "shape": list(v[i].shape)} for k, v in pool.items()} for i in range(n)]
     return json.dumps({"data": rows})
 
 

@@ -41,7 +41,8 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
         raise BenchError(f"{export_dir} was exported for CUDA; no GPU is visible here")
     results: dict[str, Any] = {"format": RESULTS_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                "export": {"dir": str(export_dir.resolve()), "name": manifest["name"],
-                                          "input_shape": manifest["inputs"][0]["shape"], "dtype": manifest.get("dtype")},
+                                          "input_shape": manifest["inputs"][0]["shape"], "dtype": manifest.get("dtype"),
+                                          "inputs": manifest["inputs"]},
                                "config": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(cfg).items()
                                           if k != "serve"},
                                "machine": machine_info(), "errors": []}
@@ -50,10 +51,13 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
         atomic_write_json(out / "results.json", results)
 
     try:  # limits: FLOPs per sample and the measured device peak
-        from export.pipeline import load_deployable
+        from export.source import eager_from_manifest
 
-        model, _, _ = load_deployable(manifest["source_checkpoint"]["path"])
-        results["limits"] = {"flops_per_sample": flops_per_sample(model, manifest["inputs"][0]["shape"][1:]),
+        from .in_process import real_inputs, reference_pool
+
+        feeds = real_inputs(reference_pool(export_dir, manifest), 2)
+        results["limits"] = {"flops_per_sample": flops_per_sample(eager_from_manifest(manifest),
+                                                                  [feeds[t["name"]] for t in manifest["inputs"]]),
                              **device_peak(device, cfg.threads)}
     except TorchshipError as e:
         results["limits"] = {"error": str(e)}

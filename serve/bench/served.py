@@ -13,9 +13,9 @@ import numpy as np
 from torchship.errors import BenchError, ClientError, TorchshipError
 
 from ..client import TritonClient
-from ..repository import read_config, repository_models, served_config_path
+from ..repository import DTYPES, config_dims, read_config, repository_models, served_config_path
 from .config import BenchConfig
-from .in_process import real_inputs, reference_pool
+from .in_process import reference_pool, single_rows
 from .load import closed_loop, level_row, open_loop
 from .stats import served_count, settled_stats, stats_delta, stats_of
 
@@ -33,10 +33,11 @@ def noop_repo(out: Path, manifest: dict) -> Path:
     if mdir.exists():
         shutil.rmtree(mdir)
     (mdir / "1").mkdir(parents=True)
-    inp, outp = manifest["inputs"][0], manifest["outputs"][0]
     c = mc.ModelConfig(name=NOOP_MODEL, backend="torchship", max_batch_size=manifest["max_batch"])
-    c.input.add(name=inp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in inp["shape"][1:]])
-    c.output.add(name=outp["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in outp["shape"][1:]])
+    for t in manifest["inputs"]:
+        c.input.add(name=t["name"], data_type=DTYPES[t["dtype"]], dims=config_dims(t))
+    for t in manifest["outputs"]:
+        c.output.add(name=t["name"], data_type=DTYPES[t["dtype"]], dims=config_dims(t))
     c.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
     (mdir / "config.pbtxt").write_text(text_format.MessageToString(c))
     return root
@@ -103,17 +104,17 @@ def check_models(cfg: BenchConfig, manifest: dict, server=None) -> None:
         raise BenchError(f"--models {' '.join(missing)}: not in {where}; choose from {', '.join(known) or 'none'}")
 
 
-def sweep(url: str, model: str, inputs: list[np.ndarray], cfg: BenchConfig, levels, input_name: str, bar, client) -> list[dict]:
+def sweep(url: str, model: str, inputs: list[dict[str, np.ndarray]], cfg: BenchConfig, levels, bar, client) -> list[dict]:
     """One closed-loop run per concurrency level, each after an untimed warm-up at that level."""
     rows = []
     for c in levels:
         start = served_count(stats_of(client, model))
         warm = min(cfg.requests, max(4, c * 2))
-        closed_loop(url, model, inputs, c, warm, input_name)
+        closed_loop(url, model, inputs, c, warm)
         before = settled_stats(client, model, start + warm)
-        res = closed_loop(url, model, inputs, c, cfg.requests, input_name)
+        res = closed_loop(url, model, inputs, c, cfg.requests)
         after = settled_stats(client, model, served_count(before) + cfg.requests)
-        rows.append(level_row(res, stats_delta(before, after), c, inputs[0].shape[0]))
+        rows.append(level_row(res, stats_delta(before, after), c, len(next(iter(inputs[0].values())))))
         if bar:
             bar.update(cfg.requests)
     return rows
@@ -142,13 +143,12 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
     if bar is not None:  # the start-up count assumed the export's three formats
         bar.total = bar.n + served_runs(cfg, manifest, models, embedded, noop)
         bar.refresh()
-    input_name = manifest["inputs"][0]["name"]
     served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {}}
     results["served"] = served
-    singles = [x[None] for x in real_inputs(reference_pool(export_dir, manifest), 64)]  # batch-1 requests
+    singles = single_rows(reference_pool(export_dir, manifest), 64)  # batch-1 requests
 
     def run(model: str, levels=cfg.concurrency) -> list[dict]:
-        return sweep(url, model, singles, cfg, levels, input_name, bar, client)
+        return sweep(url, model, singles, cfg, levels, bar, client)
 
     for model in models:
         cfgm = client.config(model)
@@ -184,7 +184,7 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
         except TorchshipError as e:
             served["noop"] = {"error": str(e)}
     if cfg.rate:
-        served["open_loop"] = {m: open_loop(url, m, singles, cfg.rate, cfg.duration_s, input_name) for m in models}
+        served["open_loop"] = {m: open_loop(url, m, singles, cfg.rate, cfg.duration_s) for m in models}
     from .perf_analyzer import cross_check
 
     served["perf_analyzer"] = cross_check(cfg, url, models, {**manifest, "_dir": str(export_dir)})

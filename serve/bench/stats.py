@@ -47,15 +47,15 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def flops_per_sample(model, shape: list[int]) -> float:
-    """FLOPs of one forward pass per sample, counted by torch's FlopCounterMode (2 per multiply-add)."""
+def flops_per_sample(model, inputs: list) -> float:
+    """FLOPs of one forward pass per sample on ``inputs`` (numpy arrays of equal batch), counted by torch's
+    FlopCounterMode (2 per multiply-add)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    x = torch.rand(2, *shape)
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
-        model(x)
-    return fc.get_total_flops() / 2
+        model(*[torch.from_numpy(x) for x in inputs])
+    return fc.get_total_flops() / len(inputs[0])
 
 
 def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, float]:

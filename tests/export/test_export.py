@@ -23,10 +23,10 @@ def test_every_format_exported_and_verified(exported):
     assert {a["format"] for a in m["artifacts"]} == set(runtime.FORMATS)
     assert m["verification"]["pass"], m["verification"]["failures"]
     assert (exported / "parity.md").read_text().count("| pass |") >= 5 * 4
+    assert m["inputs"] == [{"name": "images", "dtype": "float32", "shape": ["batch", 3, 32, 32]}]
     for a in m["artifacts"]:
         for rel, sha in a["files"].items():
             assert sha256_file(exported / rel) == sha
-        assert a["inputs"][0]["shape"][0] == "batch"
         assert a["torch_version"] and a["exported_at"] and a["export_seconds"] >= 0
     onnx_entry = next(a for a in m["artifacts"] if a["format"] == "onnx")
     assert onnx_entry["opset"] >= 18 and not onnx_entry["external_data"]
@@ -45,7 +45,7 @@ def test_dynamic_batch_is_really_dynamic(exported, fmt):
     from export.pipeline import load_deployable
 
     r, m = load(exported, fmt)
-    model, _, _ = load_deployable(m["source_checkpoint"]["path"])
+    model, _, _ = load_deployable(m["source"]["path"])
     for n in (5, 7):
         x = np.random.default_rng(n).random((n, 3, 32, 32), dtype=np.float32)
         got = r.run({"images": x})["logits"]
@@ -75,7 +75,7 @@ def test_normalization_lives_in_the_graph(exported):
 
     m = read_manifest(exported)
     assert m["preprocessing"]["normalization"] == "in_graph"
-    ckdir = ck.resolve_checkpoint(m["source_checkpoint"]["path"])
+    ckdir = ck.resolve_checkpoint(m["source"]["path"])
     plain = model_from_meta(ck.load_meta(ckdir)).eval()
     plain.load_state_dict(ck.load_weights(ckdir))
     mean = torch.tensor(m["preprocessing"]["mean"]).view(1, -1, 1, 1)
@@ -105,17 +105,22 @@ def rehash(d, rel):
     write_manifest(d, m)
 
 
+def perturb_onnx(d, delta: float) -> None:
+    """Add ``delta`` to one weight of the export's ONNX model (its largest initializer) and rehash it."""
+    model = onnx.load(str(d / "onnx/model.onnx"))
+    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    arr = onnx.numpy_helper.to_array(init).copy()
+    arr.flat[0] += delta
+    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+    onnx.save(model, str(d / "onnx/model.onnx"))
+    rehash(d, "onnx/model.onnx")
+
+
 def test_verifier_rejects_a_perturbed_onnx_initializer(exported, tmp_path):
     from export.verify import verify_export
 
     d = copy_export(exported, tmp_path)
-    model = onnx.load(str(d / "onnx/model.onnx"))
-    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
-    arr = onnx.numpy_helper.to_array(init).copy()
-    arr.flat[0] += 0.05
-    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
-    onnx.save(model, str(d / "onnx/model.onnx"))
-    rehash(d, "onnx/model.onnx")
+    perturb_onnx(d, 0.05)
     with pytest.raises(ParityError, match="onnx"):
         verify_export(d, only=["onnx"])
     assert not read_manifest(d)["verification"]["pass"]
@@ -207,22 +212,23 @@ def test_a_torch_artifact_runs_with_its_thread_count_on_any_thread(exported, fmt
 
 def test_padded_rows_never_leak(monkeypatch):
     """Bucket padding returns only the real rows; a planted leak is caught by the shape check."""
-    fns = {1: lambda x: [x[:, :2] * 2], 4: lambda x: [x[:, :2] * 2]}
+    fns = {1: lambda xs: [xs[0][:, :2] * 2 + xs[1]], 4: lambda xs: [xs[0][:, :2] * 2 + xs[1]]}
     x = np.arange(9, dtype=np.float32).reshape(3, 3)
-    out = runtime.padded_call(fns, x)[0]
-    assert out.shape == (3, 2) and np.array_equal(out, x[:, :2] * 2)
-    big = runtime.padded_call(fns, np.ones((9, 3), np.float32))[0]  # above the largest bucket: chunked
+    ones = np.ones((3, 1), np.float32)
+    out = runtime.padded_call(fns, [x, ones])[0]  # two inputs, both padded on the batch dim only
+    assert out.shape == (3, 2) and np.array_equal(out, x[:, :2] * 2 + 1)
+    big = runtime.padded_call(fns, [np.ones((9, 3), np.float32), np.ones((9, 1), np.float32)])[0]  # chunked
     assert big.shape == (9, 2)
 
-    def leaky(fns, x):
-        b = runtime.bucket_for(x.shape[0], fns)
-        return fns[b](np.concatenate([x, np.zeros((b - x.shape[0], x.shape[1]), x.dtype)]))
+    def leaky(fns, xs):
+        b = runtime.bucket_for(xs[0].shape[0], fns)
+        return fns[b]([np.concatenate([x, np.zeros((b - x.shape[0], *x.shape[1:]), x.dtype)]) for x in xs])
 
     from torchship.parity import compare
 
-    leaked = leaky(fns, x)[0]
+    leaked = leaky(fns, [x, ones])[0]
     assert leaked.shape != out.shape  # the verifier's shape check rejects this before comparing values
-    assert compare(out, x[:, :2] * 2, 1e-5, 1e-5)["pass"]
+    assert compare(out, x[:, :2] * 2 + 1, 1e-5, 1e-5)["pass"]
 
 
 def test_cli_exit_codes(exported, tmp_path, capsys):
@@ -296,7 +302,7 @@ def test_corrupt_checkpoint_metadata(trained, tmp_path, capsys):
 
 def test_existing_export_dir_is_refused(exported, capsys):
     before = (exported / "manifest.json").read_text()
-    assert run_cli("export", read_manifest(exported)["source_checkpoint"]["path"], "--out", exported) == 2
+    assert run_cli("export", read_manifest(exported)["source"]["path"], "--out", exported) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert (exported / "manifest.json").read_text() == before
 
@@ -305,7 +311,7 @@ def test_an_out_path_that_is_a_file_is_refused_and_kept(exported, tmp_path, caps
     """--overwrite replaces an export or repository directory, never a file of the user's."""
     f = tmp_path / "notes.txt"
     f.write_text("mine")
-    ckpt = read_manifest(exported)["source_checkpoint"]["path"]
+    ckpt = read_manifest(exported)["source"]["path"]
     for argv in (("export", ckpt, "--out", f, "--overwrite"), ("repo", exported, "--out", f, "--overwrite")):
         assert run_cli(*argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -168,9 +168,9 @@ def test_one_at_a_time_counts_each_refusal_and_goes_on(server):
 
     good = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
     bad = np.zeros((1, 3, 16, 16), np.float32)
-    r = closed_loop(server.url, "tiny_cnn_onnx", [good], 1, 12, "images")
+    r = closed_loop(server.url, "tiny_cnn_onnx", [{"images": good}], 1, 12)
     assert len(r["latencies_s"]) == 12 and not r["errors"]
-    r = closed_loop(server.url, "tiny_cnn_onnx", [good, bad], 1, 12, "images")
+    r = closed_loop(server.url, "tiny_cnn_onnx", [{"images": good}, {"images": bad}], 1, 12)
     assert len(r["latencies_s"]) == 6 and len(r["errors"]) == 6
     assert all("shape" in e for e in r["errors"]), r["errors"][0]
 

@@ -115,7 +115,7 @@ def test_a_gpu_instance_runs_on_cuda_where_there_is_one_and_on_the_cpu_elsewhere
     assert said[-1].endswith(f"on {device}, 1 intra-op thread(s)"), said
     m = read_manifest(exported)
     ref, tol = read_reference(exported, m), m["tolerances"]
-    (out,) = model.run([ref["input/random_b5"]])
+    (out,) = model.run([{"images": ref["input/random_b5/images"]}])
     np.testing.assert_allclose(out[0], ref["expected/random_b5/logits"], rtol=tol["rtol"], atol=tol["atol"])
 
 

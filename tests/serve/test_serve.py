@@ -778,7 +778,7 @@ def test_a_standard_image_client_reads_the_layout_and_gets_labelled_top_3(server
 def test_infer_files_take_float_arrays_and_refuse_integer_pixels(server, exported, tmp_path, capsys):
     """.npy files of any float dtype are sent as the model's float32; an 8-bit array (0-255 pixels) is refused
     by name instead of being served as nonsense; the server keeps answering."""
-    x = np.load(exported / "reference.npz")["input/heldout"][:2]
+    x = np.load(exported / "reference.npz")["input/heldout/images"][:2]
     np.save(tmp_path / "f64.npy", x.astype(np.float64))
     np.save(tmp_path / "u8.npy", (x * 255).astype(np.uint8))
     assert run_cli("infer", "--url", server.url, "--model", "tiny_cnn_onnx", "--json", tmp_path / "f64.npy") == 0

@@ -1,0 +1,247 @@
+"""What an export starts from: a torchship checkpoint (its metadata says everything), or a user's model
+factory, a plain weights file and the signature given on the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from torchship.errors import CheckpointError, ConfigError
+from torchship.models import WithPreprocessing, import_factory, model_from_meta, parse_model_args
+from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_signature
+from train import checkpoint as ck
+
+PREFIXES = ("module.", "_orig_mod.")  # DDP's wrapper and torch.compile's
+
+
+@dataclass
+class Source:
+    model: torch.nn.Module  # eval mode; positional inputs named as the signature's; a tensor or a tuple out
+    signature: Signature  # outputs included
+    name: str
+    description: dict[str, Any]  # where the model came from, for the manifest
+    classes: Optional[list[str]] = None
+    preprocessing: Optional[dict[str, Any]] = None
+    samples: dict[str, np.ndarray] = field(default_factory=dict)  # real inputs, by input name
+    labels: Optional[np.ndarray] = None
+    sample_set: str = "heldout"
+
+
+class Flat(torch.nn.Module):
+    """Calls ``inner`` with its positional inputs and returns its outputs as one tensor or a flat tuple:
+    dict outputs (and dict subclasses) in the order of ``keys``, tuples and lists as they are."""
+
+    def __init__(self, inner: torch.nn.Module, keys: Optional[list] = None):
+        super().__init__()
+        self.inner = inner
+        self.keys = keys
+
+    def flat(self, out):
+        if isinstance(out, dict):
+            out = tuple(out[k] for k in self.keys)
+        if isinstance(out, (list, tuple)):
+            return out[0] if len(out) == 1 else tuple(out)
+        return out
+
+
+def named(inner: torch.nn.Module, input_names: list[str], keys: Optional[list] = None) -> torch.nn.Module:
+    """``inner`` behind a forward whose parameters carry the input names, so that every exporter names
+    the graph inputs after them (TorchScript's schema, ExportedProgram's signature, ONNX's inputs)."""
+    args = ", ".join(input_names)
+    ns: dict[str, Any] = {}
+    exec(f"def forward(self, {args}):\n    return self.flat(self.inner({args}))\n", ns)  # names checked by the parser
+    cls = type("Deployable", (Flat,), {"forward": ns["forward"]})
+    return cls(inner, keys).eval()
+
+
+def strip_prefixes(sd: dict[str, torch.Tensor], log=print) -> dict[str, torch.Tensor]:
+    """Remove DDP's ``module.`` and torch.compile's ``_orig_mod.`` prefixes, saying so once."""
+    stripped = set()
+    out = {}
+    for k, v in sd.items():
+        changed = True
+        while changed:
+            changed = False
+            for p in PREFIXES:
+                if k.startswith(p):
+                    k, changed = k[len(p):], True
+                    stripped.add(p)
+        out[k] = v
+    if stripped:
+        log(f"weights: stripped the prefix {' and '.join(sorted(stripped))} from the parameter names")
+    return out
+
+
+def load_weights_file(path: str | Path, log=print) -> dict[str, torch.Tensor]:
+    """A plain state_dict from a .pt/.pth file (weights_only) or a .safetensors file."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"--weights {p} does not exist")
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            sd = load_file(str(p))
+        else:
+            sd = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"--weights {p} cannot be read as a state_dict: {type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}") from None
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        log(f"weights: using the 'state_dict' entry of {p.name}")
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"--weights {p} holds a {type(sd).__name__} that is not a state_dict of tensors "
+                              "(save it with torch.save(model.state_dict(), PATH))")
+    return strip_prefixes(sd, log)
+
+
+def from_checkpoint(checkpoint: str | Path) -> Source:
+    """The eval-mode model with preprocessing baked in, rebuilt from the checkpoint's files alone."""
+    ckdir = ck.resolve_checkpoint(checkpoint, which="best")
+    meta = ck.load_meta(ckdir)
+    model = model_from_meta(meta)
+    ck.load_into(model, ck.load_weights(ckdir), f"checkpoint {ckdir}")
+    pre = meta.get("preprocessing")
+    if not pre or "mean" not in pre:
+        raise CheckpointError(f"{ckdir / ck.META} records no preprocessing (mean/std); cannot build the input contract")
+    shape = list(meta["input_shape"])
+    sig = Signature([TensorSpec("images", "float32", [BATCH, *shape])],
+                    [TensorSpec("logits", "float32", [BATCH, meta["num_classes"]])])
+    src = Source(WithPreprocessing(model, pre["mean"], pre["std"]).eval(), sig,
+                 meta["arch"].replace(":", "_").replace(".", "_"),
+                 {"kind": "checkpoint", "path": str(ckdir.resolve()), "weights_sha256": meta.get("weights_sha256"),
+                  "arch": meta["arch"], "model_args": meta.get("model_args", {}), "metrics": meta.get("metrics", {}),
+                  "git_revision": meta.get("git_revision")},
+                 classes=meta["classes"], preprocessing=pre)
+    if (ckdir / ck.HELDOUT).exists():
+        held = np.load(ckdir / ck.HELDOUT)
+        src.samples, src.labels = {"images": held["images"].astype(np.float32)}, held["labels"]
+    return src
+
+
+def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights: str, inputs, dims, ranges,
+                 outputs, example_inputs: Optional[str], log=print) -> Source:
+    """A user's model: ``factory(**model_args)`` with ``weights`` loaded strictly, and the signature given."""
+    sig = parse_signature(inputs, dims, ranges)
+    args = parse_model_args(model_args)
+    try:
+        model = import_factory(factory, "--model")(**args)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"--model {factory}: the factory failed: {type(e).__name__}: {e}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"--model {factory}: the factory returned {type(model).__name__}, not an nn.Module")
+    ck.load_into(model, load_weights_file(weights, log), f"--weights {weights}")
+    model.eval()
+    samples = _examples(example_inputs, sig) if example_inputs else {}
+    probe = _probe_outputs(model, sig, samples)
+    keys = list(probe[0][0]) if isinstance(probe[0][0], dict) else None
+    names = list(outputs) or ([str(k) for k in keys] if keys else None)
+    sig.outputs = _output_specs(probe, names)
+    from torchship.io import sha256_file
+
+    return Source(named(model, [t.name for t in sig.inputs], keys), sig, factory.split(":")[-1],
+                  {"kind": "weights", "model": factory, "model_args": args, "weights": str(Path(weights).resolve()),
+                   "weights_sha256": sha256_file(weights), "output_keys": keys}, samples=samples, sample_set="examples")
+
+
+def eager_from_manifest(manifest: dict[str, Any], log=print) -> torch.nn.Module:
+    """The eager model an export was made from, rebuilt from what its manifest records (for the bench)."""
+    src = manifest.get("source") or {}
+    if src.get("kind") == "checkpoint":
+        return from_checkpoint(src["path"]).model
+    if src.get("kind") == "weights":
+        model = import_factory(src["model"], "the manifest's model")(**src.get("model_args", {}))
+        ck.load_into(model, load_weights_file(src["weights"], lambda *a: None), f"weights {src['weights']}")
+        return named(model.eval(), [t["name"] for t in manifest["inputs"]], src.get("output_keys"))
+    raise CheckpointError("the manifest records no model source (export again)")
+
+
+def _examples(path: str, sig: Signature) -> dict[str, np.ndarray]:
+    """--example-inputs: an npz keyed by input name, each array of the input's dtype and dims."""
+    p = Path(path)
+    try:
+        with np.load(p) as z:
+            data = {k: z[k] for k in z.files}
+    except Exception as e:
+        raise ConfigError(f"--example-inputs {p} cannot be read as an npz: {type(e).__name__}: {e}") from None
+    missing = [t.name for t in sig.inputs if t.name not in data]
+    if missing:
+        raise ConfigError(f"--example-inputs {p} has no array {missing[0]!r} (it has {', '.join(data) or 'none'})")
+    n = {len(data[t.name]) for t in sig.inputs}
+    if len(n) != 1:
+        raise ConfigError(f"--example-inputs {p}: the arrays hold different numbers of samples")
+    out = {}
+    for t in sig.inputs:
+        a = data[t.name]
+        if dtype_name(a.dtype) != t.dtype:
+            raise ConfigError(f"--example-inputs {p}: {t.name} is {a.dtype}, the signature says {t.dtype}")
+        if a.ndim != len(t.shape) or any(isinstance(d, int) and d != s for d, s in zip(t.shape[1:], a.shape[1:])):
+            raise ConfigError(f"--example-inputs {p}: {t.name} has shape {list(a.shape)}, the signature says {t.shape}")
+        for d, s in zip(t.shape[1:], a.shape[1:]):
+            if isinstance(d, str) and not sig.dims[d][0] <= s <= sig.dims[d][1]:
+                raise ConfigError(f"--example-inputs {p}: {t.name} has {d}={s}, outside --dim {d}={sig.dims[d][0]}..{sig.dims[d][1]}")
+        out[t.name] = a
+    return out
+
+
+def _call(model, sig: Signature, feeds: dict[str, np.ndarray]):
+    with torch.no_grad():
+        return model(*[torch.from_numpy(np.ascontiguousarray(feeds[t.name])) for t in sig.inputs])
+
+
+def _probe_outputs(model, sig: Signature, samples) -> list:
+    """The model's outputs on two sets of inputs of different batch and dynamic-dim sizes (what tells the
+    fixed output dims from the varying ones)."""
+    g = np.random.default_rng(0)
+    first = sig.example_values()
+    second = {k: (v + 1 if v + 1 <= sig.dims[k][1] else max(sig.dims[k][0], v - 1)) for k, v in first.items()}
+    outs = []
+    for batch, values in ((2, first), (3, second)):
+        feeds = sig.random_inputs(g, batch, values)
+        try:
+            outs.append(_call(model, sig, feeds))
+        except Exception as e:
+            shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in feeds.items())
+            raise ConfigError(f"the model fails on inputs of the given signature ({shapes}): {type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}; check --input") from None
+    return [(o, values) for o, values in zip(outs, (first, second))]
+
+
+def _flat_outputs(out) -> list:
+    if isinstance(out, dict):
+        return list(out.values())
+    if isinstance(out, (list, tuple)):
+        return list(out)
+    return [out]
+
+
+def _output_specs(probe: list, names: Optional[list[str]]) -> list[TensorSpec]:
+    (a, va), (b, vb) = probe
+    ta, tb = _flat_outputs(a), _flat_outputs(b)
+    bad = [type(t).__name__ for t in ta if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise ConfigError(f"forward returns a {bad[0]} among its outputs; it must return tensors (a tensor, a tuple "
+                          "or list of them, or a dict of them)")
+    names = names or [f"output{i}" for i in range(len(ta))]
+    if len(names) != len(ta):
+        raise ConfigError(f"--output names {len(names)} outputs, the model returns {len(ta)}")
+    specs = []
+    for name, x, y in zip(names, ta, tb):
+        if x.dim() == 0 or x.shape[0] != 2 or y.shape[0] != 3:
+            raise ConfigError(f"output {name!r} has no batch dim first (shape {list(x.shape)} for a batch of 2)")
+        shape: list = [BATCH]
+        for sx, sy in zip(x.shape[1:], y.shape[1:]):
+            if sx == sy:
+                shape.append(int(sx))
+            else:
+                shape.append(next((k for k in va if va[k] == sx and vb.get(k) == sy), DYNAMIC))
+        dt = "float32" if x.is_floating_point() else dtype_name(x.dtype)
+        specs.append(TensorSpec(name, dt, shape))
+    return specs

@@ -1,0 +1,223 @@
+"""Models that are not image classifiers, brought as a factory plus a plain weights file: a tabular MLP saved
+from a DDP-wrapped model, and a transformer text classifier with two int64 inputs of a dynamic length and
+two outputs. Each goes through export -> verify -> repo -> a real Triton -> infer --check -> a short bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, run_cli
+from tests.export.test_export import copy_export, perturb_onnx
+from torchship.errors import ClientError, ParityError
+from torchship.manifest import read_manifest
+
+MODELS = "tests.anymodel.models"
+TEXT_FLAGS = ["--input", "input_ids:int64:B,S", "--input", "attention_mask:int64:B,S", "--dim", "S=1..64",
+              "--input-range", "input_ids=0..49", "--input-range", "attention_mask=0..1"]
+SMALL = ["--max-batch", "8", "--buckets", "1", "8"]
+
+DDP_SAVE = """
+import sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tests.anymodel.models import mlp
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+torch.save(DDP(mlp()).state_dict(), sys.argv[1])
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """The MLP's state_dict as DDP holds it (keys under 'module.'), and the text model's, plain."""
+    import torch
+
+    from tests.anymodel.models import text_classifier
+
+    d = tmp_path_factory.mktemp("weights")
+    subprocess.run([sys.executable, "-c", DDP_SAVE, str(d / "mlp.pt")], check=True, cwd=ROOT)
+    torch.manual_seed(0)
+    torch.save(text_classifier().state_dict(), d / "text.pth")
+    return d
+
+
+@pytest.fixture(scope="module")
+def mlp_export(weights, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mlp") / "export"
+    assert run_cli("export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt",
+                   "--input", "features:float32:B,20", "--out", out, *SMALL) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def text_export(weights, tmp_path_factory):
+    out = tmp_path_factory.mktemp("text") / "export"
+    assert run_cli("export", "--model", f"{MODELS}:text_classifier", "--weights", weights / "text.pth",
+                   *TEXT_FLAGS, "--out", out, *SMALL) == 0
+    return out
+
+
+def test_ddp_prefixed_weights_export_to_every_format(weights, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert run_cli("export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt",
+                   "--input", "features:float32:B,20", "--out", out, *SMALL, "--formats", "onnx", "torchscript") == 0
+    assert "stripped the prefix module." in capsys.readouterr().out
+    m = read_manifest(out)
+    assert m["inputs"] == [{"name": "features", "dtype": "float32", "shape": ["batch", 20]}]
+    assert m["outputs"] == [{"name": "output0", "dtype": "float32", "shape": ["batch", 3]}]
+    assert m["verification"]["pass"] and m["source"]["kind"] == "weights"
+
+
+def test_text_model_verified_in_every_format_at_every_length(text_export):
+    m = read_manifest(text_export)
+    assert [t["name"] for t in m["inputs"]] == ["input_ids", "attention_mask"]
+    assert m["outputs"] == [{"name": "logits", "dtype": "float32", "shape": ["batch", 4]},
+                            {"name": "embedding", "dtype": "float32", "shape": ["batch", 32]}]
+    assert m["dims"] == {"S": {"min": 1, "max": 64}}
+    v = m["verification"]
+    assert v["pass"] and set(v["artifacts"]) == {"torchscript", "exported_program", "aoti", "aoti_buckets", "onnx"}
+    lengths = {d["S"] for d in m["reference"]["dims"].values()}
+    assert lengths == {1, 33, 64}, lengths
+    assert all(f"{k}/embedding" in v["artifacts"]["onnx"]["sets"] for k in m["reference"]["sets"])
+
+
+BAD = {
+    "an integer input without a range": (["--input", "ids:int64:B,8"], "--input-range ids=LO..HI"),
+    "an unknown dtype": (["--input", "x:float128:B,8"], "dtype 'float128' is not one of"),
+    "a named dim without --dim": (["--input", "x:float32:B,S"], "dim 'S' is neither"),
+    "a first dim that is not the batch": (["--input", "x:float32:8,B"], "the first dim must be B"),
+    "a dim range upside down": (["--input", "x:float32:B,S", "--dim", "S=9..2"], "low end exceeds"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_signature_is_refused_naming_the_flag(case, weights, tmp_path, capsys):
+    flags, said = BAD[case]
+    assert run_cli("export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt", *flags,
+                   "--out", tmp_path / "x") == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_weights_that_do_not_fit_are_refused_naming_the_parameter(weights, tmp_path, capsys):
+    import torch
+
+    sd = torch.load(weights / "mlp.pt", weights_only=True)
+    del sd["module.net.2.bias"]
+    torch.save(sd, tmp_path / "missing.pt")
+    base = ["export", "--model", f"{MODELS}:mlp", "--input", "features:float32:B,20", "--out", tmp_path / "x"]
+    assert run_cli(*base, "--weights", tmp_path / "missing.pt") == 2
+    assert "missing keys (e.g. net.2.bias)" in capsys.readouterr().err
+    assert run_cli(*base, "--weights", weights / "mlp.pt", "--model-arg", "features=21") == 2
+    assert "shape of net.0.weight is (32, 20) in the checkpoint, (32, 21) in the model" in capsys.readouterr().err
+    wrong = ["export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt", "--input", "features:int64:B,20",
+             "--input-range", "features=0..3", "--out", tmp_path / "x"]
+    assert run_cli(*wrong) == 2
+    assert "the model fails on inputs of the given signature (features [2, 20] int64)" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_trace_right_only_at_its_traced_length_fails_at_another(tmp_path, capsys):
+    """TorchScript bakes the traced length into LengthBaked; verification runs other lengths and names them.
+    No artifact passing is an error, --strict or not."""
+    import torch
+
+    from tests.anymodel.models import length_baked
+
+    torch.save(length_baked().state_dict(), tmp_path / "w.pt")
+    assert run_cli("export", "--model", f"{MODELS}:length_baked", "--weights", tmp_path / "w.pt",
+                   "--input", "x:float32:B,S,8", "--dim", "S=1..16", "--formats", "torchscript", *SMALL,
+                   "--out", tmp_path / "e") == 3
+    err = capsys.readouterr().err
+    for s in (1, 9, 16):
+        assert f"torchscript: random_b5_S={s} output 'output0' (batch 5) max abs diff" in err, err
+    assert not read_manifest(tmp_path / "e")["verification"]["pass"]
+
+
+def test_a_perturbed_weight_in_one_artifact_fails_verification_and_is_not_served(text_export, tmp_path, capsys):
+    from export.verify import verify_export
+    from serve.config import RepoConfig
+    from serve.repository import build_repository
+
+    d = copy_export(text_export, tmp_path)
+    perturb_onnx(d, 1.0)
+    with pytest.raises(ParityError, match="onnx: "):
+        verify_export(d)
+    verify_export(d, strict=False)  # the others pass: reported, not raised
+    assert "the others are reported" in capsys.readouterr().out
+    res = build_repository(d, RepoConfig(out=str(tmp_path / "repo")))
+    assert sorted(res["models"]) == ["aoti", "torchscript"] and res["unverified"] == ["onnx"]
+
+
+@pytest.fixture(scope="module")
+def served(mlp_export, text_export, tmp_path_factory):
+    """One embedded Triton serving both models (one repository holding the models of both exports)."""
+    import shutil
+
+    from serve.config import RepoConfig, ServeConfig
+    from serve.embedded import TritonServer
+    from serve.repository import build_repository
+
+    root = tmp_path_factory.mktemp("served")
+    build_repository(mlp_export, RepoConfig(out=str(root / "mlp")))
+    build_repository(text_export, RepoConfig(out=str(root / "repo")))
+    for model in (root / "mlp").iterdir():
+        if model.is_dir():
+            shutil.copytree(model, root / "repo" / model.name)
+    s = TritonServer(ServeConfig(repo=str(root / "repo")))
+    s.start()
+    yield s
+    assert s.stop() == 0, s.log_tail()
+
+
+def test_served_outputs_match_eager_for_both_models(served, mlp_export, text_export):
+    from serve.parity import check_served
+
+    for export in (mlp_export, text_export):
+        report = check_served(served.url, export)
+        assert report["pass"] and len(report["models"]) == 3
+    cfg = (served.repo / "text_classifier_onnx" / "config.pbtxt").read_text()
+    assert "dims: -1" in cfg and "labels.txt" not in cfg and "FORMAT_NCHW" not in cfg
+
+
+def test_bad_requests_are_refused_naming_the_input_and_the_server_goes_on(served):
+    from serve.client import TritonClient
+
+    client = TritonClient(served.url)
+    ids = np.random.default_rng(0).integers(0, 50, (1, 70))
+    cases = {
+        "S outside its range": ({"input_ids": ids, "attention_mask": np.ones_like(ids)},
+                                "input 'input_ids' has S=70 (dim 1 of shape [1, 70]), outside the model's range 1..64"),
+        "a missing second input": ({"input_ids": ids[:, :10]}, "missing required input(s) ['attention_mask']"),
+        "int32 ids": ({"input_ids": ids[:, :10].astype(np.int32), "attention_mask": np.ones((1, 10), np.int32)},
+                      "data-type is 'INT32', but model 'text_classifier_torchscript' expects 'INT64'"),
+    }
+    for feeds, said in cases.values():
+        with pytest.raises(ClientError) as e:
+            client.infer_all("text_classifier_torchscript", feeds)
+        assert said in str(e.value), str(e.value)
+    good = client.infer_all("text_classifier_torchscript", {"input_ids": ids[:, :10], "attention_mask": np.ones((1, 10), np.int64)})
+    assert good["logits"].shape == (1, 4) and good["embedding"].shape == (1, 32)
+    client.close()
+
+
+def test_a_short_bench_of_the_text_model(served, text_export, tmp_path):
+    from serve.bench.config import BenchConfig
+    from serve.bench.run import run_bench
+    from torchship.config import build
+
+    cfg = build(BenchConfig, {"export_dir": str(text_export), "out": str(tmp_path), "url": served.url,
+                              "requests": 20, "concurrency": [1, 4], "batch_sizes": [1, 4], "iters": 10, "blocks": 2,
+                              "batching_compare": [], "queue_delays_us": [], "cross_check": False, "plots": False, "progress": False})
+    run_bench(cfg, log=lambda *a: None)
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = res["served"]["models"]["text_classifier_onnx"]["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 4] and all(r["failed"] == 0 and r["ok"] == 20 for r in rows)
+    assert {r["variant"] for r in res["in_process"]["rows"]} >= {"eager", "onnx", "torchscript"}
+    assert res["limits"]["flops_per_sample"] > 0

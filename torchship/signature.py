@@ -1,0 +1,195 @@
+"""A model's tensor signature: its inputs and outputs, each with a dtype and dims, and the ranges of its
+dynamic dims. Parsed from ``--input``/``--dim``/``--input-range``, recorded in the manifest, and read back
+by every stage after export."""
+
+from __future__ import annotations
+
+import keyword
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import ConfigError
+
+BATCH = "batch"  # the manifest's name for dim 0 of every tensor
+DYNAMIC = "dynamic"  # an output dim that varies with the inputs in a way no input dim names
+INPUT_DTYPES = ("float32", "float16", "int64", "int32", "bool")
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "int64": np.int64, "int32": np.int32,
+             "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: list  # shape[0] is BATCH; the others are ints or names of dynamic dims
+    range: Optional[tuple[float, float]] = None  # the values random inputs take (integer inputs)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.range is not None:
+            d["range"] = list(self.range)
+        return d
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith("float")
+
+
+@dataclass
+class Signature:
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec] = field(default_factory=list)
+    dims: dict[str, tuple[int, int]] = field(default_factory=dict)  # dynamic non-batch dim -> (min, max)
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {"inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
+                "dims": {k: {"min": lo, "max": hi} for k, (lo, hi) in self.dims.items()}}
+
+    @classmethod
+    def from_manifest(cls, m: dict[str, Any]) -> "Signature":
+        def spec(t):
+            return TensorSpec(t["name"], t["dtype"], list(t["shape"]), tuple(t["range"]) if t.get("range") else None)
+        return cls([spec(t) for t in m["inputs"]], [spec(t) for t in m["outputs"]],
+                   {k: (int(v["min"]), int(v["max"])) for k, v in m.get("dims", {}).items()})
+
+    def shape(self, t: TensorSpec, batch: int, values: dict[str, int]) -> tuple[int, ...]:
+        return (batch, *(d if isinstance(d, int) else values[d] for d in t.shape[1:]))
+
+    def random_inputs(self, rng: np.random.Generator, batch: int, values: dict[str, int]) -> dict[str, np.ndarray]:
+        """Random inputs of every input's dtype: floats in [0, 1) or their range, integers in their range
+        (``values`` gives each dynamic dim's size)."""
+        out = {}
+        for t in self.inputs:
+            shp = self.shape(t, batch, values)
+            if t.dtype == "bool":
+                out[t.name] = rng.random(shp) < 0.5
+            elif t.is_float:
+                lo, hi = t.range or (0.0, 1.0)
+                out[t.name] = (lo + (hi - lo) * rng.random(shp)).astype(NP_DTYPES[t.dtype])
+            else:
+                lo, hi = t.range or (0, 1)
+                out[t.name] = rng.integers(int(lo), int(hi), size=shp, endpoint=True).astype(NP_DTYPES[t.dtype])
+        return out
+
+    def dim_cases(self) -> list[dict[str, int]]:
+        """The dynamic-dim values to verify at: for each dim its minimum, its maximum and an odd value
+        between (the others at their maximum). One case (empty) when there are none."""
+        if not self.dims:
+            return [{}]
+        base = {k: hi for k, (lo, hi) in self.dims.items()}
+        cases = [base]
+        for k, (lo, hi) in self.dims.items():
+            mid = (lo + hi) // 2 | 1
+            for v in dict.fromkeys((lo, mid if lo < mid < hi else lo, hi)):
+                case = {**base, k: v}
+                if case not in cases:
+                    cases.append(case)
+        return cases
+
+    def example_values(self) -> dict[str, int]:
+        """Dynamic-dim sizes for tracing: at least 2 (a size of 1 would be specialized) and distinct from
+        the example batch of 2 where the range allows, so that no two dims look equal to the exporter."""
+        taken = {2}
+        out = {}
+        for k, (lo, hi) in self.dims.items():
+            v = next((v for v in range(max(lo, 2), hi + 1) if v not in taken), max(lo, min(hi, 2)))
+            out[k] = v
+            taken.add(v)
+        return out
+
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_name(name: str, what: str) -> str:
+    if not _NAME.match(name) or keyword.iskeyword(name) or name == "self":
+        raise ConfigError(f"{what} {name!r} is not a valid name: use letters, digits and '_' (the exporters name "
+                          "graph inputs after it)")
+    return name
+
+
+def _span(text: str, flag: str, cast=int) -> tuple:
+    lo, sep, hi = text.partition("..")
+    try:
+        if not sep:
+            raise ValueError
+        a, b = cast(lo), cast(hi)
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give a range as LO..HI, e.g. 1..128") from None
+    if a > b:
+        raise ConfigError(f"{flag} {text!r}: the low end exceeds the high end")
+    return a, b
+
+
+def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple[str, ...] = (),
+                    ranges: list[str] | tuple[str, ...] = ()) -> Signature:
+    """``--input NAME:DTYPE:DIMS`` (DIMS comma-separated, the first ``B``), ``--dim NAME=MIN..MAX`` for every
+    named dim, ``--input-range NAME=LO..HI``; ConfigError naming the flag and value that is wrong."""
+    if not inputs:
+        raise ConfigError("--input: give at least one, as NAME:DTYPE:DIMS (e.g. --input features:float32:B,20)")
+    dim_ranges: dict[str, tuple[int, int]] = {}
+    for text in dims:
+        name, sep, span = text.partition("=")
+        if not sep:
+            raise ConfigError(f"--dim {text!r} must look like NAME=MIN..MAX, e.g. S=1..128")
+        lo, hi = _span(span, f"--dim {name}")
+        if lo < 1:
+            raise ConfigError(f"--dim {text!r}: a dim's minimum must be at least 1")
+        dim_ranges[_check_name(name, "--dim")] = (lo, hi)
+    specs, seen, used = [], set(), set()
+    for text in inputs:
+        parts = text.split(":")
+        if len(parts) != 3:
+            raise ConfigError(f"--input {text!r} must look like NAME:DTYPE:DIMS, e.g. input_ids:int64:B,S")
+        name, dtype, dimtext = parts
+        _check_name(name, "--input")
+        if name in seen:
+            raise ConfigError(f"--input {name} is given twice")
+        seen.add(name)
+        if dtype == "bfloat16":
+            raise ConfigError(f"--input {name}: bfloat16 inputs cannot be fed (numpy, ONNX Runtime's Python API and "
+                              "Triton's clients have no bfloat16 arrays); take float32 and cast inside the model, "
+                              "or export with --dtype bfloat16 to compute in bfloat16")
+        if dtype not in INPUT_DTYPES:
+            raise ConfigError(f"--input {name}: dtype {dtype!r} is not one of {', '.join(INPUT_DTYPES)}")
+        raw = [d.strip() for d in dimtext.split(",")]
+        if raw[0] != "B":
+            raise ConfigError(f"--input {name}: the first dim must be B, the batch (got {dimtext!r})")
+        shape: list = [BATCH]
+        for d in raw[1:]:
+            if d.isdigit() and int(d) > 0:
+                shape.append(int(d))
+            elif d in dim_ranges:
+                shape.append(d)
+                used.add(d)
+            else:
+                raise ConfigError(f"--input {name}: dim {d!r} is neither a positive integer nor a dim given by "
+                                  f"--dim {d}=MIN..MAX")
+        specs.append(TensorSpec(name, dtype, shape))
+    unused = [k for k in dim_ranges if k not in used]
+    if unused:
+        raise ConfigError(f"--dim {unused[0]} is used by no --input")
+    by_name = {t.name: t for t in specs}
+    for text in ranges:
+        name, sep, span = text.partition("=")
+        if not sep or name not in by_name:
+            raise ConfigError(f"--input-range {text!r} must look like NAME=LO..HI with NAME one of the inputs "
+                              f"({', '.join(by_name)})")
+        t = by_name[name]
+        if t.dtype == "bool":
+            raise ConfigError(f"--input-range {name}: a bool input takes no range")
+        t.range = _span(span, f"--input-range {name}", int if not t.is_float else float)
+    for t in specs:
+        if not t.is_float and t.dtype != "bool" and t.range is None:
+            raise ConfigError(f"--input {t.name} is {t.dtype}: give the values its random verification data may take "
+                              f"with --input-range {t.name}=LO..HI (e.g. token ids 0..VOCAB-1, a mask 0..1)")
+    return Signature(specs, [], dim_ranges)
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float32', 'int64', ... for a numpy or torch dtype."""
+    s = str(dtype).replace("torch.", "")
+    return "bool" if s in ("bool", "bool_") else s
