@@ -51,12 +51,6 @@ def load_source(cfg: ExportConfig, log=print) -> Source:
     return from_checkpoint(cfg.checkpoint)
 
 
-def load_deployable(checkpoint: str | Path) -> tuple[torch.nn.Module, dict[str, Any], Path]:
-    """The eval-mode model of a torchship checkpoint with preprocessing baked in (for the bench's eager row)."""
-    src = from_checkpoint(checkpoint)
-    return src.model, src.description, Path(src.description["path"])
-
-
 def _reference(model: torch.nn.Module, src: Source, cfg: ExportConfig, device: str) -> tuple[dict[str, np.ndarray], dict]:
     """Reference inputs (the real samples, then random batches of 1, odd and max at each dynamic-dim case)
     and eager's outputs on them; returns (arrays, {set: {"batch": n, "dims": {...}}})."""

@@ -140,7 +140,7 @@ def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights:
     ck.load_into(model, load_weights_file(weights, log), f"--weights {weights}")
     model.eval()
     samples = _examples(example_inputs, sig) if example_inputs else {}
-    probe = _probe_outputs(model, sig, samples)
+    probe = _probe_outputs(model, sig)
     keys = list(probe[0][0]) if isinstance(probe[0][0], dict) else None
     names = list(outputs) or ([str(k) for k in keys] if keys else None)
     sig.outputs = _output_specs(probe, names)
@@ -151,7 +151,7 @@ def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights:
                    "weights_sha256": sha256_file(weights), "output_keys": keys}, samples=samples, sample_set="examples")
 
 
-def eager_from_manifest(manifest: dict[str, Any], log=print) -> torch.nn.Module:
+def eager_from_manifest(manifest: dict[str, Any]) -> torch.nn.Module:
     """The eager model an export was made from, rebuilt from what its manifest records (for the bench)."""
     src = manifest.get("source") or {}
     if src.get("kind") == "checkpoint":
@@ -196,7 +196,7 @@ def _call(model, sig: Signature, feeds: dict[str, np.ndarray]):
         return model(*[torch.from_numpy(np.ascontiguousarray(feeds[t.name])) for t in sig.inputs])
 
 
-def _probe_outputs(model, sig: Signature, samples) -> list:
+def _probe_outputs(model, sig: Signature) -> list:
     """The model's outputs on two sets of inputs of different batch and dynamic-dim sizes (what tells the
     fixed output dims from the varying ones)."""
     g = np.random.default_rng(0)

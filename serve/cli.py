@@ -175,10 +175,10 @@ def _gather_inputs(ns, chw: list[int], heldout: dict | None) -> tuple[list[tuple
             inputs.append((p.name, load_image_file(p, chw[-1])[None]))
             labels.append(None)
     if heldout is not None:
-        from torchship.manifest import read_reference
+        from torchship.manifest import read_reference, reference_inputs
 
         ref = read_reference(ns.heldout, heldout)
-        x, y = ref[f"input/heldout/{heldout['inputs'][0]['name']}"][: ns.n], ref["labels/heldout"][: ns.n]
+        x, y = next(iter(reference_inputs(ref, heldout, "heldout").values()))[: ns.n], ref["labels/heldout"][: ns.n]
         if ns.n > len(x):
             print(f"torchship infer: {ns.heldout} holds {len(x)} held-out samples; sending those", file=sys.stderr)
         for i, (row, label) in enumerate(zip(x, y)):

@@ -93,28 +93,27 @@ class TritonClient:
         The request is one ModelInferRequest built straight from the array and sent on tritonclient's
         generated gRPC stub (no InferInput/InferResult objects and one copy of the payload less): as a
         unary call, or on ``stream`` (from open_stream())."""
-        import grpc
 
         cfg = self.config(model)
         out = output or cfg["output"][0]["name"]
-        req = request(model, x, input_name or cfg["input"][0]["name"], out, version, top_k)
+        return decode(self._send(model, request(model, x, input_name or cfg["input"][0]["name"], out, version, top_k),
+                                 stream), out)
+
+    def infer_all(self, model: str, feeds: dict[str, np.ndarray], version: str = "") -> dict[str, np.ndarray]:
+        """Send one batch of every input by name; returns every output by name."""
+        return decode_all(self._send(model, request_feeds(model, feeds, version=version)))
+
+    def _send(self, model: str, req, stream: "InferStream | None" = None):
+        """One ModelInferRequest, unary or on ``stream``; its ModelInferResponse, or the refusal as an error."""
+        import grpc
+
         try:
-            return decode((stream or self._model_infer)(req, timeout=self.timeout_s), out)
+            return (stream or self._model_infer)(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
             msg = (e.details() or str(e.code())).strip()
             raise self._refused(f"model {model}", e.code() == grpc.StatusCode.UNAVAILABLE, msg) from None
         except ClientError as e:  # refused on the stream, which stays open
             raise self._refused(f"model {model}", False, str(e)) from None
-
-    def infer_all(self, model: str, feeds: dict[str, np.ndarray], version: str = "") -> dict[str, np.ndarray]:
-        """Send one batch of every input by name; returns every output by name."""
-        import grpc
-
-        try:
-            return decode_all(self._model_infer(request_feeds(model, feeds, version=version), timeout=self.timeout_s))
-        except grpc.RpcError as e:
-            msg = (e.details() or str(e.code())).strip()
-            raise self._refused(f"model {model}", e.code() == grpc.StatusCode.UNAVAILABLE, msg) from None
 
     def open_stream(self, requests: int = 1) -> "InferStream":
         """One bidirectional gRPC stream for infer(..., stream=); close() it when done. It ends with an
@@ -133,13 +132,11 @@ class TritonClient:
         row at a time for a model without batching, whose dims carry the leading 1); every output by name."""
         from torchship.runtime import in_chunks
 
-        names = list(feeds)
-        outs: list[str] = []
+        names, outs = list(feeds), [o["name"] for o in self.config(model)["output"]]
 
         def run(xs):
             got = self.infer_all(model, dict(zip(names, xs)))
-            outs[:] = list(got)
-            return list(got.values())
+            return [got[o] for o in outs]
         return dict(zip(outs, in_chunks(run, [feeds[n] for n in names], self.max_batch(model) or 1)))
 
     def statistics(self, model: str = "") -> dict[str, Any]:

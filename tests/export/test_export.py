@@ -42,10 +42,10 @@ def load(exported, fmt):
 @pytest.mark.parametrize("fmt", runtime.FORMATS)
 def test_dynamic_batch_is_really_dynamic(exported, fmt):
     """Exported with an example batch of 2; batch 5 (and 7) must run and match eager."""
-    from export.pipeline import load_deployable
+    from export.source import eager_from_manifest
 
     r, m = load(exported, fmt)
-    model, _, _ = load_deployable(m["source"]["path"])
+    model = eager_from_manifest(m)
     for n in (5, 7):
         x = np.random.default_rng(n).random((n, 3, 32, 32), dtype=np.float32)
         got = r.run({"images": x})["logits"]
