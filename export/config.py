@@ -24,7 +24,7 @@ class ExportConfig:
     model_args: tuple[str, ...] = opt((), "KEY=VALUE for --model's factory (JSON values; repeatable)", flag="--model-arg", append=True)
     weights: Optional[str] = opt(None, "with --model: a state_dict file (.pt/.pth from torch.save(model.state_dict()), or .safetensors)")
     inputs: tuple[str, ...] = opt((), "with --model: NAME:DTYPE:DIMS per input, in forward's order; DIMS start with B, e.g. input_ids:int64:B,S (repeatable)", flag="--input", append=True)
-    dims: tuple[str, ...] = opt((), "NAME=MIN..MAX for each named dim of --input, e.g. S=1..128 (repeatable)", flag="--dim", append=True)
+    dims: tuple[str, ...] = opt((), "NAME=MIN..MAX for each named dim of --input, e.g. S=1..128; with a checkpoint trained on your own data, replaces the range it recorded (repeatable)", flag="--dim", append=True)
     input_ranges: tuple[str, ...] = opt((), "NAME=LO..HI: the values of an input's random verification data; needed for integer inputs (repeatable)", flag="--input-range", append=True)
     outputs: tuple[str, ...] = opt((), "output names in forward's order (default: a dict's keys, else output0, output1, ...; repeatable)", flag="--output", append=True)
     example_inputs: Optional[str] = opt(None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench")
@@ -53,7 +53,7 @@ class ExportConfig:
             if missing:
                 raise ConfigError(f"--model needs {' and '.join(missing)} (see torchship export --help)")
         else:
-            stray = [f for f, v in (("--weights", self.weights), ("--input", self.inputs), ("--dim", self.dims),
+            stray = [f for f, v in (("--weights", self.weights), ("--input", self.inputs),
                                     ("--input-range", self.input_ranges), ("--output", self.outputs),
                                     ("--example-inputs", self.example_inputs), ("--model-arg", self.model_args)) if v]
             if stray:

@@ -48,7 +48,7 @@ def load_source(cfg: ExportConfig, log=print) -> Source:
     if cfg.model:
         return from_weights(cfg.model, cfg.model_args, cfg.weights, cfg.inputs, cfg.dims, cfg.input_ranges,
                             cfg.outputs, cfg.example_inputs, log)
-    return from_checkpoint(cfg.checkpoint)
+    return from_checkpoint(cfg.checkpoint, cfg.dims)
 
 
 def _reference(model: torch.nn.Module, src: Source, cfg: ExportConfig, device: str) -> tuple[dict[str, np.ndarray], dict]:
@@ -59,7 +59,7 @@ def _reference(model: torch.nn.Module, src: Source, cfg: ExportConfig, device: s
     info: dict[str, dict[str, Any]] = {}
     if src.samples:
         sets[src.sample_set] = src.samples
-        info[src.sample_set] = {"batch": len(next(iter(src.samples.values()))), "dims": {}}
+        info[src.sample_set] = {"batch": len(next(iter(src.samples.values()))), "dims": sig.dims_of(src.samples)}
     g = np.random.default_rng(cfg.seed)
     for values in sig.dim_cases():
         for b in sorted({1, cfg.odd_batch, cfg.max_batch}):

@@ -12,7 +12,7 @@ import torch
 
 from torchship.errors import CheckpointError, ConfigError
 from torchship.models import WithPreprocessing, import_factory, model_from_meta, parse_model_args
-from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_signature
+from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_dims, parse_signature
 from train import checkpoint as ck
 
 PREFIXES = ("module.", "_orig_mod.")  # DDP's wrapper and torch.compile's
@@ -48,12 +48,15 @@ class Flat(torch.nn.Module):
         return out
 
 
-def named(inner: torch.nn.Module, input_names: list[str], keys: Optional[list] = None) -> torch.nn.Module:
+def named(inner: torch.nn.Module, input_names: list[str], keys: Optional[list] = None,
+          by_keyword: bool = False) -> torch.nn.Module:
     """``inner`` behind a forward whose parameters carry the input names, so that every exporter names
-    the graph inputs after them (TorchScript's schema, ExportedProgram's signature, ONNX's inputs)."""
+    the graph inputs after them (TorchScript's schema, ExportedProgram's signature, ONNX's inputs).
+    ``by_keyword``: pass them on as keyword arguments (a model trained on dict samples), else in order."""
     args = ", ".join(input_names)
+    call = ", ".join(f"{n}={n}" for n in input_names) if by_keyword else args
     ns: dict[str, Any] = {}
-    exec(f"def forward(self, {args}):\n    return self.flat(self.inner({args}))\n", ns)  # names checked by the parser
+    exec(f"def forward(self, {args}):\n    return self.flat(self.inner({call}))\n", ns)  # names checked by the parser
     cls = type("Deployable", (Flat,), {"forward": ns["forward"]})
     return cls(inner, keys).eval()
 
@@ -100,12 +103,17 @@ def load_weights_file(path: str | Path, log=print) -> dict[str, torch.Tensor]:
     return strip_prefixes(sd, log)
 
 
-def from_checkpoint(checkpoint: str | Path) -> Source:
-    """The eval-mode model with preprocessing baked in, rebuilt from the checkpoint's files alone."""
+def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = ()) -> Source:
+    """The eval-mode model with preprocessing baked in, rebuilt from the checkpoint's files alone.
+    ``dims`` (NAME=MIN..MAX) replace the ranges of dynamic dims a checkpoint trained on your own data records."""
     ckdir = ck.resolve_checkpoint(checkpoint, which="best")
     meta = ck.load_meta(ckdir)
     model = model_from_meta(meta)
     ck.load_into(model, ck.load_weights(ckdir), f"checkpoint {ckdir}")
+    if "signature" in meta:
+        return _from_data_checkpoint(ckdir, meta, model, dims)
+    if dims:
+        raise ConfigError(f"--dim: checkpoint {ckdir} takes images of a fixed size; it has no dynamic dims")
     pre = meta.get("preprocessing")
     if not pre or "mean" not in pre:
         raise CheckpointError(f"{ckdir / ck.META} records no preprocessing (mean/std); cannot build the input contract")
@@ -124,6 +132,42 @@ def from_checkpoint(checkpoint: str | Path) -> Source:
     return src
 
 
+def _from_data_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.nn.Module, dims) -> Source:
+    """A model trained on your own data: the signature and the held-out inputs come from the checkpoint."""
+    sig = Signature.from_manifest({**meta["signature"], "outputs": []})
+    for name, span in parse_dims(dims).items():
+        if name not in sig.dims:
+            raise ConfigError(f"--dim {name}: the checkpoint's inputs have {'dims ' + ', '.join(sig.dims) if sig.dims else 'no dynamic dims'}")
+        sig.dims[name] = span
+    by_keyword = meta.get("inputs_by") == "keyword"
+    deployable, keys = _deployable(model.eval(), sig, (), by_keyword)
+    src = Source(deployable, sig, meta["arch"].split(":")[-1],
+                 {"kind": "checkpoint", "path": str(ckdir.resolve()), "weights_sha256": meta.get("weights_sha256"),
+                  "arch": meta["arch"], "model_args": meta.get("model_args", {}), "metrics": meta.get("metrics", {}),
+                  "data": meta.get("data", {}).get("factory"), "git_revision": meta.get("git_revision")},
+                 classes=meta.get("classes"))
+    if (ckdir / ck.HELDOUT).exists():
+        with np.load(ckdir / ck.HELDOUT) as held:
+            src.samples = {t.name: held[f"input/{t.name}"] for t in sig.inputs}
+            src.labels = held["labels"]
+        for name, size in sig.dims_of(src.samples).items():
+            lo, hi = sig.dims[name]
+            if not lo <= size <= hi:
+                raise ConfigError(f"--dim {name}={lo}..{hi} leaves out the checkpoint's held-out samples ({name}={size}); "
+                                  "give a range that holds them")
+    return src
+
+
+def _deployable(model: torch.nn.Module, sig: Signature, outputs, by_keyword: bool = False):
+    """(the model behind named inputs and flat outputs, its dict output keys or None); fills sig.outputs
+    from a probe of the model, named from ``outputs``, else the dict keys, else output0, output1, ..."""
+    probe = _probe_outputs(model, sig, by_keyword)
+    keys = list(probe[0][0]) if isinstance(probe[0][0], dict) else None
+    names = list(outputs) or ([str(k) for k in keys] if keys else None)
+    sig.outputs = _output_specs(probe, names)
+    return named(model, [t.name for t in sig.inputs], keys, by_keyword), keys
+
+
 def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights: str, inputs, dims, ranges,
                  outputs, example_inputs: Optional[str], log=print) -> Source:
     """A user's model: ``factory(**model_args)`` with ``weights`` loaded strictly, and the signature given."""
@@ -140,13 +184,10 @@ def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights:
     ck.load_into(model, load_weights_file(weights, log), f"--weights {weights}")
     model.eval()
     samples = _examples(example_inputs, sig) if example_inputs else {}
-    probe = _probe_outputs(model, sig)
-    keys = list(probe[0][0]) if isinstance(probe[0][0], dict) else None
-    names = list(outputs) or ([str(k) for k in keys] if keys else None)
-    sig.outputs = _output_specs(probe, names)
+    deployable, keys = _deployable(model, sig, outputs)
     from torchship.io import sha256_file
 
-    return Source(named(model, [t.name for t in sig.inputs], keys), sig, factory.split(":")[-1],
+    return Source(deployable, sig, factory.split(":")[-1],
                   {"kind": "weights", "model": factory, "model_args": args, "weights": str(Path(weights).resolve()),
                    "weights_sha256": sha256_file(weights), "output_keys": keys}, samples=samples, sample_set="examples")
 
@@ -191,12 +232,13 @@ def _examples(path: str, sig: Signature) -> dict[str, np.ndarray]:
     return out
 
 
-def _call(model, sig: Signature, feeds: dict[str, np.ndarray]):
+def _call(model, sig: Signature, feeds: dict[str, np.ndarray], by_keyword: bool):
+    args = {t.name: torch.from_numpy(np.ascontiguousarray(feeds[t.name])) for t in sig.inputs}
     with torch.no_grad():
-        return model(*[torch.from_numpy(np.ascontiguousarray(feeds[t.name])) for t in sig.inputs])
+        return model(**args) if by_keyword else model(*args.values())
 
 
-def _probe_outputs(model, sig: Signature) -> list:
+def _probe_outputs(model, sig: Signature, by_keyword: bool) -> list:
     """The model's outputs on two sets of inputs of different batch and dynamic-dim sizes (what tells the
     fixed output dims from the varying ones)."""
     g = np.random.default_rng(0)
@@ -206,7 +248,7 @@ def _probe_outputs(model, sig: Signature) -> list:
     for batch, values in ((2, first), (3, second)):
         feeds = sig.random_inputs(g, batch, values)
         try:
-            outs.append(_call(model, sig, feeds))
+            outs.append(_call(model, sig, feeds, by_keyword))
         except Exception as e:
             shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in feeds.items())
             raise ConfigError(f"the model fails on inputs of the given signature ({shapes}): {type(e).__name__}: "

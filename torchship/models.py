@@ -97,14 +97,22 @@ def check_arch(arch: str) -> Callable[..., nn.Module] | None:
     return None
 
 
-def build_model(arch: str, num_classes: int, in_channels: int = 3, extra: dict[str, Any] | None = None) -> nn.Module:
-    """Build an untrained model. Raises ConfigError for an unknown name or a broken factory."""
+def build_model(arch: str, num_classes: int | None, in_channels: int | None = 3,
+                extra: dict[str, Any] | None = None) -> nn.Module:
+    """Build an untrained model. A package.module:factory is called with ``num_classes`` (image data) or,
+    when it is None (your own data), with ``extra`` alone. Raises ConfigError for an unknown name or a
+    broken factory."""
     extra = dict(extra or {})
     factory = check_arch(arch)
     if arch == "tiny_cnn":
         return TinyCNN(num_classes=num_classes, in_channels=in_channels, **extra)
     if factory is not None:
-        model = factory(num_classes=num_classes, **extra)
+        kwargs = extra if num_classes is None else {"num_classes": num_classes, **extra}
+        try:
+            model = factory(**kwargs)
+        except Exception as e:
+            raise ConfigError(f"--arch {arch}: the factory failed with {', '.join(kwargs) or 'no arguments'}: "
+                              f"{type(e).__name__}: {e} (pass constructor arguments with --model-arg KEY=VALUE)") from None
         if not isinstance(model, nn.Module):
             raise ConfigError(f"--arch {arch}: the factory returned {type(model).__name__}, not an nn.Module")
         return model
@@ -118,6 +126,8 @@ def build_model(arch: str, num_classes: int, in_channels: int = 3, extra: dict[s
 def model_from_meta(meta: dict[str, Any]) -> nn.Module:
     """Rebuild the (untrained) model a checkpoint's metadata describes."""
     try:
+        if "signature" in meta:  # trained on your own data: the factory takes the recorded arguments alone
+            return build_model(meta["arch"], None, None, meta.get("model_args"))
         return build_model(meta["arch"], meta["num_classes"], meta["input_shape"][0], meta.get("model_args"))
     except KeyError as e:
         raise CheckpointError(f"checkpoint metadata lacks {e}; it was not written by torchship train") from None

@@ -55,6 +55,24 @@ class Signature:
         return cls([spec(t) for t in m["inputs"]], [spec(t) for t in m["outputs"]],
                    {k: (int(v["min"]), int(v["max"])) for k, v in m.get("dims", {}).items()})
 
+    def to_flags(self) -> str:
+        """The inputs as the --input/--dim/--input-range flags that declare them."""
+        def num(v):
+            return f"{v:g}" if isinstance(v, float) else str(v)
+        out = [f"--input {t.name}:{t.dtype}:{','.join('B' if d == BATCH else str(d) for d in t.shape)}" for t in self.inputs]
+        out += [f"--dim {k}={lo}..{hi}" for k, (lo, hi) in self.dims.items()]
+        out += [f"--input-range {t.name}={num(t.range[0])}..{num(t.range[1])}" for t in self.inputs if t.range is not None]
+        return " ".join(out)
+
+    def dims_of(self, feeds: dict[str, Any]) -> dict[str, int]:
+        """The size of each dynamic dim in a batch of inputs (by input name)."""
+        out: dict[str, int] = {}
+        for t in self.inputs:
+            for axis, d in enumerate(t.shape):
+                if isinstance(d, str) and d in self.dims:
+                    out.setdefault(d, int(feeds[t.name].shape[axis]))
+        return out
+
     def shape(self, t: TensorSpec, batch: int, values: dict[str, int]) -> tuple[int, ...]:
         return (batch, *(d if isinstance(d, int) else values[d] for d in t.shape[1:]))
 
@@ -124,13 +142,9 @@ def _span(text: str, flag: str, cast=int) -> tuple:
     return a, b
 
 
-def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple[str, ...] = (),
-                    ranges: list[str] | tuple[str, ...] = ()) -> Signature:
-    """``--input NAME:DTYPE:DIMS`` (DIMS comma-separated, the first ``B``), ``--dim NAME=MIN..MAX`` for every
-    named dim, ``--input-range NAME=LO..HI``; ConfigError naming the flag and value that is wrong."""
-    if not inputs:
-        raise ConfigError("--input: give at least one, as NAME:DTYPE:DIMS (e.g. --input features:float32:B,20)")
-    dim_ranges: dict[str, tuple[int, int]] = {}
+def parse_dims(dims: list[str] | tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """``--dim NAME=MIN..MAX`` values as {name: (min, max)}; ConfigError naming the one that is wrong."""
+    out: dict[str, tuple[int, int]] = {}
     for text in dims:
         name, sep, span = text.partition("=")
         if not sep:
@@ -138,7 +152,17 @@ def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple
         lo, hi = _span(span, f"--dim {name}")
         if lo < 1:
             raise ConfigError(f"--dim {text!r}: a dim's minimum must be at least 1")
-        dim_ranges[_check_name(name, "--dim")] = (lo, hi)
+        out[_check_name(name, "--dim")] = (lo, hi)
+    return out
+
+
+def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple[str, ...] = (),
+                    ranges: list[str] | tuple[str, ...] = ()) -> Signature:
+    """``--input NAME:DTYPE:DIMS`` (DIMS comma-separated, the first ``B``), ``--dim NAME=MIN..MAX`` for every
+    named dim, ``--input-range NAME=LO..HI``; ConfigError naming the flag and value that is wrong."""
+    if not inputs:
+        raise ConfigError("--input: give at least one, as NAME:DTYPE:DIMS (e.g. --input features:float32:B,20)")
+    dim_ranges = parse_dims(dims)
     specs, seen, used = [], set(), set()
     for text in inputs:
         parts = text.split(":")

@@ -12,7 +12,9 @@ from torchship.errors import ConfigError
 @dataclass
 class TrainConfig:
     arch: str = opt("resnet18", "model: resnet18, resnet50, mobilenet_v3_small, tiny_cnn, or package.module:factory")
-    data: str = opt("digits", "dataset: 'digits' (scikit-learn's 8x8 digits, no download), 'synthetic', or an ImageFolder PATH")
+    data: str = opt("digits", "dataset: 'digits' (scikit-learn's 8x8 digits, no download), 'synthetic', an ImageFolder PATH, or your own "
+                           "package.module:factory returning (train, val) datasets of (inputs, class index) samples, inputs a "
+                           "tensor or a dict of tensors (see docs/any-model.md)")
     image_size: Optional[int] = opt(None, "input height and width in pixels (default: 32 for digits/synthetic, 224 for folders)")
     epochs: int = opt(10, "number of passes over the training split")
     batch_size: int = opt(64, "global batch size, split evenly across DDP ranks")

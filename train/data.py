@@ -1,6 +1,7 @@
-"""Datasets: scikit-learn's digits (default, no download), synthetic, or an ImageFolder.
+"""Datasets: scikit-learn's digits (default, no download), synthetic, or an ImageFolder (your own data
+of any signature, from a factory, is in userdata.py).
 
-Every dataset yields float32 NCHW images in [0, 1] at the model's input size. Normalization
+Every dataset here yields float32 NCHW images in [0, 1] at the model's input size. Normalization
 (mean/std) is applied by the model wrapper, so the exported graph and training share it.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -43,9 +44,12 @@ class Preprocessing:
 class DataSplit:
     train: Dataset
     val: Dataset
-    classes: list[str]
-    preprocessing: Preprocessing
+    classes: Optional[list[str]]  # None: your own data that names no classes
+    preprocessing: Optional[Preprocessing]  # images only
     source: str
+    signature: Optional[Any] = None  # your own data: the inputs' torchship.signature.Signature
+    collate: Optional[Callable] = None  # your own data: the dataset's collate_fn
+    by_keyword: bool = False  # your own data: inputs are a dict, passed to forward by keyword
 
 
 def _stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,15 +134,26 @@ def load_image_file(path: str | Path, image_size: int) -> np.ndarray:
     return ImageFolderDataset([(str(path), 0)], image_size)[0][0].numpy()
 
 
+def is_factory(data: str) -> bool:
+    """Whether --data names a package.module:factory rather than a built-in dataset or a folder."""
+    return ":" in data and not Path(data).exists()
+
+
 def check_data_source(data: str) -> None:
-    """Refuse a --data that names neither a built-in dataset nor a folder, before anything is written."""
-    if data not in BUILTIN_DATA:
+    """Refuse a --data that names neither a built-in dataset, a folder nor an importable factory, before
+    anything is written."""
+    if is_factory(data):
+        from torchship.models import import_factory
+
+        import_factory(data, "--data")
+    elif data not in BUILTIN_DATA:
         _check_folder(Path(data))
 
 
 def _check_folder(root: Path) -> None:
     if not root.exists():
-        raise DataError(f"--data {root}: no such directory (use {' or '.join(BUILTIN_DATA)}, or an ImageFolder path)")
+        raise DataError(f"--data {root}: no such directory (use {' or '.join(BUILTIN_DATA)}, an ImageFolder path, "
+                        "or package.module:factory)")
     if not root.is_dir():
         raise DataError(f"--data {root}: not a directory (expected one sub-folder per class)")
 

@@ -18,7 +18,7 @@ from torchship.device import usable_cpus
 
 from . import checkpoint as ck
 from .config import TrainConfig
-from .data import scan_image_folder
+from .data import BUILTIN_DATA, check_data_source, is_factory, scan_image_folder
 from .loop import TrainResult, prepare_out, resolve_device, train
 
 ERROR_FILE_ENV = "TORCHSHIP_ERROR_FILE"
@@ -47,7 +47,9 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         d = ck.resolve_checkpoint(resume, which="latest")
         ck.load_meta(d)
         ck.load_train_state(d)
-    if cfg.data not in ("digits", "synthetic"):
+    if is_factory(cfg.data):
+        check_data_source(cfg.data)
+    elif cfg.data not in BUILTIN_DATA:
         scan_image_folder(cfg.data)
     cpus = usable_cpus()
     if device == "cpu" and world > cpus:

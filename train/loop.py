@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
 
 from torchship.config import as_dict
 from torchship.device import check_amp, resolve_amp
@@ -25,7 +23,9 @@ from torchship.io import git_revision
 
 from . import checkpoint as ck
 from .config import TrainConfig
-from .data import DataSplit, check_data_source, heldout_samples, load_data
+from .data import DataSplit, check_data_source, heldout_samples, is_factory, load_data
+from .distributed import Dist, _batches, _loader, init_distributed
+from .userdata import collate_inputs, heldout_inputs, load_user_data
 from torchship.models import Normalize, build_model, check_arch, parse_model_args
 
 
@@ -41,72 +41,11 @@ class TrainResult:
     world_size: int
 
 
-@dataclass
-class Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world: int = 1
-    initialized: bool = False
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
 def resolve_device(cfg: TrainConfig) -> str:
     """Where training runs; ConfigError for --device cuda without CUDA or --amp fp16 off CUDA."""
     device = _resolve_device(cfg.device)
     check_amp(cfg.amp, device)
     return device
-
-
-def init_distributed(device: str) -> Dist:
-    """Join the process group torchrun describes in the environment, if any."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return Dist()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if device == "cuda":
-        torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        # Before the group exists: torch.distributed.nn.functional (imported by torch._dynamo, which DDP imports)
-        # takes group=group.WORLD as a default argument, evaluated at import. Imported after init, those
-        # defaults keep the group alive past destroy_process_group, and Gloo's threads run on into interpreter
-        # shutdown, where freeing the group at last can abort the rank ("terminate called without an active
-        # exception"). Imported now, the defaults are None.
-        import torch.distributed.nn  # noqa: F401
-
-        backend = "nccl" if device == "cuda" else "gloo"
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-            # torchrun's agent store outlives a worker restart: without a per-attempt prefix a restarted
-            # rank can read the dead round's addresses and fail to connect ("Connection refused").
-            from datetime import timedelta
-
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                                  is_master=False, timeout=timedelta(minutes=10))
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend, store=dist.PrefixStore(f"torchship/attempt_{attempt}", store),
-                                    rank=rank, world_size=world)
-        else:
-            dist.init_process_group(backend)
-    return Dist(rank, local, world, True)
-
-
-def _batches(ds_len: int, d: Dist, per_rank: int, epoch: int, seed: int, shuffle: bool) -> list[list[int]]:
-    """This rank's index batches for one epoch: a disjoint shard, same order on every run."""
-    if shuffle:
-        g = torch.Generator().manual_seed(seed + epoch)
-        order = torch.randperm(ds_len, generator=g).tolist()
-        usable = (ds_len // (per_rank * d.world)) * per_rank * d.world   # drop the ragged tail
-        mine = order[:usable][d.rank::d.world]
-        return [mine[i:i + per_rank] for i in range(0, len(mine), per_rank)]
-    mine = list(range(d.rank, ds_len, d.world))    # validation: every sample exactly once overall
-    return [mine[i:i + per_rank] for i in range(0, len(mine), per_rank)]
-
-
-def _loader(ds, batches: list[list[int]], workers: int, seed: int) -> DataLoader:
-    return DataLoader(ds, batch_sampler=batches, num_workers=workers,
-                      generator=torch.Generator().manual_seed(seed), persistent_workers=False)
 
 
 class _Log:
@@ -126,15 +65,38 @@ class _Log:
                 f.write(json.dumps(record) + "\n")
 
 
+def _to(x, device: str):
+    """A batch's inputs (a tensor, or a dict of them) on ``device``."""
+    if isinstance(x, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
+    return x.to(device, non_blocking=True)
+
+
+def _logits(model: nn.Module, norm: nn.Module, x) -> torch.Tensor:
+    """The class scores the loss is taken on: dict inputs go to forward by keyword; of a tuple or list of
+    outputs the first, of a dict its 'logits' entry (else its first)."""
+    out = model(**x) if isinstance(x, dict) else model(norm(x))
+    if isinstance(out, dict):
+        out = out["logits"] if "logits" in out else next(iter(out.values()))
+    elif isinstance(out, (tuple, list)):
+        out = out[0]
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise DataError(f"the model's output for the loss must be [batch, classes] scores, got "
+                        f"{list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    return out
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, norm: Normalize, ds, d: Dist, per_rank: int, device: str, autocast) -> tuple[float, float]:
+def evaluate(model: nn.Module, norm: nn.Module, ds, d: Dist, per_rank: int, device: str, autocast,
+             collate=None) -> tuple[float, float]:
     """Validation loss and accuracy, summed over all ranks (each sample counted once)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in _loader(ds, _batches(len(ds), d, per_rank, 0, 0, shuffle=False), 0, 0):
-        x, y = x.to(device), y.to(device)
+    for batch in _loader(ds, _batches(len(ds), d, per_rank, 0, 0, shuffle=False), 0, 0, collate):
+        x, y = collate_inputs(batch)
+        x, y = _to(x, device), y.to(device)
         with autocast():
-            logits = model(norm(x))
+            logits = _logits(model, norm, x)
         totals[0] += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
         totals[1] += (logits.argmax(1) == y).sum()
         totals[2] += y.numel()
@@ -179,6 +141,8 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
     out = prepare_out(cfg)
     resume = cfg.resolved_resume()  # before this run writes a checkpoint of its own
     resume_dir = ck.resolve_checkpoint(resume, which="latest") if resume else None
+    ck.seed_everything(cfg.seed)
+    data = load_split(cfg)  # a data factory's mistakes too surface before anything is written
     d = init_distributed(device)
     cfg.check_world(d.world)
     if d.main:
@@ -190,25 +154,34 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
         dist.barrier()
     log = _Log(out, d.main)
     try:
-        return _train(cfg, d, device, out, resume_dir, log, on_step, t_start)
+        return _train(cfg, data, d, device, out, resume_dir, log, on_step, t_start)
     finally:
         if log.file:
             log.file.close()
 
 
-def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log: _Log, on_step, t_start) -> TrainResult:
-    ck.seed_everything(cfg.seed)
-    data: DataSplit = load_data(cfg.data, cfg.image_size, cfg.val_fraction, cfg.seed, cfg.synthetic_samples, cfg.num_classes)
+def load_split(cfg: TrainConfig) -> DataSplit:
+    """--data as training and validation datasets: your own factory's, or a built-in or folder split."""
+    if is_factory(cfg.data):
+        return load_user_data(cfg.data)
+    return load_data(cfg.data, cfg.image_size, cfg.val_fraction, cfg.seed, cfg.synthetic_samples, cfg.num_classes)
+
+
+def _train(cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log: _Log, on_step,
+           t_start) -> TrainResult:
     per_rank = cfg.batch_size // d.world
-    n_classes = len(data.classes)
+    n_classes = len(data.classes) if data.classes else None
     if len(data.train) < cfg.batch_size:
         raise DataError(f"the training split has {len(data.train)} samples, fewer than --batch-size {cfg.batch_size}; "
                         "lower --batch-size, or add images (or lower --val-fraction)")
     steps_per_epoch = len(_batches(len(data.train), d, per_rank, 0, cfg.seed, True))
     total_steps = steps_per_epoch * cfg.epochs
-    in_ch = data.preprocessing.channels
+    in_ch = data.preprocessing.channels if data.preprocessing else None
     model_args = parse_model_args(cfg.model_arg)
-    model = build_model(cfg.arch, n_classes, in_ch, model_args)
+    if data.signature is not None:  # your own data: the factory is called with --model-arg values alone
+        model = build_model(cfg.arch, None, None, model_args)
+    else:
+        model = build_model(cfg.arch, n_classes, in_ch, model_args)
 
     state = None
     if resume_dir is not None:
@@ -222,7 +195,7 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
     model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    norm = Normalize(data.preprocessing.mean, data.preprocessing.std).to(device)
+    norm = Normalize(data.preprocessing.mean, data.preprocessing.std).to(device) if data.preprocessing else nn.Identity()
     plain = model
     if d.initialized:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if device == "cuda" else None)
@@ -256,15 +229,25 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
         ck.set_rng_state(rngs[d.rank % len(rngs)])
         log(f"resumed from {resume_dir} at epoch {start_epoch + 1}, step {global_step}")
 
-    held = heldout_samples(data.val) if d.main else None
     base_meta = {
         "arch": cfg.arch, "num_classes": n_classes, "model_args": model_args, "classes": data.classes,
-        "input_shape": [in_ch, *data.preprocessing.image_size], "preprocessing": data.preprocessing.to_dict(),
         "data": {"source": data.source, "train_samples": len(data.train), "val_samples": len(data.val),
                  "val_fraction": cfg.val_fraction, "seed": cfg.seed},
         "train_config": as_dict(cfg), "world_size": d.world, "device": device, "amp": amp, "amp_reason": amp_reason,
         "torch_version": torch.__version__, "git_revision": git_revision(),
     }
+
+    if data.signature is None:
+        base_meta.update(input_shape=[in_ch, *data.preprocessing.image_size], preprocessing=data.preprocessing.to_dict())
+        held = heldout_samples(data.val) if d.main else None
+        held_arrays = {"images": held[0], "labels": held[1]} if d.main else {}
+    else:  # the signature read from the samples, and how forward takes them; export needs nothing else
+        base_meta.update(signature=data.signature.to_manifest(), inputs_by="keyword" if data.by_keyword else "position")
+        base_meta["data"].update(factory=cfg.data, val_fraction=None)
+        if d.main:
+            feeds, labels = heldout_inputs(data.val, data.signature, data.collate, f"--data {cfg.data}")
+            held_arrays = {**{f"input/{k}": v for k, v in feeds.items()}, "labels": labels}
+            base_meta["signature"] = data.signature.to_manifest()  # dims widened to what collation produces
 
     def save(epoch: int, step_in_epoch: int, metrics: dict[str, Any], is_eval: bool) -> Path | None:
         rngs = [None] * d.world
@@ -281,16 +264,18 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
 
             def write_heldout(p: Path) -> None:
                 with open(p, "wb") as f:
-                    np.savez(f, images=held[0], labels=held[1])
+                    np.savez(f, **held_arrays)
             path = ck.save_checkpoint(out / "checkpoints", f"step-{global_step:07d}", ck.clean_state_dict(plain), meta, st,
                                       write_heldout, metrics.get("val_acc") if is_eval else None, cfg.keep_last)
         if d.initialized:
             dist.barrier()
         return path
 
+    unit = "images" if data.signature is None else "samples"
     if d.main:
-        log(f"training {cfg.arch} on {data.source}: {len(data.train)} train / {len(data.val)} val images, "
-            f"{n_classes} classes, input {in_ch}x{data.preprocessing.image_size[0]}x{data.preprocessing.image_size[1]}, "
+        what = (f"{n_classes} classes, input {in_ch}x{data.preprocessing.image_size[0]}x{data.preprocessing.image_size[1]}"
+                if data.signature is None else f"inputs {data.signature.to_flags()}")
+        log(f"training {cfg.arch} on {data.source}: {len(data.train)} train / {len(data.val)} val {unit}, {what}, "
             f"world size {d.world}, device {device}, amp {amp}, {steps_per_epoch} steps/epoch")
 
     prof = None
@@ -316,12 +301,14 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
                        dynamic_ncols=True, file=sys.stderr)
         loss_sum, loss_n, gnorm = 0.0, 0, float("nan")
         step_in_epoch = skip
-        for idx, (x, y) in zip(batches[skip:], _loader(data.train, batches[skip:], cfg.workers, cfg.seed + epoch)):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            if cfg.channels_last:
+        for idx, batch in zip(batches[skip:], _loader(data.train, batches[skip:], cfg.workers, cfg.seed + epoch,
+                                                      data.collate)):
+            x, y = collate_inputs(batch)
+            x, y = _to(x, device), y.to(device, non_blocking=True)
+            if cfg.channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             with autocast():
-                loss = nn.functional.cross_entropy(model(norm(x)), y)
+                loss = nn.functional.cross_entropy(_logits(model, norm, x), y)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.unscale_(opt)  # so the norm (and the clip) see true gradients
@@ -331,7 +318,7 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
             sched.step()
             global_step += 1
             step_in_epoch += 1
-            images_done += x.shape[0] * d.world
+            images_done += y.shape[0] * d.world
             loss_sum += loss.item()
             loss_n += 1
             if prof is not None:
@@ -352,7 +339,7 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
             prof.stop()
             prof = None
             log(f"profiler trace written to {out / 'profile'} (open in https://ui.perfetto.dev or TensorBoard)")
-        val_loss, val_acc = evaluate(model, norm, data.val, d, max(1, per_rank), device, autocast)
+        val_loss, val_acc = evaluate(model, norm, data.val, d, max(1, per_rank), device, autocast, data.collate)
         best_acc = max(best_acc, val_acc)
         elapsed = time.perf_counter() - t_loop
         record = {"epoch": epoch + 1, "step": global_step, "train_loss": loss_sum / max(1, loss_n),
@@ -361,7 +348,7 @@ def _train(cfg, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log
         log.metrics(out, record)
         log(f"epoch {epoch + 1}/{cfg.epochs}  step {global_step}  train_loss {record['train_loss']:.4f}  "
             f"val_loss {val_loss:.4f}  val_acc {100 * val_acc:.2f}%  grad_norm {gnorm:.3f}  "
-            f"{record['images_per_s']:.0f} img/s")
+            f"{record['images_per_s']:.0f} {'img' if unit == 'images' else unit}/s")
         if stopped and step_in_epoch < len(batches):
             save(epoch, step_in_epoch, {"val_loss": val_loss, "val_acc": val_acc}, True)
         else:

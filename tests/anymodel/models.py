@@ -67,3 +67,49 @@ class LengthBaked(nn.Module):
 
 def length_baked(**kw) -> LengthBaked:
     return LengthBaked(**kw)
+
+
+class TopicTexts(torch.utils.data.Dataset):
+    """Token sequences of 1..64 ids whose topic (the class) decides which ids they draw from; samples are
+    ({attention_mask, input_ids}, topic) (the dict in another order than forward's parameters, which take
+    it by keyword), and ``collate_fn`` pads a batch to its longest sequence."""
+
+    classes = ["sports", "music", "food", "travel"]
+
+    def __init__(self, n: int, seed: int, vocab: int = 50, max_len: int = 64):
+        g = torch.Generator().manual_seed(seed)
+        self.topics = torch.randint(0, len(self.classes), (n,), generator=g)
+        self.lengths = torch.randint(1, max_len + 1, (n,), generator=g)
+        width = (vocab - 1) // len(self.classes)
+        self.ids = [1 + int(t) * width + torch.randint(0, width, (int(n_),), generator=g)
+                    for t, n_ in zip(self.topics, self.lengths)]
+
+    def __len__(self) -> int:
+        return len(self.topics)
+
+    def __getitem__(self, i: int):
+        ids = self.ids[i]
+        return {"attention_mask": torch.ones_like(ids), "input_ids": ids}, int(self.topics[i])
+
+    @staticmethod
+    def collate_fn(batch):
+        longest = max(len(x["input_ids"]) for x, _ in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.int64)  # id 0 pads, under a mask of 0
+        mask = torch.zeros_like(ids)
+        for row, (x, _) in enumerate(batch):
+            ids[row, :len(x["input_ids"])] = x["input_ids"]
+            mask[row, :len(x["input_ids"])] = 1
+        return {"attention_mask": mask, "input_ids": ids}, torch.tensor([y for _, y in batch])
+
+
+def topic_texts():
+    """The --data factory of the text classifier: (train, validation)."""
+    return TopicTexts(512, seed=0), TopicTexts(128, seed=1)
+
+
+def tabular():
+    """The --data factory of the MLP: 20 float features per sample, the class a fixed linear rule of them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(640, 20, generator=g)
+    y = (x @ torch.randn(20, 3, generator=g)).argmax(1)
+    return torch.utils.data.TensorDataset(x[:512], y[:512]), torch.utils.data.TensorDataset(x[512:], y[512:])

@@ -1,6 +1,7 @@
-"""Models that are not image classifiers, brought as a factory plus a plain weights file: a tabular MLP saved
-from a DDP-wrapped model, and a transformer text classifier with two int64 inputs of a dynamic length and
-two outputs. Each goes through export -> verify -> repo -> a real Triton -> infer --check -> a short bench."""
+"""Models that are not image classifiers: a tabular MLP brought as a factory plus a plain weights file saved
+from a DDP-wrapped model, and a transformer text classifier (two int64 inputs of a dynamic length, two
+outputs) trained by torchship train on its own data factory with 2 DDP ranks. Each goes through export ->
+verify -> repo -> a real Triton -> infer --check -> a short bench."""
 
 from __future__ import annotations
 
@@ -55,11 +56,28 @@ def mlp_export(weights, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def text_export(weights, tmp_path_factory):
-    out = tmp_path_factory.mktemp("text") / "export"
-    assert run_cli("export", "--model", f"{MODELS}:text_classifier", "--weights", weights / "text.pth",
-                   *TEXT_FLAGS, "--out", out, *SMALL) == 0
+def text_checkpoint(tmp_path_factory):
+    """The text classifier trained for one epoch on its data factory by 2 DDP ranks (the CLI's torchrun launch)."""
+    out = tmp_path_factory.mktemp("text") / "train"
+    r = subprocess.run([sys.executable, "-m", "torchship.cli", "train", "--arch", f"{MODELS}:text_classifier",
+                        "--data", f"{MODELS}:topic_texts", "--nproc", "2", "--epochs", "1", "--batch-size", "32",
+                        "--lr", "0.03", "--amp", "off", "--no-progress", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def text_export(text_checkpoint, tmp_path_factory):
+    """Exported from the checkpoint with no signature flags; --dim widens S to what the model takes."""
+    out = tmp_path_factory.mktemp("text") / "export"
+    assert run_cli("export", text_checkpoint, "--dim", "S=1..64", "--out", out, *SMALL) == 0
+    return out
+
+
+def heldout_accuracy(export_dir) -> float:
+    with np.load(export_dir / "reference.npz") as ref:
+        return float((ref["expected/heldout/logits"].argmax(1) == ref["labels/heldout"]).mean())
 
 
 def test_ddp_prefixed_weights_export_to_every_format(weights, tmp_path, capsys):
@@ -73,17 +91,50 @@ def test_ddp_prefixed_weights_export_to_every_format(weights, tmp_path, capsys):
     assert m["verification"]["pass"] and m["source"]["kind"] == "weights"
 
 
-def test_text_model_verified_in_every_format_at_every_length(text_export):
+def test_text_model_verified_in_every_format_at_every_length(text_checkpoint, text_export):
+    meta = json.loads(next(text_checkpoint.glob("checkpoints/step-*/meta.json")).read_text())
+    assert meta["world_size"] == 2 and meta["metrics"]["val_acc"] > 0.8
     m = read_manifest(text_export)
-    assert [t["name"] for t in m["inputs"]] == ["input_ids", "attention_mask"]
+    assert [t["name"] for t in m["inputs"]] == ["attention_mask", "input_ids"]  # the dataset's order
+    assert m["source"]["kind"] == "checkpoint" and m["classes"] == ["sports", "music", "food", "travel"]
     assert m["outputs"] == [{"name": "logits", "dtype": "float32", "shape": ["batch", 4]},
                             {"name": "embedding", "dtype": "float32", "shape": ["batch", 32]}]
     assert m["dims"] == {"S": {"min": 1, "max": 64}}
     v = m["verification"]
     assert v["pass"] and set(v["artifacts"]) == {"torchscript", "exported_program", "aoti", "aoti_buckets", "onnx"}
-    lengths = {d["S"] for d in m["reference"]["dims"].values()}
+    lengths = {d["S"] for k, d in m["reference"]["dims"].items() if k.startswith("random")}
     assert lengths == {1, 33, 64}, lengths
+    assert heldout_accuracy(text_export) > 0.8
     assert all(f"{k}/embedding" in v["artifacts"]["onnx"]["sets"] for k in m["reference"]["sets"])
+
+
+def test_dict_samples_reach_forward_by_keyword(text_checkpoint, tmp_path):
+    """The dataset's dict is in another order than forward's parameters: export passes it by keyword, as
+    training did. Planted fault: the same checkpoint taken by position feeds the mask as the ids."""
+    import shutil
+
+    from export.source import from_checkpoint
+    from train import checkpoint as ck
+
+    def accuracy(ckpt) -> float:
+        src = from_checkpoint(ckpt)
+        out = src.model(*[__import__("torch").from_numpy(src.samples[t.name]) for t in src.signature.inputs])
+        return float((out[0].argmax(1).numpy() == src.labels).mean())
+
+    best = ck.resolve_checkpoint(text_checkpoint)
+    assert accuracy(best) > 0.8
+    shutil.copytree(best, tmp_path / "ck")
+    meta = json.loads((tmp_path / "ck" / "meta.json").read_text())
+    (tmp_path / "ck" / "meta.json").write_text(json.dumps({**meta, "inputs_by": "position"}))
+    assert accuracy(tmp_path / "ck") < 0.5
+
+
+def test_the_text_model_from_its_weights_and_flags(weights, tmp_path):
+    assert run_cli("export", "--model", f"{MODELS}:text_classifier", "--weights", weights / "text.pth",
+                   *TEXT_FLAGS, "--formats", "onnx", "--out", tmp_path / "e", *SMALL) == 0
+    m = read_manifest(tmp_path / "e")
+    assert [t["name"] for t in m["inputs"]] == ["input_ids", "attention_mask"] and m["verification"]["pass"]
+    assert m["dims"] == {"S": {"min": 1, "max": 64}}
 
 
 BAD = {
@@ -183,7 +234,9 @@ def test_served_outputs_match_eager_for_both_models(served, mlp_export, text_exp
         report = check_served(served.url, export)
         assert report["pass"] and len(report["models"]) == 3
     cfg = (served.repo / "text_classifier_onnx" / "config.pbtxt").read_text()
-    assert "dims: -1" in cfg and "labels.txt" not in cfg and "FORMAT_NCHW" not in cfg
+    assert "dims: -1" in cfg and "FORMAT_NCHW" not in cfg
+    assert 'label_filename: "labels.txt"' in cfg  # the dataset named its classes
+    assert "labels.txt" not in (served.repo / "mlp_onnx" / "config.pbtxt").read_text()  # the MLP's weights name none
 
 
 def test_bad_requests_are_refused_naming_the_input_and_the_server_goes_on(served):
@@ -193,7 +246,7 @@ def test_bad_requests_are_refused_naming_the_input_and_the_server_goes_on(served
     ids = np.random.default_rng(0).integers(0, 50, (1, 70))
     cases = {
         "S outside its range": ({"input_ids": ids, "attention_mask": np.ones_like(ids)},
-                                "input 'input_ids' has S=70 (dim 1 of shape [1, 70]), outside the model's range 1..64"),
+                                "input 'attention_mask' has S=70 (dim 1 of shape [1, 70]), outside the model's range 1..64"),
         "a missing second input": ({"input_ids": ids[:, :10]}, "missing required input(s) ['attention_mask']"),
         "int32 ids": ({"input_ids": ids[:, :10].astype(np.int32), "attention_mask": np.ones((1, 10), np.int32)},
                       "data-type is 'INT32', but model 'text_classifier_torchscript' expects 'INT64'"),

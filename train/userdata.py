@@ -1,0 +1,150 @@
+"""Your own data: ``--data package.module:factory``, a function of no arguments that returns
+``(train_dataset, val_dataset)``. Each sample is ``(inputs, target)``: ``inputs`` a tensor or a dict of
+tensors (passed to ``forward`` by keyword), ``target`` a class index. The model's input signature (names,
+dtypes, fixed and varying dims, value ranges) is read from the validation samples.
+
+A dataset may carry ``collate_fn`` (to pad samples of different lengths into a batch) and ``classes``
+(the class names, for the served model's labels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from torchship.errors import ConfigError, DataError
+from torchship.models import import_factory
+from torchship.signature import BATCH, INPUT_DTYPES, Signature, TensorSpec, dtype_name
+
+from .data import DataSplit
+
+INPUT = "input"  # the name of an input given as a plain tensor, not a dict
+SCAN = 64  # validation samples the signature is read from
+
+
+def split_sample(sample: Any, where: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """A sample as ({input name: tensor}, target); DataError naming ``where`` when it has another form."""
+    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        raise DataError(f"{where}: a sample must be (inputs, target), got {type(sample).__name__}"
+                        + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else ""))
+    x, y = sample
+    if isinstance(x, torch.Tensor):
+        feeds = {INPUT: x}
+    elif isinstance(x, Mapping) and x and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in x.items()):
+        feeds = dict(x)
+    else:
+        raise DataError(f"{where}: inputs must be a tensor or a dict of str -> tensor, got {type(x).__name__}")
+    if isinstance(y, torch.Tensor):
+        ok = y.numel() == 1 and not y.is_floating_point() and y.dtype != torch.bool
+    else:
+        ok = isinstance(y, (int, np.integer)) and not isinstance(y, bool)
+    if not ok:
+        raise DataError(f"{where}: the target must be a class index (an int, or an integer tensor of one value); "
+                        f"got {y!r:.80}")
+    return feeds, y
+
+
+def infer_signature(ds: Dataset, where: str, scan: int = SCAN) -> Signature:
+    """The inputs' signature from the first ``scan`` samples: a dim that varies between samples is dynamic
+    over the sizes seen (dims that vary together share one name: S, or S1, S2, ...); integer and float
+    inputs get the range of the values seen, which random verification data keeps to."""
+    samples = [split_sample(ds[i], f"{where} sample {i}")[0] for i in range(min(scan, len(ds)))]
+    names = list(samples[0])
+    groups: dict[tuple[int, ...], str] = {}
+    specs = []
+    for i, s in enumerate(samples):
+        if list(s) != names:
+            raise DataError(f"{where} sample {i} has inputs {list(s)}, sample 0 has {names}")
+    for name in names:
+        first = samples[0][name]
+        dt = dtype_name(first.dtype)
+        if dt not in INPUT_DTYPES:
+            raise DataError(f"{where}: input {name!r} is {dt}; inputs may be {', '.join(INPUT_DTYPES)} "
+                            "(cast in the dataset, or inside the model)")
+        for i, s in enumerate(samples):
+            if s[name].dtype != first.dtype or s[name].dim() != first.dim():
+                raise DataError(f"{where} sample {i}: input {name!r} is {dtype_name(s[name].dtype)} "
+                                f"{list(s[name].shape)}, sample 0 has {dt} {list(first.shape)}")
+        shape: list = [BATCH]
+        for axis in range(first.dim()):
+            sizes = tuple(int(s[name].shape[axis]) for s in samples)
+            if min(sizes) < 1:
+                raise DataError(f"{where}: input {name!r} has an empty dim {axis} in some sample")
+            shape.append(sizes[0] if len(set(sizes)) == 1 else groups.setdefault(sizes, f"S{len(groups) + 1}"))
+        rng = None
+        if dt != "bool":
+            values = torch.cat([s[name].reshape(-1) for s in samples])
+            lo, hi = values.min().item(), values.max().item()
+            rng = (float(lo), float(hi)) if first.is_floating_point() else (int(lo), int(hi))
+        specs.append(TensorSpec(name, dt, shape, rng))
+    dims = {name: (min(sizes), max(sizes)) for sizes, name in groups.items()}
+    if len(dims) == 1:  # one varying dim (a sequence length): call it S
+        for t in specs:
+            t.shape = ["S" if d == "S1" else d for d in t.shape]
+        dims = {"S": dims["S1"]}
+    return Signature(specs, [], dims)
+
+
+def load_user_data(spec: str) -> DataSplit:
+    """The training and validation datasets --data's factory returns, with the signature read from them."""
+    factory = import_factory(spec, "--data")
+    try:
+        got = factory()
+    except (ConfigError, DataError):
+        raise
+    except Exception as e:
+        raise DataError(f"--data {spec}: the factory failed: {type(e).__name__}: {e}") from None
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        raise DataError(f"--data {spec}: the factory must return (train_dataset, val_dataset), got {type(got).__name__}")
+    train, val = got
+    for what, ds in (("training", train), ("validation", val)):
+        try:
+            n = len(ds)
+        except TypeError:
+            raise DataError(f"--data {spec}: the {what} dataset has no length (a map-style Dataset is needed: "
+                            "__len__ and __getitem__)") from None
+        if n == 0:
+            raise DataError(f"--data {spec}: the {what} dataset is empty")
+    sig = infer_signature(val, f"--data {spec}: validation")
+    split_sample(train[0], f"--data {spec}: training sample 0")
+    classes = getattr(train, "classes", None)
+    return DataSplit(train, val, [str(c) for c in classes] if classes else None, None, spec, signature=sig,
+                     collate=getattr(train, "collate_fn", None), by_keyword=isinstance(val[0][0], Mapping))
+
+
+def collate_inputs(batch: Any) -> tuple[Any, torch.Tensor]:
+    """A collated (inputs, targets) batch with targets as a 1-D int64 tensor."""
+    x, y = batch
+    return x, torch.as_tensor(y).reshape(-1).long()
+
+
+def heldout_inputs(ds: Dataset, sig: Signature, collate: Optional[Callable], where: str,
+                   limit_bytes: int = 8 << 20, max_count: int = 64) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The first validation samples as one collated batch, by input name, checked against the signature,
+    with their targets: the real inputs export verifies, warms up and benchmarks with."""
+    n = min(len(ds), max_count)
+    while True:
+        x, y = collate_inputs((collate or default_collate)([ds[i] for i in range(n)]))
+        feeds = {INPUT: x} if isinstance(x, torch.Tensor) else dict(x)
+        size = sum(v.numel() * v.element_size() for v in feeds.values())
+        if size <= limit_bytes or n == 1:
+            break
+        n = max(1, n * limit_bytes // size)
+    for t in sig.inputs:
+        a = feeds.get(t.name)
+        if a is None:
+            raise DataError(f"{where}: a collated batch has no input {t.name!r} (it has {', '.join(feeds)})")
+        for d, s in zip(t.shape[1:], a.shape[1:]):
+            if isinstance(d, int) and d != s or a.dim() != len(t.shape):
+                raise DataError(f"{where}: a collated batch has {t.name} of shape {list(a.shape)}, samples have "
+                                f"{t.shape}")
+            if isinstance(d, str) and not sig.dims[d][0] <= s <= sig.dims[d][1]:
+                sig.dims[d] = (min(sig.dims[d][0], s), max(sig.dims[d][1], s))  # padding may reach past the scan
+        if t.range is not None:  # and padding values (a mask's 0) join the values seen
+            lo, hi = a.min().item(), a.max().item()
+            t.range = (min(t.range[0], type(t.range[0])(lo)), max(t.range[1], type(t.range[1])(hi)))
+    return {t.name: feeds[t.name].numpy() for t in sig.inputs}, y.numpy()
