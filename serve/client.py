@@ -99,9 +99,17 @@ class TritonClient:
         return decode(self._send(model, request(model, x, input_name or cfg["input"][0]["name"], out, version, top_k),
                                  stream), out)
 
-    def infer_all(self, model: str, feeds: dict[str, np.ndarray], version: str = "") -> dict[str, np.ndarray]:
+    def infer_all(self, model: str, feeds: dict[str, np.ndarray], version: str = "",
+                  stream: "InferStream | None" = None) -> dict[str, np.ndarray]:
         """Send one batch of every input by name; returns every output by name."""
-        return decode_all(self._send(model, request_feeds(model, feeds, version=version)))
+        return decode_all(self._send(model, request_feeds(model, feeds, version=version), stream))
+
+    def classify(self, model: str, feeds: dict[str, np.ndarray], top_k: int, version: str = "",
+                 stream: "InferStream | None" = None) -> np.ndarray:
+        """The top_k classes of the model's first output per row, as Triton's classification extension
+        gives them ('score:index:label' strings)."""
+        out = self.config(model)["output"][0]["name"]
+        return decode(self._send(model, request_feeds(model, feeds, out, version, top_k), stream), out)
 
     def _send(self, model: str, req, stream: "InferStream | None" = None):
         """One ModelInferRequest, unary or on ``stream``; its ModelInferResponse, or the refusal as an error."""

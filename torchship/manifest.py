@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ArtifactError
+from .errors import ArtifactError, ConfigError
 from .io import atomic_write_json, read_json, sha256_file
 
 MANIFEST = "manifest.json"
@@ -106,6 +106,47 @@ def reference_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any], key: 
     """The inputs of one reference set (default: sample_set), by input name."""
     key = key or sample_set(manifest)
     return {t["name"]: ref[f"input/{key}/{t['name']}"] for t in manifest["inputs"]}
+
+
+def check_shape(manifest: dict[str, Any], shape: dict[str, int]) -> None:
+    """ConfigError naming --shape unless every NAME=SIZE names a dynamic dim of the export within its range."""
+    dims = manifest.get("dims", {})
+    for name, size in shape.items():
+        if name not in dims:
+            has = f"its dynamic dims are {', '.join(dims)}" if dims else "its inputs have no dynamic dims"
+            raise ConfigError(f"--shape {name}={size}: the export has no dim {name!r} ({has})")
+        if not dims[name]["min"] <= size <= dims[name]["max"]:
+            raise ConfigError(f"--shape {name}={size} is outside the export's range {dims[name]['min']}..{dims[name]['max']}")
+
+
+def bench_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any],
+                 shape: dict[str, int] | None = None) -> tuple[dict[str, np.ndarray], str]:
+    """Inputs for a benchmark, by input name, and a line saying what they are. Without ``shape``: the real
+    samples (sample_set). With it (a size per dynamic dim): the reference set of those sizes, real samples
+    first, then the largest random batch; random inputs of the signature when no set has them."""
+    from .signature import Signature
+
+    if not shape:
+        key = sample_set(manifest)
+        return reference_inputs(ref, manifest, key), _described(key, manifest)
+    check_shape(manifest, shape)
+    sig = Signature.from_manifest(manifest)
+    sets = manifest["reference"]["sets"]
+    order = sorted(sets, key=lambda k: (k != manifest["reference"].get("samples"), -sets[k], k))
+    for key in order:
+        feeds = reference_inputs(ref, manifest, key)
+        if all(sig.dims_of(feeds).get(k) == v for k, v in shape.items()):
+            return feeds, _described(key, manifest)
+    values = {**{k: hi for k, (lo, hi) in sig.dims.items()}, **shape}
+    where = ", ".join(f"{k}={v}" for k, v in values.items())
+    return (sig.random_inputs(np.random.default_rng(0), 64, values),
+            f"random inputs at {where} (no reference set has that size), drawn as verification draws them")
+
+
+def _described(key: str, manifest: dict[str, Any]) -> str:
+    what = {"heldout": "real held-out samples", "examples": "the example inputs"}.get(key, "random inputs")
+    dims = manifest["reference"].get("dims", {}).get(key)
+    return f"{what} ({key}" + (", " + ", ".join(f"{k}={v}" for k, v in dims.items()) if dims else "") + ")"
 
 
 def artifact(manifest: dict[str, Any], name: str) -> dict[str, Any]:

@@ -291,7 +291,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any stage option, e.g. --set train.epochs=3 --set bench.requests=50 (repeatable)")
     p.add_argument("--arch", default=None, help="shortcut for --set train.arch=...")
-    p.add_argument("--data", default=None, help="shortcut for --set train.data=... (digits, synthetic or an ImageFolder path)")
+    p.add_argument("--data", default=None, help="shortcut for --set train.data=... (digits, synthetic, an ImageFolder path or package.module:factory)")
     p.add_argument("--epochs", type=int, default=None, help="shortcut for --set train.epochs=...")
     p.add_argument("--nproc", type=int, default=None, help="shortcut for --set train.nproc=... (0: auto)")
     p.add_argument("--amp", choices=["auto", "off", "bf16", "fp16"], default=None, help="shortcut for --set train.amp=...")

@@ -36,6 +36,8 @@ class BenchConfig:
     write_config: bool = opt(False, "write the recommended batching settings back into the repository's configs")
     cross_check: bool = opt(True, "cross-check the served sweep with Triton's perf_analyzer where it is installed")
     perf_analyzer: Optional[str] = opt(None, "path to perf_analyzer (default: $TORCHSHIP_PERF_ANALYZER, the torchship cache, then PATH)")
+    shape: tuple[str, ...] = opt((), "NAME=SIZE for a dynamic dim of the inputs, e.g. S=64: the size the bench runs at "
+                                     "(default: the real samples' own; repeatable)", flag="--shape", append=True)
     skip_in_process: bool = opt(False, "skip the in-process part")
     skip_served: bool = opt(False, "skip the served part")
     plots: bool = opt(True, "draw the matplotlib plots")
@@ -58,3 +60,14 @@ class BenchConfig:
             raise ConfigError("--rate must be positive")
         if self.url is not None:
             check_url(self.url)
+        self.shape_values()
+
+    def shape_values(self) -> dict[str, int]:
+        """--shape as {dim name: size}; ConfigError for a value not of the form NAME=SIZE."""
+        out = {}
+        for text in self.shape:
+            name, sep, size = text.partition("=")
+            if not sep or not name or not size.isdigit() or int(size) < 1:
+                raise ConfigError(f"--shape {text!r} must look like NAME=SIZE with a positive SIZE, e.g. S=64")
+            out[name] = int(size)
+        return out

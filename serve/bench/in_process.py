@@ -9,16 +9,16 @@ from typing import Any, Callable
 import numpy as np
 
 from torchship.errors import TorchshipError
-from torchship.manifest import artifact, read_reference, reference_inputs
+from torchship.manifest import artifact, bench_inputs, read_reference
 
 from .config import BenchConfig
 from .stats import summarize
 
 
-def reference_pool(export_dir: Path, manifest: dict) -> dict[str, np.ndarray]:
-    """The export's real samples (held-out images or example inputs; else its largest random batch), by
-    input name, read and checked once per stage."""
-    return reference_inputs(read_reference(export_dir, manifest), manifest)
+def reference_pool(export_dir: Path, manifest: dict, shape: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """The inputs a benchmark draws from, by input name (torchship.manifest.bench_inputs), read and checked
+    once per stage."""
+    return bench_inputs(read_reference(export_dir, manifest), manifest, shape)[0]
 
 
 def real_inputs(pool: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
@@ -75,14 +75,14 @@ def time_blocks(paths: dict[str, Callable[[], Any]], blocks: int, per_block: int
 
 
 def bench_in_process(cfg: BenchConfig, export_dir: Path, manifest: dict, device: str, bar) -> dict[str, Any]:
-    """Latency and images/s per variant and batch size, on real held-out images."""
+    """Latency and samples/s per variant and batch size, on the export's real samples (or --shape's)."""
     import torch
 
     torch.set_num_threads(cfg.threads)
     runners, notes = load_variants(cfg, export_dir, manifest, device)
     rows = []
     raw: dict[str, list[float]] = {}
-    pool = reference_pool(export_dir, manifest)
+    pool = reference_pool(export_dir, manifest, cfg.shape_values())
     for b in cfg.batch_sizes:
         if b > manifest["max_batch"]:
             notes[f"batch {b}"] = f"skipped: above the export's max batch {manifest['max_batch']}"

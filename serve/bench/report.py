@@ -59,7 +59,7 @@ def side_by_side(results: dict[str, Any]) -> list[str]:
             continue
         one = next((r for r in mine if r["batch"] == 1), {})
         c1 = next((r for r in mm["rows"] if r["concurrency"] == 1), {})
-        best_ip = max(mine, key=lambda r: r["images_per_s"])
+        best_ip = max(mine, key=lambda r: r["images_per_s"])  # samples/s; the key keeps its first name
         best_sv = max(mm["rows"], key=lambda r: r["requests_per_s"])
         rows.append([model, variant, _f(one.get("p50_ms")), _f(c1.get("p50_ms")),
                      f"{best_ip['images_per_s']:.0f} (batch {best_ip['batch']})",
@@ -67,8 +67,8 @@ def side_by_side(results: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     return ["## In-process beside served", ""] + _table(
-        ["model", "artifact", "in-process p50 ms (batch 1)", "served p50 ms (concurrency 1)", "in-process images/s",
-         "served images/s"], rows) + [""]
+        ["model", "artifact", "in-process p50 ms (batch 1)", "served p50 ms (concurrency 1)", "in-process samples/s",
+         "served samples/s"], rows) + [""]
 
 
 def breakdown_lines(served: dict[str, Any]) -> list[str]:
@@ -95,6 +95,8 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
              f"{results['created']} · CPU {m['cpu']} ({m['cores']} cores) · GPU {m.get('gpu') or 'none'} · "
              f"torch {m['versions'].get('torch')} · onnxruntime {m['versions'].get('onnxruntime')} · "
              f"git {m.get('git_revision') or '?'}", ""]
+    if results["export"].get("samples"):
+        lines += [f"Inputs: {results['export']['samples']}.", ""]
     served = results.get("served")
     if served:
         lines += served_lines(served)
@@ -116,10 +118,10 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
     ip = results.get("in_process")
     if ip:
         lines += ["## In-process latency", "",
-                  f"Device {ip['device']}, {ip['threads']} intra-op thread(s); real held-out images; variants interleaved in "
+                  f"Device {ip['device']}, {ip['threads']} intra-op thread(s); variants interleaved in "
                   f"{results['config']['blocks']} blocks after {results['config']['warmup']} warm-up runs each.", ""]
         probe = "flops_per_sample" in lim
-        lines += _table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "images/s"] + (["% of fp32 matmul probe"] if probe else []),
+        lines += _table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "samples/s"] + (["% of fp32 matmul probe"] if probe else []),
                         [[r["variant"], str(r["batch"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r.get("mean_ms")),
                           _f(r.get("images_per_s"), ".0f")]
                          + ([f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim['fp32_flops']:.1f}"] if probe else [])

@@ -9,7 +9,7 @@ from typing import Any
 
 from torchship.errors import BenchError, TorchshipError
 from torchship.io import atomic_write_json
-from torchship.manifest import read_manifest
+from torchship.manifest import bench_inputs, check_shape, read_manifest, read_reference
 
 from .compare import RESULTS_FORMAT
 from .config import BenchConfig
@@ -32,6 +32,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
         raise BenchError("give an EXPORT_DIR (its manifest names the model, inputs and reference data)")
     export_dir = Path(cfg.export_dir)
     manifest = read_manifest(export_dir)
+    check_shape(manifest, cfg.shape_values())
     if cfg.models and not cfg.skip_served:
         check_models(cfg, manifest, server)
     out = Path(cfg.out)
@@ -53,9 +54,10 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     try:  # limits: FLOPs per sample and the measured device peak
         from export.source import eager_from_manifest
 
-        from .in_process import real_inputs, reference_pool
+        from .in_process import real_inputs
 
-        feeds = real_inputs(reference_pool(export_dir, manifest), 2)
+        pool, results["export"]["samples"] = bench_inputs(read_reference(export_dir, manifest), manifest, cfg.shape_values())
+        feeds = real_inputs(pool, 2)
         results["limits"] = {"flops_per_sample": flops_per_sample(eager_from_manifest(manifest),
                                                                   [feeds[t["name"]] for t in manifest["inputs"]]),
                              **device_peak(device, cfg.threads)}

@@ -145,7 +145,7 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
         bar.refresh()
     served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {}}
     results["served"] = served
-    singles = single_rows(reference_pool(export_dir, manifest), 64)  # batch-1 requests
+    singles = single_rows(reference_pool(export_dir, manifest, cfg.shape_values()), 64)  # batch-1 requests
 
     def run(model: str, levels=cfg.concurrency) -> list[dict]:
         return sweep(url, model, singles, cfg, levels, bar, client)

@@ -270,7 +270,73 @@ def test_a_short_bench_of_the_text_model(served, text_export, tmp_path):
                               "batching_compare": [], "queue_delays_us": [], "cross_check": False, "plots": False, "progress": False})
     run_bench(cfg, log=lambda *a: None)
     res = json.loads((tmp_path / "results.json").read_text())
+    assert res["export"]["samples"].startswith("real held-out samples (heldout, S=")
     rows = res["served"]["models"]["text_classifier_onnx"]["rows"]
     assert [r["concurrency"] for r in rows] == [1, 4] and all(r["failed"] == 0 and r["ok"] == 20 for r in rows)
     assert {r["variant"] for r in res["in_process"]["rows"]} >= {"eager", "onnx", "torchscript"}
     assert res["limits"]["flops_per_sample"] > 0
+
+
+def test_infer_sends_an_npz_per_request_and_prints_every_output(served, text_export, tmp_path, capsys):
+    """For a model that is not an image model, each .npz (keyed by input name) is one request; every output
+    comes back, with the top classes where the model has labels. A file that does not fit is refused by name."""
+    import torch
+
+    from tests.conftest import run_cli
+
+    with np.load(text_export / "reference.npz") as ref:
+        feeds = {k: ref[f"input/heldout/{k}"][:2] for k in ("attention_mask", "input_ids")}
+        expected = ref["expected/heldout/logits"][:2]
+        labels = ref["labels/heldout"][:2]
+    np.savez(tmp_path / "two.npz", **feeds)
+    base = ["infer", "--url", served.url, "--model", "text_classifier_onnx"]
+    assert run_cli(*base, tmp_path / "two.npz", "--json", "--top-k", 1) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    torch.testing.assert_close(np.array(row["outputs"]["logits"], np.float32), expected, rtol=1e-4, atol=1e-5)
+    assert np.array(row["outputs"]["embedding"]).shape == (2, 32)
+    classes = read_manifest(text_export)["classes"]
+    assert [t["label"] for t in row["top_k"]] == [classes[i] for i in expected.argmax(1)]
+    assert run_cli(*base, "--heldout", text_export, "-n", 2) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 and all("logits [1, 4] [" in line and "embedding [1, 32]" in line for line in out), out
+    assert f"[true: {classes[labels[0]]}]" in out[0]
+    np.savez(tmp_path / "half.npz", input_ids=feeds["input_ids"], extra=feeds["input_ids"])
+    np.save(tmp_path / "img.npy", np.zeros((1, 3, 8, 8), np.float32))
+    for bad, said in (("half.npz", "no array for input(s) attention_mask; array(s) extra name no input"),
+                      ("img.npy", "takes attention_mask, input_ids, not an image; give one .npz per request")):
+        assert run_cli(*base, tmp_path / bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+    assert run_cli(*base, tmp_path / "two.npz") == 0  # the server goes on
+
+
+def test_bench_shape_picks_the_size_of_a_dynamic_dim(text_export, tmp_path, capsys):
+    """--shape S=64 runs at that length: the reference set of that size, or random inputs of the signature
+    where none has it; a size outside the export's range, or a dim it lacks, is refused naming --shape."""
+    import torch
+
+    from serve.bench.config import BenchConfig
+    from serve.bench.in_process import reference_pool
+    from torchship.config import build
+
+    m = read_manifest(text_export)
+    at64 = reference_pool(text_export, m, {"S": 64})
+    assert all(v.shape[1] == 64 for v in at64.values()) and len(at64["input_ids"]) == 8  # random_b8_S=64
+    at40 = reference_pool(text_export, m, {"S": 40})
+    assert at40["input_ids"].shape == (64, 40) and at40["input_ids"].dtype == np.int64
+    assert at40["attention_mask"].max() <= 1 and at40["input_ids"].max() <= m["inputs"][1]["range"][1]
+    assert torch.equal(torch.from_numpy(reference_pool(text_export, m)["input_ids"]),
+                       torch.from_numpy(np.load(text_export / "reference.npz")["input/heldout/input_ids"]))
+    for shape, said in (("S=65", "--shape S=65 is outside the export's range 1..64"),
+                        ("T=3", "--shape T=3: the export has no dim 'T' (its dynamic dims are S)"),
+                        ("S", "--shape 'S' must look like NAME=SIZE")):
+        assert run_cli("bench", text_export, "--shape", shape, "--out", tmp_path / "b", "--no-progress") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+    cfg = build(BenchConfig, {"export_dir": str(text_export), "out": str(tmp_path / "b"), "skip_served": True,
+                              "variants": ["onnx"], "batch_sizes": [1], "iters": 2, "blocks": 1, "warmup": 1,
+                              "shape": ["S=40"], "plots": False, "progress": False})
+    from serve.bench.run import run_bench
+
+    run_bench(cfg, log=lambda *a: None)
+    assert "Inputs: random inputs at S=40" in (tmp_path / "b" / "report.md").read_text()

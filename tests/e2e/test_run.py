@@ -50,6 +50,24 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         assert word not in summary.lower(), word
 
 
+def test_run_trains_and_serves_a_text_model_from_your_own_factories(tmp_path):
+    """torchship run --arch F --data F for a model that is not an image classifier: trained on its data
+    factory, exported from the checkpoint's recorded signature, served, checked and benched."""
+    d = tmp_path / "run"
+    assert run_cli("run", "--out", d, "--config", CONFIG, "--arch", "tests.anymodel.models:text_classifier",
+                   "--data", "tests.anymodel.models:topic_texts", "--epochs", "1",
+                   "--set", 'train.model_arg=["dim=16"]', "--set", 'export.formats=["onnx","torchscript"]',
+                   "--set", 'bench.variants=["onnx"]', "--set", "bench.concurrency=[1]") == 0
+    rec = json.loads((d / "run.json").read_text())
+    assert rec["outcome"] == {"status": "passed"}
+    m = json.loads((d / "export/manifest.json").read_text())
+    assert [t["name"] for t in m["inputs"]] == ["attention_mask", "input_ids"] and "S" in m["dims"]
+    assert m["outputs"][1] == {"name": "embedding", "dtype": "float32", "shape": ["batch", 16]}
+    assert json.loads((d / "served_parity.json").read_text())["pass"]
+    summary = (d / "summary.md").read_text()
+    assert "text_classifier_onnx" in summary and "images/s" not in summary
+
+
 def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
     ckpts = run_dir / "train/checkpoints"
     before = {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")}

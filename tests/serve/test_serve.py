@@ -412,7 +412,7 @@ def test_infer_refuses_a_bad_local_path_before_connecting(case, tmp_path, capsys
     arg = {"missing": [tmp_path / "nope.npy"], "suffix": [tmp_path / "notes.txt"], "heldout": ["--heldout", tmp_path]}[case]
     assert run_cli("infer", "--url", f"127.0.0.1:{free_ports()[0]}", *arg) == 2
     err = capsys.readouterr().err
-    want = {"missing": "nope.npy: no such file", "suffix": "notes.txt: not an image or .npy file",
+    want = {"missing": "nope.npy: no such file", "suffix": "notes.txt: not an image, .npy or .npz file",
             "heldout": "has no manifest.json"}[case]
     assert want in err and "is the server running" not in err and len(err.strip().splitlines()) == 1, err
 
@@ -801,6 +801,8 @@ def test_infer_top_k_beyond_the_classes_prints_them_all_and_zero_is_refused(serv
     assert run_cli("infer", "--url", server.url, "--heldout", exported, "-n", 1, "--top-k", classes + 5, "--json") == 0
     (row,) = json.loads(capsys.readouterr().out)["results"]
     assert sorted(t["index"] for t in row["top_k"]) == list(range(classes))
+    expected = np.load(exported / "reference.npz")["expected/heldout/logits"][0]
+    assert row["top_k"][0]["index"] == int(expected.argmax())  # the held-out sample eager saw
     assert run_cli("infer", "--url", server.url, "--heldout", exported, "--top-k", 0) == 2
     assert "--top-k, -n and --concurrency must be at least 1" in capsys.readouterr().err
 

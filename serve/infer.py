@@ -1,0 +1,193 @@
+"""``torchship infer``: requests from image files, .npy or .npz arrays, or an export's held-out samples,
+sent to a served model over gRPC; the answers printed (top-k classes, or every output)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchship.errors import ClientError, DataError, ShapeError
+
+from .config import check_url
+
+SHOWN = 6  # values of each output printed per request (--json prints them all)
+
+
+def run_infer(ns) -> int:
+    """The infer command: --check compares every served model with eager; otherwise FILES and --heldout
+    samples are sent and the answers printed. Exit 0, or a ClientError/ShapeError/DataError."""
+    from .client import TritonClient
+    from .parity import check_served, served_markdown
+
+    check_url(ns.url)
+    if ns.check:
+        report = check_served(ns.url, ns.check, [ns.model] if ns.model else None)
+        print(json.dumps(report, indent=2) if ns.json else served_markdown(report))
+        n = len(report["models"])
+        print(f"served parity: PASS ({n} model{'s' if n != 1 else ''} at {ns.url})")
+        return 0
+    if ns.top_k < 1 or ns.n < 1 or ns.concurrency < 1:
+        raise ClientError("--top-k, -n and --concurrency must be at least 1")
+    if ns.stream and ns.concurrency > 1:
+        raise ClientError("--stream sends one request at a time; leave out --concurrency, or --stream")
+    heldout = _check_local_inputs(ns)  # a mistyped path is refused before any connection is tried
+    client = TritonClient(ns.url)
+    client.wait_ready(10)
+    ready = client.require_models([ns.model] if ns.model else [])
+    model = ns.model or next(iter(ready), None)
+    if model is None:
+        raise ClientError(f"no model is ready at {ns.url}")
+    cfg = client.config(model)
+    requests = _gather(ns, cfg, heldout)
+    if not requests:
+        raise ClientError("nothing to send: give FILES, --heldout EXPORT_DIR or --check EXPORT_DIR")
+    labelled = bool(cfg["output"][0].get("label_filename"))
+    rows = []
+    for (name, feeds, label), (outputs, top) in zip(requests, _send_all(client, model, cfg, requests, ns, labelled)):
+        row: dict[str, Any] = {"input": name}
+        if top is not None:  # Triton returns min(top_k, classes) 'score:index:label' entries per row
+            entries = [t.decode() if isinstance(t, bytes) else str(t) for t in np.asarray(top).reshape(-1)]
+            row["top_k"] = [{"score": float(t.split(":")[0]), "index": int(t.split(":")[1]),
+                             "label": t.split(":", 2)[2] if t.count(":") >= 2 else ""} for t in entries]
+        if outputs is not None:
+            row["outputs"] = {k: v.tolist() for k, v in outputs.items()}
+        if label is not None:
+            row["true_label"] = label
+        rows.append(row)
+    if ns.json:
+        print(json.dumps({"model": model, "url": ns.url, "results": rows}, indent=2))
+        return 0
+    for r in rows:
+        parts = []
+        if "top_k" in r:
+            parts.append(", ".join(f"{t['label'] or t['index']} ({t['score']:.3f})" for t in r["top_k"]))
+        for k, v in r.get("outputs", {}).items():
+            flat = np.asarray(v).reshape(-1)
+            parts.append(f"{k} {list(np.shape(v))} [{', '.join(f'{x:.4g}' for x in flat[:SHOWN])}"
+                         f"{', ...' if flat.size > SHOWN else ''}]")
+        truth = f"   [true: {r['true_label']}]" if "true_label" in r else ""
+        print(f"{r['input']}: {'   '.join(parts)}{truth}")
+    return 0
+
+
+def is_image_model(cfg: dict[str, Any]) -> bool:
+    """One float input laid out NCHW: what image files and .npy arrays are sent to."""
+    ins = cfg["input"]
+    return len(ins) == 1 and ins[0].get("data_type") == "TYPE_FP32" and ins[0].get("format") == "FORMAT_NCHW"
+
+
+def _check_local_inputs(ns) -> dict | None:
+    """Every FILE exists and is an image, .npy or .npz file, and --heldout is an export directory (its
+    manifest is returned)."""
+    from train.data import IMAGE_SUFFIXES
+
+    for f in ns.files:
+        p = Path(f)
+        if not p.is_file():
+            raise ClientError(f"{p}: no such file")
+        if p.suffix not in (".npy", ".npz") and p.suffix.lower() not in IMAGE_SUFFIXES:
+            raise ClientError(f"{p}: not an image, .npy or .npz file")
+    if not ns.heldout:
+        return None
+    from torchship.manifest import read_manifest
+
+    return read_manifest(ns.heldout)
+
+
+def _load(p: Path):
+    try:
+        return np.load(p)  # allow_pickle=False: an object array is refused, not unpickled
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"cannot read {p} as a numpy array ({e}); save one with numpy.save or numpy.savez") from None
+
+
+def _npz_request(p: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """One request from an .npz keyed by input name; ShapeError naming a missing or unknown input."""
+    names = [i["name"] for i in cfg["input"]]
+    with _load(p) as z:
+        feeds = {k: z[k] for k in z.files}
+    missing, unknown = [n for n in names if n not in feeds], [k for k in feeds if k not in names]
+    if missing or unknown:
+        raise ShapeError(f"{p}: " + "; ".join(
+            ([f"no array for input(s) {', '.join(missing)}"] if missing else []) +
+            ([f"array(s) {', '.join(unknown)} name no input"] if unknown else [])) +
+            f" (model {cfg['name']} takes {', '.join(names)})")
+    rows = {len(v) if v.ndim else 0 for v in feeds.values()}
+    if 0 in rows or len(rows) != 1:
+        raise ShapeError(f"{p}: every array needs the batch first, and the same number of rows "
+                         f"(shapes: {', '.join(f'{k} {list(v.shape)}' for k, v in feeds.items())})")
+    return {n: feeds[n] for n in names}
+
+
+def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, dict[str, np.ndarray], Any]]:
+    """(name, feeds by input name, true label or None) per request: image files and .npy rows one row per
+    request (image models), .npz files one request each, --heldout samples one each."""
+    from train.data import load_image_file
+
+    image = is_image_model(cfg)
+    dims = [int(d) for d in cfg["input"][0]["dims"]]
+    chw = dims[1:] if int(cfg.get("max_batch_size", 0)) == 0 else dims
+    first = cfg["input"][0]["name"]
+    out: list[tuple[str, dict[str, np.ndarray], Any]] = []
+    for f in ns.files:
+        p = Path(f)
+        if p.suffix == ".npz":
+            out.append((p.name, _npz_request(p, cfg), None))
+            continue
+        if not image:
+            raise ShapeError(f"{p}: model {cfg['name']} takes {', '.join(i['name'] for i in cfg['input'])}, not an "
+                             "image; give one .npz per request, keyed by input name (numpy.savez)")
+        if p.suffix == ".npy":
+            arr = _load(p)
+            arr = arr[None] if arr.ndim == 3 else arr
+            if arr.ndim != 4 or list(arr.shape[1:]) != chw:
+                raise ShapeError(f"{p}: shape {list(arr.shape)} does not match the model input [N, {', '.join(map(str, chw))}]")
+            if arr.dtype.kind != "f":  # 0-255 pixels cast to float would be served as nonsense without an error
+                raise ShapeError(f"{p}: dtype {arr.dtype} is not floating point; save float32 pixel values in [0, 1] "
+                                 "(divide 8-bit images by 255) or pass the image file itself")
+            out += [(f"{p.name}[{i}]", {first: row[None].astype(np.float32)}, None) for i, row in enumerate(arr)]
+        else:
+            out.append((p.name, {first: load_image_file(p, chw[-1])[None]}, None))
+    if heldout is not None:
+        from torchship.manifest import read_reference, reference_inputs, sample_set
+
+        ref = read_reference(ns.heldout, heldout)
+        key = sample_set(heldout)
+        feeds = reference_inputs(ref, heldout, key)
+        labels = ref.get(f"labels/{key}")
+        n = len(next(iter(feeds.values())))
+        if ns.n > n:
+            what = "held-out" if key == "heldout" else f"{key!r}"
+            print(f"torchship infer: {ns.heldout} holds {n} {what} samples; sending those", file=sys.stderr)
+        for i in range(min(ns.n, n)):
+            label = heldout["classes"][int(labels[i])] if labels is not None and heldout.get("classes") else None
+            out.append((f"{key}[{i}]", {k: v[i:i + 1] for k, v in feeds.items()}, label))
+    return out
+
+
+def _send_all(client, model: str, cfg: dict[str, Any], requests, ns, labelled: bool) -> list:
+    """(every output by name or None, the classification rows or None) per request: an image model answers
+    with its top-k classes alone; any other with every output, plus the top-k of its first output when that
+    output has class labels."""
+    image = is_image_model(cfg)
+
+    def one(feeds, stream=None):
+        top = client.classify(model, feeds, ns.top_k, ns.version, stream) if image or labelled else None
+        return (None if image else client.infer_all(model, feeds, ns.version, stream)), top
+
+    if ns.stream:
+        stream = client.open_stream(len(requests) * (1 + (labelled and not image)))
+        try:
+            return [one(feeds, stream) for _, feeds, _ in requests]
+        finally:
+            stream.close()
+    if ns.concurrency <= 1:
+        return [one(feeds) for _, feeds, _ in requests]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(ns.concurrency) as pool:
+        return list(pool.map(lambda r: one(r[1]), requests))
