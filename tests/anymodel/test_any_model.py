@@ -260,18 +260,23 @@ def test_bad_requests_are_refused_naming_the_input_and_the_server_goes_on(served
     client.close()
 
 
-def test_a_short_bench_of_the_text_model(served, text_export, tmp_path):
+@pytest.mark.parametrize("which", ["mlp", "text"])
+def test_a_short_bench_of_each_model(which, served, request, tmp_path):
     from serve.bench.config import BenchConfig
     from serve.bench.run import run_bench
     from torchship.config import build
 
-    cfg = build(BenchConfig, {"export_dir": str(text_export), "out": str(tmp_path), "url": served.url,
+    export = request.getfixturevalue(f"{which}_export")
+    name = read_manifest(export)["name"]
+    cfg = build(BenchConfig, {"export_dir": str(export), "out": str(tmp_path), "url": served.url,
                               "requests": 20, "concurrency": [1, 4], "batch_sizes": [1, 4], "iters": 10, "blocks": 2,
                               "batching_compare": [], "queue_delays_us": [], "cross_check": False, "plots": False, "progress": False})
     run_bench(cfg, log=lambda *a: None)
     res = json.loads((tmp_path / "results.json").read_text())
-    assert res["export"]["samples"].startswith("real held-out samples (heldout, S=")
-    rows = res["served"]["models"]["text_classifier_onnx"]["rows"]
+    said = {"mlp": "random inputs (random_b8)", "text": "real held-out samples (heldout, S="}[which]
+    assert res["export"]["samples"].startswith(said), res["export"]["samples"]
+    assert set(res["served"]["models"]) == {f"{name}_onnx", f"{name}_torchscript", f"{name}_aoti"}
+    rows = res["served"]["models"][f"{name}_onnx"]["rows"]
     assert [r["concurrency"] for r in rows] == [1, 4] and all(r["failed"] == 0 and r["ok"] == 20 for r in rows)
     assert {r["variant"] for r in res["in_process"]["rows"]} >= {"eager", "onnx", "torchscript"}
     assert res["limits"]["flops_per_sample"] > 0
