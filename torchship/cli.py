@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("export.cli", "re-verify an export directory (hashes, then parity against eager)"),
     "repo": ("serve.cli", "build a Triton model repository from an export manifest"),
     "serve": ("serve.cli", "start the embedded Triton Inference Server on a repository"),
-    "infer": ("serve.cli", "send images or reference inputs to a Triton server over gRPC"),
+    "infer": ("serve.cli", "send images, .npz requests or an export's samples to a Triton server over gRPC"),
     "bench": ("serve.bench.cli", "benchmark in-process and served latency/throughput, or compare two results"),
     "run": ("torchship.run", "train, export, verify, serve, check and benchmark in one run folder"),
 }
