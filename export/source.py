@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from torchship.errors import CheckpointError, ConfigError
-from torchship.models import WithPreprocessing, import_factory, model_from_meta, parse_model_args
+from torchship.models import WithPreprocessing, make_model, model_from_meta, parse_model_args
 from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_dims, parse_signature
 from train import checkpoint as ck
 
@@ -173,14 +173,7 @@ def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights:
     """A user's model: ``factory(**model_args)`` with ``weights`` loaded strictly, and the signature given."""
     sig = parse_signature(inputs, dims, ranges)
     args = parse_model_args(model_args)
-    try:
-        model = import_factory(factory, "--model")(**args)
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"--model {factory}: the factory failed: {type(e).__name__}: {e}") from None
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"--model {factory}: the factory returned {type(model).__name__}, not an nn.Module")
+    model = make_model(factory, "--model", args)
     ck.load_into(model, load_weights_file(weights, log), f"--weights {weights}")
     model.eval()
     samples = _examples(example_inputs, sig) if example_inputs else {}
@@ -198,7 +191,7 @@ def eager_from_manifest(manifest: dict[str, Any]) -> torch.nn.Module:
     if src.get("kind") == "checkpoint":
         return from_checkpoint(src["path"]).model
     if src.get("kind") == "weights":
-        model = import_factory(src["model"], "the manifest's model")(**src.get("model_args", {}))
+        model = make_model(src["model"], "the manifest's model", src.get("model_args", {}))
         ck.load_into(model, load_weights_file(src["weights"], lambda *a: None), f"weights {src['weights']}")
         return named(model.eval(), [t["name"] for t in manifest["inputs"]], src.get("output_keys"))
     raise CheckpointError("the manifest records no model source (export again)")

@@ -45,9 +45,8 @@ def run_infer(ns) -> int:
     requests = _gather(ns, cfg, heldout)
     if not requests:
         raise ClientError("nothing to send: give FILES, --heldout EXPORT_DIR or --check EXPORT_DIR")
-    labelled = bool(cfg["output"][0].get("label_filename"))
     rows = []
-    for (name, feeds, label), (outputs, top) in zip(requests, _send_all(client, model, cfg, requests, ns, labelled)):
+    for (name, feeds, label), (outputs, top) in zip(requests, _send_all(client, model, cfg, requests, ns)):
         row: dict[str, Any] = {"input": name}
         if top is not None:  # Triton returns min(top_k, classes) 'score:index:label' entries per row
             entries = [t.decode() if isinstance(t, bytes) else str(t) for t in np.asarray(top).reshape(-1)]
@@ -169,11 +168,11 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
     return out
 
 
-def _send_all(client, model: str, cfg: dict[str, Any], requests, ns, labelled: bool) -> list:
+def _send_all(client, model: str, cfg: dict[str, Any], requests, ns) -> list:
     """(every output by name or None, the classification rows or None) per request: an image model answers
     with its top-k classes alone; any other with every output, plus the top-k of its first output when that
     output has class labels."""
-    image = is_image_model(cfg)
+    image, labelled = is_image_model(cfg), bool(cfg["output"][0].get("label_filename"))
 
     def one(feeds, stream=None):
         top = client.classify(model, feeds, ns.top_k, ns.version, stream) if image or labelled else None

@@ -9,6 +9,7 @@ import numpy as np
 
 from .errors import ArtifactError, ConfigError
 from .io import atomic_write_json, read_json, sha256_file
+from .signature import Signature
 
 MANIFEST = "manifest.json"
 REFERENCE = "reference.npz"
@@ -124,8 +125,6 @@ def bench_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any],
     """Inputs for a benchmark, by input name, and a line saying what they are. Without ``shape``: the real
     samples (sample_set). With it (a size per dynamic dim): the reference set of those sizes, real samples
     first, then the largest random batch; random inputs of the signature when no set has them."""
-    from .signature import Signature
-
     if not shape:
         key = sample_set(manifest)
         return reference_inputs(ref, manifest, key), _described(key, manifest)

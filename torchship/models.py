@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from torchship.errors import CheckpointError, ConfigError
+from torchship.errors import CheckpointError, ConfigError, TorchshipError
 
 TORCHVISION_ARCHS = ("resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "mobilenet_v3_large", "efficientnet_b0")
 
@@ -86,6 +86,30 @@ def import_factory(spec: str, flag: str) -> Callable[..., Any]:
         raise ConfigError(f"{flag} {spec}: cannot import it ({e}); is the package on PYTHONPATH?") from None
 
 
+def call_factory(spec: str, flag: str, kwargs: dict[str, Any] | None = None, error: type = ConfigError,
+                 hint: str = "") -> Any:
+    """What the ``package.module:function`` named by ``spec`` returns for ``kwargs``; ``error`` naming ``flag``
+    when it cannot be imported (ConfigError) or raises."""
+    fn = import_factory(spec, flag)
+    kwargs = kwargs or {}
+    try:
+        return fn(**kwargs)
+    except TorchshipError:
+        raise
+    except Exception as e:
+        called = f" (called with {', '.join(kwargs)})" if kwargs else ""
+        raise error(f"{flag} {spec}: the factory failed{called}: {type(e).__name__}: {e}{hint}") from None
+
+
+def make_model(spec: str, flag: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
+    """A user's model factory called with ``kwargs``; ConfigError naming ``flag`` if it fails or returns
+    something that is not an nn.Module."""
+    model = call_factory(spec, flag, kwargs, hint="; pass constructor arguments with --model-arg KEY=VALUE")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{flag} {spec}: the factory returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
 def check_arch(arch: str) -> Callable[..., nn.Module] | None:
     """Refuse an --arch that names no known model, before anything is written; returns the factory of a
     package.module:factory name, else None."""
@@ -107,15 +131,7 @@ def build_model(arch: str, num_classes: int | None, in_channels: int | None = 3,
     if arch == "tiny_cnn":
         return TinyCNN(num_classes=num_classes, in_channels=in_channels, **extra)
     if factory is not None:
-        kwargs = extra if num_classes is None else {"num_classes": num_classes, **extra}
-        try:
-            model = factory(**kwargs)
-        except Exception as e:
-            raise ConfigError(f"--arch {arch}: the factory failed with {', '.join(kwargs) or 'no arguments'}: "
-                              f"{type(e).__name__}: {e} (pass constructor arguments with --model-arg KEY=VALUE)") from None
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"--arch {arch}: the factory returned {type(model).__name__}, not an nn.Module")
-        return model
+        return make_model(arch, "--arch", extra if num_classes is None else {"num_classes": num_classes, **extra})
     import torchvision  # check_arch has made sure it is one of TORCHVISION_ARCHS
 
     if in_channels != 3:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Subset, TensorDataset
+from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from torchship.errors import DataError
 
@@ -48,6 +48,7 @@ class DataSplit:
     preprocessing: Optional[Preprocessing]  # images only
     source: str
     signature: Optional[Any] = None  # your own data: the inputs' torchship.signature.Signature
+    heldout: Optional[tuple[dict[str, np.ndarray], np.ndarray]] = None  # your own data: held-out inputs, targets
     collate: Optional[Callable] = None  # your own data: the dataset's collate_fn
     by_keyword: bool = False  # your own data: inputs are a dict, passed to forward by keyword
 
@@ -199,13 +200,24 @@ def load_data(data: str, image_size: int | None, val_fraction: float, seed: int,
     return load_image_folder(data, image_size or 224, val_fraction, seed)
 
 
-def heldout_samples(ds: Dataset, limit_bytes: int = 8 << 20, max_count: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """The first validation samples (at most ``max_count`` and ``limit_bytes``) for export checks."""
-    x0, _ = ds[0]
-    per = x0.numel() * 4
-    n = max(1, min(len(ds), max_count, limit_bytes // per))
-    xs, ys = zip(*(ds[i] for i in range(n)))
-    return torch.stack(xs).numpy().astype(np.float32), np.array([int(y) for y in ys], dtype=np.int64)
+def collate_inputs(batch: Any) -> tuple[Any, torch.Tensor]:
+    """A collated (inputs, targets) batch with targets as a 1-D int64 tensor."""
+    x, y = batch
+    return x, torch.as_tensor(y).reshape(-1).long()
+
+
+def heldout_batch(ds: Dataset, collate: Optional[Callable] = None, limit_bytes: int = 8 << 20,
+                  max_count: int = 64) -> tuple[Any, torch.Tensor]:
+    """The first validation samples as one batch (``collate``, else torch's default): at most ``max_count``,
+    and about ``limit_bytes`` (sized by the first sample, so padding may add to it). Returns (inputs, int64
+    targets); export verifies, warms up and benchmarks with them."""
+    collate = collate or default_collate
+
+    def nbytes(x) -> int:
+        return sum(v.numel() * v.element_size() for v in (x.values() if isinstance(x, dict) else [x]))
+    per = nbytes(collate([ds[0]])[0])
+    n = max(1, min(len(ds), max_count, limit_bytes // max(1, per)))
+    return collate_inputs(collate([ds[i] for i in range(n)]))
 
 
 def steps_per_epoch(n_train: int, batch_size: int) -> int:

@@ -47,9 +47,8 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         d = ck.resolve_checkpoint(resume, which="latest")
         ck.load_meta(d)
         ck.load_train_state(d)
-    if is_factory(cfg.data):
-        check_data_source(cfg.data)
-    elif cfg.data not in BUILTIN_DATA:
+    check_data_source(cfg.data)
+    if cfg.data not in BUILTIN_DATA and not is_factory(cfg.data):
         scan_image_folder(cfg.data)
     cpus = usable_cpus()
     if device == "cpu" and world > cpus:

@@ -23,9 +23,9 @@ from torchship.io import git_revision
 
 from . import checkpoint as ck
 from .config import TrainConfig
-from .data import DataSplit, check_data_source, heldout_samples, is_factory, load_data
+from .data import DataSplit, check_data_source, collate_inputs, heldout_batch, is_factory, load_data
 from .distributed import Dist, _batches, _loader, init_distributed
-from .userdata import collate_inputs, heldout_inputs, load_user_data
+from .userdata import load_user_data
 from torchship.models import Normalize, build_model, check_arch, parse_model_args
 
 
@@ -178,10 +178,8 @@ def _train(cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Op
     total_steps = steps_per_epoch * cfg.epochs
     in_ch = data.preprocessing.channels if data.preprocessing else None
     model_args = parse_model_args(cfg.model_arg)
-    if data.signature is not None:  # your own data: the factory is called with --model-arg values alone
-        model = build_model(cfg.arch, None, None, model_args)
-    else:
-        model = build_model(cfg.arch, n_classes, in_ch, model_args)
+    # your own data: the factory is called with the --model-arg values alone
+    model = build_model(cfg.arch, n_classes if data.signature is None else None, in_ch, model_args)
 
     state = None
     if resume_dir is not None:
@@ -239,15 +237,14 @@ def _train(cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Op
 
     if data.signature is None:
         base_meta.update(input_shape=[in_ch, *data.preprocessing.image_size], preprocessing=data.preprocessing.to_dict())
-        held = heldout_samples(data.val) if d.main else None
-        held_arrays = {"images": held[0], "labels": held[1]} if d.main else {}
+        if d.main:
+            images, labels = heldout_batch(data.val)
+            held_arrays = {"images": images.numpy().astype(np.float32), "labels": labels.numpy()}
     else:  # the signature read from the samples, and how forward takes them; export needs nothing else
         base_meta.update(signature=data.signature.to_manifest(), inputs_by="keyword" if data.by_keyword else "position")
         base_meta["data"].update(factory=cfg.data, val_fraction=None)
-        if d.main:
-            feeds, labels = heldout_inputs(data.val, data.signature, data.collate, f"--data {cfg.data}")
-            held_arrays = {**{f"input/{k}": v for k, v in feeds.items()}, "labels": labels}
-            base_meta["signature"] = data.signature.to_manifest()  # dims widened to what collation produces
+        feeds, labels = data.heldout
+        held_arrays = {**{f"input/{k}": v for k, v in feeds.items()}, "labels": labels}
 
     def save(epoch: int, step_in_epoch: int, metrics: dict[str, Any], is_eval: bool) -> Path | None:
         rngs = [None] * d.world

@@ -14,13 +14,13 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
-from torchship.errors import ConfigError, DataError
-from torchship.models import import_factory
+from torchship.errors import DataError
+from torchship.models import call_factory
 from torchship.signature import BATCH, INPUT_DTYPES, Signature, TensorSpec, dtype_name
 
-from .data import DataSplit
+from .data import DataSplit, heldout_batch
 
 INPUT = "input"  # the name of an input given as a plain tensor, not a dict
 SCAN = 64  # validation samples the signature is read from
@@ -90,14 +90,9 @@ def infer_signature(ds: Dataset, where: str, scan: int = SCAN) -> Signature:
 
 
 def load_user_data(spec: str) -> DataSplit:
-    """The training and validation datasets --data's factory returns, with the signature read from them."""
-    factory = import_factory(spec, "--data")
-    try:
-        got = factory()
-    except (ConfigError, DataError):
-        raise
-    except Exception as e:
-        raise DataError(f"--data {spec}: the factory failed: {type(e).__name__}: {e}") from None
+    """The training and validation datasets --data's factory returns, with the signature read from them
+    and the held-out batch export will use."""
+    got = call_factory(spec, "--data", error=DataError)
     if not (isinstance(got, (tuple, list)) and len(got) == 2):
         raise DataError(f"--data {spec}: the factory must return (train_dataset, val_dataset), got {type(got).__name__}")
     train, val = got
@@ -111,40 +106,40 @@ def load_user_data(spec: str) -> DataSplit:
             raise DataError(f"--data {spec}: the {what} dataset is empty")
     sig = infer_signature(val, f"--data {spec}: validation")
     split_sample(train[0], f"--data {spec}: training sample 0")
+    collate = getattr(train, "collate_fn", None)
+    feeds, labels = heldout_inputs(val, sig, collate, f"--data {spec}")
     classes = getattr(train, "classes", None)
-    return DataSplit(train, val, [str(c) for c in classes] if classes else None, None, spec, signature=sig,
-                     collate=getattr(train, "collate_fn", None), by_keyword=isinstance(val[0][0], Mapping))
+    return DataSplit(train, val, [str(c) for c in classes] if classes else None, None, spec,
+                     signature=widened(sig, feeds), collate=collate, by_keyword=isinstance(val[0][0], Mapping),
+                     heldout=(feeds, labels))
 
 
-def collate_inputs(batch: Any) -> tuple[Any, torch.Tensor]:
-    """A collated (inputs, targets) batch with targets as a 1-D int64 tensor."""
-    x, y = batch
-    return x, torch.as_tensor(y).reshape(-1).long()
-
-
-def heldout_inputs(ds: Dataset, sig: Signature, collate: Optional[Callable], where: str,
-                   limit_bytes: int = 8 << 20, max_count: int = 64) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The first validation samples as one collated batch, by input name, checked against the signature,
-    with their targets: the real inputs export verifies, warms up and benchmarks with."""
-    n = min(len(ds), max_count)
-    while True:
-        x, y = collate_inputs((collate or default_collate)([ds[i] for i in range(n)]))
-        feeds = {INPUT: x} if isinstance(x, torch.Tensor) else dict(x)
-        size = sum(v.numel() * v.element_size() for v in feeds.values())
-        if size <= limit_bytes or n == 1:
-            break
-        n = max(1, n * limit_bytes // size)
+def heldout_inputs(ds: Dataset, sig: Signature, collate: Optional[Callable], where: str
+                   ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The held-out batch (train.data.heldout_batch) by input name, with its targets; DataError when
+    collation loses an input or changes a fixed dim."""
+    x, y = heldout_batch(ds, collate)
+    feeds = {INPUT: x} if isinstance(x, torch.Tensor) else dict(x)
     for t in sig.inputs:
         a = feeds.get(t.name)
         if a is None:
             raise DataError(f"{where}: a collated batch has no input {t.name!r} (it has {', '.join(feeds)})")
-        for d, s in zip(t.shape[1:], a.shape[1:]):
-            if isinstance(d, int) and d != s or a.dim() != len(t.shape):
-                raise DataError(f"{where}: a collated batch has {t.name} of shape {list(a.shape)}, samples have "
-                                f"{t.shape}")
-            if isinstance(d, str) and not sig.dims[d][0] <= s <= sig.dims[d][1]:
-                sig.dims[d] = (min(sig.dims[d][0], s), max(sig.dims[d][1], s))  # padding may reach past the scan
-        if t.range is not None:  # and padding values (a mask's 0) join the values seen
-            lo, hi = a.min().item(), a.max().item()
-            t.range = (min(t.range[0], type(t.range[0])(lo)), max(t.range[1], type(t.range[1])(hi)))
+        if a.dim() != len(t.shape) or any(isinstance(d, int) and d != s for d, s in zip(t.shape[1:], a.shape[1:])):
+            raise DataError(f"{where}: a collated batch has {t.name} of shape {list(a.shape)}, samples have {t.shape}")
     return {t.name: feeds[t.name].numpy() for t in sig.inputs}, y.numpy()
+
+
+def widened(sig: Signature, feeds: dict[str, np.ndarray]) -> Signature:
+    """``sig`` with its dim and value ranges grown to hold ``feeds``: collation pads, so a batch can be
+    longer than any sample and hold values (a mask's 0) no sample has."""
+    dims = dict(sig.dims)
+    for name, size in sig.dims_of(feeds).items():
+        dims[name] = (min(dims[name][0], size), max(dims[name][1], size))
+    specs = []
+    for t in sig.inputs:
+        rng = t.range
+        if rng is not None:
+            cast, a = type(rng[0]), feeds[t.name]
+            rng = (min(rng[0], cast(a.min())), max(rng[1], cast(a.max())))
+        specs.append(TensorSpec(t.name, t.dtype, list(t.shape), rng))
+    return Signature(specs, [], dims)

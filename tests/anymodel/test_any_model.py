@@ -113,12 +113,14 @@ def test_dict_samples_reach_forward_by_keyword(text_checkpoint, tmp_path):
     training did. Planted fault: the same checkpoint taken by position feeds the mask as the ids."""
     import shutil
 
+    import torch
+
     from export.source import from_checkpoint
     from train import checkpoint as ck
 
     def accuracy(ckpt) -> float:
         src = from_checkpoint(ckpt)
-        out = src.model(*[__import__("torch").from_numpy(src.samples[t.name]) for t in src.signature.inputs])
+        out = src.model(*[torch.from_numpy(src.samples[t.name]) for t in src.signature.inputs])
         return float((out[0].argmax(1).numpy() == src.labels).mean())
 
     best = ck.resolve_checkpoint(text_checkpoint)
