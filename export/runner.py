@@ -4,6 +4,7 @@ deployment would and writes its outputs on the reference inputs (the verifier co
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import traceback
 from pathlib import Path
@@ -32,6 +33,7 @@ def main(spec_path: str) -> int:
                 outs[f"{key}/{name}"] = out
         np.savez(spec["out"], **outs)
         result["ok"] = True
+        result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # loading and running it
     except Exception as e:  # reported to the verifier as this artifact's failure
         result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         result["traceback"] = traceback.format_exc()[-4000:]

@@ -185,6 +185,44 @@ def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights:
                    "weights_sha256": sha256_file(weights), "output_keys": keys}, samples=samples, sample_set="examples")
 
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CastWrapper(torch.nn.Module):
+    """Floating inputs and outputs stay float32, ``dtype`` inside: the tensor contract is the same for every
+    variant. Integer and bool inputs pass as they are."""
+
+    def __init__(self, inner: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner = inner.to(dtype)
+        self.dtype = dtype
+
+    def forward(self, *args: torch.Tensor):
+        out = self.inner(*[a.to(self.dtype) if a.is_floating_point() else a for a in args])
+        if isinstance(out, tuple):
+            return tuple(o.float() if o.is_floating_point() else o for o in out)
+        return out.float() if out.is_floating_point() else out
+
+
+def load_source(cfg, log=print) -> Source:
+    """The model to export and its signature (``cfg``: an ExportConfig): from a torchship checkpoint, or from
+    --model and --weights."""
+    if cfg.model:
+        return from_weights(cfg.model, cfg.model_args, cfg.weights, cfg.inputs, cfg.dims, cfg.input_ranges,
+                            cfg.outputs, cfg.example_inputs, log)
+    return from_checkpoint(cfg.checkpoint, cfg.dims)
+
+
+def artifact_model(src: Source, dtype: str, device: str) -> torch.nn.Module:
+    """The module the artifacts are made from: the eval model itself in float32, else a copy computing in
+    ``dtype`` behind float32 inputs and outputs."""
+    if dtype == "float32":
+        return src.model.to(device)
+    import copy
+
+    return named(CastWrapper(copy.deepcopy(src.model), DTYPES[dtype]), [t.name for t in src.signature.inputs]).to(device).eval()
+
+
 def eager_from_manifest(manifest: dict[str, Any]) -> torch.nn.Module:
     """The eager model an export was made from, rebuilt from what its manifest records (for the bench)."""
     src = manifest.get("source") or {}

@@ -1,4 +1,4 @@
-"""One verifier for every format: hashes first, then each artifact in a fresh process against eager."""
+"""One verifier for every format: hashes first, then each artifact in a fresh process against the reference."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from torchship.errors import ArtifactError, ParityError
+from torchship import parity
+from torchship.errors import OPTIONAL_HINT, ArtifactError, ParityError
 from torchship.device import usable_cpus
 from torchship.io import atomic_write_text
 from torchship.parity import check_output
@@ -40,14 +41,16 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
 
 
 def verify_export(export_dir: str | Path, device: str | None = None, threads: int = 1,
-                  tolerances: dict[str, float] | None = None, only: list[str] | None = None,
-                  strict: bool = True, log=print) -> dict[str, Any]:
-    """Verify every artifact of an export directory; write the results into its manifest and parity.md.
+                  tolerances: dict[str, Any] | None = None, only: list[str] | None = None,
+                  optional: list[str] | None = None, log=print) -> dict[str, Any]:
+    """Verify every artifact of an export directory (or those in ``only``) against its reference; write the
+    results into its manifest and parity.md.
 
-    Raises ArtifactError if a file is missing or its sha256 differs from the manifest, and
-    ParityError listing every failure (names, shapes, values, top-1) otherwise. With ``strict`` False,
-    artifacts that fail are reported (manifest, parity.md, one line each) and left for the repository to
-    skip, and ParityError is raised only when none passes.
+    Raises ArtifactError if a file is missing or its sha256 differs from the manifest. Raises ParityError
+    listing every failure (a format that could not be exported, names, shapes, values, top-1) of a format
+    that is not optional (the manifest's ``optional``, plus ``optional``), or when no artifact passes.
+    Failures of optional formats are reported (manifest, parity.md, one line each) and left for the
+    repository to skip. ``tolerances`` (the manifest's form) replaces the recorded bounds.
     """
     d = Path(export_dir)
     manifest = read_manifest(d)
@@ -69,7 +72,7 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
     arts = [a for a in manifest["artifacts"] if not only or a["name"] in only]
     in_names = [i["name"] for i in manifest["inputs"]]
     out_names = [o["name"] for o in manifest["outputs"]]
-    failures: list[str] = []
+    failures: list[tuple[str, str]] = []  # (format, message)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="torchship-verify-") as tmp, \
             ThreadPoolExecutor(max_workers=max(1, min(2, usable_cpus() // threads))) as pool:
@@ -77,63 +80,84 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
         for a in arts:
             name = a["name"]
             res = futures[name].result()
-            entry: dict[str, Any] = {"format": a["format"], "seconds": round(res["seconds"], 2), "sets": {}, "pass": True}
+            entry: dict[str, Any] = {"format": a["format"], "seconds": round(res["seconds"], 2), "sets": {}, "pass": True,
+                                     "peak_rss_bytes": res.get("peak_rss_bytes")}
             results[name] = entry
-            if not res.get("ok"):
+
+            def fail(msg: str) -> None:
+                failures.append((a["format"], msg))
                 entry["pass"] = False
+            if not res.get("ok"):
                 entry["error"] = res.get("error")
-                failures.append(f"{name}: failed to load or run in a fresh process: {res.get('error')}")
+                fail(f"{name}: failed to load or run in a fresh process: {res.get('error')}")
                 continue
             # names first
             if res.get("input_names") is not None and res["input_names"] != in_names:
-                failures.append(f"{name}: input names {res['input_names']} != manifest {in_names}")
-                entry["pass"] = False
+                fail(f"{name}: input names {res['input_names']} != manifest {in_names}")
             if res.get("output_names") is not None and res["output_names"] != out_names:
-                failures.append(f"{name}: output names {res['output_names']} != manifest {out_names}")
-                entry["pass"] = False
+                fail(f"{name}: output names {res['output_names']} != manifest {out_names}")
             for key, batch in manifest["reference"]["sets"].items():
                 for o in out_names:
-                    row, failure = check_output(res["outputs"].get(f"{key}/{o}"), ref[f"expected/{key}/{o}"], tol,
-                                                f"{name}: {key} output {o!r}", batch,
+                    row, failure = check_output(res["outputs"].get(f"{key}/{o}"), ref[f"expected/{key}/{o}"],
+                                                parity.bound(tol, o), f"{name}: {key} output {o!r}", batch,
                                                 top1=key == "heldout" and o == out_names[0])
                     entry["sets"][f"{key}/{o}"] = {**row, "output": o}
                     if failure:
-                        failures.append(failure)
-                    entry["pass"] = entry["pass"] and row["pass"]
+                        fail(failure)
+    if not only:
+        failures += [(f["format"], f"{f['format']}: cannot be exported: {f['error']}") for f in manifest.get("export_failures", [])]
+    may_fail = set(manifest.get("optional", [])) | set(optional or ())
+    required = [msg for fmt, msg in failures if fmt not in may_fail]
+    passed = [n for n, e in results.items() if e["pass"]]
     verification = {"verified_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": device, "tolerances": tol,
-                    "pass": not failures, "failures": failures, "artifacts": results}
+                    "pass": not required and bool(passed), "failures": [msg for _, msg in failures],
+                    "optional": sorted(may_fail), "artifacts": results}
     manifest["verification"] = verification
     write_manifest(d, manifest)
     atomic_write_text(d / PARITY_MD, parity_markdown(manifest))
-    passed = [n for n, e in results.items() if e["pass"]]
-    if failures and (strict or not passed):
-        raise ParityError(failures, what=f"verification of {d}")
-    for f in failures:
-        log(f"  verify FAILED {f}")
+    if required or not passed:
+        raise ParityError(required or [msg for _, msg in failures], what=f"verification of {d}",
+                          hint=f"{d / PARITY_MD} has every figure; {OPTIONAL_HINT}")
+    for _, msg in failures:
+        log(f"  verify FAILED (optional) {msg}")
     if failures:
-        log(f"verify: {len(passed)} of {len(results)} artifacts pass; the others are reported in {PARITY_MD} and "
-            "will not be served (--strict fails on them)")
+        log(f"verify: {len(passed)} of {len(results)} artifacts pass; the optional formats that failed are reported "
+            f"in {PARITY_MD} and will not be served")
     return verification
 
 
 def parity_markdown(manifest: dict[str, Any]) -> str:
     v = manifest["verification"]
     tol = v["tolerances"]
-    lines = [f"# Parity: {manifest['name']} artifacts against eager", "",
+    lines = [f"# Parity: {manifest['name']} artifacts against the reference", "",
              f"Verified {v['verified_at']} on {v['device']}; each artifact loaded in a fresh process. "
-             f"Pass: |artifact - eager| <= {tol['atol']:g} + {tol['rtol']:g} * |eager| and equal top-1 on real samples.", "",
-             "| artifact | inputs, output | batch | max abs diff | max rel diff | top-1 agree | result |",
-             "|---|---|---|---|---|---|---|"]
+             f"{parity.describe(tol)} Pass: every output within its bound, and on real samples the same top-1 "
+             "class, or one within the bound of it in the reference.", ""]
+    if manifest["reference"].get("degenerate"):
+        lines += [f"**Blind check:** eager's output {', '.join(manifest['reference']['degenerate'])} is the same for "
+                  "every reference input (exported with --allow-degenerate).", ""]
+    lines += ["| output | largest reference value | eager's own error | bound |", "|---|---|---|---|"]
+    for o, t in tol["outputs"].items():
+        eager = f"{t['eager_error']:.2e}" if "eager_error" in t else "-"
+        limit = f"{t['atol']:.2e}" + (f" + {t['rtol']:g} x reference" if t.get("rtol") else "")
+        lines.append(f"| {o} | {t['scale']:.3g} | {eager} | {limit} |" if "scale" in t else f"| {o} | - | {eager} | {limit} |")
+    lines += ["", "| artifact | largest error | its bound | x eager's error | top-1 agree | result |", "|---|---|---|---|---|---|"]
     for name, entry in v["artifacts"].items():
         if entry.get("error"):
-            lines.append(f"| {name} | - | - | - | - | - | FAIL: {entry['error']} |")
+            lines.append(f"| {name} | - | - | - | - | FAIL: {entry['error']} |")
             continue
+        worst, bound, multiple, agree = parity.artifact_summary(entry, tol)
+        lines.append(f"| {name} | {worst:.2e} | {bound:.2e} | {'-' if multiple is None else f'{multiple:.2f}'} | {agree} | "
+                     f"{'pass' if entry['pass'] else 'FAIL'}{' (optional)' if not entry['pass'] and entry['format'] in v['optional'] else ''} |")
+    for f in manifest.get("export_failures", []):
+        lines.append(f"| {f['format']} | - | - | - | - | NOT EXPORTED{' (optional)' if f['format'] in v['optional'] else ''}: {f['error']} |")
+    lines += ["", "Per input set:", "", "| artifact | inputs, output | batch | max abs error | bound | max rel error | top-1 agree | result |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, entry in v["artifacts"].items():
         for key, row in entry["sets"].items():
             abs_ = f"{row['max_abs']:.2e}" if "max_abs" in row else "-"
             rel = f"{row['max_rel']:.2e}" if "max_rel" in row else "-"
-            lines.append(f"| {name} | {key.split('/')[0]} {row['output']} | {row['batch']} | {abs_} | {rel} | {row.get('top1_agree', '')} | "
-                         f"{'pass' if row['pass'] else 'FAIL'} |")
-    for f in manifest.get("export_failures", []):
-        lines.append(f"| {f['format']} | - | - | - | - | - | NOT EXPORTED: {f['error']} |")
-    lines += ["", f"**{'PASS' if v['pass'] else 'FAIL'}**" + ("" if v["pass"] else ": " + "; ".join(v["failures"])), ""]
+            lines.append(f"| {name} | {key.split('/')[0]} {row['output']} | {row['batch']} | {abs_} | {row['bound']:.2e} | {rel} | "
+                         f"{row.get('top1_agree', '')} | {'pass' if row['pass'] else 'FAIL'} |")
+    lines += ["", f"**{'PASS' if v['pass'] else 'FAIL'}**" + ("" if not v["failures"] else ": " + "; ".join(v["failures"])), ""]
     return "\n".join(lines)

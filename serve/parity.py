@@ -7,15 +7,17 @@ from typing import Any, Sequence
 
 from torchship.errors import ClientError, ParityError, ShapeError
 from torchship.manifest import read_manifest, read_reference, reference_inputs
+from torchship import parity
 from torchship.parity import check_output
 
 from .client import TritonClient
 
 
 def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None = None,
-                 tolerances: dict[str, float] | None = None) -> dict[str, Any]:
+                 tolerances: dict[str, Any] | None = None) -> dict[str, Any]:
     """Send the export's reference inputs to every served model of this export (or ``models``) and compare
-    with the eager outputs under the manifest's tolerances, as verify does in-process.
+    with the reference outputs under the bounds the manifest records (or ``tolerances``, in its form), as
+    verify does in-process.
 
     Returns per-model results; raises ParityError listing every mismatch (its ``report`` holds them)."""
     d = Path(export_dir)
@@ -42,7 +44,7 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
                 continue
             for o in outputs:
                 what = f"{model}: {key}" + (f" output {o!r}" if len(outputs) > 1 else "")
-                row, failure = check_output(got.get(o), ref[f"expected/{key}/{o}"], tol, what, batch,
+                row, failure = check_output(got.get(o), ref[f"expected/{key}/{o}"], parity.bound(tol, o), what, batch,
                                             top1=key == "heldout" and o == outputs[0])
                 rows[key if len(outputs) == 1 else f"{key}/{o}"] = row
                 if failure:
@@ -58,9 +60,11 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
 
 
 def served_markdown(report: dict[str, Any]) -> str:
-    lines = ["| model | inputs | batch | max abs diff | top-1 agree | result |", "|---|---|---|---|---|---|"]
+    lines = ["| model | inputs | batch | max abs error | bound | top-1 agree | result |", "|---|---|---|---|---|---|---|"]
     for model, rows in report["models"].items():
         for key, r in rows.items():
             abs_ = f"{r['max_abs']:.2e}" if "max_abs" in r else "-"
-            lines.append(f"| {model} | {key} | {r['batch']} | {abs_} | {r.get('top1_agree', '')} | {'pass' if r['pass'] else 'FAIL'} |")
+            bound = f"{r['bound']:.2e}" if "bound" in r else "-"
+            lines.append(f"| {model} | {key} | {r['batch']} | {abs_} | {bound} | {r.get('top1_agree', '')} | "
+                         f"{'pass' if r['pass'] else 'FAIL'} |")
     return "\n".join(lines)

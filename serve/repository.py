@@ -1,13 +1,14 @@
 """Build a Triton model repository from an export manifest, with protobuf configs.
 
 Layout (one model per format, versions in numbered folders):
-  REPO/<name>_onnx/config.pbtxt, labels.txt, warmup/images, 1/model.onnx        platform onnxruntime_onnx
-  REPO/<name>_torchscript/...                               1/model.pt          platform pytorch_libtorch
-  REPO/<name>_aoti/config.pbtxt (+ embedded.pbtxt)          1/model.pt2 [+ model_bs*.pt2]   platform torch_aoti
+  REPO/<name>_onnx/config.pbtxt, labels.txt, warmup/images, 1/model.onnx [+ its external data]   onnxruntime_onnx
+  REPO/<name>_torchscript/...                               1/model.pt                           pytorch_libtorch
+  REPO/<name>_aoti/config.pbtxt (+ embedded.pbtxt)          1/model.pt2 [+ buckets.pt2]          torch_aoti
 
 The official container's torch_aoti support (26.03+) does not batch, so <name>_aoti/config.pbtxt is a
-batch-1 model. Triton 2.51 inside nvidia-pytriton does not know torch_aoti at all; the embedded server
-loads embedded.pbtxt instead (same tensors, batched over static-batch bucket packages).
+batch-1 model over the dynamic-batch package. Triton 2.51 inside nvidia-pytriton does not know torch_aoti
+at all; the embedded server loads embedded.pbtxt instead (same tensors, batched over the static-batch
+models of the bucket archive, which share one copy of the weights).
 """
 
 from __future__ import annotations
@@ -186,40 +187,42 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
                 continue
             a = artifact(manifest, fmt)
             shutil.copy2(d / a["file"], vdir / PLATFORMS[fmt][1])
+            for rel in a["files"]:  # ONNX external data, under the name the graph refers to it by
+                if rel != a["file"]:
+                    shutil.copy2(d / rel, vdir / Path(rel).name)
             (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
         (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU))
     return {"models": {f: names[f] for f in formats}, "skipped": missing, "unverified": failed, "path": str(out)}
 
 
+BUCKETS_FILE = "buckets.pt2"
+
+
 def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
                 warm: dict[str, np.ndarray], have: set[str]) -> None:
-    # the official container: model.pt2 is a batch-1 package
-    (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind, batch_one=True,
-                                                                warmup=warm)))
+    """model.pt2 (the dynamic-batch package, batch 1 in the official container) and, for the embedded server,
+    buckets.pt2 with embedded.pbtxt batching over its static-batch models up to ``max_batch``."""
     emb = build_config(manifest, "aoti", cfg, max_batch, kind, warmup=warm)
     emb.platform = ""
     emb.backend = "pytorch"
-    try:
-        if "aoti_buckets" not in have:
-            raise ArtifactError("no verified aoti_buckets")
-        b = artifact(manifest, "aoti_buckets")
-        files = {int(k): v for k, v in b["buckets"].items()}
-        if 1 not in files:
-            raise ArtifactError("aoti_buckets has no batch-1 bucket")
-        bucket_files = {}
-        for size, rel in sorted(files.items()):
-            if size > max_batch:
-                continue
-            name = "model.pt2" if size == 1 else f"model_bs{size}.pt2"
-            shutil.copy2(d / rel, vdir / name)
-            bucket_files[size] = name
-        emb.max_batch_size = max(bucket_files)
-        emb.dynamic_batching.preferred_batch_size.extend(sorted(s for s in bucket_files if s > 1))
-        _param(emb, "buckets", ",".join(f"{s}:{n}" for s, n in sorted(bucket_files.items())))
-    except ArtifactError:
-        # no buckets: the dynamic-batch package serves both (batch 1 in the container)
+    if "aoti" in have:
         shutil.copy2(d / artifact(manifest, "aoti")["file"], vdir / "model.pt2")
-    (mdir / EMBEDDED_CONFIG).write_text(config_text(emb))
+        (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind,
+                                                                    batch_one=True, warmup=warm)))
+    if "aoti_buckets" in have:
+        b = artifact(manifest, "aoti_buckets")
+        sizes = sorted(int(s) for s in b["buckets"] if int(s) <= max_batch)
+        if 1 not in sizes:
+            raise ArtifactError(f"{d}: aoti_buckets has no batch-1 bucket (it has {b['buckets']}); export it with --buckets 1,...")
+        shutil.copy2(d / b["file"], vdir / BUCKETS_FILE)
+        emb.default_model_filename = BUCKETS_FILE
+        emb.max_batch_size = max(sizes)
+        emb.dynamic_batching.preferred_batch_size.extend(s for s in sizes if s > 1)
+        _param(emb, "buckets", ",".join(map(str, sizes)))
+    if "aoti" not in have:  # the embedded server only: the container's torch_aoti cannot read a bucket archive
+        (mdir / "config.pbtxt").write_text(config_text(emb))
+    else:
+        (mdir / EMBEDDED_CONFIG).write_text(config_text(emb))
 
 
 def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool) -> str:
@@ -267,5 +270,6 @@ torchship serve {cfg.out}
 
 The embedded Triton 2.51 does not know the `torch_aoti` platform. `torchship serve` loads that model with
 `embedded.pbtxt` instead: the same tensors, batched (up to the largest bucket) over the static-batch
-AOTInductor packages `model.pt2`, `model_bs*.pt2`, padding each batch up to the next bucket.
+AOTInductor models in `buckets.pt2`, which share one copy of the weights, padding each batch up to the
+next bucket.
 """

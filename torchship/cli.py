@@ -12,14 +12,22 @@ from .errors import Interrupted, TorchshipError
 # subcommand -> (module, help). Modules are imported lazily so `torchship --help` is fast.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train.launch", "train a model with DDP/AMP and write checkpoints"),
-    "export": ("export.cli", "export a checkpoint to TorchScript, ExportedProgram, AOTInductor and ONNX, then verify"),
-    "verify": ("export.cli", "re-verify an export directory (hashes, then parity against eager)"),
+    "export": ("export.cli", "export a checkpoint, or your own model and weights, to TorchScript, ExportedProgram, "
+                             "AOTInductor and ONNX, then verify each against eager in float64"),
+    "verify": ("export.cli", "re-verify an export directory (hashes, then parity against its float64 reference)"),
     "repo": ("serve.cli", "build a Triton model repository from an export manifest"),
     "serve": ("serve.cli", "start the embedded Triton Inference Server on a repository"),
     "infer": ("serve.cli", "send images, .npz requests or an export's samples to a Triton server over gRPC"),
     "bench": ("serve.bench.cli", "benchmark in-process and served latency/throughput, or compare two results"),
     "run": ("torchship.run", "train, export, verify, serve, check and benchmark in one run folder"),
 }
+
+
+EXIT_RULE = ("Exit status: 0 when every requested format is exported and verified; 3 when a format not marked "
+             "--optional cannot be exported or disagrees with the reference (the export directory is still written, "
+             "and torchship repo serves only the formats that passed); 2 for a usage or input error.")
+EPILOGS = {"export": EXIT_RULE + " Also 3 when eager's outputs are the same for every reference input "
+                                 "(--allow-degenerate goes on).", "verify": EXIT_RULE}
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -40,7 +48,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".",
-                           formatter_class=DefaultsHelpFormatter)
+                           epilog=EPILOGS.get(name), formatter_class=DefaultsHelpFormatter)
         if only == name:
             mod = importlib.import_module(module)
             getattr(mod, f"add_{name}_arguments", getattr(mod, "add_arguments", None))(p)

@@ -23,15 +23,25 @@ class ArtifactError(TorchshipError):
     """An exported artifact or export directory is missing, altered or cannot be produced."""
 
 
+OPTIONAL_HINT = "--optional FORMAT lets a format fail without failing the command"
+
+
 class ParityError(TorchshipError):
-    """Outputs of an artifact or a served model differ from eager beyond tolerance."""
+    """A requested format cannot be exported, or outputs of an artifact or a served model differ from the
+    reference beyond their bound. ``hint`` ends the line: where to read more, what to change."""
 
     exit_code = 3
 
-    def __init__(self, failures: list[str], what: str = "parity check"):
+    def __init__(self, failures: list[str], what: str = "parity check", hint: str = ""):
         self.failures = list(failures)
         head = f"{what} failed ({len(self.failures)} problem{'s' if len(self.failures) != 1 else ''}): "
-        super().__init__(head + "; ".join(self.failures))
+        super().__init__(head + "; ".join(self.failures) + (f" ({hint})" if hint else ""))
+
+
+class DegenerateError(TorchshipError):
+    """Eager's outputs do not depend on the inputs, so no comparison against them can fail."""
+
+    exit_code = 3
 
 
 class ShapeError(TorchshipError):

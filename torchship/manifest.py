@@ -14,7 +14,7 @@ from .signature import Signature
 MANIFEST = "manifest.json"
 REFERENCE = "reference.npz"
 PARITY_MD = "parity.md"
-FORMAT = "torchship.export/1"
+FORMAT = "torchship.export/2"  # 2: a float64 reference and a bound per output
 
 
 def read_manifest(export_dir: str | Path) -> dict[str, Any]:
@@ -47,6 +47,7 @@ def _check_fields(path: Path, m: dict[str, Any]) -> None:
                 raise ArtifactError(f"{path}: {where}{key} is {what}; export again")
 
     need(m, _FIELDS, "")
+    need(m["tolerances"], {"outputs": dict}, "tolerances.")
     for key, fields in (("inputs", _TENSOR), ("outputs", _TENSOR), ("artifacts", _ARTIFACT)):
         for i, item in enumerate(m[key]):
             need(item, fields, f"{key}[{i}].")

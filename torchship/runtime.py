@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
+BUCKET_PREFIX = "bs"  # the model name of each static batch size inside an aoti_buckets archive: bs1, bs8, ...
 
 
 class Runner:
@@ -101,8 +102,9 @@ def padded_call(fns: dict[int, Callable[[list[np.ndarray]], list[np.ndarray]]], 
 
 
 def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], device: str = "cpu",
-         threads: int = 1, buckets: dict[int, str] | None = None, ort_providers: Sequence[str] | None = None) -> Runner:
-    """Load ``path`` (a file, or for aoti_buckets a dict of batch size -> file in ``buckets``)."""
+         threads: int = 1, buckets: Sequence[int] | None = None, ort_providers: Sequence[str] | None = None) -> Runner:
+    """Load the artifact file ``path``; for aoti_buckets, ``buckets`` picks which of its batch sizes to run
+    (default: all)."""
     if fmt == "onnx":
         import onnxruntime as ort
 
@@ -140,19 +142,32 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
     if fmt == "aoti":
         return Runner(torch_fn(torch._inductor.aoti_load_package(path), device, threads), inputs, outputs)
     if fmt == "aoti_buckets":
-        if not buckets:
-            raise ValueError("aoti_buckets needs the bucket files")
-        fns = {int(b): torch_fn(torch._inductor.aoti_load_package(f), device, threads) for b, f in buckets.items()}
+        runners = load_buckets(path, device)
+        missing = sorted(set(buckets or ()) - set(runners))
+        if missing:
+            raise ValueError(f"{path} has no bucket of batch {missing[0]}; it has {', '.join(map(str, sorted(runners)))}")
+        fns = {b: torch_fn(r, device, threads) for b, r in runners.items() if not buckets or b in buckets}
         return Runner(lambda xs: padded_call(fns, xs), inputs, outputs)
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
+def load_buckets(path: str, device: str = "cpu") -> dict:
+    """batch size -> the loaded static-batch model of an aoti_buckets archive, all sharing one copy of the
+    weights. torch's public loader (aoti_load_package) loads one model and not weights stored apart from
+    its code, so this uses the loader underneath it; the export tests run it on every aoti_buckets export."""
+    from torch.export.pt2_archive._package import load_pt2
+
+    index = int(device.split(":")[1]) if device.startswith("cuda:") else -1
+    runners = load_pt2(path, load_weights_from_disk=True, device_index=index).aoti_runners
+    return {int(n[len(BUCKET_PREFIX):]): r for n, r in runners.items()
+            if n.startswith(BUCKET_PREFIX) and n[len(BUCKET_PREFIX):].isdigit()}
+
+
 def load_artifact(export_dir: str, artifact: dict, inputs: Sequence[str], outputs: Sequence[str], device: str = "cpu",
                   threads: int = 1) -> Runner:
-    """Load one manifest artifact entry (its file, and its bucket files if it has them) from ``export_dir``."""
-    buckets = {int(b): os.path.join(export_dir, f) for b, f in artifact.get("buckets", {}).items()} or None
+    """Load one manifest artifact entry (its file) from ``export_dir``."""
     return load(artifact["format"], os.path.join(export_dir, artifact["file"]), inputs, outputs, device=device,
-                threads=threads, buckets=buckets)
+                threads=threads)
 
 
 def default_threads() -> int:

@@ -10,13 +10,16 @@ from typing import Any
 
 from .errors import TorchshipError
 from .manifest import MANIFEST, read_manifest
+from .parity import artifact_summary
 
 
 class RssSampler:
-    """Peak resident memory of this process and all its descendants together, sampled from /proc."""
+    """Peak resident memory of a process (``root``, default this one) and all its descendants together,
+    sampled from /proc."""
 
-    def __init__(self, interval: float = 0.25):
+    def __init__(self, interval: float = 0.25, root: int | None = None):
         self.peak = 0
+        self.root = root or os.getpid()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, args=(interval,), daemon=True)
 
@@ -44,7 +47,7 @@ class RssSampler:
     def _loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
-                self.peak = max(self.peak, self.tree_rss(os.getpid()))
+                self.peak = max(self.peak, self.tree_rss(self.root))
             except OSError:
                 return
 
@@ -88,14 +91,12 @@ def summarize(run_dir: Path, record: dict[str, Any]) -> str:
     # the summary is written after a failure too: a file that cannot be read is named, not raised
     v = _readable(lines, run_dir / "export" / MANIFEST, read_manifest, run_dir / "export").get("verification")
     if v:
-        lines += ["", "## Parity against eager (worst case over held-out and random batches)", "",
-                  "| artifact | max abs diff | max rel diff | top-1 agree | result |", "|---|---|---|---|---|"]
+        lines += ["", "## Parity against the float64 reference (worst case over held-out and random batches)", "",
+                  "| artifact | largest error | its bound | x eager's error | top-1 agree | result |", "|---|---|---|---|---|---|"]
         for name, e in v["artifacts"].items():
-            rows = e["sets"].values()
-            mx = max((r.get("max_abs", 0) for r in rows), default=0)
-            mr = max((r.get("max_rel", 0) for r in rows), default=0)
-            top = next((r.get("top1_agree") for r in rows if r.get("top1_agree")), "")
-            lines.append(f"| {name} | {mx:.2e} | {mr:.2e} | {top} | {'pass' if e['pass'] else 'FAIL'} |")
+            worst, limit, multiple, top = artifact_summary(e, v["tolerances"])
+            lines.append(f"| {name} | {worst:.2e} | {limit:.2e} | {'-' if multiple is None else f'{multiple:.2f}'} | {top} | "
+                         f"{'pass' if e['pass'] else 'FAIL'} |")
     results = run_dir / "bench" / "results.json"
     if "bench" in record["stages"]:
         from serve.bench.compare import load_results

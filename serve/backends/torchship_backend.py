@@ -56,12 +56,7 @@ class BackendModel:
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         path = os.path.join(version_dir, cfg.get("default_model_filename") or self.default_filename)
         fmt = self.runner_format(path, params)
-        buckets = None
-        if fmt == "aoti_buckets":
-            buckets = {}
-            for item in params["buckets"].split(","):
-                size, fname = item.split(":")
-                buckets[int(size)] = os.path.join(version_dir, fname)
+        buckets = [int(b) for b in params["buckets"].split(",")] if fmt == "aoti_buckets" else None
         self.runner = rt.load(fmt, path, self.inputs, self.outputs, device=device, threads=threads, buckets=buckets,
                               ort_providers=self.ort_providers(cfg, device))
         self.log(f"{self.name}: {fmt} from {path} on {device}, {threads} intra-op thread(s)")

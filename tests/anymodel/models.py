@@ -113,3 +113,36 @@ def tabular():
     x = torch.randn(640, 20, generator=g)
     y = (x @ torch.randn(20, 3, generator=g)).argmax(1)
     return torch.utils.data.TensorDataset(x[:512], y[:512]), torch.utils.data.TensorDataset(x[512:], y[512:])
+
+
+class ZeroHead(nn.Module):
+    """Its last layer starts at zero (as vit_b_16's head does): the output is the same for every input."""
+
+    def __init__(self, features: int = 20, classes: int = 3):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(features, 32), nn.ReLU())
+        self.head = nn.Linear(32, classes)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(features))
+
+
+def zero_head(**kw) -> ZeroHead:
+    return ZeroHead(**kw)
+
+
+class Float32Inside(nn.Module):
+    """Casts to float32 inside, as some model code does: it cannot run in float64."""
+
+    def __init__(self, features: int = 20, classes: int = 3):
+        super().__init__()
+        self.net = nn.Linear(features, classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features.float()).float()
+
+
+def float32_inside(**kw) -> Float32Inside:
+    return Float32Inside(**kw)

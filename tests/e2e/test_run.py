@@ -43,7 +43,7 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     assert served["embedded"] and served["noop"]["rows"] and "tiny_cnn_onnx" in served["batching_off"]
     assert (run_dir / "bench/report.md").exists() and (run_dir / "logs/tritonserver.log").exists()
     summary = (run_dir / "summary.md").read_text()
-    for needle in ("all gates passed", "validation accuracy", "Parity against eager", "## Served over gRPC", "peak RSS",
+    for needle in ("all gates passed", "validation accuracy", "Parity against the float64 reference", "## Served over gRPC", "peak RSS",
                    "batching gain", "Recommendation: `tiny_cnn_", "## In-process beside served"):
         assert needle in summary
     for word in ("excess", "hold", "twin", "settling"):

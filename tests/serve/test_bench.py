@@ -119,7 +119,7 @@ def test_compare_detects_a_planted_2x_slowdown(bench_run, exported, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the results are of different models (tiny_cnn " in err[0], err
     for bad, says in ((tmp_path / "none.json", "no such results file"),
-                      (exported / "manifest.json", "unknown format 'torchship.export/1'")):
+                      (exported / "manifest.json", "unknown format 'torchship.export/2'")):
         assert run_cli("bench", "--compare", out / "results.json", bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and str(bad) in err[0] and says in err[0], err

@@ -1,0 +1,105 @@
+"""AOTInductor compiles in worker processes: each takes one core for tens of seconds, so they run beside each
+other and beside the other formats' exports. A worker rebuilds the model from the export's own inputs (the
+checkpoint, or the factory and weights file), as the parent did."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from torchship.device import usable_cpus
+
+_MODEL: dict[str, Any] = {}  # in a worker: the model it rebuilt, kept for its next job
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new work (Linux's MemAvailable: free plus reclaimable cache); 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def workers_for(model_bytes: int) -> int:
+    """How many compiles may run at once: one per usable core, at most 2, fewer where a worker's copy of a
+    large model and the compile's own copies (about 5 model sizes in all) would not fit in the memory
+    available."""
+    available = available_memory()
+    by_memory = available // max(1, 5 * model_bytes) if available else 1
+    return max(1, min(2, usable_cpus(), by_memory))
+
+
+def _model(cfg, device: str):
+    key = repr((cfg.checkpoint, cfg.model, cfg.model_args, cfg.weights, cfg.inputs, cfg.dims, cfg.input_ranges,
+                cfg.outputs, cfg.dtype, device))
+    if key not in _MODEL:
+        from .source import artifact_model, load_source
+
+        _MODEL.clear()
+        src = load_source(cfg, log=lambda *a: None)
+        _MODEL[key] = (artifact_model(src, cfg.dtype, device), src.signature)
+    return _MODEL[key]
+
+
+def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
+    """In a worker: compile ``kind`` ("aoti": the dynamic-batch package at ``out``; "bucket": the static
+    ``batch`` model, its weights saved to ``out``). Returns {"seconds", ...} or {"error", "traceback"}."""
+    t0 = time.perf_counter()
+    try:
+        import torch
+
+        from . import exporters
+
+        model, sig = _model(cfg, device)
+        if kind == "aoti":
+            extra = exporters.aoti(model, exporters.example(sig, 2, device), Path(out), sig, cfg.max_batch, cfg.threads)
+            return {"seconds": time.perf_counter() - t0, "extra": extra}
+        files = exporters.compile_bucket(model, sig, batch, cfg.threads, device)
+        weights = [f for f in files if not isinstance(f, str)]
+        torch.save({k: t for w in weights for k, (t, _) in w.items()}, out)
+        return {"seconds": time.perf_counter() - t0, "files": [f for f in files if isinstance(f, str)], "weights": out}
+    except Exception as e:  # reported as this format's failure; the exception itself may not pickle
+        return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+                "traceback": traceback.format_exc()[-4000:]}
+
+
+class Compiler:
+    """A pool of compile workers for one export, used as a context manager: on an error or Ctrl-C the workers
+    are ended at once, not awaited. ``submit`` returns an AsyncResult of _job's result."""
+
+    def __init__(self, cfg, device: str, workers: int, work: Path):
+        self.cfg, self.device, self.work, self.workers = cfg, device, work, workers
+        self.pool = None  # started on the first submit
+
+    def submit(self, kind: str, batch: int = 0, out: Path | None = None):
+        if self.pool is None:
+            self.work.mkdir(parents=True, exist_ok=True)
+            self.pool = mp.get_context("spawn").Pool(processes=self.workers)
+        out = out or self.work / f"bs{batch}.weights.pt"
+        return self.pool.apply_async(_job, (self.cfg, self.device, kind, batch, str(out)))
+
+    def __enter__(self) -> "Compiler":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.pool is not None:
+            if exc_type is None:
+                self.pool.close()
+            else:
+                self.pool.terminate()
+            self.pool.join()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def bucket_files(result: dict[str, Any]) -> list:
+    """A bucket job's files as compile_bucket returned them (paths and one Weights), read back in the parent."""
+    import torch
+    from torch.export.pt2_archive._package_weights import TensorProperties, Weights
+
+    tensors = torch.load(result["weights"], weights_only=True)
+    return [*result["files"], Weights({k: (t, TensorProperties(t)) for k, t in tensors.items()})]
