@@ -12,6 +12,16 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The zoo runs only when asked for by name (-m zoo): it takes about an hour."""
+    if "zoo" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="the model zoo runs with -m zoo")
+    for item in items:
+        if item.get_closest_marker("zoo"):
+            item.add_marker(skip)
+
+
 def run_cli(*argv: str) -> int:
     from torchship.cli import main
 
