@@ -191,7 +191,9 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
                 if rel != a["file"]:
                     shutil.copy2(d / rel, vdir / Path(rel).name)
             (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
-        (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU))
+        container_aoti = "aoti" not in formats or "aoti" in have
+        (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU,
+                                               container_aoti))
     return {"models": {f: names[f] for f in formats}, "skipped": missing, "unverified": failed, "path": str(out)}
 
 
@@ -225,7 +227,7 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, m
         (mdir / EMBEDDED_CONFIG).write_text(config_text(emb))
 
 
-def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool) -> str:
+def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True) -> str:
     pre = manifest.get("preprocessing")
     dims = manifest.get("dims", {})
     tensors = [f"Input `{t['name']}`: {t['dtype']} {t['shape']}" + (f" — {pre['contract']}" if pre else "") + "."
@@ -235,6 +237,9 @@ def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool) -> str:
                 + "." for i, t in enumerate(manifest["outputs"])]
     tensors += [f"Dim `{k}`: {v['min']}..{v['max']} (`-1` in the configs)." for k, v in dims.items()]
     rows = "\n".join(f"| `{names[f]}` | {f} | `{PLATFORMS[f][0]}` |" for f in formats)
+    buckets_only = "" if container_aoti else (
+        f"\n\n**`{names['aoti']}` holds only the bucket archive** (the export has no verified `aoti` package), which "
+        "the container's `torch_aoti` cannot load; export the `aoti` format too to serve this model there.")
     kind_note = ("The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
                  "`torchship repo --instance-kind cpu` builds the same repository for a machine without one." if gpu else
                  "The models run on the CPU (`KIND_CPU` instances), in the container too; `torchship repo --instance-kind "
@@ -258,7 +263,7 @@ docker run --rm --gpus all --shm-size=1g -p {DEFAULT_HTTP_PORT}:8000 -p {DEFAULT
 ```
 
 26.03 or later is needed for `torch_aoti`; its PyTorch backend does not batch AOTInductor models yet, so
-`{names.get('aoti', manifest['name'] + '_aoti')}/config.pbtxt` declares a batch-1 model (`max_batch_size: 0`, dims `[1, ...]`).
+`{names.get('aoti', manifest['name'] + '_aoti')}/config.pbtxt` declares a batch-1 model (`max_batch_size: 0`, dims `[1, ...]`).{buckets_only}
 
 {kind_note}
 

@@ -68,6 +68,19 @@ def test_a_degenerate_reference_is_refused_unless_allowed(tmp_path, capsys):
     assert "**Blind check:**" in (tmp_path / "e" / "parity.md").read_text()
 
 
+def test_atol_and_rtol_replace_the_derived_bound(tmp_path, capsys):
+    from tests.anymodel.models import mlp
+
+    w = save_weights(mlp, tmp_path / "w.pt")
+    argv = ["export", "--model", f"{MODELS}:mlp", "--weights", w, *MLP_FLAGS, "--formats", "onnx"]
+    assert run_cli(*argv, "--out", tmp_path / "tight", "--atol", "1e-15") == 3  # below float32 rounding itself
+    assert "exceeds the bound 1e-15" in capsys.readouterr().err
+    tol = read_manifest(tmp_path / "tight")["tolerances"]
+    assert tol["rule"] == "given" and tol["outputs"]["output0"] == {"atol": 1e-15, "rtol": 0.0}
+    assert run_cli(*argv, "--out", tmp_path / "loose", "--atol", "1e-4", "--rtol", "1e-3") == 0
+    assert "as given" in (tmp_path / "loose" / "parity.md").read_text()
+
+
 def test_a_model_that_cannot_run_in_float64_falls_back_to_a_scale_relative_bound(tmp_path):
     from tests.anymodel.models import float32_inside
 

@@ -49,6 +49,36 @@ def test_layout_and_configs(repo, exported):
     assert "nvcr.io/nvidia/tritonserver:" in readme and "The models run on the CPU (`KIND_CPU` instances)" in readme
 
 
+def test_without_the_aoti_package_the_aoti_model_serves_the_buckets_and_the_readme_says_so(exported, tmp_path, backend):
+    """The official container's torch_aoti reads one package, not the bucket archive: where the export has no
+    verified aoti package, the embedded config is the model's only config, and the README says why."""
+    import shutil
+
+    from serve.config import RepoConfig
+    from serve.repository import build_repository
+    from torchship.manifest import write_manifest
+
+    d = tmp_path / "export"
+    shutil.copytree(exported, d)
+    m = read_manifest(d)
+    m["artifacts"] = [a for a in m["artifacts"] if a["format"] != "aoti"]
+    write_manifest(d, m)
+    repo = tmp_path / "repo"
+    build_repository(d, RepoConfig(out=str(repo)))
+    mdir = repo / "tiny_cnn_aoti"
+    assert sorted(p.name for p in (mdir / "1").iterdir()) == ["buckets.pt2"] and not (mdir / EMBEDDED_CONFIG).exists()
+    c = cfg(mdir / "config.pbtxt")
+    assert c.backend == "pytorch" and c.parameters["buckets"].string_value == "1,8" and c.max_batch_size == 8
+    assert "`tiny_cnn_aoti` holds only the bucket archive" in (repo / "README.md").read_text()
+    model = backend.PyTorchModel()
+    model.log = lambda *a: None
+    model.initialize({"model_config": json.dumps(config_json(c)), "model_name": mdir.name, "model_repository": str(mdir),
+                      "model_version": "1"})
+    ref = read_reference(d, m)
+    (out,) = model.run([{"images": ref["input/random_b5/images"]}])
+    np.testing.assert_allclose(out[0], ref["expected/random_b5/logits"], atol=m["tolerances"]["outputs"]["logits"]["atol"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-batch", "0"], "--max-batch must be at least 1"),
     (["--max-batch", "1000"], "exceeds the export's max batch"),

@@ -88,7 +88,8 @@ def run_model(entry: zoo.Entry, out: Path, serve: bool = True) -> dict[str, Any]
     rec["weights_bytes"] = weights.stat().st_size
     ts = [sys.executable, "-m", "torchship.cli"]
     export = [*ts, "export", "--model", rec["factory"], *[a for arg in model_args(entry) for a in ("--model-arg", arg)],
-              "--weights", str(weights), *entry.flags, *entry.export, "--out", str(d / "export"), "--overwrite"]
+              "--weights", str(weights), *entry.flags, *entry.export, "--name", entry.name, "--out", str(d / "export"),
+              "--overwrite"]
     rec["export"] = _command([*export, "--no-verify"], log)
     if not (d / "export" / "manifest.json").exists():
         return {**rec, "error": f"export failed: {_last_error(log)}"}
@@ -153,11 +154,17 @@ def _serve(entry: zoo.Entry, d: Path, ts: list[str], log: Path) -> dict[str, Any
 
 
 def machine() -> str:
-    from torchship.device import cpu_name, usable_cpus
+    """The CPU with the vector extensions that decide its speed, cores, memory, GPU and versions."""
     import torch
 
+    from torchship.device import cpu_flags, cpu_name, usable_cpus
+
+    flags = cpu_flags()
+    isa = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags] or \
+        ["avx2, no AVX-512" if "avx2" in flags else "no AVX2"]
     gib = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20 if Path("/proc/meminfo").exists() else 0
-    return (f"{cpu_name()}, {usable_cpus()} CPUs, {gib:.0f} GiB, no GPU; torch {torch.__version__}, "
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu_name()} ({', '.join(isa)}), {usable_cpus()} CPUs, {gib:.0f} GiB, {gpu}; torch {torch.__version__}, "
             f"Python {platform.python_version()}")
 
 
@@ -180,15 +187,16 @@ def markdown(records: list[dict[str, Any]], where: str, command: str) -> str:
             rss = f"{f['verify_peak_rss_bytes'] / 2**30:.2f} GiB" if f.get("verify_peak_rss_bytes") else "-"
             lines.append(f"| {rec['model']} | {fmt} | {verdict} | {ratio} | {x} | {check.get(fmt, '-')} | "
                          f"{f['export_seconds']:.1f} | {f['verify_seconds'] or 0:.1f} | {rss} | {f['bytes'] / 1e6:,.0f} MB |")
-    lines += ["", "| model | weights | reference | export + verify (wall) | export peak RSS | served p50 / p99 at 1 in flight "
-              "(ms, fastest format) |", "|---|---|---|---|---|---|"]
+    lines += ["", "| model | weights | reference | largest output, bound | export + verify (wall) | export peak RSS | "
+              "served p50 / p99 at 1 in flight (ms, fastest format) |", "|---|---|---|---|---|---|---|"]
     for rec in records:
         if rec.get("skipped") or rec.get("error"):
             continue
         ref = "float64" if rec["reference"]["rule"] == "fp64" else f"float32 ({rec['reference']['why']})"
         wall = rec["export"]["seconds"] + rec["verify"]["seconds"]
         best = _fastest(rec)
-        lines.append(f"| {rec['model']} | {rec['weights_bytes'] / 1e6:,.0f} MB | {ref} | {wall:.0f} s | "
+        bounds = "; ".join(f"{t['scale']:.3g}, {t['atol']:.2e}" for t in rec["reference"]["outputs"].values())
+        lines.append(f"| {rec['model']} | {rec['weights_bytes'] / 1e6:,.0f} MB | {ref} | {bounds} | {wall:.0f} s | "
                      f"{max(rec['export']['peak_rss_bytes'], rec['verify']['peak_rss_bytes']) / 2**30:.2f} GiB | {best} |")
     return "\n".join([f"Measured with `{command}` on {where}.", "", *lines, ""])
 
