@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -71,8 +72,9 @@ def _last_error(log: Path) -> str:
     return lines[-1].split("error:", 1)[1].strip()[:400] if lines else ""
 
 
-def run_model(entry: zoo.Entry, out: Path, serve: bool = True) -> dict[str, Any]:
-    """One zoo model through every stage; returns its record (also written to OUT/NAME/record.json)."""
+def run_model(entry: zoo.Entry, out: Path, serve: bool = True, keep: bool = False) -> dict[str, Any]:
+    """One zoo model through every stage; returns its record (also written to OUT/NAME/record.json). Its
+    weights, export and repository (25 GB for mlp_2gb) are removed once it passed, unless ``keep``."""
     from torchship.manifest import read_manifest
 
     d = out / entry.name
@@ -114,7 +116,19 @@ def run_model(entry: zoo.Entry, out: Path, serve: bool = True) -> dict[str, Any]
     if serve and any(f["pass"] for f in rec["formats"].values()):
         rec["served"] = _serve(entry, d, ts, log)
     (d / "record.json").write_text(json.dumps(rec, indent=2))
+    if not keep and not failed([rec]):
+        shutil.rmtree(d / "export", ignore_errors=True)
+        shutil.rmtree(d / "repo", ignore_errors=True)
+        (d / "weights.pt").unlink(missing_ok=True)
     return rec
+
+
+def failed(records: list[dict[str, Any]]) -> list[str]:
+    """The models that failed: an error, or a format that exported and did not verify. A format the
+    exporter cannot produce is reported with its reason, not counted."""
+    return [r["model"] for r in records if r.get("error") or
+            any(f["exported"] and not f["pass"] for f in r.get("formats", {}).values()) or
+            any(c.get("code") for c in (r.get("served", {}).get(k, {}) for k in ("repo", "check", "bench")))]
 
 
 def _reason(v: dict, name: str, entry: dict) -> str:
@@ -226,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/zoo", help="folder for each model's weights, export, repository and logs")
     p.add_argument("--models", nargs="+", default=[e.name for e in zoo.ZOO], choices=[e.name for e in zoo.ZOO])
     p.add_argument("--no-serve", dest="serve", action="store_false", help="stop after verification")
+    p.add_argument("--keep", action="store_true", help="keep every model's weights, export and repository (about 60 GB "
+                                                       "in all); by default only a failed model's are kept")
     p.add_argument("--docs", default=None, help="also write the table into this markdown file, below its '<!-- zoo -->' line")
     ns = p.parse_args(argv)
     out = Path(ns.out)
@@ -234,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ns.models:
         print(f"== {name}", flush=True)
         t0 = time.perf_counter()
-        rec = run_model(zoo.BY_NAME[name], out, serve=ns.serve)
+        rec = run_model(zoo.BY_NAME[name], out, serve=ns.serve, keep=ns.keep)
         rec["seconds"] = round(time.perf_counter() - t0, 1)
         records.append(rec)
         atomic_write_json(out / "zoo.json", {"machine": machine(), "records": records})
@@ -248,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = Path(ns.docs)
         head = doc.read_text().split("<!-- zoo -->")[0] if doc.exists() else ""
         atomic_write_text(doc, head + "<!-- zoo -->\n" + table)
-    # a format the exporter cannot produce is reported with its reason; one that exports and fails is a failure
-    failed = [r["model"] for r in records if r.get("error") or
-              any(f["exported"] and not f["pass"] for f in r.get("formats", {}).values())]
-    return 1 if failed else 0
+    return 1 if failed(records) else 0
 
 
 if __name__ == "__main__":
