@@ -1,6 +1,8 @@
 """AOTInductor compiles in worker processes: each takes one core for tens of seconds, so they run beside each
-other and beside the other formats' exports. A worker rebuilds the model from the export's own inputs (the
-checkpoint, or the factory and weights file), as the parent did."""
+other and beside the other formats' exports. Each compile gets a fresh process (inductor's choice about
+oneDNN prepacking, once made in a process, holds for every later compile in it; see exporters.FREEZE),
+which rebuilds the model from the export's own inputs (the checkpoint, or the factory and weights file),
+as the parent did."""
 
 from __future__ import annotations
 
@@ -12,9 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from torchship.device import usable_cpus
-
-_MODEL: dict[str, Any] = {}  # in a worker: the model it rebuilt, kept for its next job
-
 
 def available_memory() -> int:
     """Bytes of memory available to new work (Linux's MemAvailable: free plus reclaimable cache); 0 if unknown."""
@@ -34,18 +33,6 @@ def workers_for(model_bytes: int) -> int:
     return max(1, min(2, usable_cpus(), by_memory))
 
 
-def _model(cfg, device: str):
-    key = repr((cfg.checkpoint, cfg.model, cfg.model_args, cfg.weights, cfg.inputs, cfg.dims, cfg.input_ranges,
-                cfg.outputs, cfg.dtype, device))
-    if key not in _MODEL:
-        from .source import artifact_model, load_source
-
-        _MODEL.clear()
-        src = load_source(cfg, log=lambda *a: None)
-        _MODEL[key] = (artifact_model(src, cfg.dtype, device), src.signature)
-    return _MODEL[key]
-
-
 def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
     """In a worker: compile ``kind`` ("aoti": the dynamic-batch package at ``out``; "bucket": the static
     ``batch`` model, its weights saved to ``out``). Returns {"seconds", ...} or {"error", "traceback"}."""
@@ -54,15 +41,20 @@ def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
         import torch
 
         from . import exporters
+        from .source import artifact_model, load_source
 
-        model, sig = _model(cfg, device)
+        src = load_source(cfg, log=lambda *a: None)
+        model, sig = artifact_model(src, cfg.dtype, device), src.signature
         if kind == "aoti":
             extra = exporters.aoti(model, exporters.example(sig, 2, device), Path(out), sig, cfg.max_batch, cfg.threads)
             return {"seconds": time.perf_counter() - t0, "extra": extra}
-        files = exporters.compile_bucket(model, sig, batch, cfg.threads, device)
+        shared = cfg.bucket_weights == "shared"
+        files = exporters.compile_bucket(model, sig, batch, cfg.threads, device, shared)
         weights = [f for f in files if not isinstance(f, str)]
-        torch.save({k: t for w in weights for k, (t, _) in w.items()}, out)
-        return {"seconds": time.perf_counter() - t0, "files": [f for f in files if isinstance(f, str)], "weights": out}
+        if shared:
+            torch.save({k: t for w in weights for k, (t, _) in w.items()}, out)
+        return {"seconds": time.perf_counter() - t0, "files": [f for f in files if isinstance(f, str)],
+                "weights": out if shared else None}
     except Exception as e:  # reported as this format's failure; the exception itself may not pickle
         return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
                 "traceback": traceback.format_exc()[-4000:]}
@@ -79,7 +71,7 @@ class Compiler:
     def submit(self, kind: str, batch: int = 0, out: Path | None = None):
         if self.pool is None:
             self.work.mkdir(parents=True, exist_ok=True)
-            self.pool = mp.get_context("spawn").Pool(processes=self.workers)
+            self.pool = mp.get_context("spawn").Pool(processes=self.workers, maxtasksperchild=1)
         out = out or self.work / f"bs{batch}.weights.pt"
         return self.pool.apply_async(_job, (self.cfg, self.device, kind, batch, str(out)))
 
@@ -97,9 +89,12 @@ class Compiler:
 
 
 def bucket_files(result: dict[str, Any]) -> list:
-    """A bucket job's files as compile_bucket returned them (paths and one Weights), read back in the parent."""
+    """A bucket job's files as compile_bucket returned them (paths, and for shared weights one Weights),
+    read back in the parent."""
     import torch
     from torch.export.pt2_archive._package_weights import TensorProperties, Weights
 
+    if result["weights"] is None:
+        return list(result["files"])
     tensors = torch.load(result["weights"], weights_only=True)
     return [*result["files"], Weights({k: (t, TensorProperties(t)) for k, t in tensors.items()})]

@@ -25,6 +25,7 @@ class ExportConfig:
     optional: tuple[str, ...] = opt((), "formats that may fail (cannot be exported, or disagree with the reference) without failing the command; they are reported and not served. Any other format failing exits 3")
     max_batch: int = opt(32, "largest batch size every artifact must accept (the dynamic batch range is 1..N)")
     buckets: tuple[int, ...] = opt((1, 8, 32), "static batch sizes for the aoti_buckets packages (requests pad up to the next)")
+    bucket_weights: Literal["shared", "prepacked"] = opt("shared", "aoti_buckets: one copy of the weights for all buckets, or a copy per bucket prepacked for oneDNN (on CPU, faster at small batches and spatial sizes, and N buckets times the disk and memory)")
     odd_batch: int = opt(5, "the odd batch size verification uses besides 1 and --max-batch")
     opset: Optional[int] = opt(None, "ONNX opset (default: the exporter's own, recorded in the manifest)")
     dtype: Literal["float32", "float16", "bfloat16"] = opt("float32", "compute dtype inside the artifacts (inputs and outputs stay float32)")

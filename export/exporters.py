@@ -66,10 +66,12 @@ def exported_program(model: torch.nn.Module, ex: tuple, path: Path, sig: Signatu
 
 
 # Inductor's freezing folds BatchNorm and other constants into the weights (only as the global flag, under
-# no_grad). oneDNN weight prepacking stays off: its opaque tensors cannot be stored apart from a shared
-# library, as aoti_buckets stores them, and its rewrite patterns, once registered in a process, apply to
-# every later compile in it. Measured on a Zen 3 CPU, resnet50 at 224 ran no slower without it.
-FREEZE = {"freezing": True, "cpp.weight_prepack": False}
+# no_grad); on CPU it also prepacks convolution and linear weights for oneDNN. Prepacked weights are opaque
+# tensors that live only inside a model's shared library, so bucket models that share one copy of their
+# weights are compiled without prepacking. Whichever a process compiles first decides for every later
+# compile in it (inductor registers its rewrite patterns once), so each compile runs in a fresh process.
+FREEZE = {"freezing": True}
+FREEZE_SHAREABLE = {"freezing": True, "cpp.weight_prepack": False}
 
 
 @contextlib.contextmanager
@@ -98,24 +100,27 @@ def aoti(model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batc
     return {"freezing": True, "compile_threads": threads}
 
 
-BUCKET_OPTIONS = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
+SHARED_OPTIONS = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                   "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
 
 
-def compile_bucket(model: torch.nn.Module, sig: Signature, batch: int, threads: int, device: str) -> list:
+def compile_bucket(model: torch.nn.Module, sig: Signature, batch: int, threads: int, device: str, shared: bool) -> list:
     """The AOTInductor files of a static-batch model for ``batch`` (other named dims stay dynamic), compiled
-    with FREEZE and its constants kept out of its shared library: a list of file paths and one Weights."""
+    with freezing: a list of file paths, and with ``shared`` one Weights (the constants, kept out of the
+    shared library and not prepacked); else the constants, prepacked on CPU, are inside the library."""
     import torch._inductor.config as inductor_config
 
     ex = example(sig, batch, device)
-    with quiet(), torch.no_grad(), torch_threads(threads), inductor_config.patch(FREEZE):
+    options = SHARED_OPTIONS if shared else {"aot_inductor.package": True}
+    with quiet(), torch.no_grad(), torch_threads(threads), inductor_config.patch(FREEZE_SHAREABLE if shared else FREEZE):
         ep = torch.export.export(model, ex, dynamic_shapes=dynamic_shapes(sig, None))
-        return torch._inductor.aot_compile(ep.module(), ex, options=dict(BUCKET_OPTIONS))
+        return torch._inductor.aot_compile(ep.module(), ex, options=dict(options))
 
 
 def package_buckets(compiled: dict[int, list], path: Path) -> int:
     """One aoti_buckets archive at ``path`` holding each bucket's model (compile_bucket's files, by batch
-    size) as ``bs<N>``, with constants equal across buckets stored once. Returns how many were shared."""
+    size) as ``bs<N>``, with constants kept out of the models' libraries and equal across buckets stored
+    once. Returns how many were shared."""
     from torch._inductor.package import package_aoti
 
     shared = _share_constants(compiled)

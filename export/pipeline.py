@@ -165,8 +165,8 @@ def _compiled(fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: Expo
     if fmt == "aoti":
         return {**results[0]["extra"], "batch": {"min": 1, "max": cfg.max_batch}}
     shared = exporters.package_buckets({b: bucket_files(r) for b, r in results.items()}, tmp / fmt / "model.pt2")
-    return {"freezing": True, "compile_threads": cfg.threads, "shared_constants": shared, "buckets": list(cfg.buckets),
-            "batch": {"buckets": list(cfg.buckets)}}
+    return {"freezing": True, "compile_threads": cfg.threads, "weights": cfg.bucket_weights, "shared_constants": shared,
+            "buckets": list(cfg.buckets), "batch": {"buckets": list(cfg.buckets)}}
 
 
 def _export_one(fmt: str, model, ex, tmp: Path, cfg: ExportConfig, sig: Signature) -> tuple[list[str], dict[str, Any]]:

@@ -4,8 +4,6 @@ bucket archive's shared weights."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -159,3 +157,24 @@ def test_the_bucket_archive_stores_the_weights_once(tmp_path):
     assert a["bytes"] < 1.2 * weights + (4 << 20)
     v = read_manifest(d)["verification"]["artifacts"]["aoti_buckets"]
     assert v["pass"] and {row["batch"] for row in v["sets"].values()} == {1, 5, 8}  # bucket 8 padded the 5
+
+
+def test_prepacked_buckets_keep_a_copy_each_and_pass_beside_aoti(tmp_path):
+    """--bucket-weights prepacked: each bucket's library holds its own prepacked weights (N copies, the price
+    of oneDNN's faster layout), and compiling the prepacked aoti package first in the same export does not
+    change how the buckets compile."""
+    from tests.anymodel.models import mlp
+
+    kw = {"features": 512, "hidden": 4096}
+    w = save_weights(mlp, tmp_path / "w.pt", **kw)
+    weights = sum(t.numel() * t.element_size() for t in torch.load(w).values())
+    d = tmp_path / "e"
+    assert run_cli("export", "--model", f"{MODELS}:mlp", *[a for k, v in kw.items() for a in ("--model-arg", f"{k}={v}")],
+                   "--weights", w, "--input", "features:float32:B,512", "--max-batch", "8", "--odd-batch", "5",
+                   "--buckets", "1", "8", "--formats", "aoti", "aoti_buckets", "--bucket-weights", "prepacked",
+                   "--out", d) == 0
+    m = read_manifest(d)
+    a = next(a for a in m["artifacts"] if a["format"] == "aoti_buckets")
+    assert a["weights"] == "prepacked" and a["shared_constants"] == 0
+    assert a["bytes"] >= 2 * weights, (a["bytes"], weights)
+    assert all(v["pass"] for v in m["verification"]["artifacts"].values())
