@@ -10,12 +10,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from torchship import checkpoint as ck
+from torchship.eager import checkpoint_model, load_weights_file, named
 from torchship.errors import CheckpointError, ConfigError
-from torchship.models import WithPreprocessing, make_model, model_from_meta, parse_model_args
+from torchship.names import export_name
+from torchship.models import WithPreprocessing, make_model, parse_model_args
 from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_dims, parse_signature
-from train import checkpoint as ck
 
-PREFIXES = ("module.", "_orig_mod.")  # DDP's wrapper and torch.compile's
 
 
 @dataclass
@@ -31,85 +32,11 @@ class Source:
     sample_set: str = "heldout"
 
 
-class Flat(torch.nn.Module):
-    """Calls ``inner`` with its positional inputs and returns its outputs as one tensor or a flat tuple:
-    dict outputs (and dict subclasses) in the order of ``keys``, tuples and lists as they are."""
-
-    def __init__(self, inner: torch.nn.Module, keys: Optional[list] = None):
-        super().__init__()
-        self.inner = inner
-        self.keys = keys
-
-    def flat(self, out):
-        if isinstance(out, dict):
-            out = tuple(out[k] for k in self.keys)
-        if isinstance(out, (list, tuple)):
-            return out[0] if len(out) == 1 else tuple(out)
-        return out
-
-
-def named(inner: torch.nn.Module, input_names: list[str], keys: Optional[list] = None,
-          by_keyword: bool = False) -> torch.nn.Module:
-    """``inner`` behind a forward whose parameters carry the input names, so that every exporter names
-    the graph inputs after them (TorchScript's schema, ExportedProgram's signature, ONNX's inputs).
-    ``by_keyword``: pass them on as keyword arguments (a model trained on dict samples), else in order."""
-    args = ", ".join(input_names)
-    call = ", ".join(f"{n}={n}" for n in input_names) if by_keyword else args
-    ns: dict[str, Any] = {}
-    exec(f"def forward(self, {args}):\n    return self.flat(self.inner({call}))\n", ns)  # names checked by the parser
-    cls = type("Deployable", (Flat,), {"forward": ns["forward"]})
-    return cls(inner, keys).eval()
-
-
-def strip_prefixes(sd: dict[str, torch.Tensor], log=print) -> dict[str, torch.Tensor]:
-    """Remove DDP's ``module.`` and torch.compile's ``_orig_mod.`` prefixes, saying so once."""
-    stripped = set()
-    out = {}
-    for k, v in sd.items():
-        changed = True
-        while changed:
-            changed = False
-            for p in PREFIXES:
-                if k.startswith(p):
-                    k, changed = k[len(p):], True
-                    stripped.add(p)
-        out[k] = v
-    if stripped:
-        log(f"weights: stripped the prefix {' and '.join(sorted(stripped))} from the parameter names")
-    return out
-
-
-def load_weights_file(path: str | Path, log=print) -> dict[str, torch.Tensor]:
-    """A plain state_dict from a .pt/.pth file (weights_only) or a .safetensors file."""
-    p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(f"--weights {p} does not exist")
-    try:
-        if p.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            sd = load_file(str(p))
-        else:
-            sd = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"--weights {p} cannot be read as a state_dict: {type(e).__name__}: "
-                              f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}") from None
-    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
-        log(f"weights: using the 'state_dict' entry of {p.name}")
-        sd = sd["state_dict"]
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"--weights {p} holds a {type(sd).__name__} that is not a state_dict of tensors "
-                              "(save it with torch.save(model.state_dict(), PATH))")
-    return strip_prefixes(sd, log)
-
-
 def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = ()) -> Source:
     """The eval-mode model with preprocessing baked in, rebuilt from the checkpoint's files alone.
     ``dims`` (NAME=MIN..MAX) replace the ranges of dynamic dims a checkpoint trained on your own data records."""
     ckdir = ck.resolve_checkpoint(checkpoint, which="best")
-    meta = ck.load_meta(ckdir)
-    model = model_from_meta(meta)
-    ck.load_into(model, ck.load_weights(ckdir), f"checkpoint {ckdir}")
+    model, meta = checkpoint_model(ckdir)
     if "signature" in meta:
         return _from_data_checkpoint(ckdir, meta, model, dims)
     if dims:
@@ -121,7 +48,7 @@ def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = 
     sig = Signature([TensorSpec("images", "float32", [BATCH, *shape])],
                     [TensorSpec("logits", "float32", [BATCH, meta["num_classes"]])])
     src = Source(WithPreprocessing(model, pre["mean"], pre["std"]).eval(), sig,
-                 meta["arch"].replace(":", "_").replace(".", "_"),
+                 export_name(meta["arch"]),
                  {"kind": "checkpoint", "path": str(ckdir.resolve()), "weights_sha256": meta.get("weights_sha256"),
                   "arch": meta["arch"], "model_args": meta.get("model_args", {}), "metrics": meta.get("metrics", {}),
                   "git_revision": meta.get("git_revision")},
@@ -141,10 +68,11 @@ def _from_data_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.nn.Mod
         sig.dims[name] = span
     by_keyword = meta.get("inputs_by") == "keyword"
     deployable, keys = _deployable(model.eval(), sig, (), by_keyword)
-    src = Source(deployable, sig, meta["arch"].split(":")[-1],
+    src = Source(deployable, sig, export_name(meta["arch"]),
                  {"kind": "checkpoint", "path": str(ckdir.resolve()), "weights_sha256": meta.get("weights_sha256"),
                   "arch": meta["arch"], "model_args": meta.get("model_args", {}), "metrics": meta.get("metrics", {}),
-                  "data": meta.get("data", {}).get("factory"), "git_revision": meta.get("git_revision")},
+                  "data": meta.get("data", {}).get("factory"), "git_revision": meta.get("git_revision"),
+                  "output_keys": keys},
                  classes=meta.get("classes"))
     if (ckdir / ck.HELDOUT).exists():
         with np.load(ckdir / ck.HELDOUT) as held:
@@ -180,7 +108,7 @@ def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights:
     deployable, keys = _deployable(model, sig, outputs)
     from torchship.io import sha256_file
 
-    return Source(deployable, sig, factory.split(":")[-1],
+    return Source(deployable, sig, export_name(factory),
                   {"kind": "weights", "model": factory, "model_args": args, "weights": str(Path(weights).resolve()),
                    "weights_sha256": sha256_file(weights), "output_keys": keys}, samples=samples, sample_set="examples")
 
@@ -221,18 +149,6 @@ def artifact_model(src: Source, dtype: str, device: str) -> torch.nn.Module:
     import copy
 
     return named(CastWrapper(copy.deepcopy(src.model), DTYPES[dtype]), [t.name for t in src.signature.inputs]).to(device).eval()
-
-
-def eager_from_manifest(manifest: dict[str, Any]) -> torch.nn.Module:
-    """The eager model an export was made from, rebuilt from what its manifest records (for the bench)."""
-    src = manifest.get("source") or {}
-    if src.get("kind") == "checkpoint":
-        return from_checkpoint(src["path"]).model
-    if src.get("kind") == "weights":
-        model = make_model(src["model"], "the manifest's model", src.get("model_args", {}))
-        ck.load_into(model, load_weights_file(src["weights"], lambda *a: None), f"weights {src['weights']}")
-        return named(model.eval(), [t["name"] for t in manifest["inputs"]], src.get("output_keys"))
-    raise CheckpointError("the manifest records no model source (export again)")
 
 
 def _examples(path: str, sig: Signature) -> dict[str, np.ndarray]:

@@ -9,7 +9,7 @@ import threading
 
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
 
-from .config import RepoConfig, ServeConfig
+from .config import InferConfig, RepoConfig, ServeConfig
 
 
 def add_repo_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,21 +68,10 @@ def add_infer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="*", help="image files (resized to the model's input) or .npy arrays (N,C,H,W or C,H,W) "
                                             "for an image model; for any model, .npz files keyed by input name, one "
                                             "request each (arrays with the batch first)")
-    p.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address HOST:PORT")
-    p.add_argument("--model", default=None, help="model name (default: every served model with --check, else the first)")
-    p.add_argument("--version", default="", help="model version (default: the server's latest)")
-    p.add_argument("--top-k", type=int, default=3, help="classes to print per input, for a classifier (Triton's classification extension)")
-    p.add_argument("--check", metavar="EXPORT_DIR", default=None,
-                   help="send the export's reference inputs to every served model and compare with eager; exit 3 on mismatch")
-    p.add_argument("--heldout", metavar="EXPORT_DIR", default=None, help="send N held-out samples of this export")
-    p.add_argument("-n", type=int, default=4, help="with --heldout: how many samples")
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (async gRPC)")
-    p.add_argument("--stream", action="store_true",
-                   help="send the requests one at a time over one bidirectional gRPC stream (ModelStreamInfer)")
-    p.add_argument("--json", action="store_true", help="print results as JSON")
+    add_dataclass_arguments(p, InferConfig)
 
 
 def main_infer(ns: argparse.Namespace) -> int:
     from .infer import run_infer
 
-    return run_infer(ns)
+    return run_infer(build(InferConfig, namespace_overrides(ns, InferConfig), {"files": ns.files}))

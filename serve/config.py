@@ -1,4 +1,5 @@
-"""RepoConfig and ServeConfig: how the Triton repository is written and how the server runs."""
+"""RepoConfig, ServeConfig and InferConfig: how the Triton repository is written, how the server runs and
+what a client sends it."""
 
 from __future__ import annotations
 
@@ -89,3 +90,26 @@ class ServeConfig:
         for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a port number")
+
+
+@dataclass
+class InferConfig:
+    files: tuple[str, ...] = opt((), "image files, .npy or .npz arrays to send", cli=False)
+    url: str = opt("127.0.0.1:8001", "Triton gRPC address HOST:PORT")
+    model: Optional[str] = opt(None, "model name (default: every served model with --check, else the first)")
+    version: str = opt("", "model version (default: the server's latest)")
+    top_k: int = opt(3, "classes to print per input, for a classifier (Triton's classification extension)")
+    check: Optional[str] = opt(None, "send the export's reference inputs to every served model and compare them with "
+                                     "eager; exit 3 on a mismatch", metavar="EXPORT_DIR")
+    heldout: Optional[str] = opt(None, "send -n held-out samples of this export", metavar="EXPORT_DIR")
+    n: int = opt(4, "with --heldout: how many samples", flag="-n")
+    concurrency: int = opt(1, "requests in flight at once (async gRPC)")
+    stream: bool = opt(False, "send the requests one at a time over one bidirectional gRPC stream (ModelStreamInfer)")
+    json: bool = opt(False, "print results as JSON")
+
+    def __post_init__(self) -> None:
+        check_url(self.url)
+        if self.top_k < 1 or self.n < 1 or self.concurrency < 1:
+            raise ConfigError("--top-k, -n and --concurrency must be at least 1")
+        if self.stream and self.concurrency > 1:
+            raise ConfigError("--stream sends one request at a time; leave out --concurrency, or --stream")

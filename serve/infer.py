@@ -12,28 +12,23 @@ import numpy as np
 
 from torchship.errors import ClientError, DataError, ShapeError
 
-from .config import check_url
+from .config import InferConfig
 
 SHOWN = 6  # values of each output printed per request (--json prints them all)
 
 
-def run_infer(ns) -> int:
+def run_infer(ns: InferConfig) -> int:
     """The infer command: --check compares every served model with eager; otherwise FILES and --heldout
     samples are sent and the answers printed. Exit 0, or a ClientError/ShapeError/DataError."""
     from .client import TritonClient
     from .parity import check_served, served_markdown
 
-    check_url(ns.url)
     if ns.check:
         report = check_served(ns.url, ns.check, [ns.model] if ns.model else None)
         print(json.dumps(report, indent=2) if ns.json else served_markdown(report))
         n = len(report["models"])
         print(f"served parity: PASS ({n} model{'s' if n != 1 else ''} at {ns.url})")
         return 0
-    if ns.top_k < 1 or ns.n < 1 or ns.concurrency < 1:
-        raise ClientError("--top-k, -n and --concurrency must be at least 1")
-    if ns.stream and ns.concurrency > 1:
-        raise ClientError("--stream sends one request at a time; leave out --concurrency, or --stream")
     heldout = _check_local_inputs(ns)  # a mistyped path is refused before any connection is tried
     client = TritonClient(ns.url)
     client.wait_ready(10)
@@ -82,7 +77,7 @@ def is_image_model(cfg: dict[str, Any]) -> bool:
 def _check_local_inputs(ns) -> dict | None:
     """Every FILE exists and is an image, .npy or .npz file, and --heldout is an export directory (its
     manifest is returned)."""
-    from train.data import IMAGE_SUFFIXES
+    from torchship.images import IMAGE_SUFFIXES
 
     for f in ns.files:
         p = Path(f)
@@ -125,7 +120,7 @@ def _npz_request(p: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
 def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, dict[str, np.ndarray], Any]]:
     """(name, feeds by input name, true label or None) per request: image files and .npy rows one row per
     request (image models), .npz files one request each, --heldout samples one each."""
-    from train.data import load_image_file
+    from torchship.images import load_image_file
 
     image = is_image_model(cfg)
     dims = [int(d) for d in cfg["input"][0]["dims"]]

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from torchship.errors import ClientError, ParityError, ShapeError
 from torchship.manifest import read_manifest, read_reference, reference_inputs
+from torchship.names import models_of
 from torchship import parity
 from torchship.parity import check_output
 
@@ -27,7 +28,7 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
     client = TritonClient(url)
     client.wait_ready()
     ready = client.require_models(models or ())
-    models = list(models or [m for m in ready if m.startswith(manifest["name"] + "_")])
+    models = list(models or models_of(manifest, ready))
     if not models:
         raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(ready) or 'none'})")
     results: dict[str, Any] = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from google.protobuf import text_format
@@ -25,6 +25,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import artifact, read_manifest, read_reference, reference_inputs
+from torchship.names import SERVED_FORMATS, model_names
 
 from torchship.device import cuda_visible
 
@@ -33,15 +34,9 @@ from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, 
 EMBEDDED_CONFIG = "embedded.pbtxt"
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_FP64, "int64": mc.TYPE_INT64,
           "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
-SUFFIX = {"onnx": "onnx", "torchscript": "torchscript", "aoti": "aoti"}
 # format -> (Triton platform, file name in the version folder), as the official container expects them
 PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "torchscript": ("pytorch_libtorch", "model.pt"),
              "aoti": ("torch_aoti", "model.pt2")}
-
-
-def model_names(manifest: dict[str, Any], formats=("onnx", "torchscript", "aoti")) -> dict[str, str]:
-    """format -> Triton model name."""
-    return {f: f"{manifest['name']}_{SUFFIX[f]}" for f in formats}
 
 
 def _instance_kind(cfg: RepoConfig) -> int:
@@ -142,6 +137,14 @@ def read_config(path: str | Path) -> mc.ModelConfig:
     return text_format.Parse(Path(path).read_text(), mc.ModelConfig())
 
 
+def servable_formats(manifest: dict[str, Any], formats: Sequence[str] = SERVED_FORMATS) -> list[str]:
+    """Those of ``formats`` a repository built from this export serves: the ones exported and verified
+    (``aoti`` also from the ``aoti_buckets`` archive alone)."""
+    failed = [n for n, e in (manifest.get("verification") or {}).get("artifacts", {}).items() if not e.get("pass")]
+    have = {a["format"] for a in manifest["artifacts"] if a["name"] not in failed}
+    return [f for f in formats if f in have or (f == "aoti" and "aoti_buckets" in have)]
+
+
 def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     """Write the repository for ``export_dir`` into ``cfg.out``; returns {format: model name}.
 
@@ -155,7 +158,7 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
         raise ArtifactError(f"{d} failed verification; fix the export before serving it ({'; '.join(v['failures'][:2])})")
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     have = {a["format"] for a in manifest["artifacts"] if a["name"] not in failed}
-    formats = [f for f in cfg.formats if f in have or (f == "aoti" and "aoti_buckets" in have)]
+    formats = servable_formats(manifest, cfg.formats)
     missing = [f for f in cfg.formats if f not in formats]
     if not formats:
         raise ArtifactError(f"{d} has none of the formats {', '.join(cfg.formats)}")

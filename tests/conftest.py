@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def run_cli(*argv: str) -> int:
-    from torchship.cli import main
+    from torchship.pipeline.cli import main
 
     return main([str(a) for a in argv])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import tomllib
 import types
 import typing
 from pathlib import Path
@@ -17,10 +18,12 @@ from typing import Any, Literal
 from .errors import ConfigError
 
 
-def opt(default: Any, help: str, *, flag: str | None = None, cli: bool = True, append: bool = False, **kw: Any) -> Any:
-    """A config field with its help text (say the unit) and, optionally, its flag name; ``append``: a
-    sequence given as one value per flag (``--flag=A --flag=B``), for values that may start with '-'."""
-    md = {"help": help, "flag": flag, "cli": cli, "append": append}
+def opt(default: Any, help: str, *, flag: str | None = None, cli: bool = True, append: bool = False,
+        metavar: str | None = None, **kw: Any) -> Any:
+    """A config field with its help text (say the unit) and, optionally, its flag name and the name its
+    value is shown by in --help; ``append``: a sequence given as one value per flag (``--flag=A --flag=B``),
+    for values that may start with '-'."""
+    md = {"help": help, "flag": flag, "cli": cli, "append": append, "metavar": metavar}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):  # mutable: a fresh copy per instance
         import copy
 
@@ -71,7 +74,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, exclude:
         shown = "none" if default in ((), [], None) else default
         kwargs["help"] = kwargs["help"].replace(" (default: %(default)s)", "" if "(default" in kwargs["help"][:-24] else f" (default: {shown})")
         if "metavar" not in kwargs and tp not in (bool,) and origin is not Literal:
-            kwargs["metavar"] = f.name.upper()
+            kwargs["metavar"] = f.metadata.get("metavar") or f.name.upper()
         parser.add_argument(flag_name(f), **kwargs)
 
 
@@ -179,8 +182,6 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
     try:
         if path.suffix in (".toml", ".tml"):
-            import tomllib
-
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
             import yaml

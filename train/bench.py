@@ -1,6 +1,6 @@
 """Training throughput, side by side: ``python -m train.bench [--steps N] [--rounds R]``.
 
-Runs the real ``torchship train`` (single process, or torchrun ranks) for each configuration,
+Runs the real training (``python -m train``: one process, or torchrun ranks) for each configuration,
 alternating their order over rounds so machine noise falls on all alike, and prints images/s
 (median over rounds) with the machine it ran on. One intra-op thread per rank unless the
 configuration says otherwise.
@@ -33,10 +33,8 @@ def one(label: str, nproc: int, threads: int, amp: str, arch: str, steps: int, b
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         args = ["--arch", arch, "--amp", amp, "--batch-size", str(batch), "--epochs", "100", "--max-steps", str(steps),
                 "--out", tmp, "--no-progress"]
-        if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "train", *args]
-        else:
-            cmd = [sys.executable, "-m", "torchship.cli", "train", *args]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+        cmd = [*launcher, "-m", "train", *args]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             raise SystemExit(f"{label} failed:\n{p.stderr[-2000:]}")

@@ -8,7 +8,7 @@ Every dataset here yields float32 NCHW images in [0, 1] at the model's input siz
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -17,27 +17,9 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from torchship.errors import DataError
+from torchship.images import IMAGE_SUFFIXES, ImageFolderDataset, Preprocessing
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 BUILTIN_DATA = ("digits", "synthetic")
-
-
-@dataclass
-class Preprocessing:
-    """The input contract shared by training, export and serving."""
-
-    image_size: list[int]          # [height, width] after resizing, pixels
-    channels: int                  # channels fed to the model (grayscale is replicated to 3)
-    mean: list[float]              # per-channel mean subtracted from [0, 1] pixels
-    std: list[float]               # per-channel std the result is divided by
-    layout: str = "NCHW"
-    dtype: str = "float32"
-    value_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    resize: str = "bilinear"       # interpolation used to reach image_size
-    source_scale: str = "pixel / 255"  # how raw pixels become [0, 1]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -105,34 +87,6 @@ def make_synthetic(samples: int, num_classes: int, image_size: int, val_fraction
     y = torch.arange(samples) % num_classes
     x = (0.7 * protos[y] + 0.3 * torch.rand(samples, 3, image_size, image_size, generator=g)).clamp_(0, 1)
     return _tensor_split(x, y, [f"class_{i}" for i in range(num_classes)], val_fraction, seed, "synthetic", "pixel / 255")
-
-
-class ImageFolderDataset(Dataset):
-    """Images from an ImageFolder tree, resized to a square and scaled to [0, 1] RGB."""
-
-    def __init__(self, files: list[tuple[str, int]], image_size: int):
-        self.files = files
-        self.image_size = image_size
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
-
-        path, label = self.files[i]
-        try:
-            with Image.open(path) as im:
-                im = im.convert("RGB").resize((self.image_size, self.image_size), Image.BILINEAR)
-                arr = np.asarray(im, dtype=np.float32) / 255.0
-        except OSError as e:
-            raise DataError(f"cannot read image {path}: {e}") from None
-        return torch.from_numpy(arr).permute(2, 0, 1).contiguous(), label
-
-
-def load_image_file(path: str | Path, image_size: int) -> np.ndarray:
-    """One image file as a float32 CHW array in [0, 1], preprocessed as in training."""
-    return ImageFolderDataset([(str(path), 0)], image_size)[0][0].numpy()
 
 
 def is_factory(data: str) -> bool:

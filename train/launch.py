@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
+from torchship.checkpoint import load_meta, resolve_checkpoint
 from torchship.config import add_dataclass_arguments, build, namespace_overrides, to_argv
-from torchship.errors import ConfigError, TorchshipError
 from torchship.device import usable_cpus
+from torchship.errors import ConfigError, TorchshipError
 
 from . import checkpoint as ck
 from .config import TrainConfig
@@ -44,8 +45,8 @@ def preflight(cfg: TrainConfig, world: int) -> None:
     prepare_out(cfg)
     resume = cfg.resolved_resume()
     if resume:
-        d = ck.resolve_checkpoint(resume, which="latest")
-        ck.load_meta(d)
+        d = resolve_checkpoint(resume, which="latest")
+        load_meta(d)
         ck.load_train_state(d)
     check_data_source(cfg.data)
     if cfg.data not in BUILTIN_DATA and not is_factory(cfg.data):

@@ -15,18 +15,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchship.checkpoint import INDEX, WEIGHTS, load_into, load_meta, load_weights, read_index, resolve_checkpoint
 from torchship.config import as_dict
 from torchship.device import check_amp, resolve_amp
 from torchship.device import resolve_device as _resolve_device
 from torchship.errors import CheckpointError, ConfigError, DataError
 from torchship.io import git_revision
+from torchship.models import Normalize, build_model, check_arch, parse_model_args
 
 from . import checkpoint as ck
 from .config import TrainConfig
 from .data import DataSplit, check_data_source, collate_inputs, heldout_batch, is_factory, load_data
 from .distributed import Dist, _batches, _loader, init_distributed
 from .userdata import load_user_data
-from torchship.models import Normalize, build_model, check_arch, parse_model_args
 
 
 @dataclass
@@ -121,7 +122,7 @@ def prepare_out(cfg: TrainConfig) -> Path:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file")
-    if (out / "checkpoints" / ck.INDEX).exists() and not cfg.overwrite and not cfg.resolved_resume():
+    if (out / "checkpoints" / INDEX).exists() and not cfg.overwrite and not cfg.resolved_resume():
         raise ConfigError(f"--out {out} already holds checkpoints; pass --resume {out} to continue, "
                           "--overwrite to start over, or another --out")
     return out
@@ -140,7 +141,7 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
     check_arch(cfg.arch)
     out = prepare_out(cfg)
     resume = cfg.resolved_resume()  # before this run writes a checkpoint of its own
-    resume_dir = ck.resolve_checkpoint(resume, which="latest") if resume else None
+    resume_dir = resolve_checkpoint(resume, which="latest") if resume else None
     ck.seed_everything(cfg.seed)
     data = load_split(cfg)  # a data factory's mistakes too surface before anything is written
     d = init_distributed(device)
@@ -183,12 +184,12 @@ def _train(cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Op
 
     state = None
     if resume_dir is not None:
-        meta = ck.load_meta(resume_dir)
+        meta = load_meta(resume_dir)
         if meta.get("arch") != cfg.arch or meta.get("num_classes") != n_classes:
             raise CheckpointError(
                 f"--resume {resume_dir} holds {meta.get('arch')} with {meta.get('num_classes')} classes, "
                 f"but this run trains {cfg.arch} with {n_classes} classes")
-        ck.load_into(model, ck.load_weights(resume_dir), f"--resume {resume_dir}")
+        load_into(model, load_weights(resume_dir), f"--resume {resume_dir}")
         state = ck.load_train_state(resume_dir)
     model.to(device)
     if cfg.channels_last:
@@ -353,10 +354,10 @@ def _train(cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Op
         if stopped:
             break
     wall = time.perf_counter() - t_start
-    index = ck.read_index(out / "checkpoints")
+    index = read_index(out / "checkpoints")
     result = TrainResult(best=out / "checkpoints" / index.get("best", ""), latest=out / "checkpoints" / index.get("latest", ""),
                          val_acc=val_acc, best_val_acc=max(best_acc, 0.0), steps=global_step, wall_s=wall,
                          images_per_s=images_done / max(time.perf_counter() - t_loop, 1e-9), world_size=d.world)
     if d.main:
-        log(f"done in {wall:.1f}s: best val_acc {100 * result.best_val_acc:.2f}%; weights: {result.best / ck.WEIGHTS}")
+        log(f"done in {wall:.1f}s: best val_acc {100 * result.best_val_acc:.2f}%; weights: {result.best / WEIGHTS}")
     return result

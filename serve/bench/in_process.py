@@ -3,52 +3,34 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from torchship.errors import TorchshipError
-from torchship.manifest import artifact, bench_inputs, read_reference
+from torchship.manifest import artifact
 
 from .config import BenchConfig
+from .inputs import BenchInputs, real_inputs
 from .stats import summarize
 
 
-def reference_pool(export_dir: Path, manifest: dict, shape: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-    """The inputs a benchmark draws from, by input name (torchship.manifest.bench_inputs), read and checked
-    once per stage."""
-    return bench_inputs(read_reference(export_dir, manifest), manifest, shape)[0]
-
-
-def real_inputs(pool: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
-    """A batch of every input drawn from ``pool`` (tiled if it holds fewer rows)."""
-    reps = -(-batch // len(next(iter(pool.values()))))
-    return {k: np.ascontiguousarray(np.concatenate([v] * reps)[:batch]) for k, v in pool.items()}
-
-
-def single_rows(pool: dict[str, np.ndarray], n: int) -> list[dict[str, np.ndarray]]:
-    """``n`` batch-1 requests (feeds by input name) drawn from ``pool``."""
-    batch = real_inputs(pool, n)
-    return [{k: v[i:i + 1] for k, v in batch.items()} for i in range(n)]
-
-
-def load_variants(cfg: BenchConfig, export_dir: Path, manifest: dict, device: str) -> tuple[dict[str, Callable], dict]:
+def load_variants(cfg: BenchConfig, inputs: BenchInputs, device: str) -> tuple[dict[str, Callable], dict]:
     """{variant: function of a batch}, and a note per variant that could not be loaded (or its providers)."""
     from torchship import runtime
 
     runners: dict[str, Callable] = {}
     notes: dict[str, str] = {}
+    manifest = inputs.manifest
     ins, outs = [i["name"] for i in manifest["inputs"]], [o["name"] for o in manifest["outputs"]]
     for v in cfg.variants:
         try:
             if v == "eager":
-                from export.source import eager_from_manifest
-
-                fn = runtime.torch_fn(eager_from_manifest(manifest).to(device), device)
+                if inputs.eager is None:
+                    notes[v] = f"skipped: {inputs.eager_error}"
+                    continue
+                fn = runtime.torch_fn(inputs.eager.to(device), device)
                 runners[v] = lambda feeds, fn=fn: fn([feeds[n] for n in ins])
                 continue
-            r = runtime.load_artifact(str(export_dir), artifact(manifest, v), ins, outs, device=device, threads=cfg.threads)
+            r = runtime.load_artifact(str(inputs.export_dir), artifact(manifest, v), ins, outs, device=device, threads=cfg.threads)
             runners[v] = r.run
             if v == "onnx":
                 notes[v] = f"ONNX Runtime providers: {', '.join(r.session.get_providers())}"
@@ -57,6 +39,15 @@ def load_variants(cfg: BenchConfig, export_dir: Path, manifest: dict, device: st
         except Exception as e:
             notes[v] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return runners, notes
+
+
+def batch_sizes(cfg: BenchConfig, manifest: dict) -> list[int]:
+    return [b for b in cfg.batch_sizes if b <= manifest["max_batch"]]
+
+
+def in_process_runs(cfg: BenchConfig, runners: dict, manifest: dict) -> int:
+    """How many timed calls bench_in_process makes with ``runners``: the progress bar's share."""
+    return len(runners) * len(batch_sizes(cfg, manifest)) * cfg.blocks * max(1, cfg.iters // cfg.blocks)
 
 
 def time_blocks(paths: dict[str, Callable[[], Any]], blocks: int, per_block: int, bar) -> dict[str, list[float]]:
@@ -74,20 +65,19 @@ def time_blocks(paths: dict[str, Callable[[], Any]], blocks: int, per_block: int
     return lat
 
 
-def bench_in_process(cfg: BenchConfig, export_dir: Path, manifest: dict, device: str, bar) -> dict[str, Any]:
-    """Latency and samples/s per variant and batch size, on the export's real samples (or --shape's)."""
+def bench_in_process(cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, Callable], notes: dict[str, str],
+                     device: str, bar) -> dict[str, Any]:
+    """Latency and samples/s per loaded variant and batch size, on the export's real samples (or --shape's)."""
     import torch
 
     torch.set_num_threads(cfg.threads)
-    runners, notes = load_variants(cfg, export_dir, manifest, device)
     rows = []
     raw: dict[str, list[float]] = {}
-    pool = reference_pool(export_dir, manifest, cfg.shape_values())
     for b in cfg.batch_sizes:
-        if b > manifest["max_batch"]:
-            notes[f"batch {b}"] = f"skipped: above the export's max batch {manifest['max_batch']}"
+        if b not in batch_sizes(cfg, inputs.manifest):
+            notes[f"batch {b}"] = f"skipped: above the export's max batch {inputs.manifest['max_batch']}"
             continue
-        x = real_inputs(pool, b)
+        x = real_inputs(inputs.pool, b)
         for fn in runners.values():
             for _ in range(cfg.warmup):
                 fn(x)

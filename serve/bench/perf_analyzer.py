@@ -18,6 +18,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchship" / "perf_analyzer"
 NEEDED = {"libb64.so.0d": "libb64-", "libcudart.so.12": "libcudart-"}
@@ -55,8 +57,7 @@ def install() -> Path:
     return CACHE / "bin" / "perf_analyzer"
 
 
-def run(binary: str, url: str, model: str, levels: list[int], manifest: dict[str, Any], requests: int = 300,
-        shape: dict[str, int] | None = None) -> list[dict]:
+def run(binary: str, url: str, model: str, levels: list[int], pool: dict[str, np.ndarray], requests: int = 300) -> list[dict]:
     """perf_analyzer at each concurrency level (count windows, and windows may differ by 50 %: the
     defaults never settle on a small noisy machine). Returns per level: throughput and latency percentiles in ms, server breakdown in µs."""
     env = dict(os.environ)
@@ -64,7 +65,7 @@ def run(binary: str, url: str, model: str, levels: list[int], manifest: dict[str
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "input.json"
-        data.write_text(input_data_json(manifest, shape=shape))
+        data.write_text(input_data_json(pool))
         for c in levels:
             report = Path(tmp) / f"c{c}.csv"
             cmd = [binary, "-m", model, "-u", url, "-i", "grpc", "-b", "1", f"--concurrency-range={c}:{c}",
@@ -82,14 +83,11 @@ def run(binary: str, url: str, model: str, levels: list[int], manifest: dict[str
     return rows
 
 
-def input_data_json(manifest: dict[str, Any], count: int = 16, shape: dict[str, int] | None = None) -> str:
-    """The bench's samples of every input in perf_analyzer's JSON input format (random bytes would include
-    NaNs, and integers out of range)."""
+def input_data_json(pool: dict[str, np.ndarray], count: int = 16) -> str:
+    """The bench's samples of every input (``pool``, by input name) in perf_analyzer's JSON input format
+    (random bytes would include NaNs, and integers out of range)."""
     import json
 
-    from torchship.manifest import bench_inputs, read_reference
-
-    pool = bench_inputs(read_reference(manifest["_dir"], manifest), manifest, shape)[0]
     n = min(count, len(next(iter(pool.values()))))
 
     def content(x):
@@ -98,7 +96,7 @@ def input_data_json(manifest: dict[str, Any], count: int = 16, shape: dict[str, 
     return json.dumps({"data": rows})
 
 
-def cross_check(cfg, url: str, models: list[str], manifest: dict[str, Any]) -> dict[str, Any]:
+def cross_check(cfg, url: str, models: list[str], pool: dict[str, np.ndarray]) -> dict[str, Any]:
     """perf_analyzer at concurrency 1 and the highest level, on the ONNX model where one is served (else the
     first): {model: {"levels": [...], "dynamic_batching": bool}} or {"skipped": why}."""
     if not cfg.cross_check:
@@ -111,8 +109,7 @@ def cross_check(cfg, url: str, models: list[str], manifest: dict[str, Any]) -> d
     model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
     try:
         batching = "dynamic_batching" in TritonClient(url).config(model)  # the config perf_analyzer meets
-        return {model: {"levels": run(binary, url, model, [1, max(cfg.concurrency)], manifest,
-                                            shape=cfg.shape_values()), "dynamic_batching": batching}}
+        return {model: {"levels": run(binary, url, model, [1, max(cfg.concurrency)], pool), "dynamic_batching": batching}}
     except Exception as e:
         return {model: {"error": f"{type(e).__name__}: {e}"}}
 

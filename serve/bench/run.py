@@ -9,13 +9,14 @@ from typing import Any
 
 from torchship.errors import BenchError, TorchshipError
 from torchship.io import atomic_write_json
-from torchship.manifest import bench_inputs, check_shape, read_manifest, read_reference
+from torchship.manifest import check_shape, read_manifest
 
 from .compare import RESULTS_FORMAT
 from .config import BenchConfig
-from .in_process import bench_in_process
+from .in_process import bench_in_process, in_process_runs, load_variants
+from .inputs import BenchInputs, load_inputs, real_inputs
 from .recommend import recommend, write_recommendation
-from .served import bench_served, check_models, served_runs, start_own_server
+from .served import bench_served, served_plan, served_runs, start_own_server
 from .stats import device_peak, flops_per_sample, machine_info
 
 
@@ -23,7 +24,8 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     """Measure, then write OUT/results.json, OUT/report.md and plots. Partial results are written
     even when a part fails; the failure is raised afterwards as BenchError/ServerError/ClientError.
     The served part runs against ``server`` (a started ``bench_server``, left running) if given, else
-    against ``cfg.url``, else against an embedded server of its own."""
+    against ``cfg.url``, else against an embedded server of its own. The manifest, the reference inputs
+    and eager are read once, here, and handed to every part."""
     import torch
 
     from .report import write_report
@@ -33,17 +35,17 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     export_dir = Path(cfg.export_dir)
     manifest = read_manifest(export_dir)
     check_shape(manifest, cfg.shape_values())
-    if cfg.models and not cfg.skip_served:
-        check_models(cfg, manifest, server)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     device = manifest.get("device", "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise BenchError(f"{export_dir} was exported for CUDA; no GPU is visible here")
+    plan = None if cfg.skip_served else served_plan(cfg, manifest, server)
+    inputs = load_inputs(export_dir, manifest, cfg.shape_values())
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"format": RESULTS_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                "export": {"dir": str(export_dir.resolve()), "name": manifest["name"],
                                           "input_shape": manifest["inputs"][0]["shape"], "dtype": manifest.get("dtype"),
-                                          "inputs": manifest["inputs"]},
+                                          "inputs": manifest["inputs"], "samples": inputs.samples},
                                "config": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(cfg).items()
                                           if k != "serve"},
                                "machine": machine_info(), "errors": []}
@@ -51,45 +53,33 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     def save() -> None:
         atomic_write_json(out / "results.json", results)
 
-    try:  # limits: FLOPs per sample and the measured device peak
-        from export.source import eager_from_manifest
-
-        from .in_process import real_inputs
-
-        pool, results["export"]["samples"] = bench_inputs(read_reference(export_dir, manifest), manifest, cfg.shape_values())
-        feeds = real_inputs(pool, 2)
-        results["limits"] = {"flops_per_sample": flops_per_sample(eager_from_manifest(manifest),
-                                                                  [feeds[t["name"]] for t in manifest["inputs"]]),
-                             **device_peak(device, cfg.threads)}
-    except TorchshipError as e:
-        results["limits"] = {"error": str(e)}
+    results["limits"] = limits(inputs, device, cfg.threads)
     save()
+    runners, notes = ({}, {}) if cfg.skip_in_process else load_variants(cfg, inputs, device)
     bar = None
     if cfg.progress:
         from tqdm import tqdm
 
-        from ..repository import model_names
-
-        n_in = 0 if cfg.skip_in_process else len(cfg.variants) * (cfg.iters // cfg.blocks) * cfg.blocks * \
-            len([b for b in cfg.batch_sizes if b <= manifest["max_batch"]])
-        embedded = server is not None or not cfg.url
-        expected = list(cfg.models) or list(model_names(manifest).values())  # until the server says what it serves
-        n_served = 0 if cfg.skip_served else served_runs(cfg, manifest, expected, embedded, embedded)
-        bar = tqdm(total=n_in + n_served, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
+        total = in_process_runs(cfg, runners, manifest)
+        if plan is not None and plan.error is None:
+            total += served_runs(cfg, manifest, plan.models, plan.embedded, plan.noop)
+        bar = tqdm(total=total, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
     failure: TorchshipError | None = None
     try:
         if not cfg.skip_in_process:
             log("in-process: " + ", ".join(cfg.variants) + f" at batch {', '.join(map(str, cfg.batch_sizes))}")
-            results["in_process"] = bench_in_process(cfg, export_dir, manifest, device, bar)
+            results["in_process"] = bench_in_process(cfg, inputs, runners, notes, device, bar)
             save()
-        if not cfg.skip_served:
+        if plan is not None:
+            if plan.error is not None:
+                raise plan.error
             own = server is None and not cfg.url
             try:
                 if own:
                     server = start_own_server(cfg, export_dir, manifest, out)
                 url = server.url if server is not None else cfg.url
                 log(f"served: {url}")
-                bench_served(cfg, export_dir, manifest, url, server, bar, results, save)
+                bench_served(cfg, inputs, plan, url, server, bar, results, save)
             finally:
                 if own and server is not None:
                     server.stop()
@@ -114,3 +104,15 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     if "error" in rec and cfg.p99_budget_ms is not None:
         raise BenchError(f"{rec['error']} (results kept in {out / 'results.json'})")
     return results
+
+
+def limits(inputs: BenchInputs, device: str, threads: int) -> dict[str, Any]:
+    """FLOPs per sample (eager on two real samples) and the measured device peak."""
+    if inputs.eager is None:
+        return {"error": inputs.eager_error}
+    try:
+        feeds = real_inputs(inputs.pool, 2)
+        flops = flops_per_sample(inputs.eager, [feeds[t["name"]] for t in inputs.manifest["inputs"]])
+        return {"flops_per_sample": flops, **device_peak(device, threads)}
+    except TorchshipError as e:
+        return {"error": str(e)}

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from torchship.errors import BenchError, ClientError, TorchshipError
+from torchship.errors import BenchError, TorchshipError
+from torchship.names import format_of, model_names, models_of
 
 from ..client import TritonClient
-from ..repository import DTYPES, config_dims, read_config, repository_models, served_config_path
+from ..repository import DTYPES, config_dims, read_config, repository_models, servable_formats, served_config_path
 from .config import BenchConfig
-from .in_process import reference_pool, single_rows
+from .inputs import BenchInputs, single_rows
 from .load import closed_loop, level_row, open_loop
 from .stats import served_count, settled_stats, stats_delta, stats_of
 
@@ -63,45 +65,53 @@ def start_own_server(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Pa
     return server.start()
 
 
-def format_of(model: str, manifest: dict) -> str:
-    return model[len(manifest["name"]) + 1:]
+@dataclass
+class ServedPlan:
+    """The served part's plan, known before anything is timed: the models it sweeps, whether the server is
+    embedded (only then are models reloaded with other configs) and whether the no-op model is timed.
+    ``error``: the server at --url could not be asked what it serves; the served part raises it."""
+
+    models: list[str]
+    embedded: bool
+    noop: bool
+    error: Optional[TorchshipError] = None
 
 
-def served_models(client, manifest: dict, cfg: BenchConfig) -> list[str]:
-    ready = client.require_models(cfg.models)
-    if cfg.models:
-        return list(cfg.models)
-    mine = [m for m in ready if m.startswith(manifest["name"] + "_")]
-    if not mine:
-        raise ClientError(f"no model of {manifest['name']!r} is served at {client.url} (served: {', '.join(ready) or 'none'})")
-    return mine
-
-
-def check_models(cfg: BenchConfig, manifest: dict, server=None) -> None:
-    """Refuse --models naming a model that will not be served, before anything is measured or written:
-    the models of the given server, else of the server at --url, else of the repository the bench
-    serves itself (--repo, or the one it builds from the export)."""
+def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
+    """What the served part will sweep: --models, else the export's models on the given server, else on the
+    server at --url, else in the repository the bench serves itself (--repo, or the one it builds from the
+    export). --models naming a model that will not be served is refused here, before anything is measured
+    or written."""
+    error = None
     if server is not None:
-        where, known = f"the server at {server.url}", list(server.loaded)
+        where, known, embedded = f"the server at {server.url}", list(server.loaded), True
     elif cfg.url:
+        where, known, embedded = f"the server at {cfg.url}", [], False
         client = TritonClient(cfg.url)
         try:
             client.wait_ready(15)
-            where, known = f"the server at {cfg.url}", client.ready_models()
+            known = client.ready_models()
+        except TorchshipError as e:
+            if cfg.models:
+                raise
+            error = e
         finally:
             client.close()
     elif cfg.repo:
         repo = Path(cfg.repo)
         if not repo.is_dir():
             raise BenchError(f"--repo {repo}: no such directory (build one with torchship repo)")
-        where, known = f"repository {repo}", repository_models(repo)
+        where, known, embedded = f"repository {repo}", repository_models(repo), True
     else:
-        from ..repository import model_names
-
-        where, known = f"the repository built from {cfg.export_dir}", sorted(model_names(manifest).values())
+        where, embedded = f"the repository built from {cfg.export_dir}", True
+        known = sorted(model_names(manifest, servable_formats(manifest)).values())
     missing = [m for m in cfg.models if m not in known]
     if missing:
         raise BenchError(f"--models {' '.join(missing)}: not in {where}; choose from {', '.join(known) or 'none'}")
+    models = list(cfg.models) or models_of(manifest, known)
+    if not models and error is None:
+        raise BenchError(f"no model of {manifest['name']!r} is served in {where} (served: {', '.join(known) or 'none'})")
+    return ServedPlan(models, embedded, embedded or NOOP_MODEL in known, error)
 
 
 def sweep(url: str, model: str, inputs: list[dict[str, np.ndarray]], cfg: BenchConfig, levels, bar, client) -> list[dict]:
@@ -131,21 +141,17 @@ def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: b
     return n + noop * cfg.requests
 
 
-def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, server, bar, results: dict,
+def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: str, server, bar, results: dict,
                  save: Callable[[], None]) -> None:
-    """Fill results["served"]: every served model of the export swept over cfg.concurrency, then (on the
-    embedded ``server``) again with dynamic batching off and at other queue delays."""
+    """Fill results["served"]: every model of the plan swept over cfg.concurrency, then (on the embedded
+    ``server``) again with dynamic batching off and at other queue delays."""
+    manifest, models, embedded, noop = inputs.manifest, plan.models, plan.embedded, plan.noop
     client = TritonClient(url)
     client.wait_ready(15)
-    models = served_models(client, manifest, cfg)
-    embedded = server is not None
-    noop = embedded or NOOP_MODEL in client.ready_models()  # an embedded server can load it itself
-    if bar is not None:  # the start-up count assumed the export's three formats
-        bar.total = bar.n + served_runs(cfg, manifest, models, embedded, noop)
-        bar.refresh()
+    client.require_models(models)
     served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {}}
     results["served"] = served
-    singles = single_rows(reference_pool(export_dir, manifest, cfg.shape_values()), 64)  # batch-1 requests
+    singles = single_rows(inputs.pool, 64)  # batch-1 requests
 
     def run(model: str, levels=cfg.concurrency) -> list[dict]:
         return sweep(url, model, singles, cfg, levels, bar, client)
@@ -187,5 +193,5 @@ def bench_served(cfg: BenchConfig, export_dir: Path, manifest: dict, url: str, s
         served["open_loop"] = {m: open_loop(url, m, singles, cfg.rate, cfg.duration_s) for m in models}
     from .perf_analyzer import cross_check
 
-    served["perf_analyzer"] = cross_check(cfg, url, models, {**manifest, "_dir": str(export_dir)})
+    served["perf_analyzer"] = cross_check(cfg, url, models, inputs.pool)
     client.close()

@@ -59,7 +59,7 @@ def mlp_export(weights, tmp_path_factory):
 def text_checkpoint(tmp_path_factory):
     """The text classifier trained for one epoch on its data factory by 2 DDP ranks (the CLI's torchrun launch)."""
     out = tmp_path_factory.mktemp("text") / "train"
-    r = subprocess.run([sys.executable, "-m", "torchship.cli", "train", "--arch", f"{MODELS}:text_classifier",
+    r = subprocess.run([sys.executable, "-m", "torchship.pipeline.cli", "train", "--arch", f"{MODELS}:text_classifier",
                         "--data", f"{MODELS}:topic_texts", "--nproc", "2", "--epochs", "1", "--batch-size", "32",
                         "--lr", "0.03", "--amp", "off", "--no-progress", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -116,7 +116,7 @@ def test_dict_samples_reach_forward_by_keyword(text_checkpoint, tmp_path):
     import torch
 
     from export.source import from_checkpoint
-    from train import checkpoint as ck
+    from torchship import checkpoint as ck
 
     def accuracy(ckpt) -> float:
         src = from_checkpoint(ckpt)
@@ -323,10 +323,15 @@ def test_bench_shape_picks_the_size_of_a_dynamic_dim(text_export, tmp_path, caps
     import torch
 
     from serve.bench.config import BenchConfig
-    from serve.bench.in_process import reference_pool
     from torchship.config import build
+    from torchship.manifest import bench_inputs, read_reference
 
     m = read_manifest(text_export)
+    ref = read_reference(text_export, m)
+
+    def reference_pool(d, m, shape=None):
+        return bench_inputs(ref, m, shape)[0]
+
     at64 = reference_pool(text_export, m, {"S": 64})
     assert all(v.shape[1] == 64 for v in at64.values()) and len(at64["input_ids"]) == 8  # random_b8_S=64
     at40 = reference_pool(text_export, m, {"S": 40})

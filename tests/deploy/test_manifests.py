@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from serve.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, REPOSITORY_DIR, TRITON_IMAGE, RepoConfig
-from serve.repository import model_names
+from torchship.names import model_names
 from train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -165,7 +165,7 @@ def test_ctrl_c_ends_with_one_line_and_leaves_no_process(tmp_path, stage, waits_
     import time
 
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "torchship.cli", "run", "--out", str(out), "--config", str(CONFIG), "--set",
+    argv = [sys.executable, "-m", "torchship.pipeline.cli", "run", "--out", str(out), "--config", str(CONFIG), "--set",
             "train.nproc=2", "--set", "train.epochs=30" if stage == "train" else "train.epochs=1", "--set",
             f"bench.requests={400 if stage == 'train' else 5000}", "--set", 'export.formats=["onnx"]', "--set", 'repo.formats=["onnx"]',
             "--set", 'bench.variants=["onnx"]']
@@ -243,8 +243,8 @@ def test_a_corrupt_run_record_is_refused_before_any_stage_runs(tmp_path, capsys)
 
 def test_the_summary_names_a_file_it_cannot_read(tmp_path):
     """summary.md is written after a failure too, so a bad file must not replace the run's own error."""
-    from torchship.run import layout
-    from torchship.summary import summarize
+    from torchship.pipeline.run import layout
+    from torchship.pipeline.summary import summarize
 
     dirs = layout(tmp_path)
     for d, name in ((dirs["export"], "manifest.json"), (dirs["bench"], "results.json")):

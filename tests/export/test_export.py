@@ -42,7 +42,7 @@ def load(exported, fmt):
 @pytest.mark.parametrize("fmt", runtime.FORMATS)
 def test_dynamic_batch_is_really_dynamic(exported, fmt):
     """Exported with an example batch of 2; batch 5 (and 7) must run and match eager."""
-    from export.source import eager_from_manifest
+    from torchship.eager import eager_from_manifest
 
     r, m = load(exported, fmt)
     model = eager_from_manifest(m)
@@ -70,7 +70,7 @@ def test_names_agree_across_manifest_onnx_graph_and_loaders(exported):
 
 def test_normalization_lives_in_the_graph(exported):
     """The contract: raw [0, 1] images in; the artifact normalizes exactly as training did."""
-    from train import checkpoint as ck
+    from torchship import checkpoint as ck
     from torchship.models import model_from_meta
 
     m = read_manifest(exported)

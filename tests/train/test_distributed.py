@@ -69,7 +69,7 @@ def test_sharding_check_can_fail(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_torchship_train_nproc_2_launches_ranks(tmp_path):
     """The CLI's --nproc path (in-process torchrun launch), end to end."""
-    r = subprocess.run([sys.executable, "-m", "torchship.cli", "train", "--arch", "tiny_cnn", "--data", "synthetic",
+    r = subprocess.run([sys.executable, "-m", "torchship.pipeline.cli", "train", "--arch", "tiny_cnn", "--data", "synthetic",
                         "--synthetic-samples", "64", "--epochs", "1", "--batch-size", "16", "--nproc", "2",
                         "--out", str(tmp_path / "o"), "--no-progress"], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -9,7 +9,7 @@ import torch
 
 from torchship.config import build
 from torchship.errors import CheckpointError
-from train import checkpoint as ck
+from torchship import checkpoint as ck
 from train.config import TrainConfig
 from train.loop import train
 from torchship.models import build_model

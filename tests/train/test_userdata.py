@@ -12,7 +12,7 @@ import torch
 from tests.anymodel.models import tabular, topic_texts
 from tests.conftest import run_cli
 from torchship.config import build
-from train import checkpoint as ck
+from torchship import checkpoint as ck
 from train.config import TrainConfig
 from train.loop import train
 from train.userdata import infer_signature

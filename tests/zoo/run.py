@@ -26,7 +26,7 @@ import numpy as np
 
 from tests.zoo import models as zoo
 from torchship.io import atomic_write_json, atomic_write_text
-from torchship.summary import RssSampler
+from torchship.pipeline.summary import RssSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def run_model(entry: zoo.Entry, out: Path, serve: bool = True, keep: bool = Fals
     weights = weights_for(entry, d / "weights.pt")
     rec["weights_seconds"] = round(time.perf_counter() - t0, 1)
     rec["weights_bytes"] = weights.stat().st_size
-    ts = [sys.executable, "-m", "torchship.cli"]
+    ts = [sys.executable, "-m", "torchship.pipeline.cli"]
     export = [*ts, "export", "--model", rec["factory"], *[a for arg in model_args(entry) for a in ("--model-arg", arg)],
               "--weights", str(weights), *entry.flags, *entry.export, "--name", entry.name, "--out", str(d / "export"),
               "--overwrite"]

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import build, flag_name, load_config_file, opt
-from .errors import ConfigError, GateError, Interrupted
-from .io import atomic_write_json, atomic_write_text, read_json
+from ..config import build, flag_name, load_config_file, opt
+from ..errors import ConfigError, GateError, Interrupted
+from ..io import atomic_write_json, atomic_write_text, read_json
 from .summary import RssSampler, outcome_line, summarize
 
 SECTIONS = ("train", "export", "repo", "serve", "bench", "run")
@@ -136,7 +136,7 @@ class Run:
 
 
 def stage_train(run: Run, t0: float) -> None:
-    from train import checkpoint as ck
+    from torchship import checkpoint as ck
     from train.launch import run_train
 
     cfg = run.cfg["train"]
@@ -225,7 +225,8 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     on) for Ctrl-C or SIGTERM."""
     start = ALIASES.get(start, start)
     if start not in STAGE_NAMES:
-        raise ConfigError(f"--from {start}: choose one of {', '.join(STAGE_NAMES)}")
+        raise ConfigError(f"--from {start}: choose one of {', '.join(STAGE_NAMES)} "
+                          f"({'; '.join(f'{a} means {s}' for a, s in ALIASES.items())})")
     first = STAGE_NAMES.index(start)
     if first == 0 and not overwrite and has_checkpoints(run_dir):
         raise ConfigError(f"--out {run_dir} already holds a trained run; pass --from STAGE ({', '.join(STAGE_NAMES[1:])}) "
@@ -285,7 +286,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>; with --from: the newest run)")
     p.add_argument("--config", default=None, help=f"TOML or YAML file with [{'] ['.join(SECTIONS)}] sections")
     p.add_argument("--from", dest="start", default="train", metavar="STAGE",
-                   help=f"start at this stage, reusing the run folder's earlier outputs: {', '.join(STAGE_NAMES)}")
+                   help=f"start at this stage, reusing the run folder's earlier outputs: {', '.join(STAGE_NAMES)} "
+                        f"({'; '.join(f'{a} means {s}' for a, s in ALIASES.items())})")
     p.add_argument("--overwrite", action="store_true",
                    help="redo a run folder whose training wrote checkpoints from training, replacing them")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",

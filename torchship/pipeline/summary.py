@@ -8,9 +8,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .errors import TorchshipError
-from .manifest import MANIFEST, read_manifest
-from .parity import artifact_summary
+from ..errors import TorchshipError
+from ..manifest import MANIFEST, read_manifest
+from ..parity import artifact_summary
 
 
 class RssSampler:

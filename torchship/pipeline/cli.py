@@ -7,7 +7,7 @@ import importlib
 import sys
 import warnings
 
-from .errors import Interrupted, TorchshipError
+from ..errors import Interrupted, TorchshipError
 
 # subcommand -> (module, help). Modules are imported lazily so `torchship --help` is fast.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -19,15 +19,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serve.cli", "start the embedded Triton Inference Server on a repository"),
     "infer": ("serve.cli", "send images, .npz requests or an export's samples to a Triton server over gRPC"),
     "bench": ("serve.bench.cli", "benchmark in-process and served latency/throughput, or compare two results"),
-    "run": ("torchship.run", "train, export, verify, serve, check and benchmark in one run folder"),
+    "run": ("torchship.pipeline.run", "every stage in one run folder: train, export (each format verified against "
+                                      "eager), repo (the Triton repository), check (served outputs over gRPC against "
+                                      "eager) and bench"),
 }
 
 
 EXIT_RULE = ("Exit status: 0 when every requested format is exported and verified; 3 when a format not marked "
              "--optional cannot be exported or disagrees with the reference (the export directory is still written, "
              "and torchship repo serves only the formats that passed); 2 for a usage or input error.")
-EPILOGS = {"export": EXIT_RULE + " Also 3 when eager's outputs are the same for every reference input "
-                                 "(--allow-degenerate goes on).", "verify": EXIT_RULE}
+EXPORT_EXAMPLES = ("Examples: 'torchship export runs/RUN/train' (a torchship checkpoint: the signature, preprocessing "
+                   "and held-out samples come from it); 'torchship export --model torchvision.models:resnet50 --weights "
+                   "resnet50.pt --input x:float32:B,3,224,224' (your own model: a factory, a state_dict file and the "
+                   "signature).")
+EPILOGS = {"export": EXPORT_EXAMPLES + " " + EXIT_RULE + " Also 3 when eager's outputs are the same for every reference "
+                                                        "input (--allow-degenerate goes on).", "verify": EXIT_RULE}
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -1,0 +1,47 @@
+"""What every part of one bench run reads, read once: the export's manifest, its reference inputs
+(their sha256 checked) and the eager model rebuilt from the manifest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from torchship.eager import eager_from_manifest
+from torchship.errors import TorchshipError
+from torchship.manifest import bench_inputs, read_reference
+
+
+@dataclass
+class BenchInputs:
+    export_dir: Path
+    manifest: dict[str, Any]
+    pool: dict[str, np.ndarray]  # the inputs requests are drawn from, by input name
+    samples: str  # what they are, in words
+    eager: Any = None  # the eager model, or None when it cannot be rebuilt (eager_error says why)
+    eager_error: Optional[str] = None
+
+
+def load_inputs(export_dir: Path, manifest: dict[str, Any], shape: dict[str, int] | None) -> BenchInputs:
+    """Read the reference inputs (ArtifactError if reference.npz is missing or altered) and rebuild eager."""
+    pool, samples = bench_inputs(read_reference(export_dir, manifest), manifest, shape)
+    inputs = BenchInputs(Path(export_dir), manifest, pool, samples)
+    try:
+        inputs.eager = eager_from_manifest(manifest)
+    except TorchshipError as e:
+        inputs.eager_error = str(e)
+    return inputs
+
+
+def real_inputs(pool: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+    """A batch of every input drawn from ``pool`` (tiled if it holds fewer rows)."""
+    reps = -(-batch // len(next(iter(pool.values()))))
+    return {k: np.ascontiguousarray(np.concatenate([v] * reps)[:batch]) for k, v in pool.items()}
+
+
+def single_rows(pool: dict[str, np.ndarray], n: int) -> list[dict[str, np.ndarray]]:
+    """``n`` batch-1 requests (feeds by input name) drawn from ``pool``."""
+    batch = real_inputs(pool, n)
+    return [{k: v[i:i + 1] for k, v in batch.items()} for i in range(n)]

@@ -1,0 +1,62 @@
+"""The image input contract shared by training, export and serving: how a picture becomes the float32 NCHW
+tensor in [0, 1] a model sees (normalization is inside the model, see torchship.models.WithPreprocessing)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .errors import DataError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+
+@dataclass
+class Preprocessing:
+    """How images were prepared for the model, recorded in its checkpoint and export manifest."""
+
+    image_size: list[int]          # [height, width] after resizing, pixels
+    channels: int                  # channels fed to the model (grayscale is replicated to 3)
+    mean: list[float]              # per-channel mean subtracted from [0, 1] pixels
+    std: list[float]               # per-channel std the result is divided by
+    layout: str = "NCHW"
+    dtype: str = "float32"
+    value_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    resize: str = "bilinear"       # interpolation used to reach image_size
+    source_scale: str = "pixel / 255"  # how raw pixels become [0, 1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ImageFolderDataset(Dataset):
+    """Images from an ImageFolder tree, resized to a square and scaled to [0, 1] RGB."""
+
+    def __init__(self, files: list[tuple[str, int]], image_size: int):
+        self.files = files
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        path, label = self.files[i]
+        try:
+            with Image.open(path) as im:
+                im = im.convert("RGB").resize((self.image_size, self.image_size), Image.BILINEAR)
+                arr = np.asarray(im, dtype=np.float32) / 255.0
+        except OSError as e:
+            raise DataError(f"cannot read image {path}: {e}") from None
+        return torch.from_numpy(arr).permute(2, 0, 1).contiguous(), label
+
+
+def load_image_file(path: str | Path, image_size: int) -> np.ndarray:
+    """One image file as a float32 CHW array in [0, 1], preprocessed as in training."""
+    return ImageFolderDataset([(str(path), 0)], image_size)[0][0].numpy()

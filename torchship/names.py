@@ -1,0 +1,38 @@
+"""One rule for names: an export is named after its model, and each Triton model after the export and
+the format it serves (``<export name>_<format>``); the rule read backwards finds a served model's format."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+SERVED_FORMATS = ("onnx", "torchscript", "aoti")  # the formats a repository serves, one Triton model each
+
+
+def export_name(spec: str) -> str:
+    """An export's name from its model: a built-in architecture's name, or a factory's function name
+    (``package.module:factory`` -> ``factory``)."""
+    return spec.split(":")[-1]
+
+
+def model_name(manifest: dict[str, Any], fmt: str) -> str:
+    """The Triton model that serves ``fmt`` of the export ``manifest`` describes."""
+    if fmt not in SERVED_FORMATS:
+        raise ValueError(f"{fmt!r} is not served; served formats: {', '.join(SERVED_FORMATS)}")
+    return f"{manifest['name']}_{fmt}"
+
+
+def model_names(manifest: dict[str, Any], formats: Iterable[str] = SERVED_FORMATS) -> dict[str, str]:
+    """format -> Triton model name."""
+    return {f: model_name(manifest, f) for f in formats}
+
+
+def format_of(model: str, manifest: dict[str, Any]) -> Optional[str]:
+    """The format a Triton model serves, if it is one of this export's models; else None."""
+    prefix = f"{manifest['name']}_"
+    fmt = model[len(prefix):] if model.startswith(prefix) else None
+    return fmt if fmt in SERVED_FORMATS else None
+
+
+def models_of(manifest: dict[str, Any], served: Iterable[str]) -> list[str]:
+    """The served models that belong to this export, in the order given."""
+    return [m for m in served if format_of(m, manifest)]
