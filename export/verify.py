@@ -20,6 +20,7 @@ from torchship.device import usable_cpus
 from torchship.io import atomic_write_text
 from torchship.parity import check_output
 from torchship.manifest import PARITY_MD, REFERENCE, check_hashes, read_manifest, write_manifest
+from torchship.markdown import table
 
 
 def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, threads: int, tmp: Path) -> dict:
@@ -136,28 +137,33 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
     if manifest["reference"].get("degenerate"):
         lines += [f"**Blind check:** eager's output {', '.join(manifest['reference']['degenerate'])} is the same for "
                   "every reference input (exported with --allow-degenerate).", ""]
-    lines += ["| output | largest reference value | eager's own error | bound |", "|---|---|---|---|"]
+    outputs = []
     for o, t in tol["outputs"].items():
         eager = f"{t['eager_error']:.2e}" if "eager_error" in t else "-"
         limit = f"{t['atol']:.2e}" + (f" + {t['rtol']:g} x reference" if t.get("rtol") else "")
-        lines.append(f"| {o} | {t['scale']:.3g} | {eager} | {limit} |" if "scale" in t else f"| {o} | - | {eager} | {limit} |")
-    lines += ["", "| artifact | largest error | its bound | x eager's error | top-1 agree | result |", "|---|---|---|---|---|---|"]
+        outputs.append([o, f"{t['scale']:.3g}" if "scale" in t else "-", eager, limit])
+    lines += table(["output", "largest reference value", "eager's own error", "bound"], outputs)
+    artifacts = []
     for name, entry in v["artifacts"].items():
         if entry.get("error"):
-            lines.append(f"| {name} | - | - | - | - | FAIL: {entry['error']} |")
+            artifacts.append([name, "-", "-", "-", "-", f"FAIL: {entry['error']}"])
             continue
         worst, bound, multiple, agree = parity.artifact_summary(entry, tol)
-        lines.append(f"| {name} | {worst:.2e} | {bound:.2e} | {'-' if multiple is None else f'{multiple:.2f}'} | {agree} | "
-                     f"{'pass' if entry['pass'] else 'FAIL'}{' (optional)' if not entry['pass'] and entry['format'] in v['optional'] else ''} |")
+        optional = " (optional)" if not entry["pass"] and entry["format"] in v["optional"] else ""
+        artifacts.append([name, f"{worst:.2e}", f"{bound:.2e}", "-" if multiple is None else f"{multiple:.2f}", agree,
+                          ("pass" if entry["pass"] else "FAIL") + optional])
     for f in manifest.get("export_failures", []):
-        lines.append(f"| {f['format']} | - | - | - | - | NOT EXPORTED{' (optional)' if f['format'] in v['optional'] else ''}: {f['error']} |")
-    lines += ["", "Per input set:", "", "| artifact | inputs, output | batch | max abs error | bound | max rel error | top-1 agree | result |",
-              "|---|---|---|---|---|---|---|---|"]
+        optional = " (optional)" if f["format"] in v["optional"] else ""
+        artifacts.append([f["format"], "-", "-", "-", "-", f"NOT EXPORTED{optional}: {f['error']}"])
+    lines += ["", *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts)]
+    sets = []
     for name, entry in v["artifacts"].items():
         for key, row in entry["sets"].items():
-            abs_ = f"{row['max_abs']:.2e}" if "max_abs" in row else "-"
-            rel = f"{row['max_rel']:.2e}" if "max_rel" in row else "-"
-            lines.append(f"| {name} | {key.split('/')[0]} {row['output']} | {row['batch']} | {abs_} | {row['bound']:.2e} | {rel} | "
-                         f"{row.get('top1_agree', '')} | {'pass' if row['pass'] else 'FAIL'} |")
+            sets.append([name, f"{key.split('/')[0]} {row['output']}", row["batch"],
+                         f"{row['max_abs']:.2e}" if "max_abs" in row else "-", f"{row['bound']:.2e}",
+                         f"{row['max_rel']:.2e}" if "max_rel" in row else "-", row.get("top1_agree", ""),
+                         "pass" if row["pass"] else "FAIL"])
+    lines += ["", "Per input set:", "", *table(["artifact", "inputs, output", "batch", "max abs error", "bound", "max rel error",
+                                                 "top-1 agree", "result"], sets)]
     lines += ["", f"**{'PASS' if v['pass'] else 'FAIL'}**" + ("" if not v["failures"] else ": " + "; ".join(v["failures"])), ""]
     return "\n".join(lines)

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from torchship.errors import ClientError, ParityError, ShapeError
 from torchship.manifest import read_manifest, read_reference, reference_inputs
+from torchship.markdown import table
 from torchship.names import models_of
 from torchship import parity
 from torchship.parity import check_output
@@ -61,11 +62,10 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
 
 
 def served_markdown(report: dict[str, Any]) -> str:
-    lines = ["| model | inputs | batch | max abs error | bound | top-1 agree | result |", "|---|---|---|---|---|---|---|"]
+    cells = []
     for model, rows in report["models"].items():
         for key, r in rows.items():
-            abs_ = f"{r['max_abs']:.2e}" if "max_abs" in r else "-"
-            bound = f"{r['bound']:.2e}" if "bound" in r else "-"
-            lines.append(f"| {model} | {key} | {r['batch']} | {abs_} | {bound} | {r.get('top1_agree', '')} | "
-                         f"{'pass' if r['pass'] else 'FAIL'} |")
+            cells.append([model, key, r["batch"], f"{r['max_abs']:.2e}" if "max_abs" in r else "-",
+                          f"{r['bound']:.2e}" if "bound" in r else "-", r.get("top1_agree", ""), "pass" if r["pass"] else "FAIL"])
+    lines = table(["model", "inputs", "batch", "max abs error", "bound", "top-1 agree", "result"], cells)
     return "\n".join(lines)

@@ -60,13 +60,12 @@ def main() -> int:
     import torch
 
     from torchship.device import cpu_name
+    from torchship.markdown import table
 
     cpu = cpu_name()
     print(f"\n{a.arch}, digits at 32x32, global batch {a.batch_size}, {a.steps} steps per run, median of {a.rounds} "
           f"rounds; {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n")
-    print("| configuration | images/s |\n|---|---|")
-    for label, vals in results.items():
-        print(f"| {label} | {statistics.median(vals):.0f} |")
+    print("\n".join(table(["configuration", "images/s"], [[label, f"{statistics.median(v):.0f}"] for label, v in results.items()])))
     if a.json:
         Path(a.json).write_text(json.dumps({"arch": a.arch, "cpu": cpu, "results": results}, indent=2))
     return 0

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from torchship.io import atomic_write_text
+from torchship.markdown import table
 
 # the in-process variant each served format runs: the embedded server serves _aoti from the bucket packages
 SERVED_VARIANT = {"onnx": "onnx", "torchscript": "torchscript", "aoti": "aoti_buckets"}
@@ -14,11 +15,6 @@ SERVED_VARIANT = {"onnx": "onnx", "torchscript": "torchscript", "aoti": "aoti_bu
 
 def _f(v, spec=".2f", dash="-"):
     return format(v, spec) if isinstance(v, (int, float)) else dash
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """A markdown table: the header row, its separator, then the rows."""
-    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header), *(f"| {' | '.join(row)} |" for row in rows)]
 
 
 def served_lines(served: dict[str, Any]) -> list[str]:
@@ -29,7 +25,7 @@ def served_lines(served: dict[str, Any]) -> list[str]:
     lines = ["## Served over gRPC", "",
              f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}). Closed loop: each level keeps "
              "that many batch-1 requests in flight; dynamic batching as configured.", ""]
-    lines += _table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "avg batch", "ok/sent"], rows) + [""]
+    lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "avg batch", "ok/sent"], rows) + [""]
     for model, mm in served.get("models", {}).items():
         rs = mm["rows"]
         if len(rs) > 1 and rs[0]["requests_per_s"]:
@@ -66,7 +62,7 @@ def side_by_side(results: dict[str, Any]) -> list[str]:
                      f"{best_sv['requests_per_s']:.0f} (concurrency {best_sv['concurrency']})"])
     if not rows:
         return []
-    return ["## In-process beside served", ""] + _table(
+    return ["## In-process beside served", ""] + table(
         ["model", "artifact", "in-process p50 ms (batch 1)", "served p50 ms (concurrency 1)", "in-process samples/s",
          "served samples/s"], rows) + [""]
 
@@ -83,7 +79,7 @@ def breakdown_lines(served: dict[str, Any]) -> list[str]:
                              _f(r.get("client_side_us"), ".0f")])
     return ["## Triton's server-side breakdown", "",
             "Mean µs per request from Triton's statistics; client-side is the client's mean latency less the "
-            "server's share (gRPC, serialization, network).", ""] + _table(
+            "server's share (gRPC, serialization, network).", ""] + table(
         ["model", "batching", "concurrency", "queue", "compute input", "compute infer", "compute output", "client-side"],
         rows) + [""]
 
@@ -121,7 +117,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
                   f"Device {ip['device']}, {ip['threads']} intra-op thread(s); variants interleaved in "
                   f"{results['config']['blocks']} blocks after {results['config']['warmup']} warm-up runs each.", ""]
         probe = "flops_per_sample" in lim
-        lines += _table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "samples/s"] + (["% of fp32 matmul probe"] if probe else []),
+        lines += table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "samples/s"] + (["% of fp32 matmul probe"] if probe else []),
                         [[r["variant"], str(r["batch"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r.get("mean_ms")),
                           _f(r.get("images_per_s"), ".0f")]
                          + ([f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim['fp32_flops']:.1f}"] if probe else [])
@@ -136,13 +132,13 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
         if "reconfigured" in served:
             lines += [f"Batching off and queue delays: {served['reconfigured']['skipped']}.", ""]
         for model, per_delay in served.get("delays", {}).items():
-            lines += [f"### {model} at other queue delays", ""] + _table(
+            lines += [f"### {model} at other queue delays", ""] + table(
                 ["delay µs", "concurrency", "p50 ms", "p99 ms", "req/s"],
                 [[d, str(r["concurrency"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r["requests_per_s"], ".0f")]
                  for d, mm in per_delay.items() for r in mm["rows"]]) + [""]
         ol = served.get("open_loop")
         if ol:
-            lines += ["## Open loop (Poisson arrivals)", ""] + _table(
+            lines += ["## Open loop (Poisson arrivals)", ""] + table(
                 ["model", "target req/s", "achieved", "p50 ms", "p99 ms", "errors"],
                 [[k, f"{v['rate_target']:g}", f"{v['achieved_rps']:.0f}", _f(v.get("p50_ms")), _f(v.get("p99_ms")),
                   str(v["errors"])] for k, v in ol.items()]) + [""]
@@ -171,7 +167,7 @@ def perf_analyzer_lines(served: dict[str, Any]) -> list[str]:
             lines += [f"perf_analyzer failed: {res['error']}", ""]
             continue
         ours = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
-        lines += _table(["concurrency", "perf_analyzer req/s", "torchship req/s", "perf_analyzer p50 ms", "torchship p50 ms",
+        lines += table(["concurrency", "perf_analyzer req/s", "torchship req/s", "perf_analyzer p50 ms", "torchship p50 ms",
                          "perf_analyzer p99 ms", "torchship p99 ms"],
                         [[str(r["concurrency"]), f"{r['requests_per_s']:.0f}",
                           _f(ours.get(r["concurrency"], {}).get("requests_per_s"), ".0f"), f"{r['p50_ms']:.2f}",

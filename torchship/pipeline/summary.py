@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import TorchshipError
 from ..manifest import MANIFEST, read_manifest
+from ..markdown import table
 from ..parity import artifact_summary
 
 
@@ -79,24 +80,26 @@ def outcome_line(run_dir: Path, outcome: dict[str, Any], markdown: bool = True) 
 
 
 def summarize(run_dir: Path, record: dict[str, Any]) -> str:
-    lines = [f"# torchship run: {run_dir}", "", outcome_line(run_dir, record.get("outcome", {})), "",
-             "| stage | seconds | result |", "|---|---|---|"]
+    rows = []
     for name, st in record["stages"].items():
         result = record["gates"].get(name, {}).get("detail", "")
         if name == "train":
             result = f"{st['arch']}, {st['world_size']} rank(s), amp {st['amp']}: " + result
-        lines.append(f"| {name} | {st['seconds']} | {result} |")
-    lines.append(f"| total | {record.get('total_seconds', '')} | peak RSS of the whole run (all processes): "
-                 f"{record.get('peak_rss_bytes', 0) / 2**30:.2f} GiB |")
+        rows.append([name, st["seconds"], result])
+    rows.append(["total", record.get("total_seconds", ""),
+                 f"peak RSS of the whole run (all processes): {record.get('peak_rss_bytes', 0) / 2**30:.2f} GiB"])
+    lines = [f"# torchship run: {run_dir}", "", outcome_line(run_dir, record.get("outcome", {})), "",
+             *table(["stage", "seconds", "result"], rows)]
     # the summary is written after a failure too: a file that cannot be read is named, not raised
     v = _readable(lines, run_dir / "export" / MANIFEST, read_manifest, run_dir / "export").get("verification")
     if v:
-        lines += ["", "## Parity against the float64 reference (worst case over held-out and random batches)", "",
-                  "| artifact | largest error | its bound | x eager's error | top-1 agree | result |", "|---|---|---|---|---|---|"]
+        rows = []
         for name, e in v["artifacts"].items():
             worst, limit, multiple, top = artifact_summary(e, v["tolerances"])
-            lines.append(f"| {name} | {worst:.2e} | {limit:.2e} | {'-' if multiple is None else f'{multiple:.2f}'} | {top} | "
-                         f"{'pass' if e['pass'] else 'FAIL'} |")
+            rows.append([name, f"{worst:.2e}", f"{limit:.2e}", "-" if multiple is None else f"{multiple:.2f}", top,
+                         "pass" if e["pass"] else "FAIL"])
+        lines += ["", "## Parity against the float64 reference (worst case over held-out and random batches)", "",
+                  *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], rows)]
     results = run_dir / "bench" / "results.json"
     if "bench" in record["stages"]:
         from serve.bench.compare import load_results
