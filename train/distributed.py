@@ -55,7 +55,7 @@ def init_distributed(device: str) -> Dist:
     return Dist(rank, local, world, True)
 
 
-def _batches(ds_len: int, d: Dist, per_rank: int, epoch: int, seed: int, shuffle: bool) -> list[list[int]]:
+def rank_batches(ds_len: int, d: Dist, per_rank: int, epoch: int, seed: int, shuffle: bool) -> list[list[int]]:
     """This rank's index batches for one epoch: a disjoint shard, same order on every run."""
     if shuffle:
         g = torch.Generator().manual_seed(seed + epoch)
@@ -67,6 +67,7 @@ def _batches(ds_len: int, d: Dist, per_rank: int, epoch: int, seed: int, shuffle
     return [mine[i:i + per_rank] for i in range(0, len(mine), per_rank)]
 
 
-def _loader(ds, batches: list[list[int]], workers: int, seed: int, collate: Optional[Callable] = None) -> DataLoader:
+def rank_loader(ds, batches: list[list[int]], workers: int, seed: int, collate: Optional[Callable] = None) -> DataLoader:
+    """A DataLoader over ``batches`` (rank_batches), its workers seeded."""
     return DataLoader(ds, batch_sampler=batches, num_workers=workers, collate_fn=collate,
                       generator=torch.Generator().manual_seed(seed), persistent_workers=False)

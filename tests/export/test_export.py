@@ -210,13 +210,17 @@ def test_a_torch_artifact_runs_with_its_thread_count_on_any_thread(exported, fmt
     assert started >= 1  # the run's parallel region started its second thread
 
 
-def test_padded_rows_never_leak(monkeypatch):
-    """Bucket padding returns only the real rows; a planted leak is caught by the shape check."""
+def test_padded_rows_never_leak():
+    """Bucket padding returns only the real rows; a planted leak (the padded rows returned too) is refused
+    by the check verification runs on every output."""
+    from torchship.parity import check_output
+
     fns = {1: lambda xs: [xs[0][:, :2] * 2 + xs[1]], 4: lambda xs: [xs[0][:, :2] * 2 + xs[1]]}
     x = np.arange(9, dtype=np.float32).reshape(3, 3)
     ones = np.ones((3, 1), np.float32)
+    want = x[:, :2] * 2 + 1
     out = runtime.padded_call(fns, [x, ones])[0]  # two inputs, both padded on the batch dim only
-    assert out.shape == (3, 2) and np.array_equal(out, x[:, :2] * 2 + 1)
+    assert np.array_equal(out, want)
     big = runtime.padded_call(fns, [np.ones((9, 3), np.float32), np.ones((9, 1), np.float32)])[0]  # chunked
     assert big.shape == (9, 2)
 
@@ -224,11 +228,10 @@ def test_padded_rows_never_leak(monkeypatch):
         b = runtime.bucket_for(xs[0].shape[0], fns)
         return fns[b]([np.concatenate([x, np.zeros((b - x.shape[0], *x.shape[1:]), x.dtype)]) for x in xs])
 
-    from torchship.parity import compare
-
-    leaked = leaky(fns, [x, ones])[0]
-    assert leaked.shape != out.shape  # the verifier's shape check rejects this before comparing values
-    assert compare(out, x[:, :2] * 2 + 1, 1e-5, 1e-5)["pass"]
+    tol = {"atol": 1e-5, "rtol": 0.0}
+    assert check_output(out, want, tol, "logits", 3)[1] is None
+    row, failure = check_output(leaky(fns, [x, ones])[0], want, tol, "logits", 3)
+    assert not row["pass"] and failure == "logits has shape [4, 2], eager [3, 2]"
 
 
 def test_cli_exit_codes(exported, tmp_path, capsys):

@@ -1,14 +1,21 @@
-"""Run under torchrun by test_distributed: records each rank's sample indices and final weights."""
+"""Run under torchrun by test_distributed: records each rank's sample indices and final weights.
+With TORCHSHIP_PLANT_SAME_SHARD=1 every rank is handed rank 0's shard (a planted sampler fault)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
+import train.loop as loop
 from torchship.config import build
 from train.config import TrainConfig
 from train.loop import train
+
+if os.environ.get("TORCHSHIP_PLANT_SAME_SHARD") == "1":
+    real = loop.rank_batches
+    loop.rank_batches = lambda n, d, *a, **k: real(n, loop.Dist(0, 0, d.world, d.initialized), *a, **k)
 
 out = Path(sys.argv[1])
 seen: list[int] = []

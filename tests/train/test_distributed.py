@@ -18,14 +18,21 @@ def torchrun(*args: str, env=None, timeout=240) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, env=e)
 
 
+def shard_problems(out: Path) -> list[str]:
+    """What is wrong with the samples the two ranks of a ddp_worker run saw: nothing, when each saw its own."""
+    s0, s1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    problems = [] if s0 and s1 else ["a rank saw no samples"]
+    if set(s0) & set(s1):
+        problems.append(f"ranks saw the same samples ({len(set(s0) & set(s1))} of them)")
+    if len(set(s0)) != len(s0) or len(set(s1)) != len(s1):
+        problems.append("a rank saw a sample twice")
+    return problems
+
+
 def test_two_ranks_get_disjoint_samples_and_identical_parameters(tmp_path):
     r = torchrun(str(HERE / "ddp_worker.py"), str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
-    s0 = json.loads((tmp_path / "rank0.json").read_text())
-    s1 = json.loads((tmp_path / "rank1.json").read_text())
-    assert s0 and s1
-    assert not set(s0) & set(s1), "ranks saw the same samples"
-    assert len(set(s0)) == len(s0) and len(set(s1)) == len(s1)
+    assert shard_problems(tmp_path) == []
     p0, p1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert p0.keys() == p1.keys()
     for k in p0:
@@ -49,21 +56,11 @@ def test_a_rank_frees_its_process_group_before_it_exits(tmp_path):
         assert not [n for n in names if "gloo" in n], f"rank {rank} still runs Gloo threads after training: {names}"
 
 
-def test_sharding_check_can_fail(tmp_path, monkeypatch):
-    """The disjointness assertion above catches a sampler that hands every rank the same shard."""
-    import train.loop as loop
-
-    real = loop._batches
-
-    def same_shard(ds_len, d, per_rank, epoch, seed, shuffle):
-        return real(ds_len, loop.Dist(0, 0, d.world, d.initialized), per_rank, epoch, seed, shuffle)
-
-    rank0 = same_shard(96, loop.Dist(0, 0, 2, True), 8, 0, 0, True)
-    rank1 = same_shard(96, loop.Dist(1, 1, 2, True), 8, 0, 0, True)
-    assert set(sum(rank0, [])) & set(sum(rank1, []))
-    good0 = real(96, loop.Dist(0, 0, 2, True), 8, 0, 0, True)
-    good1 = real(96, loop.Dist(1, 1, 2, True), 8, 0, 0, True)
-    assert not set(sum(good0, [])) & set(sum(good1, []))
+def test_the_sharding_check_catches_ranks_that_share_a_shard(tmp_path):
+    """Planted: a sampler that hands every rank rank 0's shard, in a real two-rank run."""
+    r = torchrun(str(HERE / "ddp_worker.py"), str(tmp_path), env={"TORCHSHIP_PLANT_SAME_SHARD": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [p.split(" (")[0] for p in shard_problems(tmp_path)] == ["ranks saw the same samples"]
 
 
 @pytest.mark.slow
