@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, run_cli
-from tests.export.test_export import copy_export, perturb_onnx
+from tests.helpers import copy_export, perturb_onnx
 from torchship.errors import ClientError, ParityError
 from torchship.manifest import read_manifest
 

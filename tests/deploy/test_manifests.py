@@ -1,6 +1,5 @@
 """deploy/: offline schema validation, lint, and cross-checks against the code's own defaults."""
 
-import shlex
 import shutil
 import subprocess
 import sys
@@ -141,4 +140,4 @@ def test_training_job_runs_torchrun_with_flags_the_trainer_accepts():
     add_dataclass_arguments(p, TrainConfig, exclude=("nproc",))
     cfg = build(TrainConfig, namespace_overrides(p.parse_args(train_args), TrainConfig))
     assert cfg.resume == "auto" and cfg.out.startswith("/checkpoints")
-    assert shlex.join(cmd)
+    assert all(isinstance(a, str) for a in cmd), cmd  # YAML reads a bare 2 or true as a number or a bool, which k8s refuses

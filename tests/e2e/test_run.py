@@ -46,8 +46,6 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     for needle in ("all gates passed", "validation accuracy", "Parity against the float64 reference", "## Served over gRPC", "peak RSS",
                    "batching gain", "Recommendation: `tiny_cnn_", "## In-process beside served"):
         assert needle in summary
-    for word in ("excess", "hold", "twin", "settling"):
-        assert word not in summary.lower(), word
 
 
 def test_run_trains_and_serves_a_text_model_from_your_own_factories(tmp_path):

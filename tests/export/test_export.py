@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
+from tests.helpers import copy_export, perturb_onnx, rehash
 from torchship import runtime
 from torchship.errors import ArtifactError, ParityError
 from torchship.io import sha256_file
@@ -88,32 +89,6 @@ def test_normalization_lives_in_the_graph(exported):
     got = r.run({"images": x.numpy()})["logits"]
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert np.abs(got - unnormalized).max() > 1e-2
-
-
-def copy_export(exported, tmp_path):
-    dst = tmp_path / "export"
-    shutil.copytree(exported, dst)
-    return dst
-
-
-def rehash(d, rel):
-    """Make the manifest agree with a changed file, as a faulty exporter would have written it."""
-    m = read_manifest(d)
-    for a in m["artifacts"]:
-        if rel in a["files"]:
-            a["files"][rel] = sha256_file(d / rel)
-    write_manifest(d, m)
-
-
-def perturb_onnx(d, delta: float) -> None:
-    """Add ``delta`` to one weight of the export's ONNX model (its largest initializer) and rehash it."""
-    model = onnx.load(str(d / "onnx/model.onnx"))
-    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
-    arr = onnx.numpy_helper.to_array(init).copy()
-    arr.flat[0] += delta
-    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
-    onnx.save(model, str(d / "onnx/model.onnx"))
-    rehash(d, "onnx/model.onnx")
 
 
 def test_verifier_rejects_a_perturbed_onnx_initializer(exported, tmp_path):

@@ -1,0 +1,69 @@
+"""Helpers the stage tests share: copies of the session's export to alter, faults planted in them as a
+faulty exporter would have written them, and the served tiny model checked against in-process runtimes."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from serve.client import TritonClient
+from torchship import runtime
+from torchship.errors import ClientError
+from torchship.io import sha256_file
+from torchship.manifest import read_manifest, write_manifest
+
+
+def copy_export(exported, tmp_path):
+    dst = tmp_path / "export"
+    shutil.copytree(exported, dst)
+    return dst
+
+
+def rehash(d, rel):
+    """Make the manifest agree with a changed file, as a faulty exporter would have written it."""
+    m = read_manifest(d)
+    for a in m["artifacts"]:
+        if rel in a["files"]:
+            a["files"][rel] = sha256_file(d / rel)
+    write_manifest(d, m)
+
+
+def perturb_onnx(d, delta: float) -> None:
+    """Add ``delta`` to one weight of the export's ONNX model (its largest initializer) and rehash it."""
+    model = onnx.load(str(d / "onnx/model.onnx"))
+    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    arr = onnx.numpy_helper.to_array(init).copy()
+    arr.flat[0] += delta
+    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+    onnx.save(model, str(d / "onnx/model.onnx"))
+    rehash(d, "onnx/model.onnx")
+
+
+MODELS = {"tiny_cnn_onnx": "onnx", "tiny_cnn_torchscript": "torchscript", "tiny_cnn_aoti": "aoti_buckets"}
+
+
+def in_process(exported, fmt):
+    m = read_manifest(exported)
+    a = next(a for a in m["artifacts"] if a["format"] == fmt)
+    return runtime.load_artifact(str(exported), a, ["images"], ["logits"])
+
+
+def assert_onnx_served(url, exported, x) -> None:
+    """The served tiny_cnn_onnx at ``url`` answers ``x`` as ONNX Runtime does in this process."""
+    np.testing.assert_allclose(TritonClient(url).infer("tiny_cnn_onnx", x),
+                               in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+
+
+def refused_then_served(stream, exported) -> None:
+    """A wrong-shaped request on ``stream`` is refused with the server's message; the next one is served
+    and equals in-process ONNX Runtime."""
+    from serve.client import decode, request
+
+    with pytest.raises(ClientError, match="unexpected shape|shape"):
+        stream(request("tiny_cnn_onnx", np.zeros((1, 3, 16, 16), np.float32), "images"))
+    x = np.random.default_rng(9).random((1, 3, 32, 32), dtype=np.float32)
+    np.testing.assert_allclose(decode(stream(request("tiny_cnn_onnx", x, "images")), "logits"),
+                               in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
