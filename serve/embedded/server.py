@@ -236,8 +236,8 @@ class TritonServer:
         if override is None and path.name == EMBEDDED_CONFIG:  # Triton reads config.pbtxt itself
             override = read_config(path)
         config = json_format.MessageToJson(override) if override is not None else None
-        try:
-            client.load_model(name, config=config)
+        try:  # bounded: a model whose backend process never starts holds the call open for good
+            client.load_model(name, config=config, client_timeout=max(1.0, deadline - time.monotonic()) if deadline else None)
         except InferenceServerException as e:
             raise ServerError(f"model {name} failed to load: {e.message()}\n{self.log_tail()}") from None
         while not client.is_model_ready(name):

@@ -38,7 +38,7 @@ def backend_dir() -> Path:
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = home / "python_backend_stubs" / ver / "triton_python_backend_stub"
     if not stub.exists():
-        raise ServerError(f"the Triton Python stub has no build for Python {ver}; use Python 3.10-3.13")
+        raise ServerError(f"the Triton Python stub has no build for Python {ver}; use Python 3.11 or 3.12")
     shared = [BACKENDS_SRC / "torchship_backend.py", BACKENDS_SRC / "torchship_stub.py", RUNTIME_SRC]
     files = shared + [BACKENDS_SRC / b / "model.py" for b in BACKENDS]
     h = hashlib.sha256(sys.version.encode())
@@ -70,9 +70,19 @@ def backend_dir() -> Path:
     return root
 
 
+def python_libdir() -> str:
+    """The folder holding this interpreter's shared libpython, or "" where it has none."""
+    import sysconfig
+
+    libdir, name = sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("INSTSONAME") or ""
+    return libdir if name and (Path(libdir) / name).is_file() else ""
+
+
 def server_env() -> dict[str, str]:
-    """LD_LIBRARY_PATH for the wheel's libraries; this environment's bin/ first on PATH, because the
-    stub's embedded Python adopts the virtual environment found there (it ignores PYTHONPATH)."""
+    """LD_LIBRARY_PATH for the wheel's libraries and this interpreter's libpython (the stub links it; a
+    Python built apart from the system's, as pyenv's or conda's, keeps it where no loader looks); this
+    environment's bin/ first on PATH, because the stub's embedded Python adopts the virtual environment
+    found there (it ignores PYTHONPATH)."""
     import numpy
 
     if int(numpy.__version__.split(".")[0]) >= 2:
@@ -80,7 +90,7 @@ def server_env() -> dict[str, str]:
                           "(with numpy 2 every response comes back empty): pip install 'numpy<2'")
     _, libs = triton_home()
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), python_libdir(), env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(Path(sys.prefix) / "bin"), env.get("PATH", "")))
     env.pop("PYTHONPATH", None)
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -422,3 +422,29 @@ time.sleep(600)
             pytest.fail(f"{what} outlived the process that started it")
     with pytest.raises(ProcessLookupError):
         os.killpg(server_pid, 0)  # its stubs are gone too
+
+
+def test_a_backend_process_that_never_starts_fails_the_start_in_time(repo, tmp_path, monkeypatch):
+    """Planted: the Python stub cannot start (as when it cannot find libpython). The load call is bounded by
+    --ready-timeout and the error carries the server log's tail, instead of start() waiting for good."""
+    import serve.embedded.server as server_mod
+
+    broken = tmp_path / "backends"
+    shutil.copytree(server_mod.backend_dir(), broken)
+    stub = broken / "python" / "triton_python_backend_stub"
+    stub.write_text("#!/bin/sh\necho 'triton_python_backend_stub: planted failure' >&2\nexit 127\n")
+    monkeypatch.setattr(server_mod, "backend_dir", lambda: broken)
+    outcome = {}
+
+    def start():
+        try:
+            TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), ready_timeout=20)).start().stop()
+            outcome["error"] = None
+        except ServerError as e:
+            outcome["error"] = str(e)
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "start() still waits on a model whose backend never started"
+    assert outcome["error"] and "tiny_cnn_onnx" in outcome["error"] and "planted failure" in outcome["error"], outcome
