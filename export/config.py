@@ -24,7 +24,9 @@ class ExportConfig:
     formats: tuple[str, ...] = opt(FORMATS, "formats to export: " + ", ".join(FORMATS))
     optional: tuple[str, ...] = opt((), "formats that may fail (cannot be exported, or disagree with the reference) without failing the command; they are reported and not served. Any other format failing exits 3")
     max_batch: int = opt(32, "largest batch size every artifact must accept (the dynamic batch range is 1..N)")
-    buckets: tuple[int, ...] = opt((1, 8, 32), "static batch sizes for the aoti_buckets packages (requests pad up to the next)")
+    buckets: tuple[int, ...] = opt((), "static batch sizes for the aoti_buckets packages; a batch runs in the next one up, "
+                                       "padded (default: the powers of two up to --max-batch, and --max-batch: a batch "
+                                       "never computes twice its rows)")
     bucket_weights: Literal["shared", "prepacked"] = opt("shared", "aoti_buckets: one copy of the weights for all buckets, or a copy per bucket prepacked for oneDNN (on CPU, faster at small batches and spatial sizes, and N buckets times the disk and memory)")
     odd_batch: int = opt(5, "the odd batch size verification uses besides 1 and --max-batch")
     opset: Optional[int] = opt(None, "ONNX opset (default: the exporter's own, recorded in the manifest)")
@@ -66,10 +68,17 @@ class ExportConfig:
             raise ConfigError("--max-batch must be at least 2 (a batch of 1 cannot be exported as dynamic)")
         if not 1 <= self.odd_batch <= self.max_batch:
             raise ConfigError("--odd-batch must be between 1 and --max-batch")
-        if any(b < 1 for b in self.buckets) or not self.buckets:
+        if not self.buckets:
+            self.buckets = default_buckets(self.max_batch)
+        if any(b < 1 for b in self.buckets):
             raise ConfigError("--buckets must be positive batch sizes")
         if max(self.buckets) != self.max_batch and "aoti_buckets" in self.formats:
             raise ConfigError(f"--buckets must end at --max-batch {self.max_batch} (largest given: {max(self.buckets)})")
         self.buckets = tuple(sorted(set(self.buckets)))
         if self.threads < 1:
             raise ConfigError("--threads must be at least 1")
+
+
+def default_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``max_batch``, and ``max_batch`` itself."""
+    return tuple(sorted({*(1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch), max_batch}))

@@ -223,7 +223,8 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, m
         shutil.copy2(d / b["file"], vdir / BUCKETS_FILE)
         emb.default_model_filename = BUCKETS_FILE
         emb.max_batch_size = max(sizes)
-        emb.dynamic_batching.preferred_batch_size.extend(s for s in sizes if s > 1)
+        # no preferred batch sizes: with them the batcher cut what had queued down to the largest preferred size
+        # that fit, and served fewer, smaller batches (measured in the commit that made this choice)
         _param(emb, "buckets", ",".join(map(str, sizes)))
     if "aoti" not in have:  # the embedded server only: the container's torch_aoti cannot read a bucket archive
         (mdir / "config.pbtxt").write_text(config_text(emb))

@@ -31,6 +31,9 @@ def served_lines(served: dict[str, Any]) -> list[str]:
         if len(rs) > 1 and rs[0]["requests_per_s"]:
             lines.append(f"- {model}: batching gain {rs[-1]['requests_per_s'] / rs[0]['requests_per_s']:.2f}x "
                          f"(throughput at concurrency {rs[-1]['concurrency']} over concurrency {rs[0]['concurrency']})")
+    for model, mm in served.get("models", {}).items():
+        if mm.get("buckets"):
+            lines.append(padding_line(model, mm["buckets"], mm["rows"]))
     for model, off in served.get("batching_off", {}).items():
         on = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
         gains = [f"{r['concurrency']}: {on[r['concurrency']]['requests_per_s'] / r['requests_per_s']:.2f}x"
@@ -40,6 +43,25 @@ def served_lines(served: dict[str, Any]) -> list[str]:
     if noop.get("n"):
         lines.append(f"- No-op round trip (same tensors, no model): p50 {noop['p50_ms']:.2f} ms, p99 {noop['p99_ms']:.2f} ms")
     return lines + [""]
+
+
+def computed_per_request(buckets: list[int], executions: dict[str, int]) -> float | None:
+    """Images a bucketed model computed per image it was sent: each batch is padded up to the next
+    bucket (batches above the largest are split into chunks of it)."""
+    from torchship.runtime import bucket_for
+
+    largest = max(buckets)
+    sent = sum(int(b) * n for b, n in executions.items())
+    computed = sum(n * ((int(b) // largest) * largest + (bucket_for(int(b) % largest, buckets) if int(b) % largest else 0))
+                   for b, n in executions.items())
+    return computed / sent if sent else None
+
+
+def padding_line(model: str, buckets: list[int], rows: list[dict[str, Any]]) -> str:
+    ratios = [(r["concurrency"], computed_per_request(buckets, r.get("server", {}).get("batch_executions", {}))) for r in rows]
+    shown = ", ".join(f"{c}: {x:.2f}" for c, x in ratios if x is not None)
+    return (f"- {model}: computes in static-batch buckets ({', '.join(map(str, buckets))}), each batch padded up to "
+            f"the next; images computed per image sent, by concurrency: {shown or 'not reported by the server'}")
 
 
 def side_by_side(results: dict[str, Any]) -> list[str]:

@@ -158,8 +158,10 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
 
     for model in models:
         cfgm = client.config(model)
+        buckets = cfgm.get("parameters", {}).get("buckets", {}).get("string_value", "")
         served["models"][model] = {"max_batch_size": client.max_batch(model), "dynamic_batching": "dynamic_batching" in cfgm,
                                    "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
+                                   **({"buckets": [int(b) for b in buckets.split(",")]} if buckets else {}),
                                    "rows": run(model)}
         save()
     if embedded:

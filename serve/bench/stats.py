@@ -107,7 +107,8 @@ def settled_stats(client, model: str, count: int, timeout_s: float = 2.0) -> dic
 
 def stats_delta(before: dict, after: dict) -> dict[str, float]:
     """Triton's server-side time per request (µs) between two statistics snapshots: queue, compute
-    input, compute infer, compute output, and the average batch the dynamic batcher formed."""
+    input, compute infer, compute output, the average batch the dynamic batcher formed, and how many
+    executions it ran at each batch size."""
     def get(d, *path):
         for p in path:
             d = d.get(p, {}) if isinstance(d, dict) else {}
@@ -123,5 +124,8 @@ def stats_delta(before: dict, after: dict) -> dict[str, float]:
     out["requests"] = ok
     out["executions"] = exe
     out["avg_batch"] = inf / exe if exe else 0.0
+    sizes = {int(b["batch_size"]): int(get(b, "compute_infer", "count")) for b in after.get("batch_stats", [])}
+    sizes_before = {int(b["batch_size"]): int(get(b, "compute_infer", "count")) for b in before.get("batch_stats", [])}
+    out["batch_executions"] = {str(k): n - sizes_before.get(k, 0) for k, n in sorted(sizes.items()) if n > sizes_before.get(k, 0)}
     out["server_us"] = sum(out[f"{p}_us"] for p in ("queue", "compute_input", "compute_infer", "compute_output"))
     return out

@@ -168,6 +168,19 @@ print(json.dumps(seen))
 """
 
 
+def test_default_buckets_are_the_powers_of_two_up_to_the_max_batch():
+    """No batch computes more than twice its rows: the next bucket up from n rows is below 2n."""
+    from export.config import ExportConfig
+    from torchship.config import build
+    from torchship.runtime import bucket_for
+
+    assert build(ExportConfig, {"checkpoint": "c"}).buckets == (1, 2, 4, 8, 16, 32)
+    for max_batch in (6, 8, 12, 32, 100):
+        buckets = build(ExportConfig, {"checkpoint": "c", "max_batch": max_batch}).buckets
+        assert buckets[-1] == max_batch and all(bucket_for(n, buckets) < 2 * n for n in range(2, max_batch + 1)), buckets
+    assert build(ExportConfig, {"checkpoint": "c", "buckets": [8, 1, 32]}).buckets == (1, 8, 32)
+
+
 @pytest.mark.parametrize("fmt", ["aoti_buckets", "torchscript"])
 def test_a_torch_artifact_runs_with_its_thread_count_on_any_thread(exported, fmt):
     """Triton runs a model on its instance thread, not on the thread that loaded it. torch.set_num_threads

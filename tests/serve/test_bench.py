@@ -64,6 +64,24 @@ def test_results_and_report_are_well_formed(bench_run):
         assert f"- {model}: batching gain " in report
 
 
+def test_the_report_says_how_much_a_bucketed_model_pads(bench_run):
+    """Triton's per-batch-size execution counts give the images the bucketed _aoti model computed per
+    image sent; batches between buckets are padded up (2 sent in bucket 8 computes 8)."""
+    from serve.bench.report import computed_per_request
+
+    results, out = bench_run
+    aoti = results["served"]["models"]["tiny_cnn_aoti"]
+    assert aoti["buckets"] == [1, 8] and "buckets" not in results["served"]["models"]["tiny_cnn_onnx"]
+    for r in aoti["rows"]:
+        sent = sum(int(b) * n for b, n in r["server"]["batch_executions"].items())
+        assert sent == r["server"]["requests"]  # every request in exactly one execution
+    assert "- tiny_cnn_aoti: computes in static-batch buckets (1, 8), each batch padded up to the next; images " \
+           "computed per image sent, by concurrency: 1: 1.00, 4: " in (out / "report.md").read_text()
+    assert computed_per_request([1, 8, 32], {"1": 4, "8": 2, "32": 1}) == 1.0
+    assert computed_per_request([1, 8, 32], {"2": 10}) == 4.0
+    assert computed_per_request([1, 8, 32], {"40": 1, "3": 1}) == (32 + 8 + 8) / 43
+
+
 def test_in_process_beside_served_pairs_each_model_with_its_own_artifact(bench_run):
     """The served _aoti model runs the batch-bucket packages, so it sits beside aoti_buckets in-process."""
     from serve.bench.report import side_by_side

@@ -38,6 +38,8 @@ def test_layout_and_configs(repo, exported):
             emb = cfg(repo / name / EMBEDDED_CONFIG)
             assert emb.backend == "pytorch" and emb.max_batch_size == 8 and list(emb.input[0].dims) == [3, 32, 32]
             assert emb.parameters["buckets"].string_value == "1,8" and emb.default_model_filename == "buckets.pt2"
+            # the batcher takes what queued, up to max_batch_size; preferred sizes would cut it down
+            assert emb.HasField("dynamic_batching") and not emb.dynamic_batching.preferred_batch_size
             assert sorted(p.name for p in (repo / name / "1").iterdir()) == ["buckets.pt2", "model.pt2"]
             assert emb.input[0].format == mc.ModelInput.FORMAT_NCHW
             assert c.input[0].format == mc.ModelInput.FORMAT_NONE  # Triton allows a layout only on [C, H, W] dims

@@ -438,7 +438,7 @@ def test_a_backend_process_that_never_starts_fails_the_start_in_time(repo, tmp_p
 
     def start():
         try:
-            TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), ready_timeout=20)).start().stop()
+            TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), ready_timeout=10)).start().stop()
             outcome["error"] = None
         except ServerError as e:
             outcome["error"] = str(e)
