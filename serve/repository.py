@@ -138,11 +138,20 @@ def read_config(path: str | Path) -> mc.ModelConfig:
     return text_format.Parse(Path(path).read_text(), mc.ModelConfig())
 
 
+def failed_artifacts(manifest: dict[str, Any]) -> list[str]:
+    return [n for n, e in (manifest.get("verification") or {}).get("artifacts", {}).items() if not e.get("pass")]
+
+
+def verified_formats(manifest: dict[str, Any]) -> set[str]:
+    """The export's formats that were exported and passed verification."""
+    failed = failed_artifacts(manifest)
+    return {a["format"] for a in manifest["artifacts"] if a["name"] not in failed}
+
+
 def servable_formats(manifest: dict[str, Any], formats: Sequence[str] = SERVED_FORMATS) -> list[str]:
     """Those of ``formats`` a repository built from this export serves: the ones exported and verified
     (``aoti`` also from the ``aoti_buckets`` archive alone)."""
-    failed = [n for n, e in (manifest.get("verification") or {}).get("artifacts", {}).items() if not e.get("pass")]
-    have = {a["format"] for a in manifest["artifacts"] if a["name"] not in failed}
+    have = verified_formats(manifest)
     return [f for f in formats if f in have or (f == "aoti" and "aoti_buckets" in have)]
 
 
@@ -154,11 +163,11 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     d = Path(export_dir)
     manifest = read_manifest(d)
     v = manifest.get("verification")
-    failed = [n for n, e in (v or {}).get("artifacts", {}).items() if not e.get("pass")]
+    failed = failed_artifacts(manifest)
     if v is not None and not v.get("pass") and len(failed) == len(v.get("artifacts", {})):
         raise ArtifactError(f"{d} failed verification; fix the export before serving it ({'; '.join(v['failures'][:2])})")
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
-    have = {a["format"] for a in manifest["artifacts"] if a["name"] not in failed}
+    have = verified_formats(manifest)
     formats = servable_formats(manifest, cfg.formats)
     missing = [f for f in cfg.formats if f not in formats]
     if not formats:

@@ -73,8 +73,9 @@ def bench_in_process(cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, C
     torch.set_num_threads(cfg.threads)
     rows = []
     raw: dict[str, list[float]] = {}
+    fits = batch_sizes(cfg, inputs.manifest)
     for b in cfg.batch_sizes:
-        if b not in batch_sizes(cfg, inputs.manifest):
+        if b not in fits:
             notes[f"batch {b}"] = f"skipped: above the export's max batch {inputs.manifest['max_batch']}"
             continue
         x = real_inputs(inputs.pool, b)

@@ -124,8 +124,10 @@ def stats_delta(before: dict, after: dict) -> dict[str, float]:
     out["requests"] = ok
     out["executions"] = exe
     out["avg_batch"] = inf / exe if exe else 0.0
-    sizes = {int(b["batch_size"]): int(get(b, "compute_infer", "count")) for b in after.get("batch_stats", [])}
-    sizes_before = {int(b["batch_size"]): int(get(b, "compute_infer", "count")) for b in before.get("batch_stats", [])}
-    out["batch_executions"] = {str(k): n - sizes_before.get(k, 0) for k, n in sorted(sizes.items()) if n > sizes_before.get(k, 0)}
+    def executions(d):  # batch size -> executions at that size
+        return {int(b["batch_size"]): int(get(b, "compute_infer", "count")) for b in d.get("batch_stats", [])}
+
+    was = executions(before)
+    out["batch_executions"] = {str(k): n - was.get(k, 0) for k, n in sorted(executions(after).items()) if n > was.get(k, 0)}
     out["server_us"] = sum(out[f"{p}_us"] for p in ("queue", "compute_input", "compute_infer", "compute_output"))
     return out
