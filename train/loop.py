@@ -246,15 +246,18 @@ def _epoch(run: Run, epoch: int, on_step, prof) -> tuple[float, float, bool, int
     return loss_sum / max(1, loss_n), gnorm, stopped, len(batches)
 
 
-def _end_of_epoch(run: Run, epoch: int, train_loss: float, gnorm: float, stopped: bool, n_batches: int) -> None:
-    """Evaluate, log the epoch's metrics and save a checkpoint: mid-epoch when --max-steps stopped it there."""
+def _end_of_epoch(run: Run, epoch: int, train_loss: float, gnorm: float, stopped: bool, n_batches: int,
+                  steps_rate: float) -> None:
+    """Evaluate, log the epoch's metrics and save a checkpoint: mid-epoch when --max-steps stopped it there.
+    ``steps_rate``: this epoch's images/s over its training steps alone (no evaluation, no checkpoint)."""
     val_loss, run.val_acc = evaluate(run.model, run.norm, run.data.val, run.d, max(1, run.per_rank), run.device,
                                      run.autocast, run.data.collate)
     run.best_acc = max(run.best_acc, run.val_acc)
     elapsed = time.perf_counter() - run.t_loop
     record = {"epoch": epoch + 1, "step": run.global_step, "train_loss": train_loss, "val_loss": val_loss,
               "val_acc": run.val_acc, "lr": run.sched.get_last_lr()[0], "grad_norm": gnorm,
-              "images_per_s": run.images_done / max(elapsed, 1e-9), "elapsed_s": elapsed}
+              "images_per_s": run.images_done / max(elapsed, 1e-9), "epoch_images_per_s": steps_rate,
+              "elapsed_s": elapsed}
     run.log.metrics(run.out, record)
     unit = "img" if run.data.signature is None else "samples"
     run.log(f"epoch {epoch + 1}/{run.cfg.epochs}  step {run.global_step}  train_loss {train_loss:.4f}  "
@@ -280,12 +283,14 @@ def _train(cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Op
     run.t_loop = time.perf_counter()
     run.model.train()
     for epoch in range(run.epoch, cfg.epochs):
+        t0, done0 = time.perf_counter(), run.images_done
         train_loss, gnorm, stopped, n_batches = _epoch(run, epoch, on_step, prof)
+        steps_rate = (run.images_done - done0) / max(time.perf_counter() - t0, 1e-9)
         if prof is not None:
             prof.stop()
             prof = None
             log(f"profiler trace written to {out / 'profile'} (open in https://ui.perfetto.dev or TensorBoard)")
-        _end_of_epoch(run, epoch, train_loss, gnorm, stopped, n_batches)
+        _end_of_epoch(run, epoch, train_loss, gnorm, stopped, n_batches, steps_rate)
         if stopped:
             break
     wall = time.perf_counter() - t_start

@@ -16,7 +16,6 @@ from .config import BenchConfig
 from .in_process import bench_in_process, in_process_runs, load_variants
 from .inputs import BenchInputs, load_inputs, real_inputs
 from .recommend import recommend, write_recommendation
-from .served import bench_served, served_plan, served_runs, start_own_server
 from .stats import device_peak, flops_per_sample, machine_info
 
 
@@ -38,7 +37,11 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     device = manifest.get("device", "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise BenchError(f"{export_dir} was exported for CUDA; no GPU is visible here")
-    plan = None if cfg.skip_served else served_plan(cfg, manifest, server)
+    plan = None
+    if not cfg.skip_served:
+        from . import served  # tritonclient, which only the served part needs: --skip-served runs without it
+
+        plan = served.served_plan(cfg, manifest, server)
     inputs = load_inputs(export_dir, manifest, cfg.shape_values())
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +65,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
 
         total = in_process_runs(cfg, runners, manifest)
         if plan is not None and plan.error is None:
-            total += served_runs(cfg, manifest, plan.models, plan.embedded, plan.noop)
+            total += served.served_runs(cfg, manifest, plan.models, plan.embedded, plan.noop)
         bar = tqdm(total=total, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
     failure: TorchshipError | None = None
     try:
@@ -76,10 +79,10 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
             own = server is None and not cfg.url
             try:
                 if own:
-                    server = start_own_server(cfg, export_dir, manifest, out)
+                    server = served.start_own_server(cfg, export_dir, manifest, out)
                 url = server.url if server is not None else cfg.url
                 log(f"served: {url}")
-                bench_served(cfg, inputs, plan, url, server, bar, results, save)
+                served.bench_served(cfg, inputs, plan, url, server, bar, results, save)
             finally:
                 if own and server is not None:
                     server.stop()

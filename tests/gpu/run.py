@@ -1,0 +1,365 @@
+"""resnet50 at 224 on a CUDA GPU: trained in fp32, fp16 and bf16, exported and verified on the device in fp32 and
+bf16, and timed in-process, every step the command a user runs. Prints a table at the end and writes
+OUT/gpu.json, OUT/gpu.log (each command's output) and the bench reports.
+
+    python -m tests.gpu.run --out runs/gpu                            # about 9 minutes on one H100/H200
+    python -m tests.gpu.run --out runs/gpu --quick --device cpu       # the same steps, small, on any machine
+
+Phases run in order within --budget seconds; one that no longer fits is recorded as skipped, not started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+TS = [sys.executable, "-m", "torchship.pipeline.cli"]
+FP32_FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
+BF16_FORMATS = ("torchscript", "exported_program", "aoti")
+
+
+class Run:
+    """The run's settings, its deadline, its log and its results (written after every phase)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.a, self.out, self.work = args, Path(args.out), Path(args.work)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if not args.skip:  # a run that leaves phases out reuses what an earlier one made
+            shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.log = self.out / "gpu.log"
+        self.log.write_text("")
+        self.deadline = time.monotonic() + args.budget
+        self.results: dict[str, Any] = {"argv": sys.argv[1:], "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        q = args.quick
+        self.arch = "resnet18" if q else "resnet50"
+        self.size = 64 if q else 224
+        self.max_batch = 8 if q else 256
+        self.buckets = ["1", "8"] if q else ["1", "16", "256"]
+        self.batches = ["1", "8"] if q else ["1", "8", "32", "128", "256"]
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        tmp = self.out / "gpu.json.tmp"
+        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        tmp.replace(self.out / "gpu.json")
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        with open(self.log, "a") as f:
+            f.write(f"# {text}\n")
+
+    def start(self, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+        part = self.work / f"cmd{len(list(self.work.glob('cmd*.log')))}.log"
+        f = open(part, "w")
+        f.write(f"$ {' '.join(argv)}\n")
+        f.flush()
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env), part
+
+    def finish(self, proc: subprocess.Popen, part: Path, timeout: float, t0: float) -> dict[str, Any]:
+        try:
+            code = proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = "timeout"
+        text = part.read_text(errors="replace")
+        with open(self.log, "a") as f:
+            f.write(text + f"\n# exit {code} after {time.monotonic() - t0:.1f} s\n")
+        return {"code": code, "seconds": round(time.monotonic() - t0, 1), "output": text}
+
+    def cmd(self, argv: list[str], timeout: float) -> dict[str, Any]:
+        t0 = time.monotonic()
+        return self.finish(*self.start(argv), timeout, t0)
+
+
+def phase(run: Run, name: str, need_s: float, fn: Callable[[Run], Any]) -> None:
+    """Run one phase if ``need_s`` seconds are left; record its result, or its error, or that it was skipped."""
+    if run.left() < need_s:
+        run.results[name] = {"skipped": f"{run.left():.0f} s left of the budget, {need_s:.0f} s needed"}
+        run.say(f"{name}: skipped ({run.results[name]['skipped']})")
+    else:
+        t0 = time.monotonic()
+        run.say(f"{name}: started, {run.left():.0f} s left")
+        try:
+            run.results[name] = fn(run)
+        except Exception as e:  # one phase failing must not lose the others' figures
+            import traceback
+
+            run.results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        run.say(f"{name}: done in {time.monotonic() - t0:.1f} s")
+    run.save()
+
+
+def environment(run: Run) -> dict[str, Any]:
+    import torch
+
+    from serve.bench.stats import device_peak, machine_info
+
+    info = machine_info()
+    info["torch_cuda"] = torch.version.cuda
+    info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    info["peak"] = device_peak(run.a.device, os.cpu_count() or 1)
+    return info
+
+
+def train(run: Run, channels_last: bool = False) -> dict[str, Any]:
+    """Training images/s per precision (median over the epochs after the first, steps only), and which AMP
+    --amp auto chose."""
+    q = run.a.quick
+    common = ["--arch", run.arch, "--data", "synthetic", "--image-size", "32" if q else "224",
+              "--batch-size", "16" if q else "128", "--synthetic-samples", "160" if q else "2176",
+              "--val-fraction", "0.2" if q else "0.06", "--epochs", "3", "--device", run.a.device,
+              "--no-progress", "--keep-last", "1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "train"]
+    plain = [*TS, "train", "--nproc", "1"]
+    cases = [("fp32", plain, ["--amp", "off"]), ("amp auto, DDP world 1", torchrun, ["--amp", "auto"])]
+    if run.a.device == "cuda":
+        cases.insert(1, ("fp16 + GradScaler", plain, ["--amp", "fp16"]))
+    if channels_last:
+        cases = [("bf16 channels_last", plain, ["--amp", "bf16", "--channels-last"])]
+    out: dict[str, Any] = {}
+    for label, launcher, flags in cases:
+        if run.left() < 60:
+            out[label] = {"skipped": "budget"}
+            continue
+        d = run.work / f"train_{len(out)}"
+        r = run.cmd([*launcher, *common, *flags, "--out", str(d)], min(150, run.left() - 30))
+        rec: dict[str, Any] = {"code": r["code"], "seconds": r["seconds"]}
+        lines = [ln for ln in r["output"].splitlines() if ln.startswith("training ") or "amp" in ln and "auto" in ln]
+        rec["log"] = lines[:3]
+        metrics = d / "metrics.jsonl"
+        if metrics.exists():
+            epochs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+            later = [e["epoch_images_per_s"] for e in epochs[1:]] or [epochs[-1]["epoch_images_per_s"]]
+            rec.update(first_epoch_images_per_s=epochs[0]["epoch_images_per_s"],
+                       images_per_s=statistics.median(later), val_acc=epochs[-1]["val_acc"])
+        else:
+            rec["error"] = r["output"][-1500:]
+        out[label] = rec
+        if label.startswith("amp auto") and metrics.exists():
+            out["checkpoint_on_cpu"] = checkpoint_on_cpu(run, d)
+        run.results["train_channels_last" if channels_last else "train"] = out
+        run.save()
+    return out
+
+
+def checkpoint_on_cpu(run: Run, train_dir: Path) -> dict[str, Any]:
+    """The checkpoint written on the device, loaded on the CPU (map_location): its outputs against the
+    same weights run on the device in fp32."""
+    import torch
+
+    from torchship.checkpoint import resolve_checkpoint
+    from torchship.eager import checkpoint_model
+    from torchship.models import WithPreprocessing
+
+    model, meta = checkpoint_model(resolve_checkpoint(train_dir))
+    model = WithPreprocessing(model, meta["preprocessing"]["mean"], meta["preprocessing"]["std"]).eval()
+    x = torch.rand(8, *meta["input_shape"], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cpu = model(x)
+        dev = model.to(run.a.device)(x.to(run.a.device)).cpu()
+    scale = float(cpu.abs().max())
+    return {"max_abs_diff": float((cpu - dev).abs().max()), "logit_scale": scale,
+            "top1_agreement": float((cpu.argmax(1) == dev.argmax(1)).float().mean()),
+            "param_device_in_file": "cpu (weights are saved from the unwrapped model, loaded with map_location)"}
+
+
+def exports(run: Run) -> dict[str, Any]:
+    """The fp32 exports (aoti_buckets apart, the longest compile) and the bf16 one, side by side: they compile
+    on the CPU cores. Each is verified on the device."""
+    sys.path.insert(0, str(ROOT))
+    from tests.zoo import models as zoo
+    from tests.zoo.run import weights_for
+
+    image = ("--input", f"images:float32:B,3,{run.size},{run.size}")
+    weights = weights_for(zoo.Entry(run.arch, "torchvision_model", {"arch": run.arch}, image), run.work / "weights.pt")
+    common = [*TS, "export", "--model", "tests.zoo.models:torchvision_model", "--model-arg", f'arch="{run.arch}"',
+              "--weights", str(weights), *image, "--name", run.arch, "--device", run.a.device,
+              "--max-batch", str(run.max_batch), "--threads", str(max(1, (os.cpu_count() or 2) // 2)), "--overwrite"]
+    core = [f for f in FP32_FORMATS if f != "aoti_buckets"]
+    jobs = {"fp32": [*common, "--formats", *core, "--optional", *core, "--out", str(run.work / "export_fp32")],
+            "buckets": [*common, "--formats", "aoti_buckets", "--buckets", *run.buckets,
+                        "--out", str(run.work / "export_buckets")],
+            "bf16": [*common, "--dtype", "bfloat16", "--formats", *BF16_FORMATS, "--optional", *BF16_FORMATS,
+                     "--out", str(run.work / "export_bf16")]}
+    t0 = time.monotonic()
+    started = {k: run.start(argv) for k, argv in jobs.items()}
+    timeout = run.left() - run.a.reserve
+    out = {}
+    for k, (proc, part) in started.items():
+        r = run.finish(proc, part, timeout - (time.monotonic() - t0), t0)
+        out[k] = {"code": r["code"], "seconds": r["seconds"], **export_record(run.work / f"export_{k}")}
+        if not out[k].get("artifacts"):
+            out[k]["tail"] = r["output"][-2000:]
+    return out
+
+
+def export_record(d: Path) -> dict[str, Any]:
+    """Per artifact: bytes, export seconds, verified or not, and its worst error against the bound."""
+    if not (d / "manifest.json").exists():
+        return {}
+    from torchship.parity import artifact_summary
+
+    m = json.loads((d / "manifest.json").read_text())
+    v = m.get("verification", {}).get("artifacts", {})
+    arts = {}
+    for a in m["artifacts"]:
+        e = v.get(a["name"], {})
+        worst, bound, multiple, top1 = artifact_summary(e, m["tolerances"]) if e.get("sets") else (None, None, None, "")
+        arts[a["name"]] = {"bytes": a.get("bytes"), "export_seconds": a.get("export_seconds"), "pass": e.get("pass"),
+                           "worst": worst, "bound": bound, "x_eager_error": multiple, "top1": top1,
+                           "error": e.get("error")}
+    failed = {f["format"]: f["error"] for f in m.get("export_failures", [])}
+    return {"artifacts": arts, "failed": failed, "dtype": m.get("dtype"), "device": m.get("device")}
+
+
+def bench(run: Run, which: str) -> dict[str, Any]:
+    d = run.work / f"export_{which}"
+    if not (d / "manifest.json").exists():
+        return {"skipped": f"no {which} export"}
+    have = [a["format"] for a in json.loads((d / "manifest.json").read_text())["artifacts"]]
+    variants = (["eager"] if which != "buckets" else []) + [
+        f for f in ("torchscript", "exported_program", "aoti", "aoti_buckets") if f in have]
+    out = run.work / f"bench_{which}"
+    r = run.cmd([*TS, "bench", str(d), "--skip-served", "--variants", *variants, "--batch-sizes", *run.batches,
+                 "--iters", "20", "--blocks", "2", "--warmup", "3", "--no-plots", "--no-progress", "--out", str(out)],
+                min(240, run.left() - 20))
+    for src, dst in (("results.json", f"bench_{which}.json"), ("report.md", f"bench_{which}.md"))[:1 if which == "buckets" else 2]:
+        if (out / src).exists():
+            shutil.copy(out / src, run.out / dst)
+    if not (out / "results.json").exists():
+        return {"code": r["code"], "tail": r["output"][-2000:]}
+    res = json.loads((out / "results.json").read_text())
+    return {"code": r["code"], "seconds": r["seconds"], "limits": res.get("limits"),
+            "rows": [{k: row.get(k) for k in ("variant", "batch", "p50_ms", "p99_ms", "images_per_s")}
+                     for row in res.get("in_process", {}).get("rows", [])],
+            "notes": res.get("in_process", {}).get("notes"), "errors": res.get("errors")}
+
+
+def resident(run: Run) -> dict[str, Any]:
+    """Images/s with the batch already on the device (no host copies), timed with CUDA events, for eager
+    and aoti in bf16 at the largest batch: the figure to hold against the bf16 matmul roofline."""
+    import torch
+
+    from serve.bench.stats import flops_per_sample
+    from torchship.eager import eager_from_manifest
+    from torchship.manifest import read_manifest
+
+    d = run.work / "export_bf16"
+    m = read_manifest(d)
+    eager = eager_from_manifest(m)
+    import numpy as np
+
+    flops = flops_per_sample(eager, [np.random.default_rng(0).random((2, 3, run.size, run.size), dtype=np.float32)])
+    peak = run.results.get("environment", {}).get("peak", {}).get("bf16_flops")
+    out: dict[str, Any] = {"flops_per_sample": flops, "bf16_peak_flops": peak, "rows": []}
+    models = {"eager bf16 (autocast off, weights bf16)": eager.to(run.a.device, torch.bfloat16)}
+    aoti = next((a for a in m["artifacts"] if a["format"] == "aoti"), None)
+    if aoti:
+        models["aoti bf16"] = torch._inductor.aoti_load_package(str(d / aoti["file"]))
+    for batch in (int(run.batches[-2]), int(run.batches[-1])):
+        x32 = torch.rand(batch, 3, run.size, run.size, device=run.a.device)
+        for name, mod in models.items():
+            x = x32.to(torch.bfloat16) if name.startswith("eager") else x32
+            with torch.inference_mode():
+                for _ in range(3):
+                    mod(x)
+                if run.a.device == "cuda":
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(20):
+                        mod(x)
+                    end.record()
+                    end.synchronize()
+                    ms = start.elapsed_time(end) / 20
+                else:
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        mod(x)
+                    ms = (time.perf_counter() - t0) / 3 * 1e3
+            ips = batch / (ms / 1e3)
+            out["rows"].append({"model": name, "batch": batch, "ms": ms, "images_per_s": ips,
+                                "pct_bf16_peak": 100 * ips * flops / peak if peak else None})
+    return out
+
+
+def table(run: Run) -> str:
+    r = run.results
+    lines = []
+    env = r.get("environment", {})
+    lines.append(f"device: {env.get('nvidia_smi') or env.get('gpu') or env.get('cpu')}; torch "
+                 f"{env.get('versions', {}).get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')})")
+    peak = env.get("peak", {})
+    if peak:
+        lines.append(f"matmul peak: fp32 {peak.get('fp32_flops', 0) / 1e12:.1f} TFLOP/s, bf16 {peak.get('bf16_flops', 0) / 1e12:.1f} TFLOP/s")
+    for label, t in [*r.get("train", {}).items(), *r.get("train_channels_last", {}).items()]:
+        if "images_per_s" in t:
+            lines.append(f"train {label}: {t['images_per_s']:.0f} img/s (first epoch {t['first_epoch_images_per_s']:.0f}); "
+                         + " | ".join(t.get("log", [])[:1])[:160])
+        elif "max_abs_diff" in t:
+            lines.append(f"checkpoint on CPU vs device: max |diff| {t['max_abs_diff']:.3g} of scale {t['logit_scale']:.3g}, "
+                         f"top-1 agreement {t['top1_agreement']:.3f}")
+        else:
+            lines.append(f"train {label}: {t}"[:300])
+    for k, e in r.get("exports", {}).items() if isinstance(r.get("exports"), dict) else ():
+        if not isinstance(e, dict):
+            continue
+        lines.append(f"export {k}: exit {e.get('code')} in {e.get('seconds')} s; failed: {e.get('failed')}")
+        for name, a in (e.get("artifacts") or {}).items():
+            lines.append(f"  {name}: pass {a['pass']}, {(a['bytes'] or 0) / 1e6:.0f} MB, export {a['export_seconds']} s, "
+                         f"worst {a['worst']} vs bound {a['bound']} ({a['x_eager_error']}x eager's own)")
+    for k in ("bench_fp32", "bench_bf16", "bench_buckets"):
+        b = r.get(k, {})
+        for row in b.get("rows", []):
+            lines.append(f"{k} {row['variant']} b{row['batch']}: p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, "
+                         f"{row['images_per_s']:.0f} img/s")
+        if not b.get("rows"):
+            lines.append(f"{k}: {str(b)[:400]}")
+    for row in r.get("resident", {}).get("rows", []):
+        lines.append(f"resident {row['model']} b{row['batch']}: {row['ms']:.2f} ms, {row['images_per_s']:.0f} img/s, "
+                     f"{row['pct_bf16_peak'] or 0:.1f} % of bf16 peak")
+    for k, v in r.items():
+        if isinstance(v, dict) and ("error" in v or "skipped" in v) and k not in ("exports",):
+            lines.append(f"{k}: {v.get('error') or v.get('skipped')}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for gpu.json, gpu.log and the bench reports")
+    ap.add_argument("--work", default="/tmp/torchship-gpu", help="scratch folder for checkpoints and exports")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--quick", action="store_true", help="resnet18 at 64x64, small batches: the plumbing only")
+    ap.add_argument("--budget", type=float, default=550, help="seconds for the whole run")
+    ap.add_argument("--reserve", type=float, default=150, help="seconds the exports leave for the benches")
+    ap.add_argument("--skip", nargs="*", default=[], help="phases to leave out")
+    a = ap.parse_args()
+    run = Run(a)
+    for name, need, fn in (("environment", 10, environment), ("train", 100, train), ("exports", 200, exports),
+                           ("bench_fp32", 40, lambda r: bench(r, "fp32")), ("bench_bf16", 40, lambda r: bench(r, "bf16")),
+                           ("resident", 15, resident), ("bench_buckets", 40, lambda r: bench(r, "buckets")),
+                           ("train_channels_last", 45, lambda r: train(r, channels_last=True))):
+        if name not in a.skip:
+            phase(run, name, need, fn)
+    text = table(run)
+    (run.out / "table.txt").write_text(text + "\n")
+    print("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
