@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,16 @@ from torchship.manifest import PARITY_MD, REFERENCE, check_hashes, read_manifest
 from torchship.markdown import table
 
 
+def exit_text(code: int) -> str:
+    """A child's return code in words: "exited 3", or "was killed by SIGSEGV" for a signal (a crash in native code)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (a crash inside the runtime)"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited {code}"
+
+
 def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, threads: int, tmp: Path) -> dict:
     spec = {"export_dir": str(export_dir), "artifact": a, "reference": REFERENCE, "device": device, "threads": threads,
             "inputs": [i["name"] for i in manifest["inputs"]], "outputs": [o["name"] for o in manifest["outputs"]],
@@ -34,7 +45,7 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "export.runner", str(spec_path)], capture_output=True, text=True, env=env)
     res = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else {
-        "ok": False, "error": f"runner exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"}
+        "ok": False, "error": f"runner {exit_text(proc.returncode)}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"}
     res["seconds"] = time.perf_counter() - t0
     if res.get("ok"):
         res["outputs"] = dict(np.load(spec["out"]))

@@ -128,6 +128,8 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
         return r
 
     torch = _torch_setup(threads)
+    if device.startswith("cuda"):
+        torch.zeros(1, device=device)  # the CUDA context exists before any loader runs (AOTInductor's needs it)
     if fmt == "torchscript":
         m = torch.jit.load(path, map_location=device).eval()
         r = Runner(torch_fn(m, device, threads), inputs, outputs)

@@ -37,7 +37,7 @@ def init_distributed(device: str) -> Dist:
         # defaults keep the group alive past destroy_process_group, and Gloo's threads run on into interpreter
         # shutdown, where freeing the group at last can abort the rank ("terminate called without an active
         # exception"). Imported now, the defaults are None.
-        import torch.distributed.nn  # noqa: F401
+        import torch.distributed.nn as _nn  # noqa: F401  (bound as _nn: a plain import would make torch local here)
 
         backend = "nccl" if device == "cuda" else "gloo"
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":

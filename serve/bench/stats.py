@@ -77,8 +77,8 @@ def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, fl
             t0, k = time.perf_counter(), 0
             while time.perf_counter() - t0 < seconds / 5:
                 a @ b
+                sync()  # each product waited for: a GPU queue holds many seconds of unstarted products
                 k += 1
-            sync()
             best = max(best, 2 * n ** 3 * k / (time.perf_counter() - t0))
         out[f"{name}_flops"] = best
     return out

@@ -168,6 +168,17 @@ print(json.dumps(seen))
 """
 
 
+def test_a_runner_that_crashes_is_named_as_a_crash():
+    """A runtime that crashes in native code kills the fresh-process runner with a signal: the failure
+    says which, not a bare negative exit code."""
+    import signal
+
+    from export.verify import exit_text
+
+    assert exit_text(3) == "exited 3"
+    assert exit_text(-signal.SIGSEGV).startswith("was killed by SIGSEGV")
+
+
 def test_default_buckets_are_the_powers_of_two_up_to_the_max_batch():
     """No batch computes more than twice its rows: the next bucket up from n rows is below 2n."""
     from export.config import ExportConfig

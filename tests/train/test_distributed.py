@@ -72,3 +72,22 @@ def test_torchship_train_nproc_2_launches_ranks(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     meta = json.loads(next((tmp_path / "o" / "checkpoints").glob("step-*/meta.json")).read_text())
     assert meta["world_size"] == 2
+
+
+def test_a_cuda_rank_takes_its_gpu_and_nccl(monkeypatch):
+    """The CUDA branch, forced on any machine: a rank under torchrun selects its local GPU and asks for NCCL."""
+    import torch.distributed as dist
+
+    from train.distributed import init_distributed
+
+    seen = {}
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("device", i))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.setdefault("backend", backend))
+    d = init_distributed("cuda")
+    assert seen == {"device": 1, "backend": "nccl"}
+    assert (d.rank, d.local_rank, d.world, d.initialized) == (1, 1, 2, True)
