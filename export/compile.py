@@ -24,6 +24,22 @@ def available_memory() -> int:
         return 0
 
 
+PREPACK_LIMIT = 2 << 30  # bytes of per-bucket prepacked copies that --bucket-weights auto accepts
+
+
+def bucket_weights(choice: str, device: str, model_bytes: int, buckets) -> tuple[str, str]:
+    """(shared or prepacked, why): what --bucket-weights means for this model on ``device``."""
+    if choice != "auto":
+        return choice, "as asked"
+    if device != "cpu":
+        return "shared", "prepacking is for oneDNN's CPU kernels"
+    copies = model_bytes * len(buckets)
+    if copies > PREPACK_LIMIT:
+        return "shared", f"a prepacked copy per bucket would take {copies / 2 ** 30:.1f} GiB"
+    return "prepacked", (f"one copy per bucket, {len(buckets)} x {model_bytes / 1e6:.0f} MB: on a CPU the unpacked "
+                         "shared weights run batches above 1 several times slower")
+
+
 def workers_for(model_bytes: int) -> int:
     """How many compiles may run at once: one per usable core, at most 2, fewer where a worker's copy of a
     large model and the compile's own copies (about 5 model sizes in all) would not fit in the memory

@@ -27,7 +27,7 @@ class ExportConfig:
     buckets: tuple[int, ...] = opt((), "static batch sizes for the aoti_buckets packages; a batch runs in the next one up, "
                                        "padded (default: the powers of two up to --max-batch, and --max-batch: a batch "
                                        "never computes twice its rows)")
-    bucket_weights: Literal["shared", "prepacked"] = opt("shared", "aoti_buckets: one copy of the weights for all buckets, or a copy per bucket prepacked for oneDNN (on CPU, faster at small batches and spatial sizes, and N buckets times the disk and memory)")
+    bucket_weights: Literal["auto", "shared", "prepacked"] = opt("auto", "aoti_buckets: one copy of the weights for all buckets, or a copy per bucket prepacked for oneDNN (on a CPU several times faster at small batches, for N buckets times the disk and memory). auto: prepacked on a CPU while the copies stay under 2 GiB, else shared")
     odd_batch: int = opt(5, "the odd batch size verification uses besides 1 and --max-batch")
     opset: Optional[int] = opt(None, "ONNX opset (default: the exporter's own, recorded in the manifest)")
     dtype: Literal["float32", "float16", "bfloat16"] = opt("float32", "compute dtype inside the artifacts (inputs and outputs stay float32)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import shutil
 import sys
 import time
@@ -21,7 +23,7 @@ from torchship.manifest import FORMAT, MANIFEST, REFERENCE, read_manifest, write
 from torchship.signature import Signature
 
 from . import exporters
-from .compile import Compiler, bucket_files, workers_for
+from .compile import Compiler, bucket_files, bucket_weights, workers_for
 from .config import ExportConfig
 from .reference import build_reference, input_sets
 from .source import artifact_model, load_source
@@ -62,6 +64,10 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
         failures.append({"format": fmt, "error": reason})
         log(f"  {fmt} FAILED: {reason} (other formats continue)")
 
+    if "aoti_buckets" in cfg.formats:
+        choice, why = bucket_weights(cfg.bucket_weights, device, _nbytes(model), cfg.buckets)
+        cfg = dataclasses.replace(cfg, bucket_weights=choice)
+        log(f"aoti_buckets: {choice} weights ({why})")
     with staging_dir(out, overwrite=cfg.overwrite) as tmp, \
             Compiler(cfg, device, workers_for(_nbytes(model)), tmp / ".compile") as compiler, ExitStack() as stack:
         for fmt in cfg.formats:

@@ -10,33 +10,42 @@ from torchship.io import read_json
 RESULTS_FORMAT = "torchship.bench/1"  # the "format" tag of results.json
 
 
-def flatten(results: dict) -> dict[str, float]:
-    """Comparable figures: latency keys end in _ms (lower is better), throughput in _per_s."""
-    flat: dict[str, float] = {}
+FALLBACK = 1.2  # the ratio that counts as a change where neither run measured a figure's spread
+
+
+def flatten(results: dict) -> dict[str, tuple[float, float | None]]:
+    """Comparable figures and the spread each was measured with (None in results that predate windows):
+    latency keys end in _ms (lower is better), throughput in _per_s."""
+    flat: dict[str, tuple[float, float | None]] = {}
     for r in results.get("in_process", {}).get("rows", []):
         for k in ("p50_ms", "p99_ms", "images_per_s"):
             if k in r:
-                flat[f"in_process/{r['variant']}/b{r['batch']}/{k}"] = r[k]
+                flat[f"in_process/{r['variant']}/b{r['batch']}/{k}"] = (r[k], r.get("spread"))
     served = results.get("served", {})
     for section in ("models", "batching_off"):
         for model, m in served.get(section, {}).items():
             for r in m.get("rows", []):
                 for k in ("p50_ms", "p99_ms", "requests_per_s"):
                     if k in r:
-                        flat[f"served/{section}/{model}/c{r['concurrency']}/{k}"] = r[k]
+                        flat[f"served/{section}/{model}/c{r['concurrency']}/{k}"] = (r[k], r.get("spread"))
     return flat
 
 
-def compare(old: dict, new: dict, threshold: float = 1.2) -> tuple[list[dict], list[dict]]:
-    """Ratios new/old for every shared figure; a regression is latency x threshold or throughput / threshold."""
+def compare(old: dict, new: dict, threshold: float | None = None) -> tuple[list[dict], list[dict]]:
+    """Ratios new/old for every shared figure. A change is noise while it stays within the larger of the
+    two runs' measured spreads for that figure; beyond it, a worse figure is a regression. ``threshold``
+    (a ratio, e.g. 1.2) replaces the spreads; figures measured without a spread use FALLBACK."""
     a, b = flatten(old), flatten(new)
     rows, regressions = [], []
     for key in sorted(set(a) & set(b)):
-        if not a[key]:
+        (va, sa), (vb, sb) = a[key], b[key]
+        if not va:
             continue
-        ratio = b[key] / a[key]
-        worse = ratio > threshold if key.endswith("_ms") else ratio < 1 / threshold
-        row = {"key": key, "old": a[key], "new": b[key], "ratio": ratio, "regression": worse}
+        spreads = [x for x in (sa, sb) if x is not None]
+        band = threshold if threshold is not None else (1 + max(spreads) if spreads else FALLBACK)
+        ratio = vb / va
+        worse = ratio > band if key.endswith("_ms") else ratio < 1 / band
+        row = {"key": key, "old": va, "new": vb, "ratio": ratio, "band": band, "regression": worse}
         rows.append(row)
         if worse:
             regressions.append(row)

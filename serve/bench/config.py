@@ -27,7 +27,11 @@ class BenchConfig:
     threads: int = opt(1, "intra-op threads for in-process runs (match the served instances)")
     models: tuple[str, ...] = opt((), "served models to sweep (default: every served model of the export)")
     concurrency: tuple[int, ...] = opt((1, 4, 16), "closed-loop concurrency levels (batch-1 requests in flight)")
-    requests: int = opt(150, "requests per concurrency level")
+    requests: int = opt(150, "the fewest requests a concurrency level's figures rest on (its last three windows together)")
+    window_s: float = opt(1.0, "the shortest measurement window, in seconds: each concurrency level (and each in-process "
+                               "block) is measured in windows until the last three agree within --stability")
+    stability: float = opt(10.0, "percent within which the last three windows' throughput and mean latency must agree")
+    max_windows: int = opt(10, "windows after which a level that has not settled stops and is reported unstable")
     batching_compare: tuple[str, ...] = opt(("onnx",), "formats whose sweep is repeated with dynamic batching off (embedded server only)")
     queue_delays_us: tuple[int, ...] = opt((), "extra max_queue_delay_microseconds values to sweep (embedded server only)")
     rate: Optional[float] = opt(None, "also run an open-loop test at this many requests/s (Poisson arrivals)")
@@ -54,6 +58,10 @@ class BenchConfig:
             raise ConfigError("--batch-sizes and --concurrency must be positive")
         if self.requests < 1:
             raise ConfigError("--requests must be at least 1")
+        if self.window_s < 0 or self.stability <= 0:
+            raise ConfigError("--window-s must be 0 or more, and --stability a positive percent")
+        if self.max_windows < 3:
+            raise ConfigError("--max-windows must be at least 3 (stability is judged over the last three windows)")
         if self.p99_budget_ms is not None and self.p99_budget_ms <= 0:
             raise ConfigError("--p99-budget-ms must be positive")
         if self.rate is not None and self.rate <= 0:

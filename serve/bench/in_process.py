@@ -11,6 +11,7 @@ from torchship.manifest import artifact
 from .config import BenchConfig
 from .inputs import BenchInputs, real_inputs
 from .stats import summarize
+from .windows import LAST, settle, spread, ticker
 
 
 def load_variants(cfg: BenchConfig, inputs: BenchInputs, device: str) -> tuple[dict[str, Callable], dict]:
@@ -46,23 +47,42 @@ def batch_sizes(cfg: BenchConfig, manifest: dict) -> list[int]:
 
 
 def in_process_runs(cfg: BenchConfig, runners: dict, manifest: dict) -> int:
-    """How many timed calls bench_in_process makes with ``runners``: the progress bar's share."""
-    return len(runners) * len(batch_sizes(cfg, manifest)) * cfg.blocks * max(1, cfg.iters // cfg.blocks)
+    """How many measurement windows (one variant's block of calls) bench_in_process plans with ``runners``:
+    the progress bar's share, grown as a batch size needs more blocks to settle."""
+    return len(runners) * len(batch_sizes(cfg, manifest)) * max(cfg.blocks, LAST)
 
 
-def time_blocks(paths: dict[str, Callable[[], Any]], blocks: int, per_block: int, bar) -> dict[str, list[float]]:
-    """Seconds per call of each path, run in turn in ``blocks`` blocks of ``per_block`` calls, so that
-    machine drift falls on every path alike."""
-    lat: dict[str, list[float]] = {k: [] for k in paths}
-    for _ in range(blocks):
+def time_blocks(paths: dict[str, Callable[[], Any]], cfg: BenchConfig, bar) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    """Seconds per call of each path, run in turn in blocks, so that machine drift falls on every path alike.
+    In a block each path makes iters/blocks calls and takes at least its share of --window-s. At least
+    --blocks blocks (and three) run, then more until every path's last three block means agree within
+    --stability, or --max-windows blocks. Also, per path, the spread of those three means and whether
+    they settled."""
+    per_block = max(1, cfg.iters // cfg.blocks)
+    share = cfg.window_s / max(1, len(paths))
+
+    def block() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {}
         for name, fn in paths.items():
-            for _ in range(per_block):
+            times[name] = []
+            start = time.perf_counter()
+            while len(times[name]) < per_block or time.perf_counter() - start < share:
                 t0 = time.perf_counter()
                 fn()
-                lat[name].append(time.perf_counter() - t0)
-            if bar:
-                bar.update(per_block)
-    return lat
+                times[name].append(time.perf_counter() - t0)
+        return times
+
+    def means(w: dict[str, list[float]]) -> list[float]:
+        return [sum(w[k]) / len(w[k]) for k in paths]
+
+    blocks, _ = settle(block, means, cfg.stability / 100, max(cfg.blocks, LAST), max(cfg.max_windows, cfg.blocks),
+                       ticker(bar, max(cfg.blocks, LAST), len(paths)))
+    lat = {k: [t for w in blocks for t in w[k]] for k in paths}
+    how = {}
+    for k in paths:
+        sp = spread([sum(w[k]) / len(w[k]) for w in blocks[-LAST:]])
+        how[k] = {"windows": len(blocks), "spread": sp, "stable": len(blocks) >= LAST and sp <= cfg.stability / 100}
+    return lat, how
 
 
 def bench_in_process(cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, Callable], notes: dict[str, str],
@@ -82,10 +102,9 @@ def bench_in_process(cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, C
         for fn in runners.values():
             for _ in range(cfg.warmup):
                 fn(x)
-        lat = time_blocks({v: (lambda fn=fn: fn(x)) for v, fn in runners.items()}, cfg.blocks,
-                          max(1, cfg.iters // cfg.blocks), bar)
+        lat, how = time_blocks({v: (lambda fn=fn: fn(x)) for v, fn in runners.items()}, cfg, bar)
         for v, ls in lat.items():
             raw[f"{v}/b{b}"] = [round(t * 1e3, 4) for t in ls]
             s = summarize(ls)
-            rows.append({"variant": v, "batch": b, **s, "images_per_s": b / (s["mean_ms"] / 1e3)})
+            rows.append({"variant": v, "batch": b, **s, "images_per_s": b / (s["mean_ms"] / 1e3), **how[v]})
     return {"device": device, "threads": cfg.threads, "rows": rows, "notes": notes, "raw_ms": raw}

@@ -12,34 +12,45 @@ from ..client import infer_channel, request_feeds
 from .stats import summarize
 
 
-def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concurrency: int, n: int) -> dict[str, Any]:
-    """Keep ``concurrency`` requests in flight until ``n`` complete; per-request latency in seconds. Requests
-    are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1 one at a time
-    in this thread, so no callback thread is in the measured path."""
+def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concurrency: int, n: int,
+                min_s: float = 0.0) -> dict[str, Any]:
+    """Keep ``concurrency`` requests in flight until ``n`` complete and ``min_s`` seconds have passed;
+    per-request latency in seconds, and the CPU seconds this process spent (the client's own cost).
+    Requests are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1 one
+    at a time in this thread, so no callback thread is in the measured path."""
     import grpc
 
     prepared = [request_feeds(model, feeds) for feeds in inputs]
     lat: list[float] = []
     errors: list[str] = []
     channel, call = infer_channel(url)
-    t_start = time.perf_counter()
+    cpu0, t_start = time.process_time(), time.perf_counter()
+
+    def more(sent: int) -> bool:
+        return sent < n or time.perf_counter() - t_start < min_s
+
     if concurrency == 1:
-        for i in range(n):
+        sent = 0
+        while more(sent):
             t0 = time.perf_counter()
             try:
-                call(prepared[i % len(prepared)], timeout=60)
+                call(prepared[sent % len(prepared)], timeout=60)
                 lat.append(time.perf_counter() - t0)
             except grpc.RpcError as e:
                 errors.append(e.details() or str(e.code()))
+            sent += 1
         channel.close()
-        return {"latencies_s": lat, "errors": errors, "wall_s": time.perf_counter() - t_start, "completed": n}
+        return {"latencies_s": lat, "errors": errors, "wall_s": time.perf_counter() - t_start, "completed": sent,
+                "cpu_s": time.process_time() - cpu0}
     lock = threading.Lock()
     done = threading.Event()
     issued, finished = [0], [0]
 
     def issue():
         with lock:
-            if issued[0] >= n:
+            if not more(issued[0]):
+                if finished[0] == issued[0]:
+                    done.set()
                 return
             i = issued[0]
             issued[0] += 1
@@ -55,18 +66,15 @@ def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concu
             else:
                 lat.append(dt)
             finished[0] += 1
-            last = finished[0] >= n
-        if last:
-            done.set()
-        else:
-            issue()
-
-    for _ in range(min(concurrency, n)):
         issue()
-    done.wait(timeout=max(60.0, n * 2.0))
+
+    for _ in range(concurrency):
+        issue()
+    done.wait(timeout=max(60.0, n * 2.0, min_s + 60.0))
     wall = time.perf_counter() - t_start
     channel.close()
-    return {"latencies_s": lat, "errors": errors, "wall_s": wall, "completed": finished[0]}
+    return {"latencies_s": lat, "errors": errors, "wall_s": wall, "completed": finished[0],
+            "cpu_s": time.process_time() - cpu0}
 
 
 def open_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], rate: float, duration: float) -> dict:

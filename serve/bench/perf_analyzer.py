@@ -57,9 +57,12 @@ def install() -> Path:
     return CACHE / "bin" / "perf_analyzer"
 
 
-def run(binary: str, url: str, model: str, levels: list[int], pool: dict[str, np.ndarray], requests: int = 300) -> list[dict]:
-    """perf_analyzer at each concurrency level (count windows, and windows may differ by 50 %: the
-    defaults never settle on a small noisy machine). Returns per level: throughput and latency percentiles in ms, server breakdown in µs."""
+def run(binary: str, url: str, model: str, levels: list[int], pool: dict[str, np.ndarray], window_s: float = 1.0,
+        stability: float = 10.0, max_windows: int = 10) -> list[dict]:
+    """perf_analyzer at each concurrency level, under the bench's own rule: time windows of ``window_s``
+    until three agree within ``stability`` percent, at most ``max_windows``. A level that never settles
+    is measured again with a 50 % threshold and marked unstable. Returns per level: throughput and
+    latency percentiles in ms, server breakdown in µs."""
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(CACHE / "lib"), env.get("LD_LIBRARY_PATH", "")) if p)
     rows = []
@@ -68,15 +71,18 @@ def run(binary: str, url: str, model: str, levels: list[int], pool: dict[str, np
         data.write_text(input_data_json(pool))
         for c in levels:
             report = Path(tmp) / f"c{c}.csv"
-            cmd = [binary, "-m", model, "-u", url, "-i", "grpc", "-b", "1", f"--concurrency-range={c}:{c}",
-                   "--measurement-mode=count_windows", f"--measurement-request-count={requests}", "-f", str(report),
-                   f"--input-data={data}", "--stability-percentage=50", "--max-trials=20",
-                   "--percentile=99"]
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-            if p.returncode != 0 or not report.exists():
-                raise RuntimeError(f"perf_analyzer exited {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}")
+            for threshold in (stability, 50.0):
+                cmd = [binary, "-m", model, "-u", url, "-i", "grpc", "-b", "1", f"--concurrency-range={c}:{c}",
+                       "--measurement-mode=time_windows", f"--measurement-interval={max(100, int(window_s * 1000))}",
+                       "-f", str(report), f"--input-data={data}", f"--stability-percentage={threshold:g}",
+                       f"--max-trials={max_windows}", "--percentile=99"]
+                p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+                if p.returncode == 0 and report.exists():
+                    break
+                if "stable" not in (p.stderr + p.stdout).lower() or threshold == 50.0:
+                    raise RuntimeError(f"perf_analyzer exited {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}")
             row = next(csv.DictReader(report.open()))
-            rows.append({"concurrency": c, "requests_per_s": float(row["Inferences/Second"]),
+            rows.append({"concurrency": c, "stable": threshold == stability, "requests_per_s": float(row["Inferences/Second"]),
                          "p50_ms": float(row["p50 latency"]) / 1e3, "p90_ms": float(row["p90 latency"]) / 1e3,
                          "p95_ms": float(row["p95 latency"]) / 1e3, "p99_ms": float(row["p99 latency"]) / 1e3,
                          "server_queue_us": float(row["Server Queue"]), "server_infer_us": float(row["Server Compute Infer"])})
@@ -109,7 +115,8 @@ def cross_check(cfg, url: str, models: list[str], pool: dict[str, np.ndarray]) -
     model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
     try:
         batching = "dynamic_batching" in TritonClient(url).config(model)  # the config perf_analyzer meets
-        return {model: {"levels": run(binary, url, model, [1, max(cfg.concurrency)], pool), "dynamic_batching": batching}}
+        levels = run(binary, url, model, [1, max(cfg.concurrency)], pool, cfg.window_s, cfg.stability, cfg.max_windows)
+        return {model: {"levels": levels, "dynamic_batching": batching}}
     except Exception as e:
         return {model: {"error": f"{type(e).__name__}: {e}"}}
 

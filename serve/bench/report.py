@@ -17,15 +17,30 @@ def _f(v, spec=".2f", dash="-"):
     return format(v, spec) if isinstance(v, (int, float)) else dash
 
 
-def served_lines(served: dict[str, Any]) -> list[str]:
-    """p50, p99 and throughput per model and concurrency, then the batching gain per model."""
+def spread_text(r: dict[str, Any]) -> str:
+    """A row's spread across its last three windows ("±3%"), marked where the windows never agreed."""
+    if "spread" not in r:
+        return "-"
+    return f"±{100 * r['spread']:.0f}%" + ("" if r.get("stable") else f" UNSTABLE after {r['windows']} windows")
+
+
+def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """p50, p99 and throughput per model and concurrency, with their spread, then the batching gain per model."""
     rows = [[model, str(r["concurrency"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r["requests_per_s"], ".0f"),
-             _f(r["server"]["avg_batch"]), f"{r['ok']}/{r['sent']}"]
+             spread_text(r), _f(r["server"]["avg_batch"]), _f(r.get("client_cpu_us"), ".0f"), f"{r['ok']}/{r['sent']}"]
             for model, mm in served.get("models", {}).items() for r in mm["rows"]]
+    unstable = sum(not r.get("stable", True) for mm in served.get("models", {}).values() for r in mm["rows"])
     lines = ["## Served over gRPC", "",
              f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}). Closed loop: each level keeps "
-             "that many batch-1 requests in flight; dynamic batching as configured.", ""]
-    lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "avg batch", "ok/sent"], rows) + [""]
+             "that many batch-1 requests in flight; dynamic batching as configured. Each level runs in windows of at "
+             f"least {cfg.get('window_s', 0):g} s until the last three agree within {cfg.get('stability', 0):g} % "
+             f"(throughput and mean latency); its figures come from those three, at least {cfg.get('requests')} "
+             "requests. Spread: how far apart the three windows' throughputs and mean latencies are. Client CPU: "
+             "the load generator's own CPU time per request. Measured/sent: requests in the last three windows, "
+             "and in all of the level's windows." + (f" **{unstable} level(s) never settled**: read them "
+                                                                 "as rough." if unstable else ""), ""]
+    lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "spread", "avg batch", "client CPU µs/req",
+                    "measured/sent"], rows) + [""]
     for model, mm in served.get("models", {}).items():
         rs = mm["rows"]
         if len(rs) > 1 and rs[0]["requests_per_s"]:
@@ -117,7 +132,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
         lines += [f"Inputs: {results['export']['samples']}.", ""]
     served = results.get("served")
     if served:
-        lines += served_lines(served)
+        lines += served_lines(served, results.get("config", {}))
     rec = results.get("recommendation", {})
     if rec:
         lines += ["## Recommendation", ""]
@@ -136,13 +151,17 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
     ip = results.get("in_process")
     if ip:
         lines += ["## In-process latency", "",
-                  f"Device {ip['device']}, {ip['threads']} intra-op thread(s); variants interleaved in "
-                  f"{results['config']['blocks']} blocks after {results['config']['warmup']} warm-up runs each.", ""]
+                  f"Device {ip['device']}, {ip['threads']} intra-op thread(s); variants interleaved in blocks (at least "
+                  f"{results['config']['blocks']}, more until each variant's last three block means agree within "
+                  f"{results['config'].get('stability', 0):g} %) after {results['config']['warmup']} warm-up runs each. "
+                  "Spread: how far apart those three block means are.", ""]
         probe = "flops_per_sample" in lim
-        lines += table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "samples/s"] + (["% of fp32 matmul probe"] if probe else []),
+        peak = "fp32_flops" if results["export"].get("dtype") in (None, "float32") else "bf16_flops"
+        lines += table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "samples/s", "spread"]
+                       + ([f"% of {peak[:4]} matmul probe"] if probe else []),
                         [[r["variant"], str(r["batch"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r.get("mean_ms")),
-                          _f(r.get("images_per_s"), ".0f")]
-                         + ([f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim['fp32_flops']:.1f}"] if probe else [])
+                          _f(r.get("images_per_s"), ".0f"), spread_text(r)]
+                         + ([f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim[peak]:.1f}"] if probe else [])
                          for r in ip["rows"] if r.get("n")])
         lines += [f"- {k}: {v}" for k, v in ip.get("notes", {}).items()] + [""]
         if probe:
@@ -164,7 +183,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
                 ["model", "target req/s", "achieved", "p50 ms", "p99 ms", "errors"],
                 [[k, f"{v['rate_target']:g}", f"{v['achieved_rps']:.0f}", _f(v.get("p50_ms")), _f(v.get("p99_ms")),
                   str(v["errors"])] for k, v in ol.items()]) + [""]
-        lines += perf_analyzer_lines(served)
+        lines += perf_analyzer_lines(served, results)
     if results.get("errors"):
         lines += ["## Errors", "", *[f"- {e}" for e in results["errors"]], ""]
     if results.get("server_stop_note"):
@@ -178,7 +197,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
     return path
 
 
-def perf_analyzer_lines(served: dict[str, Any]) -> list[str]:
+def perf_analyzer_lines(served: dict[str, Any], results: dict[str, Any]) -> list[str]:
     pa = served.get("perf_analyzer", {})
     if "skipped" in pa:
         return [f"perf_analyzer cross-check: {pa['skipped']}.", ""]
@@ -195,7 +214,22 @@ def perf_analyzer_lines(served: dict[str, Any]) -> list[str]:
                           _f(ours.get(r["concurrency"], {}).get("requests_per_s"), ".0f"), f"{r['p50_ms']:.2f}",
                           _f(ours.get(r["concurrency"], {}).get("p50_ms")), f"{r['p99_ms']:.2f}",
                           _f(ours.get(r["concurrency"], {}).get("p99_ms"))] for r in res["levels"]]) + [""]
+        lines += ratio_lines(model, res["levels"][-1], ours.get(res["levels"][-1]["concurrency"]), results)
     return lines
+
+
+def ratio_lines(model: str, pa: dict[str, Any], ours: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
+    """Served throughput at the highest concurrency over the same artifact's best in-process throughput
+    (same thread count), with each load generator: perf_analyzer's (C++) and torchship's (Python)."""
+    variant = SERVED_VARIANT.get(model[len(results["export"]["name"]) + 1:])
+    ip = [r for r in results.get("in_process", {}).get("rows", []) if r["variant"] == variant and r.get("n")]
+    if not ip or not ours:
+        return []
+    best = max(r["images_per_s"] for r in ip)
+    return [f"- served over in-process at concurrency {pa['concurrency']} ({variant}, best in-process {best:.0f} "
+            f"samples/s): {100 * pa['requests_per_s'] / best:.0f} % with perf_analyzer as the client, "
+            f"{100 * ours['requests_per_s'] / best:.0f} % with torchship's Python client, whose own CPU time was "
+            f"{_f(ours.get('client_cpu_us'), '.0f')} µs per request on the same cores as the server", ""]
 
 
 def draw_plots(results: dict[str, Any], out: Path) -> list[Path]:

@@ -20,6 +20,7 @@ from .config import BenchConfig
 from .inputs import BenchInputs, single_rows
 from .load import closed_loop, level_row, open_loop
 from .stats import served_count, settled_stats, stats_delta, stats_of
+from .windows import LAST, settle, ticker
 
 NOOP_MODEL = "_torchship_noop"
 
@@ -115,30 +116,54 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
 
 
 def sweep(url: str, model: str, inputs: list[dict[str, np.ndarray]], cfg: BenchConfig, levels, bar, client) -> list[dict]:
-    """One closed-loop run per concurrency level, each after an untimed warm-up at that level."""
+    """Per concurrency level: an untimed warm-up, then windows of at least --window-s seconds and a third of
+    --requests each, until the last three agree within --stability (or --max-windows). The level's figures
+    come from those last three windows; its failures from every window."""
     rows = []
+    batch = len(next(iter(inputs[0].values())))
+    per_window = -(-cfg.requests // LAST)
     for c in levels:
         start = served_count(stats_of(client, model))
         warm = min(cfg.requests, max(4, c * 2))
         closed_loop(url, model, inputs, c, warm)
-        before = settled_stats(client, model, start + warm)
-        res = closed_loop(url, model, inputs, c, cfg.requests)
-        after = settled_stats(client, model, served_count(before) + cfg.requests)
-        rows.append(level_row(res, stats_delta(before, after), c, len(next(iter(inputs[0].values())))))
-        if bar:
-            bar.update(cfg.requests)
+        snaps = [settled_stats(client, model, start + warm)]
+
+        def window() -> dict[str, Any]:
+            res = closed_loop(url, model, inputs, c, per_window, cfg.window_s)
+            snaps.append(settled_stats(client, model, served_count(snaps[-1]) + len(res["latencies_s"])))
+            return res
+
+        windows, how = settle(window, window_figures, cfg.stability / 100, LAST, cfg.max_windows, ticker(bar, LAST, 1))
+        last = windows[-LAST:]
+        merged = {"latencies_s": [t for w in last for t in w["latencies_s"]], "errors": [],
+                  "wall_s": sum(w["wall_s"] for w in last), "completed": sum(w["completed"] for w in last)}
+        row = level_row(merged, stats_delta(snaps[-len(last) - 1], snaps[-1]), c, batch)
+        errors = [e for w in windows for e in w["errors"]]
+        row.update(sent=sum(w["completed"] for w in windows), failed=len(errors), windows=how["windows"],
+                   spread=how["spread"], stable=how["stable"],
+                   window_requests_per_s=[round(window_figures(w)[0], 2) for w in windows],
+                   client_cpu_us=1e6 * sum(w["cpu_s"] for w in last) / max(1, merged["completed"]))
+        if errors:
+            row["first_error"] = errors[0][:300]
+        rows.append(row)
     return rows
 
 
+def window_figures(w: dict[str, Any]) -> tuple[float, float]:
+    """A window's requests/s and mean latency: the figures that must hold still."""
+    lat = w["latencies_s"]
+    return (len(lat) / w["wall_s"] if w["wall_s"] else 0.0), (sum(lat) / len(lat) if lat else 0.0)
+
+
 def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: bool, noop: bool) -> int:
-    """How many timed requests bench_served sends to ``models`` (with ``noop``: and to the no-op model):
-    the progress bar's total."""
-    per_sweep = cfg.requests * len(cfg.concurrency)
+    """How many measurement windows bench_served plans for ``models`` (with ``noop``: and for the no-op
+    model), three per level: the progress bar's total, grown as a level needs more."""
+    per_sweep = LAST * len(cfg.concurrency)
     n = len(models) * per_sweep
     if embedded:  # the batching-off sweeps and the delays
         n += sum(format_of(m, manifest) in cfg.batching_compare for m in models) * per_sweep
         n += len(models) * len(cfg.queue_delays_us) * per_sweep
-    return n + noop * cfg.requests
+    return n + noop * LAST
 
 
 def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: str, server, bar, results: dict,

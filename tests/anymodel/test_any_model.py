@@ -272,7 +272,8 @@ def test_a_short_bench_of_each_model(which, served, request, tmp_path):
     name = read_manifest(export)["name"]
     cfg = build(BenchConfig, {"export_dir": str(export), "out": str(tmp_path), "url": served.url,
                               "requests": 20, "concurrency": [1, 4], "batch_sizes": [1, 4], "iters": 10, "blocks": 2,
-                              "batching_compare": [], "queue_delays_us": [], "cross_check": False, "plots": False, "progress": False})
+                              "batching_compare": [], "queue_delays_us": [], "cross_check": False, "plots": False, "progress": False,
+                              "window_s": 0.1, "max_windows": 4})
     run_bench(cfg, log=lambda *a: None)
     res = json.loads((tmp_path / "results.json").read_text())
     said = {"mlp": "random inputs (random_b8)", "text": "real held-out samples (heldout, S="}[which]
@@ -347,7 +348,7 @@ def test_bench_shape_picks_the_size_of_a_dynamic_dim(text_export, tmp_path, caps
         assert len(err) == 1 and said in err[0], err
     cfg = build(BenchConfig, {"export_dir": str(text_export), "out": str(tmp_path / "b"), "skip_served": True,
                               "variants": ["onnx"], "batch_sizes": [1], "iters": 2, "blocks": 1, "warmup": 1,
-                              "shape": ["S=40"], "plots": False, "progress": False})
+                              "shape": ["S=40"], "plots": False, "progress": False, "window_s": 0.1})
     from serve.bench.run import run_bench
 
     run_bench(cfg, log=lambda *a: None)

@@ -148,7 +148,7 @@ def test_the_bucket_archive_stores_the_weights_once(tmp_path):
     d = tmp_path / "e"
     assert run_cli("export", "--model", f"{MODELS}:mlp", *[a for k, v in kw.items() for a in ("--model-arg", f"{k}={v}")],
                    "--weights", w, "--input", "features:float32:B,512", "--max-batch", "8", "--odd-batch", "5",
-                   "--buckets", "1", "8", "--formats", "aoti_buckets", "--out", d) == 0
+                   "--buckets", "1", "8", "--formats", "aoti_buckets", "--bucket-weights", "shared", "--out", d) == 0
     (a,) = read_manifest(d)["artifacts"]
     assert a["shared_constants"] > 0 and a["buckets"] == [1, 8]
     with zipfile.ZipFile(d / a["file"]) as z:
@@ -157,6 +157,16 @@ def test_the_bucket_archive_stores_the_weights_once(tmp_path):
     assert a["bytes"] < 1.2 * weights + (4 << 20)
     v = read_manifest(d)["verification"]["artifacts"]["aoti_buckets"]
     assert v["pass"] and {row["batch"] for row in v["sets"].values()} == {1, 5, 8}  # bucket 8 padded the 5
+
+
+def test_auto_bucket_weights_prepack_on_a_cpu_while_the_copies_stay_small():
+    from export.compile import PREPACK_LIMIT, bucket_weights
+
+    buckets = (1, 2, 4, 8, 16, 32)
+    assert bucket_weights("auto", "cpu", 45 << 20, buckets)[0] == "prepacked"
+    assert bucket_weights("auto", "cpu", PREPACK_LIMIT // 4, buckets)[0] == "shared"  # six copies over the limit
+    assert bucket_weights("auto", "cuda", 45 << 20, buckets)[0] == "shared"
+    assert bucket_weights("shared", "cpu", 45 << 20, buckets) == ("shared", "as asked")
 
 
 def test_prepacked_buckets_keep_a_copy_each_and_pass_beside_aoti(tmp_path):

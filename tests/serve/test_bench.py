@@ -14,7 +14,7 @@ from torchship.config import build
 from torchship.errors import BenchError, ServerError
 
 SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "iters": 8, "blocks": 2, "warmup": 1,
-         "concurrency": [1, 4], "requests": 16, "progress": False, "cross_check": False}
+         "concurrency": [1, 4], "requests": 16, "progress": False, "cross_check": False, "window_s": 0.1, "max_windows": 4}
 
 
 @pytest.fixture(scope="module")
@@ -38,19 +38,23 @@ def test_results_and_report_are_well_formed(bench_run):
     rows = on_disk["in_process"]["rows"]
     assert {(r["variant"], r["batch"]) for r in rows} == {(v, b) for v in SHORT["variants"] for b in SHORT["batch_sizes"]}
     for r in rows:
-        assert r["n"] == SHORT["iters"] and ordered(r) and r["images_per_s"] > 0
+        assert r["n"] >= SHORT["iters"] and ordered(r) and r["images_per_s"] > 0
+        assert 3 <= r["windows"] <= SHORT["max_windows"] and r["spread"] >= 0 and r["stable"] in (True, False)
     served = on_disk["served"]
     assert set(served["models"]) == {"tiny_cnn_onnx", "tiny_cnn_torchscript", "tiny_cnn_aoti"}
     for section in ("models", "batching_off"):
         for model, mm in served[section].items():
             assert [r["concurrency"] for r in mm["rows"]] == SHORT["concurrency"]
             for r in mm["rows"]:
-                assert r["sent"] == r["ok"] == SHORT["requests"] and r["failed"] == 0, (model, r)
-                assert ordered(r)
-                assert r["server"]["requests"] == SHORT["requests"]
+                # --requests is a floor: the last three windows hold at least that many
+                assert r["sent"] >= r["ok"] >= SHORT["requests"] and r["failed"] == 0, (model, r)
+                assert ordered(r) and 3 <= r["windows"] <= SHORT["max_windows"]
+                assert len(r["window_requests_per_s"]) == r["windows"]
+                assert r["client_cpu_us"] > 0 and r["spread"] >= 0
+                assert r["server"]["requests"] == r["ok"]
                 assert r["server"]["compute_infer_us"] > 0
     assert served["batching_off"]["tiny_cnn_onnx"]["rows"][0]["server"]["avg_batch"] == 1.0
-    assert served["noop"]["rows"][0]["ok"] == SHORT["requests"]
+    assert served["noop"]["rows"][0]["ok"] >= SHORT["requests"]
     assert all(v["errors"] == 0 and v["sent"] > 0 for v in served["open_loop"].values())
     assert "model" in on_disk["recommendation"]
     report = (out / "report.md").read_text()
@@ -122,21 +126,45 @@ def test_one_run_reads_the_reference_once_and_rebuilds_eager_once(exported, serv
     assert checks.count("reference.npz") == 1 and len(rebuilds) == 1
 
 
-def test_progress_total_counts_every_timed_call(bench_run, exported):
-    """The progress bar's total, counted from the plan before anything runs, equals the calls the run
-    actually timed: in-process and served."""
+def test_progress_total_counts_every_window(bench_run, exported):
+    """The progress bar's total, planned before anything runs, is three windows per served level and per
+    in-process variant and batch: what the run measures when every level settles at once; the rest of
+    the windows it ran grow the total as they come."""
     from serve.bench.in_process import in_process_runs
 
     results, out = bench_run
     s = results["served"]
     sweeps = [m["rows"] for section in ("models", "batching_off") for m in s[section].values()]
     sweeps += [d["rows"] for per_model in s["delays"].values() for d in per_model.values()] + [s["noop"]["rows"]]
-    timed = sum(r["sent"] for rows in sweeps for r in rows)
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out)})
     manifest = json.loads((exported / "manifest.json").read_text())
-    assert served_runs(cfg, manifest, list(s["models"]), embedded=True, noop=True) == timed
+    assert served_runs(cfg, manifest, list(s["models"]), embedded=True, noop=True) == 3 * sum(len(rows) for rows in sweeps)
     loaded = {r["variant"]: None for r in results["in_process"]["rows"]}
-    assert in_process_runs(cfg, loaded, manifest) == sum(r["n"] for r in results["in_process"]["rows"])
+    assert in_process_runs(cfg, loaded, manifest) == 3 * len(results["in_process"]["rows"])
+
+
+def _one_row(p50: float, spread: float | None) -> dict:
+    row = {"variant": "onnx", "batch": 1, "p50_ms": p50, "p99_ms": p50, "images_per_s": 1e3 / p50}
+    return {"in_process": {"rows": [{**row, **({"spread": spread} if spread is not None else {})}]}}
+
+
+@pytest.mark.parametrize("old_spread, new_spread, new_p50, regression", [
+    (0.10, 0.05, 10.8, False),   # 8 % slower, inside the 10 % one run measured: noise
+    (0.10, 0.05, 11.5, True),    # 15 % slower, beyond both spreads
+    (0.02, 0.02, 10.5, True),    # 5 % beyond a 2 % spread: a regression a fixed 20 % rule would miss
+    (0.30, 0.02, 12.0, False),   # 20 % inside an unsteady old run's 30 %
+    (None, None, 11.9, False),   # results without spreads: the 1.2 fallback
+    (None, None, 12.1, True),
+])
+def test_compare_calls_a_change_beyond_the_spread_a_regression(old_spread, new_spread, new_p50, regression):
+    rows, regressions = compare(_one_row(10.0, old_spread), _one_row(new_p50, new_spread))
+    assert {r["key"].rsplit("/", 1)[1] for r in regressions} == ({"p50_ms", "p99_ms", "images_per_s"} if regression else set())
+    assert len(rows) == 3
+
+
+def test_compare_threshold_replaces_the_spread():
+    assert not compare(_one_row(10.0, 0.01), _one_row(11.0, 0.01), threshold=1.2)[1]
+    assert compare(_one_row(10.0, 0.5), _one_row(13.0, 0.5), threshold=1.2)[1]
 
 
 def test_compare_detects_a_planted_2x_slowdown(bench_run, exported, tmp_path, capsys):

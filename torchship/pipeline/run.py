@@ -60,6 +60,10 @@ def resolve_settings(file_cfg: dict[str, Any], sets: list[str], shortcuts: dict[
     return out
 
 
+# the run's bench keeps to a short budget: half-second windows (torchship bench alone: one second)
+RUN_BENCH = {"window_s": 0.5}
+
+
 def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) -> dict[str, Any]:
     """Every section as its stage's typed config, with the run folder's paths filled in."""
     from export.config import ExportConfig
@@ -74,7 +78,8 @@ def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) ->
                                                                         "checkpoint": str(dirs["train"])}),
             "repo": _build_section("repo", RepoConfig, settings, {"out": str(dirs["repo"])}),
             "serve": serve,
-            "bench": _build_section("bench", BenchConfig, settings, {"out": str(dirs["bench"]), "repo": str(dirs["repo"]),
+            "bench": _build_section("bench", BenchConfig, {**settings, "bench": {**RUN_BENCH, **settings.get("bench", {})}},
+                                    {"out": str(dirs["bench"]), "repo": str(dirs["repo"]),
                                                                      "export_dir": str(dirs["export"]), "serve": serve}),
             "run": _build_section("run", RunConfig, settings, {})}
 

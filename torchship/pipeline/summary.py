@@ -107,7 +107,7 @@ def summarize(run_dir: Path, record: dict[str, Any]) -> str:
 
         b = _readable(lines, results, load_results, results)
         if b.get("served"):
-            lines += [""] + served_lines(b["served"])
+            lines += [""] + served_lines(b["served"], b.get("config", {}))
             rec = b.get("recommendation", {})
             if "model" in rec:
                 lines += [f"Recommendation: `{rec['model']}` with max_batch_size {rec['max_batch_size']}: "
