@@ -64,12 +64,13 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
         failures.append({"format": fmt, "error": reason})
         log(f"  {fmt} FAILED: {reason} (other formats continue)")
 
+    nbytes = _nbytes(model)
     if "aoti_buckets" in cfg.formats:
-        choice, why = bucket_weights(cfg.bucket_weights, device, _nbytes(model), cfg.buckets)
+        choice, why = bucket_weights(cfg.bucket_weights, device, nbytes, cfg.buckets)
         cfg = dataclasses.replace(cfg, bucket_weights=choice)
         log(f"aoti_buckets: {choice} weights ({why})")
     with staging_dir(out, overwrite=cfg.overwrite) as tmp, \
-            Compiler(cfg, device, workers_for(_nbytes(model)), tmp / ".compile") as compiler, ExitStack() as stack:
+            Compiler(cfg, device, workers_for(nbytes), tmp / ".compile") as compiler, ExitStack() as stack:
         for fmt in cfg.formats:
             (tmp / fmt).mkdir()
         background = _start_compiles(compiler, cfg, tmp, log)  # they run while the reference is computed

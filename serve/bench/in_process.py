@@ -11,7 +11,7 @@ from torchship.manifest import artifact
 from .config import BenchConfig
 from .inputs import BenchInputs, real_inputs
 from .stats import summarize
-from .windows import LAST, settle, spread, ticker
+from .windows import LAST, settle, ticker
 
 
 def load_variants(cfg: BenchConfig, inputs: BenchInputs, device: str) -> tuple[dict[str, Callable], dict]:
@@ -75,14 +75,11 @@ def time_blocks(paths: dict[str, Callable[[], Any]], cfg: BenchConfig, bar) -> t
     def means(w: dict[str, list[float]]) -> list[float]:
         return [sum(w[k]) / len(w[k]) for k in paths]
 
-    blocks, _ = settle(block, means, cfg.stability / 100, max(cfg.blocks, LAST), max(cfg.max_windows, cfg.blocks),
-                       ticker(bar, max(cfg.blocks, LAST), len(paths)))
+    blocks, how = settle(block, means, cfg.stability / 100, max(cfg.blocks, LAST), max(cfg.max_windows, cfg.blocks),
+                         ticker(bar, max(cfg.blocks, LAST), len(paths)))
     lat = {k: [t for w in blocks for t in w[k]] for k in paths}
-    how = {}
-    for k in paths:
-        sp = spread([sum(w[k]) / len(w[k]) for w in blocks[-LAST:]])
-        how[k] = {"windows": len(blocks), "spread": sp, "stable": len(blocks) >= LAST and sp <= cfg.stability / 100}
-    return lat, how
+    return lat, {k: {"windows": how["windows"], "spread": sp, "stable": len(blocks) >= LAST and sp <= cfg.stability / 100}
+                 for k, sp in zip(paths, how["spreads"])}
 
 
 def bench_in_process(cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, Callable], notes: dict[str, str],

@@ -35,14 +35,15 @@ def settle(window: Callable[[], dict[str, Any]], figures: Callable[[dict[str, An
     """Call ``window()`` until at least ``min_windows`` ran and the last LAST agree: for each of the
     figures ``figures(w)`` gives a window (a throughput, a mean latency), their spread is within
     ``stability`` (a fraction). Stop at ``max_windows`` regardless. Returns the windows and
-    {"windows": n, "spread": the largest figure's spread over the last LAST, "stable": bool}."""
+    {"windows": n, "spreads": each figure's spread over the last LAST, "spread": the largest, "stable": bool}."""
     windows: list[dict[str, Any]] = []
     while True:
         windows.append(window())
         if on_window:
             on_window(len(windows))
-        last = windows[-LAST:]
-        worst = max((spread([figures(w)[i] for w in last]) for i in range(len(figures(last[0])))), default=0.0)
+        last = [figures(w) for w in windows[-LAST:]]
+        spreads = [spread(column) for column in zip(*last)]
+        worst = max(spreads, default=0.0)
         stable = len(last) == LAST and worst <= stability
         if (stable and len(windows) >= min_windows) or len(windows) >= max_windows:
-            return windows, {"windows": len(windows), "spread": worst, "stable": stable}
+            return windows, {"windows": len(windows), "spreads": spreads, "spread": worst, "stable": stable}
