@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from torchship.config import opt
 from torchship.errors import ConfigError
@@ -38,7 +38,9 @@ class BenchConfig:
     duration_s: float = opt(5.0, "open-loop test duration in seconds")
     p99_budget_ms: Optional[float] = opt(None, "latency budget for the recommendation (p99, milliseconds)")
     write_config: bool = opt(False, "write the recommended batching settings back into the repository's configs")
-    cross_check: bool = opt(True, "cross-check the served sweep with Triton's perf_analyzer where it is installed")
+    load_generator: Literal["auto", "perf_analyzer", "python"] = opt("auto", "who sends the served requests: perf_analyzer (Triton's C++ client), python "
+                                      "(torchship's), or auto: perf_analyzer where it is installed")
+    cross_check: bool = opt(True, "repeat concurrency 1 and the highest level on one model with the other load generator")
     perf_analyzer: Optional[str] = opt(None, "path to perf_analyzer (default: $TORCHSHIP_PERF_ANALYZER, the torchship cache, then PATH)")
     shape: tuple[str, ...] = opt((), "NAME=SIZE for a dynamic dim of the inputs, e.g. S=64: the size the bench runs at "
                                      "(default: the real samples' own; repeatable)", flag="--shape", append=True)

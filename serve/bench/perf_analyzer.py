@@ -1,4 +1,4 @@
-"""Triton's perf_analyzer, for cross-checking torchship's own load generator.
+"""Triton's perf_analyzer as the served load generator (torchship's Python client is then the cross-check).
 
 The binary ships inside the ``tritonclient==2.51.0`` manylinux1 wheel (the PyPI package
 ``perf-analyzer`` is a placeholder). ``python -m serve.bench.perf_analyzer install`` fetches that wheel
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import csv
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -57,36 +59,31 @@ def install() -> Path:
     return CACHE / "bin" / "perf_analyzer"
 
 
-def run(binary: str, url: str, model: str, levels: list[int], pool: dict[str, np.ndarray], window_s: float = 1.0,
-        stability: float = 10.0, max_windows: int = 10) -> list[dict]:
-    """perf_analyzer at each concurrency level, under the bench's own rule: time windows of ``window_s``
-    until three agree within ``stability`` percent, at most ``max_windows``. A level that never settles
-    is measured again with a 50 % threshold and marked unstable. Returns per level: throughput and
-    latency percentiles in ms, server breakdown in µs."""
+def window(binary: str, url: str, model: str, concurrency: int, data: Path, window_s: float) -> dict[str, Any]:
+    """One measurement window of perf_analyzer at ``concurrency``: one run of three back-to-back windows of a
+    third of ``window_s`` each (its shortest legal run), with stabilization off, so the bench's own rule
+    decides when a level holds still. Returns its throughput, mean latency and percentiles over those
+    three, its own CPU time (the load generator's cost) and wall time; "errors" holds its message if it
+    failed."""
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(CACHE / "lib"), env.get("LD_LIBRARY_PATH", "")) if p)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "input.json"
-        data.write_text(input_data_json(pool))
-        for c in levels:
-            report = Path(tmp) / f"c{c}.csv"
-            for threshold in (stability, 50.0):
-                cmd = [binary, "-m", model, "-u", url, "-i", "grpc", "-b", "1", f"--concurrency-range={c}:{c}",
-                       "--measurement-mode=time_windows", f"--measurement-interval={max(100, int(window_s * 1000))}",
-                       "-f", str(report), f"--input-data={data}", f"--stability-percentage={threshold:g}",
-                       f"--max-trials={max_windows}", "--percentile=99"]
-                p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-                if p.returncode == 0 and report.exists():
-                    break
-                if "stable" not in (p.stderr + p.stdout).lower() or threshold == 50.0:
-                    raise RuntimeError(f"perf_analyzer exited {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}")
-            row = next(csv.DictReader(report.open()))
-            rows.append({"concurrency": c, "stable": threshold == stability, "requests_per_s": float(row["Inferences/Second"]),
-                         "p50_ms": float(row["p50 latency"]) / 1e3, "p90_ms": float(row["p90 latency"]) / 1e3,
-                         "p95_ms": float(row["p95 latency"]) / 1e3, "p99_ms": float(row["p99 latency"]) / 1e3,
-                         "server_queue_us": float(row["Server Queue"]), "server_infer_us": float(row["Server Compute Infer"])})
-    return rows
+    report = data.with_name(f"{model}-c{concurrency}.csv")
+    cmd = [binary, "-m", model, "-u", url, "-i", "grpc", "-b", "1", f"--concurrency-range={concurrency}:{concurrency}",
+           "--measurement-mode=time_windows", f"--measurement-interval={max(100, int(window_s * 1000 / 3))}",
+           "--stability-percentage=1000", "--max-trials=3", "-f", str(report), f"--input-data={data}", "--percentile=99"]
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120 + 10 * window_s)
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if p.returncode != 0 or not report.exists():
+        return {"errors": [f"perf_analyzer exited {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}"],
+                "requests_per_s": 0.0, "mean_s": 0.0, "cpu_s": cpu, "wall_s": wall}
+    row = next(csv.DictReader(report.open()))
+    report.unlink()
+    parts = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input", "Server Compute Infer",
+             "Server Compute Output", "Client Recv")
+    return {"errors": [], "requests_per_s": float(row["Inferences/Second"]), "mean_s": sum(float(row[k]) for k in parts) / 1e6,
+            **{f"p{q}_ms": float(row[f"p{q} latency"]) / 1e3 for q in (50, 90, 95, 99)}, "cpu_s": cpu, "wall_s": wall}
 
 
 def input_data_json(pool: dict[str, np.ndarray], count: int = 16) -> str:
@@ -100,25 +97,6 @@ def input_data_json(pool: dict[str, np.ndarray], count: int = 16) -> str:
         return x.ravel().round(6).tolist() if x.dtype.kind == "f" else x.ravel().tolist()
     rows = [{k: {"content": content(v[i]), "shape": list(v[i].shape)} for k, v in pool.items()} for i in range(n)]
     return json.dumps({"data": rows})
-
-
-def cross_check(cfg, url: str, models: list[str], pool: dict[str, np.ndarray]) -> dict[str, Any]:
-    """perf_analyzer at concurrency 1 and the highest level, on the ONNX model where one is served (else the
-    first): {model: {"levels": [...], "dynamic_batching": bool}} or {"skipped": why}."""
-    if not cfg.cross_check:
-        return {"skipped": "disabled (--no-cross-check)"}
-    binary = locate(cfg.perf_analyzer)
-    if not binary:
-        return {"skipped": "perf_analyzer not found (python -m serve.bench.perf_analyzer install fetches it)"}
-    from ..client import TritonClient
-
-    model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
-    try:
-        batching = "dynamic_batching" in TritonClient(url).config(model)  # the config perf_analyzer meets
-        levels = run(binary, url, model, [1, max(cfg.concurrency)], pool, cfg.window_s, cfg.stability, cfg.max_windows)
-        return {model: {"levels": levels, "dynamic_batching": batching}}
-    except Exception as e:
-        return {model: {"error": f"{type(e).__name__}: {e}"}}
 
 
 if __name__ == "__main__":

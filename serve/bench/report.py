@@ -13,6 +13,9 @@ from torchship.markdown import table
 SERVED_VARIANT = {"onnx": "onnx", "torchscript": "torchscript", "aoti": "aoti_buckets"}
 
 
+GENERATORS = {"python": "torchship's Python client", "perf_analyzer": "perf_analyzer"}
+
+
 def _f(v, spec=".2f", dash="-"):
     return format(v, spec) if isinstance(v, (int, float)) else dash
 
@@ -30,15 +33,19 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
              spread_text(r), _f(r["server"]["avg_batch"]), _f(r.get("client_cpu_us"), ".0f"), f"{r['ok']}/{r['sent']}"]
             for model, mm in served.get("models", {}).items() for r in mm["rows"]]
     unstable = sum(not r.get("stable", True) for mm in served.get("models", {}).values() for r in mm["rows"])
+    gen = served.get("load_generator", {"name": "python"})
     lines = ["## Served over gRPC", "",
-             f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}). Closed loop: each level keeps "
-             "that many batch-1 requests in flight; dynamic batching as configured. Each level runs in windows of at "
-             f"least {cfg.get('window_s', 0):g} s until the last three agree within {cfg.get('stability', 0):g} % "
-             f"(throughput and mean latency); its figures come from those three, at least {cfg.get('requests')} "
-             "requests. Spread: how far apart the three windows' throughputs and mean latencies are. Client CPU: "
-             "the load generator's own CPU time per request. Measured/sent: requests in the last three windows, "
-             "and in all of the level's windows." + (f" **{unstable} level(s) never settled**: read them "
-                                                                 "as rough." if unstable else ""), ""]
+             f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}); load generator "
+             f"{GENERATORS[gen['name']]}{' (' + gen['why'] + ')' if gen.get('why') else ''}. Closed loop: each level "
+             "keeps that many batch-1 requests in flight; dynamic batching as configured. The levels are measured "
+             f"in rounds, one window of at least {cfg.get('window_s', 0):g} s per level per round, until a level's "
+             f"last three windows agree within {cfg.get('stability', 0):g} % (throughput and mean latency); its "
+             "figures come from those three. A level's windows are a round apart, so the machine's drift over "
+             "the sweep shows in its spread: how far apart the three windows' throughputs and mean latencies are. "
+             "Client CPU: the load generator's own CPU time per request. Measured/sent: requests in the last "
+             "three windows, and in all of the level's windows." + (
+                 " perf_analyzer's percentiles are the mean of its three windows' own." if gen["name"] == "perf_analyzer" else "")
+             + (f" **{unstable} level(s) never settled**: read them as rough." if unstable else ""), ""]
     lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "spread", "avg batch", "client CPU µs/req",
                     "measured/sent"], rows) + [""]
     for model, mm in served.get("models", {}).items():
@@ -183,7 +190,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
                 ["model", "target req/s", "achieved", "p50 ms", "p99 ms", "errors"],
                 [[k, f"{v['rate_target']:g}", f"{v['achieved_rps']:.0f}", _f(v.get("p50_ms")), _f(v.get("p99_ms")),
                   str(v["errors"])] for k, v in ol.items()]) + [""]
-        lines += perf_analyzer_lines(served, results)
+        lines += cross_check_lines(served, results)
     if results.get("errors"):
         lines += ["## Errors", "", *[f"- {e}" for e in results["errors"]], ""]
     if results.get("server_stop_note"):
@@ -197,39 +204,40 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
     return path
 
 
-def perf_analyzer_lines(served: dict[str, Any], results: dict[str, Any]) -> list[str]:
-    pa = served.get("perf_analyzer", {})
-    if "skipped" in pa:
-        return [f"perf_analyzer cross-check: {pa['skipped']}.", ""]
-    lines = []
-    for model, res in pa.items():
-        lines += [f"## perf_analyzer cross-check: {model} (dynamic batching {'on' if res.get('dynamic_batching') else 'off'})", ""]
-        if "error" in res:
-            lines += [f"perf_analyzer failed: {res['error']}", ""]
-            continue
-        ours = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
-        lines += table(["concurrency", "perf_analyzer req/s", "torchship req/s", "perf_analyzer p50 ms", "torchship p50 ms",
-                         "perf_analyzer p99 ms", "torchship p99 ms"],
-                        [[str(r["concurrency"]), f"{r['requests_per_s']:.0f}",
-                          _f(ours.get(r["concurrency"], {}).get("requests_per_s"), ".0f"), f"{r['p50_ms']:.2f}",
-                          _f(ours.get(r["concurrency"], {}).get("p50_ms")), f"{r['p99_ms']:.2f}",
-                          _f(ours.get(r["concurrency"], {}).get("p99_ms"))] for r in res["levels"]]) + [""]
-        lines += ratio_lines(model, res["levels"][-1], ours.get(res["levels"][-1]["concurrency"]), results)
-    return lines
+def cross_check_lines(served: dict[str, Any], results: dict[str, Any]) -> list[str]:
+    """The other load generator beside the sweep's, on one model at concurrency 1 and the highest level,
+    then the served/in-process ratio with each."""
+    cc = served.get("cross_check", {})
+    if "skipped" in cc or "rows" not in cc:
+        return [f"Cross-check with another load generator: {cc.get('skipped', 'none')}.", ""]
+    model, main = cc["model"], GENERATORS[served["load_generator"]["name"]]
+    other = GENERATORS[cc["load_generator"]]
+    ours = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
+    lines = [f"## Cross-check: {model} with {other}", ""]
+    lines += table(["concurrency", f"{main} req/s", f"{other} req/s", f"{main} p50 ms", f"{other} p50 ms",
+                    f"{main} p99 ms", f"{other} p99 ms", f"{main} CPU µs/req", f"{other} CPU µs/req"],
+                   [[str(r["concurrency"]), _f(ours.get(r["concurrency"], {}).get("requests_per_s"), ".0f"),
+                     f"{r['requests_per_s']:.0f}", _f(ours.get(r["concurrency"], {}).get("p50_ms")), _f(r.get("p50_ms")),
+                     _f(ours.get(r["concurrency"], {}).get("p99_ms")), _f(r.get("p99_ms")),
+                     _f(ours.get(r["concurrency"], {}).get("client_cpu_us"), ".0f"), _f(r.get("client_cpu_us"), ".0f")]
+                    for r in cc["rows"]]) + [""]
+    top = cc["rows"][-1]
+    return lines + ratio_lines(model, [ours.get(top["concurrency"]), top], results)
 
 
-def ratio_lines(model: str, pa: dict[str, Any], ours: dict[str, Any] | None, results: dict[str, Any]) -> list[str]:
+def ratio_lines(model: str, rows: list[dict[str, Any] | None], results: dict[str, Any]) -> list[str]:
     """Served throughput at the highest concurrency over the same artifact's best in-process throughput
-    (same thread count), with each load generator: perf_analyzer's (C++) and torchship's (Python)."""
+    (same thread count), with each load generator's row."""
     variant = SERVED_VARIANT.get(model[len(results["export"]["name"]) + 1:])
     ip = [r for r in results.get("in_process", {}).get("rows", []) if r["variant"] == variant and r.get("n")]
-    if not ip or not ours:
+    rows = [r for r in rows if r]
+    if not ip or not rows:
         return []
     best = max(r["images_per_s"] for r in ip)
-    return [f"- served over in-process at concurrency {pa['concurrency']} ({variant}, best in-process {best:.0f} "
-            f"samples/s): {100 * pa['requests_per_s'] / best:.0f} % with perf_analyzer as the client, "
-            f"{100 * ours['requests_per_s'] / best:.0f} % with torchship's Python client, whose own CPU time was "
-            f"{_f(ours.get('client_cpu_us'), '.0f')} µs per request on the same cores as the server", ""]
+    each = ", ".join(f"{100 * r['requests_per_s'] / best:.0f} % with {GENERATORS[r.get('load_generator', 'python')]} "
+                     f"({_f(r.get('client_cpu_us'), '.0f')} µs of client CPU per request)" for r in rows)
+    return [f"- served over in-process at concurrency {rows[0]['concurrency']} ({variant}, best in-process {best:.0f} "
+            f"samples/s, same thread count): {each}; the client runs on the same cores as the server", ""]
 
 
 def draw_plots(results: dict[str, Any], out: Path) -> list[Path]:

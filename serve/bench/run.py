@@ -70,7 +70,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     failure: TorchshipError | None = None
     try:
         if not cfg.skip_in_process:
-            log("in-process: " + ", ".join(cfg.variants) + f" at batch {', '.join(map(str, cfg.batch_sizes))}")
+            log("in-process: " + (", ".join(runners) or "nothing to run") + f" at batch {', '.join(map(str, cfg.batch_sizes))}")
             results["in_process"] = bench_in_process(cfg, inputs, runners, notes, device, bar)
             save()
         if plan is not None:

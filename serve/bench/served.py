@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,8 +20,8 @@ from ..repository import DTYPES, config_dims, read_config, repository_models, se
 from .config import BenchConfig
 from .inputs import BenchInputs, single_rows
 from .load import closed_loop, level_row, open_loop
-from .stats import served_count, settled_stats, stats_delta, stats_of
-from .windows import LAST, settle, ticker
+from .stats import merge_deltas, served_count, settled_stats, stats_delta, stats_of
+from .windows import LAST, settle_rounds, ticker
 
 NOOP_MODEL = "_torchship_noop"
 
@@ -83,6 +84,11 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
     server at --url, else in the repository the bench serves itself (--repo, or the one it builds from the
     export). --models naming a model that will not be served is refused here, before anything is measured
     or written."""
+    from .perf_analyzer import locate
+
+    if cfg.load_generator == "perf_analyzer" and not locate(cfg.perf_analyzer):
+        raise BenchError("--load-generator perf_analyzer: perf_analyzer not found; python -m serve.bench.perf_analyzer "
+                         "install fetches it, or give --perf-analyzer PATH")
     error = None
     if server is not None:
         where, known, embedded = f"the server at {server.url}", list(server.loaded), True
@@ -115,42 +121,90 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
     return ServedPlan(models, embedded, embedded or NOOP_MODEL in known, error)
 
 
-def sweep(url: str, model: str, inputs: list[dict[str, np.ndarray]], cfg: BenchConfig, levels, bar, client) -> list[dict]:
-    """Per concurrency level: an untimed warm-up, then windows of at least --window-s seconds and a third of
-    --requests each, until the last three agree within --stability (or --max-windows). The level's figures
-    come from those last three windows; its failures from every window."""
-    rows = []
+@dataclass
+class LoadGenerator:
+    """Who sends a sweep's requests: torchship's Python client, or perf_analyzer (``binary``, fed the bench's
+    samples from ``data``)."""
+
+    name: str  # "python" or "perf_analyzer"
+    binary: str = ""
+    data: Optional[Path] = None
+
+
+def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg: BenchConfig, levels, bar,
+          client, gen: LoadGenerator) -> dict[str, list[dict]]:
+    """Every model at every concurrency level, in rounds: a round runs one window (of at least --window-s
+    seconds; with the Python client also of a third of --requests) of each (model, level) not yet settled,
+    each after a short untimed warm-up, until a cell's last three windows agree within --stability (or
+    --max-windows). A cell's windows are thus spread over the whole sweep, so a machine that speeds up or
+    slows down meanwhile shows as spread instead of as a difference between runs. A level's figures come
+    from its last three windows; its failures from every window. Returns each model's rows, by level."""
     batch = len(next(iter(inputs[0].values())))
     per_window = -(-cfg.requests // LAST)
-    for c in levels:
-        start = served_count(stats_of(client, model))
-        warm = min(cfg.requests, max(4, c * 2))
-        closed_loop(url, model, inputs, c, warm)
-        snaps = [settled_stats(client, model, start + warm)]
+    deltas: dict[tuple[str, int], list[dict]] = {}
 
+    def cell(model: str, c: int) -> Callable[[], dict[str, Any]]:
         def window() -> dict[str, Any]:
-            res = closed_loop(url, model, inputs, c, per_window, cfg.window_s)
-            snaps.append(settled_stats(client, model, served_count(snaps[-1]) + len(res["latencies_s"])))
-            return res
+            warm = min(cfg.requests, max(4, c * 2))
+            count = served_count(stats_of(client, model))
+            closed_loop(url, model, inputs, c, warm)
+            before = settled_stats(client, model, count + warm)
+            if gen.name == "perf_analyzer":
+                from .perf_analyzer import window as pa_window
 
-        windows, how = settle(window, window_figures, cfg.stability / 100, LAST, cfg.max_windows, ticker(bar, LAST, 1))
+                res = pa_window(gen.binary, url, model, c, gen.data, cfg.window_s)
+                after = settled_stats(client, model, served_count(before) + 1)
+            else:
+                res = closed_loop(url, model, inputs, c, per_window, cfg.window_s)
+                after = settled_stats(client, model, served_count(before) + len(res["latencies_s"]))
+            delta = stats_delta(before, after)
+            res["completed"] = res.get("completed", int(delta["requests"]))
+            deltas.setdefault((model, c), []).append(delta)
+            return res
+        return window
+
+    cells = {(m, c): cell(m, c) for m in models for c in levels}
+    settled = settle_rounds(cells, window_figures, cfg.stability / 100, LAST, cfg.max_windows, ticker(bar, LAST, 1))
+    rows: dict[str, list[dict]] = {m: [] for m in models}
+    for (model, c), (windows, how) in settled.items():
         last = windows[-LAST:]
-        merged = {"latencies_s": [t for w in last for t in w["latencies_s"]], "errors": [],
-                  "wall_s": sum(w["wall_s"] for w in last), "completed": sum(w["completed"] for w in last)}
-        row = level_row(merged, stats_delta(snaps[-len(last) - 1], snaps[-1]), c, batch)
+        delta = merge_deltas(deltas[model, c][-LAST:])
+        if gen.name == "perf_analyzer":
+            row = window_row(last, delta, c, batch)
+        else:
+            merged = {"latencies_s": [t for w in last for t in w["latencies_s"]], "errors": [],
+                      "wall_s": sum(w["wall_s"] for w in last), "completed": sum(w["completed"] for w in last)}
+            row = level_row(merged, delta, c, batch)
         errors = [e for w in windows for e in w["errors"]]
+        measured = sum(w["completed"] for w in last)
         row.update(sent=sum(w["completed"] for w in windows), failed=len(errors), windows=how["windows"],
-                   spread=how["spread"], stable=how["stable"],
+                   spread=how["spread"], stable=how["stable"], load_generator=gen.name,
                    window_requests_per_s=[round(window_figures(w)[0], 2) for w in windows],
-                   client_cpu_us=1e6 * sum(w["cpu_s"] for w in last) / max(1, merged["completed"]))
+                   client_cpu_us=1e6 * sum(w["cpu_s"] for w in last) / max(1, measured))
         if errors:
             row["first_error"] = errors[0][:300]
-        rows.append(row)
+        rows[model].append(row)
     return rows
+
+
+def window_row(last: list[dict[str, Any]], delta: dict, concurrency: int, batch: int) -> dict[str, Any]:
+    """A level's row from perf_analyzer windows: throughput, mean latency and each percentile averaged over
+    the windows (perf_analyzer reports percentiles per run, not the latencies behind them)."""
+    def mean(key: str) -> float:
+        return sum(w.get(key, 0.0) for w in last) / len(last)
+
+    rps = mean("requests_per_s")
+    row = {"concurrency": concurrency, "ok": sum(w["completed"] for w in last), "requests_per_s": rps,
+           "images_per_s": batch * rps, "mean_ms": 1e3 * mean("mean_s"), "n": sum(w["completed"] for w in last),
+           **{f"p{q}_ms": mean(f"p{q}_ms") for q in (50, 90, 95, 99)}, "server": delta}
+    row["client_side_us"] = row["mean_ms"] * 1e3 - delta.get("server_us", 0.0)
+    return row
 
 
 def window_figures(w: dict[str, Any]) -> tuple[float, float]:
     """A window's requests/s and mean latency: the figures that must hold still."""
+    if "requests_per_s" in w:  # perf_analyzer's
+        return w["requests_per_s"], w["mean_s"]
     lat = w["latencies_s"]
     return (len(lat) / w["wall_s"] if w["wall_s"] else 0.0), (sum(lat) / len(lat) if lat else 0.0)
 
@@ -163,6 +217,9 @@ def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: b
     if embedded:  # the batching-off sweeps and the delays
         n += sum(format_of(m, manifest) in cfg.batching_compare for m in models) * per_sweep
         n += len(models) * len(cfg.queue_delays_us) * per_sweep
+    from .perf_analyzer import locate
+
+    n += LAST * len({1, max(cfg.concurrency)}) if cfg.cross_check and locate(cfg.perf_analyzer) else 0
     return n + noop * LAST
 
 
@@ -177,34 +234,45 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
     served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {}}
     results["served"] = served
     singles = single_rows(inputs.pool, 64)  # batch-1 requests
+    data = Path(tempfile.mkdtemp(prefix="torchship-bench-")) / "input.json"
+    gen, other, why = load_generators(cfg, inputs.pool, data)
+    served["load_generator"] = {"name": gen.name, "why": why}
 
-    def run(model: str, levels=cfg.concurrency) -> list[dict]:
-        return sweep(url, model, singles, cfg, levels, bar, client)
+    def run(these: list[str], levels=cfg.concurrency, by: LoadGenerator = gen) -> dict[str, list[dict]]:
+        return sweep(url, these, singles, cfg, levels, bar, client, by)
 
     for model in models:
         cfgm = client.config(model)
         buckets = cfgm.get("parameters", {}).get("buckets", {}).get("string_value", "")
         served["models"][model] = {"max_batch_size": client.max_batch(model), "dynamic_batching": "dynamic_batching" in cfgm,
                                    "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
-                                   **({"buckets": [int(b) for b in buckets.split(",")]} if buckets else {}),
-                                   "rows": run(model)}
-        save()
+                                   **({"buckets": [int(b) for b in buckets.split(",")]} if buckets else {})}
+    for model, rows in run(models).items():
+        served["models"][model]["rows"] = rows
+    save()
     if embedded:
-        for model in models:
-            base = served_config_path(server.repo / model)
-            if format_of(model, manifest) in cfg.batching_compare:
-                off = read_config(base)
+        def config(model: str):
+            return read_config(served_config_path(server.repo / model))
+
+        compared = [m for m in models if format_of(m, manifest) in cfg.batching_compare]
+        if compared:
+            for model in compared:
+                off = config(model)
                 off.ClearField("dynamic_batching")
                 server.load(model, override=off)
-                served["batching_off"][model] = {"rows": run(model)}
-            for delay in cfg.queue_delays_us:
-                c = read_config(base)
+            for model, rows in run(compared).items():
+                served["batching_off"][model] = {"rows": rows}
+            save()
+        for delay in cfg.queue_delays_us:
+            for model in models:
+                c = config(model)
                 c.dynamic_batching.max_queue_delay_microseconds = delay
                 server.load(model, override=c)
-                served["delays"].setdefault(model, {})[str(delay)] = {"rows": run(model)}
-            if format_of(model, manifest) in cfg.batching_compare or cfg.queue_delays_us:
-                server.load(model, override=read_config(base))  # back to the repository's config
+            for model, rows in run(models).items():
+                served["delays"].setdefault(model, {})[str(delay)] = {"rows": rows}
             save()
+        for model in set(compared) | (set(models) if cfg.queue_delays_us else set()):
+            server.load(model, override=config(model))  # back to the repository's config
     elif cfg.batching_compare or cfg.queue_delays_us:
         served["reconfigured"] = {"skipped": "the sweeps with dynamic batching off and other queue delays reload "
                                              f"models with changed configs, which only the embedded server allows; "
@@ -213,12 +281,34 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
         try:
             if embedded:
                 server.load(NOOP_MODEL)
-            served["noop"] = {"rows": run(NOOP_MODEL, (1,))}
+            served["noop"] = {"rows": run([NOOP_MODEL], (1,))[NOOP_MODEL]}
         except TorchshipError as e:
             served["noop"] = {"error": str(e)}
     if cfg.rate:
         served["open_loop"] = {m: open_loop(url, m, singles, cfg.rate, cfg.duration_s) for m in models}
-    from .perf_analyzer import cross_check
-
-    served["perf_analyzer"] = cross_check(cfg, url, models, inputs.pool)
+    if other is None:
+        served["cross_check"] = {"skipped": why}
+    else:  # the other client at concurrency 1 and the highest level, on the ONNX model where one is served
+        model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
+        levels = sorted({1, max(cfg.concurrency)})
+        served["cross_check"] = {"load_generator": other.name, "model": model, "rows": run([model], levels, other)[model]}
+    shutil.rmtree(data.parent, ignore_errors=True)
     client.close()
+
+
+def load_generators(cfg: BenchConfig, pool: dict[str, np.ndarray], data: Path
+                    ) -> tuple[LoadGenerator, Optional[LoadGenerator], str]:
+    """The sweeps' load generator, the cross-check's (None: none), and why. --load-generator auto:
+    perf_analyzer where it is installed (it takes the client's cost off the server's cores less than a
+    Python client does, and users of Triton trust it), torchship's Python client otherwise."""
+    from .perf_analyzer import input_data_json, locate
+
+    binary = locate(cfg.perf_analyzer)
+    python = LoadGenerator("python")
+    if not binary:
+        return python, None, "perf_analyzer not found (python -m serve.bench.perf_analyzer install fetches it)"
+    data.write_text(input_data_json(pool))
+    pa = LoadGenerator("perf_analyzer", binary, data)
+    first, second = (python, pa) if cfg.load_generator == "python" else (pa, python)
+    why = f"--load-generator {cfg.load_generator}" + (", perf_analyzer installed" if cfg.load_generator == "auto" else "")
+    return first, (second if cfg.cross_check else None), why if cfg.cross_check else why + "; cross-check off"

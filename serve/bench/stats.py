@@ -131,3 +131,19 @@ def stats_delta(before: dict, after: dict) -> dict[str, float]:
     out["batch_executions"] = {str(k): n - was.get(k, 0) for k, n in sorted(executions(after).items()) if n > was.get(k, 0)}
     out["server_us"] = sum(out[f"{p}_us"] for p in ("queue", "compute_input", "compute_infer", "compute_output"))
     return out
+
+
+def merge_deltas(deltas: list[dict]) -> dict[str, Any]:
+    """stats_delta over several windows as one: per-request times weighted by each window's requests, the
+    average batch over all executions, executions per batch size added up."""
+    ok = sum(d["requests"] for d in deltas)
+    exe = sum(d["executions"] for d in deltas)
+    out: dict[str, Any] = {f"{p}_us": sum(d[f"{p}_us"] * d["requests"] for d in deltas) / ok if ok else 0.0
+                           for p in ("queue", "compute_input", "compute_infer", "compute_output", "server")}
+    counts: dict[str, int] = {}
+    for d in deltas:
+        for b, n in d["batch_executions"].items():
+            counts[b] = counts.get(b, 0) + n
+    out.update(requests=ok, executions=exe, avg_batch=sum(d["avg_batch"] * d["executions"] for d in deltas) / exe if exe else 0.0,
+               batch_executions={b: counts[b] for b in sorted(counts, key=int)})
+    return out

@@ -4,7 +4,9 @@ is reported unstable. A figure's spread is how far apart those last three window
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
+
+K = TypeVar("K")
 
 LAST = 3  # windows that must agree
 
@@ -32,18 +34,34 @@ def ticker(bar, planned: int, per_window: int) -> Callable[[int], None]:
 def settle(window: Callable[[], dict[str, Any]], figures: Callable[[dict[str, Any]], Sequence[float]], stability: float,
            min_windows: int = LAST, max_windows: int = 10, on_window: Callable[[int], None] | None = None,
            ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Call ``window()`` until at least ``min_windows`` ran and the last LAST agree: for each of the
-    figures ``figures(w)`` gives a window (a throughput, a mean latency), their spread is within
-    ``stability`` (a fraction). Stop at ``max_windows`` regardless. Returns the windows and
-    {"windows": n, "spreads": each figure's spread over the last LAST, "spread": the largest, "stable": bool}."""
-    windows: list[dict[str, Any]] = []
-    while True:
-        windows.append(window())
-        if on_window:
-            on_window(len(windows))
-        last = [figures(w) for w in windows[-LAST:]]
-        spreads = [spread(column) for column in zip(*last)]
-        worst = max(spreads, default=0.0)
-        stable = len(last) == LAST and worst <= stability
-        if (stable and len(windows) >= min_windows) or len(windows) >= max_windows:
-            return windows, {"windows": len(windows), "spreads": spreads, "spread": worst, "stable": stable}
+    """One source measured window after window: settle_rounds with a single cell."""
+    return settle_rounds({0: window}, figures, stability, min_windows, max_windows, on_window)[0]
+
+
+def settle_rounds(cells: dict[K, Callable[[], dict[str, Any]]], figures: Callable[[dict[str, Any]], Sequence[float]],
+                  stability: float, min_windows: int = LAST, max_windows: int = 10,
+                  on_window: Callable[[int], None] | None = None) -> dict[K, tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Measure every cell in rounds: each round runs one window of every cell not yet settled, in order.
+    A cell settles once at least ``min_windows`` ran and its last LAST agree: for each of the figures
+    ``figures(w)`` gives a window (a throughput, a mean latency), their spread is within ``stability``
+    (a fraction). A cell stops at ``max_windows`` regardless. Because a cell's windows are a round apart,
+    its spread also covers the machine drifting over the rounds, not only over a few seconds.
+    Returns, per cell, its windows and {"windows": n, "spreads": each figure's spread over the last LAST,
+    "spread": the largest, "stable": bool}."""
+    windows: dict[K, list[dict[str, Any]]] = {k: [] for k in cells}
+    done: dict[K, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
+    while len(done) < len(cells):
+        for key, window in cells.items():
+            if key in done:
+                continue
+            ws = windows[key]
+            ws.append(window())
+            if on_window:
+                on_window(len(ws))
+            last = [figures(w) for w in ws[-LAST:]]
+            spreads = [spread(column) for column in zip(*last)]
+            worst = max(spreads, default=0.0)
+            stable = len(last) == LAST and worst <= stability
+            if (stable and len(ws) >= min_windows) or len(ws) >= max_windows:
+                done[key] = ws, {"windows": len(ws), "spreads": spreads, "spread": worst, "stable": stable}
+    return {k: done[k] for k in cells}

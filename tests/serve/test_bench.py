@@ -8,13 +8,15 @@ import pytest
 from serve.bench.compare import compare
 from serve.bench.config import BenchConfig
 from serve.bench.run import run_bench
+from serve.bench.perf_analyzer import locate
 from serve.bench.served import served_runs
 from tests.conftest import run_cli
 from torchship.config import build
 from torchship.errors import BenchError, ServerError
 
 SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "iters": 8, "blocks": 2, "warmup": 1,
-         "concurrency": [1, 4], "requests": 16, "progress": False, "cross_check": False, "window_s": 0.1, "max_windows": 4}
+         "concurrency": [1, 4], "requests": 16, "progress": False, "load_generator": "python",
+         "cross_check": False, "window_s": 0.1, "max_windows": 4}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +143,41 @@ def test_progress_total_counts_every_window(bench_run, exported):
     assert served_runs(cfg, manifest, list(s["models"]), embedded=True, noop=True) == 3 * sum(len(rows) for rows in sweeps)
     loaded = {r["variant"]: None for r in results["in_process"]["rows"]}
     assert in_process_runs(cfg, loaded, manifest) == 3 * len(results["in_process"]["rows"])
+
+
+@pytest.mark.skipif(not locate(), reason="perf_analyzer not installed (python -m serve.bench.perf_analyzer install)")
+def test_perf_analyzer_sends_the_sweep_and_the_python_client_cross_checks(exported, server, tmp_path):
+    """--load-generator perf_analyzer: the levels are perf_analyzer's windows (Triton counted every request
+    it sent), settled under the same rule; the Python client repeats concurrency 1 and the highest level,
+    and the report sets the two side by side with the served/in-process ratio for each."""
+    cfg = build(BenchConfig, {**SHORT, "batch_sizes": [1], "variants": ["onnx"], "load_generator": "perf_analyzer",
+                              "cross_check": True, "batching_compare": []},
+                {"export_dir": str(exported), "out": str(tmp_path), "url": server.url, "models": ["tiny_cnn_onnx"]})
+    results = run_bench(cfg, log=lambda *a: None)
+    served = results["served"]
+    assert served["load_generator"]["name"] == "perf_analyzer"
+    for r in served["models"]["tiny_cnn_onnx"]["rows"]:
+        assert r["load_generator"] == "perf_analyzer" and r["failed"] == 0 and 3 <= r["windows"] <= 4
+        assert r["p50_ms"] <= r["p90_ms"] <= r["p95_ms"] <= r["p99_ms"] and r["client_cpu_us"] > 0
+        # three windows of at least 0.1 s each at the measured rate: Triton saw at least that many requests
+        assert r["ok"] == r["server"]["requests"] >= 0.9 * r["requests_per_s"] * 3 * 0.1
+        assert r["mean_ms"] == pytest.approx(r["client_side_us"] / 1e3 + r["server"]["server_us"] / 1e3)
+    cc = served["cross_check"]
+    assert cc["load_generator"] == "python" and [r["concurrency"] for r in cc["rows"]] == [1, 4]
+    assert all(r["load_generator"] == "python" and r["ok"] >= SHORT["requests"] for r in cc["rows"])
+    report = (tmp_path / "report.md").read_text()
+    assert "load generator perf_analyzer (--load-generator perf_analyzer)" in report
+    assert "## Cross-check: tiny_cnn_onnx with torchship's Python client" in report
+    assert "% with perf_analyzer (" in report and "% with torchship's Python client (" in report
+
+
+def test_perf_analyzer_asked_for_but_missing_is_refused(exported, tmp_path):
+    cfg = build(BenchConfig, {**SHORT, "load_generator": "perf_analyzer", "skip_in_process": True},
+                {"export_dir": str(exported), "out": str(tmp_path), "perf_analyzer": str(tmp_path / "nowhere")})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("serve.bench.perf_analyzer.locate", lambda explicit=None: None)
+        with pytest.raises(BenchError, match="perf_analyzer not found; python -m serve.bench.perf_analyzer install"):
+            run_bench(cfg, log=lambda *a: None)
 
 
 def _one_row(p50: float, spread: float | None) -> dict:

@@ -3,7 +3,8 @@ settles stops at the cap and is marked unstable."""
 
 import pytest
 
-from serve.bench.windows import settle, spread
+from serve.bench.stats import merge_deltas
+from serve.bench.windows import settle, settle_rounds, spread
 
 
 def source(values):
@@ -56,3 +57,45 @@ def test_a_window_beyond_the_plan_grows_the_progress_total():
     bar = Bar()
     settle(source([50, 150, 80, 100, 100, 100]), lambda w: [w["rate"]], 0.10, on_window=ticker(bar, 3, 1))
     assert bar.n == bar.total == 6
+
+
+def test_rounds_visit_every_unsettled_cell_in_turn():
+    calls = []
+
+    def cell(name, values):
+        it = iter(values)
+        return lambda: calls.append(name) or {"rate": next(it)}
+
+    out = settle_rounds({"a": cell("a", [100] * 9), "b": cell("b", [50, 150, 80, 100, 100, 100])},
+                        lambda w: [w["rate"]], 0.10, max_windows=9)
+    assert calls == ["a", "b"] * 3 + ["b"] * 3  # a settled after round 3; b went on alone
+    assert out["a"][1]["windows"] == 3 and out["b"][1]["windows"] == 6 and out["b"][1]["stable"]
+
+
+def test_a_machine_that_slows_down_over_the_rounds_is_caught():
+    # every window anywhere runs 4 % slower than the one before: three in a row agree (8 %), but a cell's
+    # windows three cells apart do not (24 %); cells measured one after another would all look stable
+    speed = [1.0]
+
+    def cell(rate):
+        def window():
+            speed[0] *= 0.96
+            return {"rate": rate * speed[0]}
+        return window
+
+    out = settle_rounds({k: cell(r) for k, r in zip("abc", (100, 200, 300))}, lambda w: [w["rate"]], 0.10, max_windows=6)
+    assert not any(how["stable"] for _, how in out.values())
+    speed[0] = 1.0
+    alone = [settle(cell(r), lambda w: [w["rate"]], 0.10, max_windows=6)[1] for r in (100, 200, 300)]
+    assert all(how["stable"] for how in alone)
+
+
+def test_window_statistics_merge_weighted_by_requests():
+    one = {"queue_us": 10.0, "compute_input_us": 0.0, "compute_infer_us": 100.0, "compute_output_us": 0.0, "server_us": 110.0,
+           "requests": 10, "executions": 10, "avg_batch": 1.0, "batch_executions": {"1": 10}}
+    two = {"queue_us": 40.0, "compute_input_us": 0.0, "compute_infer_us": 400.0, "compute_output_us": 0.0, "server_us": 440.0,
+           "requests": 30, "executions": 10, "avg_batch": 3.0, "batch_executions": {"2": 5, "4": 5}}
+    m = merge_deltas([one, two])
+    assert m["requests"] == 40 and m["executions"] == 20 and m["avg_batch"] == pytest.approx(2.0)
+    assert m["compute_infer_us"] == pytest.approx((100 * 10 + 400 * 30) / 40) and m["server_us"] == pytest.approx(357.5)
+    assert m["batch_executions"] == {"1": 10, "2": 5, "4": 5}
