@@ -91,7 +91,7 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
             t0 = time.perf_counter()
             log(f"export {fmt} ...")
             try:
-                files, extra = _export_one(fmt, model, ex, tmp, cfg, sig)
+                files, extra = _export_one(fmt, model, ex, tmp, cfg, sig, src.samples, log)
             except Exception as e:  # one format failing must not lose the others
                 fail(fmt, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
                 continue
@@ -176,7 +176,8 @@ def _compiled(fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: Expo
             "buckets": list(cfg.buckets), "batch": {"buckets": list(cfg.buckets)}}
 
 
-def _export_one(fmt: str, model, ex, tmp: Path, cfg: ExportConfig, sig: Signature) -> tuple[list[str], dict[str, Any]]:
+def _export_one(fmt: str, model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray],
+                log=print) -> tuple[list[str], dict[str, Any]]:
     if fmt == "torchscript":
         return [f"{fmt}/model.pt"], exporters.torchscript(model, ex, tmp / fmt / "model.pt")
     if fmt == "exported_program":
@@ -185,4 +186,33 @@ def _export_one(fmt: str, model, ex, tmp: Path, cfg: ExportConfig, sig: Signatur
         extra = exporters.onnx(model, ex, tmp / fmt / "model.onnx", sig, cfg.max_batch, cfg.opset)
         return [f"{fmt}/model.onnx", *(f"{fmt}/{f}" for f in extra["external_data"])], \
             {**extra, "batch": {"min": 1, "max": cfg.max_batch}}
+    if fmt == "onnx_int8":
+        return _onnx_int8(model, ex, tmp, cfg, sig, samples, log)
     raise ConfigError(f"unknown format {fmt}")
+
+
+def _onnx_int8(model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray],
+               log) -> tuple[list[str], dict[str, Any]]:
+    """onnx_int8/model.onnx: the fp32 ONNX model (the onnx artifact's file where it was exported already)
+    quantized for this CPU; the gate it will be verified under goes into its manifest entry."""
+    from . import quantize
+
+    names = [t.name for t in sig.inputs]
+    calibration, source = quantize.calibration_samples(cfg.calibration, samples, names)
+    scheme = quantize.int8_scheme()
+    fp32 = tmp / "onnx" / "model.onnx"
+    if not fp32.exists():
+        fp32 = tmp / "onnx_int8" / "fp32" / "model.onnx"
+        fp32.parent.mkdir()
+        exporters.onnx(model, ex, fp32, sig, cfg.max_batch, cfg.opset)
+    external = _nbytes(model) >= exporters.ONNX_EXTERNAL_BYTES
+    try:
+        extra = quantize.onnx_int8(fp32, tmp / "onnx_int8" / "model.onnx", calibration, source, scheme, external)
+    finally:
+        shutil.rmtree(tmp / "onnx_int8" / "fp32", ignore_errors=True)
+    q = extra["quantization"]
+    log(f"  onnx_int8: {q['method']} quantization" + (f", calibrated on {q['calibration']['samples']} samples from "
+                                                      f"{source}" if q["calibration"] else "") + f"; {scheme['why']}")
+    files = ["onnx_int8/model.onnx", *(f"onnx_int8/{f.name}" for f in (tmp / "onnx_int8").iterdir() if f.name != "model.onnx")]
+    return files, {**extra, "gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop},
+                   "batch": {"min": 1, "max": cfg.max_batch}}

@@ -108,6 +108,12 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
                 fail(f"{name}: input names {res['input_names']} != manifest {in_names}")
             if res.get("output_names") is not None and res["output_names"] != out_names:
                 fail(f"{name}: output names {res['output_names']} != manifest {out_names}")
+            if a.get("quantization"):
+                entry["quantized"] = True
+                for msg in parity.check_quantized_sets(manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"),
+                                                a["gate"], name, entry["sets"]):
+                    fail(msg)
+                continue
             for key, batch in manifest["reference"]["sets"].items():
                 for o in out_names:
                     row, failure = check_output(res["outputs"].get(f"{key}/{o}"), ref[f"expected/{key}/{o}"],
@@ -130,6 +136,13 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
     if required or not passed:
         raise ParityError(required or [msg for _, msg in failures], what=f"verification of {d}",
                           hint=f"{d / PARITY_MD} has every figure; {OPTIONAL_HINT}")
+    for name, entry in results.items():
+        real = entry["sets"].get(manifest["reference"].get("samples") or "", {})
+        if entry.get("quantized") and "top1_agreement" in real:
+            log(f"  {name}: " + (f"accuracy {real['accuracy']:.2f} % beside eager's {real['eager_accuracy']:.2f} %, "
+                                 if "accuracy" in real else "") + f"top-1 agreement {100 * real['top1_agreement']:.1f} % "
+                f"on {real['batch']} real samples, SQNR {min(real['sqnr_db'].values()):.1f} dB: "
+                + ("pass" if entry["pass"] else "FAIL"))
     for _, msg in failures:
         log(f"  verify FAILED (optional) {msg}")
     if failures:
@@ -154,8 +167,12 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         limit = f"{t['atol']:.2e}" + (f" + {t['rtol']:g} x reference" if t.get("rtol") else "")
         outputs.append([o, f"{t['scale']:.3g}" if "scale" in t else "-", eager, limit])
     lines += table(["output", "largest reference value", "eager's own error", "bound"], outputs)
-    artifacts = []
+    artifacts, quantized = [], []
+    by_name = {a["name"]: a for a in manifest["artifacts"]}
     for name, entry in v["artifacts"].items():
+        if entry.get("quantized") and not entry.get("error"):
+            quantized.append(quantized_row(name, by_name[name], entry, manifest["reference"].get("samples")))
+            continue
         if entry.get("error"):
             artifacts.append([name, "-", "-", "-", "-", f"FAIL: {entry['error']}"])
             continue
@@ -167,8 +184,17 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         optional = " (optional)" if f["format"] in v["optional"] else ""
         artifacts.append([f["format"], "-", "-", "-", "-", f"NOT EXPORTED{optional}: {f['error']}"])
     lines += ["", *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts)]
+    if quantized:
+        lines += ["", "Quantized artifacts are held to an accuracy gate on the real samples instead of a rounding bound "
+                  "(accuracy within the allowed drop of eager's where labels exist, else top-1 agreement; an SQNR "
+                  "floor for other outputs); on random inputs, outside what they were calibrated on, only their "
+                  "shapes and finiteness are checked.", "",
+                  *table(["artifact", "method", "calibrated on", "accuracy (eager)", "drop, points (allowed)",
+                          "top-1 agree with eager", "SQNR dB", "result"], quantized)]
     sets = []
     for name, entry in v["artifacts"].items():
+        if entry.get("quantized"):
+            continue
         for key, row in entry["sets"].items():
             sets.append([name, f"{key.split('/')[0]} {row['output']}", row["batch"],
                          f"{row['max_abs']:.2e}" if "max_abs" in row else "-", f"{row['bound']:.2e}",
@@ -178,3 +204,18 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
                                                  "top-1 agree", "result"], sets)]
     lines += ["", f"**{'PASS' if v['pass'] else 'FAIL'}**" + ("" if not v["failures"] else ": " + "; ".join(v["failures"])), ""]
     return "\n".join(lines)
+
+
+def quantized_row(name: str, a: dict[str, Any], entry: dict[str, Any], real: str | None) -> list[str]:
+    """parity.md's row of a quantized artifact: how it was quantized and its gate figures on the real samples."""
+    q, row = a["quantization"], entry["sets"].get(real or "", {})
+    cal = q.get("calibration")
+    acc = f"{row['accuracy']:.2f} % ({row['eager_accuracy']:.2f} %)" if "accuracy" in row else "-"
+    drop = f"{row['accuracy_drop']:.2f} ({a['gate']['max_accuracy_drop']:g})" if "accuracy_drop" in row else "-"
+    agree = f"{100 * row['top1_agreement']:.1f} %" if "top1_agreement" in row else "-"
+    sqnr = ", ".join(f"{v:.1f}" for v in row.get("sqnr_db", {}).values()) or "-"
+    bits = {"uint8": "u8", "int8": "s8"}
+    return [name, f"{q['method']}, {bits[q['activations']]} activations, {bits[q['weights']]} weights"
+                  + (", per channel" if q["per_channel"] else "") + (", 7-bit weights" if q["reduce_range"] else ""),
+            f"{cal['samples']} samples ({cal['source']})" if cal else "-", acc, drop, agree, sqnr,
+            "pass" if entry["pass"] else "FAIL"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from torchship.names import SERVED_FORMATS
 from torchship.config import opt
 from torchship.errors import ConfigError
 
@@ -38,7 +39,7 @@ TRT_CACHE = "/tmp/trt_cache"  # TensorRT engine cache inside the server, unless 
 @dataclass
 class RepoConfig:
     out: str = opt(REPOSITORY_DIR, "repository directory to write")
-    formats: tuple[str, ...] = opt(("onnx", "torchscript", "aoti"), "which exported formats become Triton models")
+    formats: tuple[str, ...] = opt(SERVED_FORMATS, "which exported formats become Triton models (those the export has)")
     max_queue_delay_us: int = opt(0, "dynamic batching: longest a request waits for others, in microseconds (0: batch only "
                                      "what queued while the model was busy; measured best here at low and high load)")
     instance_kind: Literal["auto", "cpu", "gpu"] = opt("auto", "instance_group kind: KIND_GPU when serving on GPU (auto: if CUDA is visible)")
@@ -51,11 +52,21 @@ class RepoConfig:
                                          f"(default: {TRT_CACHE})")
     max_batch: Optional[int] = opt(None, "max_batch_size (default: the export's max batch)")
     overwrite: bool = opt(False, "replace an existing repository directory")
+    strategy: Optional[str] = opt(None, "also serve the winner under the export's plain name: max-throughput, min-latency "
+                                        "or p99-budget=MS, judged on --bench's served figures")
+    bench: Optional[str] = opt(None, "with --strategy: the results.json of a torchship bench of this export")
+    only_winner: bool = opt(False, "with --strategy: serve the winner alone, without the per-format models")
 
     def __post_init__(self) -> None:
-        bad = [f for f in self.formats if f not in ("onnx", "torchscript", "aoti")]
+        if self.strategy is not None:
+            from .strategy import parse_strategy
+
+            parse_strategy(self.strategy)
+        if (self.bench or self.only_winner) and not self.strategy:
+            raise ConfigError("--bench and --only-winner go with --strategy")
+        bad = [f for f in self.formats if f not in SERVED_FORMATS]
         if bad:
-            raise ConfigError(f"--formats: {', '.join(bad)} cannot be served; choose from onnx, torchscript, aoti")
+            raise ConfigError(f"--formats: {', '.join(bad)} cannot be served; choose from {', '.join(SERVED_FORMATS)}")
         if self.max_queue_delay_us < 0:
             raise ConfigError("--max-queue-delay-us must be 0 or more")
         if self.instance_count < 1 or (self.threads is not None and self.threads < 1):

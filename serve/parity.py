@@ -8,11 +8,13 @@ from typing import Any, Sequence
 from torchship.errors import ClientError, ParityError, ShapeError
 from torchship.manifest import read_manifest, read_reference, reference_inputs
 from torchship.markdown import table
-from torchship.names import models_of
+from torchship.names import format_of, models_of
 from torchship import parity
-from torchship.parity import check_output
+from torchship.parity import check_output, check_quantized_sets
 
 from .client import TritonClient
+
+FORMAT_PARAMETER = "torchship_format"  # a model served under the export's plain name records its format here
 
 
 def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None = None,
@@ -29,7 +31,7 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
     client = TritonClient(url)
     client.wait_ready()
     ready = client.require_models(models or ())
-    models = list(models or models_of(manifest, ready))
+    models = list(models or models_of(manifest, ready) + [m for m in ready if m == manifest["name"]])
     if not models:
         raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(ready) or 'none'})")
     results: dict[str, Any] = {}
@@ -37,12 +39,17 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
     outputs = [o["name"] for o in manifest["outputs"]]
     for model in models:
         rows = {}
+        fmt = format_of(model, manifest) or client.config(model).get("parameters", {}).get(FORMAT_PARAMETER, {}).get("string_value")
+        quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("quantization")), None)
+        answers = {}
         for key, batch in manifest["reference"]["sets"].items():
             try:
-                got = client.infer_batches(model, reference_inputs(ref, manifest, key))
+                got = answers[key] = client.infer_batches(model, reference_inputs(ref, manifest, key))
             except (ClientError, ShapeError) as e:
                 failures.append(f"{model}: {key}: {e}")
                 rows[key] = {"batch": batch, "pass": False, "error": str(e)}
+                continue
+            if quantized:
                 continue
             for o in outputs:
                 what = f"{model}: {key}" + (f" output {o!r}" if len(outputs) > 1 else "")
@@ -51,6 +58,8 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
                 rows[key if len(outputs) == 1 else f"{key}/{o}"] = row
                 if failure:
                     failures.append(failure)
+        if quantized and len(answers) == len(manifest["reference"]["sets"]):  # the gate export verification applied
+            failures += check_quantized_sets(manifest, ref, lambda key, o: answers[key].get(o), quantized["gate"], model, rows)
         results[model] = rows
     client.close()
     report = {"url": url, "export_dir": str(d), "tolerances": tol, "models": results, "pass": not failures, "failures": failures}
@@ -66,6 +75,13 @@ def served_markdown(report: dict[str, Any]) -> str:
     for model, rows in report["models"].items():
         for key, r in rows.items():
             cells.append([model, key, r["batch"], f"{r['max_abs']:.2e}" if "max_abs" in r else "-",
-                          f"{r['bound']:.2e}" if "bound" in r else "-", r.get("top1_agree", ""), "pass" if r["pass"] else "FAIL"])
+                          f"{r['bound']:.2e}" if "bound" in r else "-", r.get("top1_agree") or gate_text(r), "pass" if r["pass"] else "FAIL"])
     lines = table(["model", "inputs", "batch", "max abs error", "bound", "top-1 agree", "result"], cells)
     return "\n".join(lines)
+
+
+def gate_text(r: dict[str, Any]) -> str:
+    """A quantized model's gate figures on the real samples, for the top-1 column: accuracy against eager's."""
+    if "accuracy" in r:
+        return f"accuracy {r['accuracy']:.2f} % (eager {r['eager_accuracy']:.2f} %)"
+    return f"{100 * r['top1_agreement']:.1f} % agree" if "top1_agreement" in r else ""

@@ -27,6 +27,7 @@ from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import artifact, read_manifest, read_reference, reference_inputs
 from torchship.markdown import table
 from torchship.names import SERVED_FORMATS, model_names
+from torchship.runtime import DEFAULT_FORMATS
 
 from torchship.device import cuda_visible
 
@@ -37,7 +38,7 @@ DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_F
           "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
 # format -> (Triton platform, file name in the version folder), as the official container expects them
 PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "torchscript": ("pytorch_libtorch", "model.pt"),
-             "aoti": ("torch_aoti", "model.pt2")}
+             "aoti": ("torch_aoti", "model.pt2"), "onnx_int8": ("onnxruntime_onnx", "model.onnx")}
 
 
 def _instance_kind(cfg: RepoConfig) -> int:
@@ -79,7 +80,7 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
     group = c.instance_group.add(kind=kind, count=cfg.instance_count)
     if kind == mc.ModelInstanceGroup.KIND_GPU:
         group.gpus.append(0)
-    if fmt == "onnx":  # parameter names of Triton's onnxruntime backend
+    if fmt in ("onnx", "onnx_int8"):  # parameter names of Triton's onnxruntime backend
         _param(c, "intra_op_thread_count", cfg.threads)
         _param(c, "inter_op_thread_count", 1)
         if cfg.ort_accelerator != "none" and kind == mc.ModelInstanceGroup.KIND_GPU:
@@ -169,7 +170,7 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     have = verified_formats(manifest)
     formats = servable_formats(manifest, cfg.formats)
-    missing = [f for f in cfg.formats if f not in formats]
+    missing = [f for f in cfg.formats if f not in formats and (f in DEFAULT_FORMATS or f in manifest["formats"])]
     if not formats:
         raise ArtifactError(f"{d} has none of the formats {', '.join(cfg.formats)}")
     kind = _instance_kind(cfg)

@@ -59,6 +59,20 @@ def exported(trained, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def int8_export(trained, tmp_path_factory) -> Path:
+    """The tiny CNN as fp32 ONNX and INT8 ONNX (calibrated on its held-out samples), verified. The gate allows a
+    2-point drop: the tiny CNN (85 %) has near-ties, and one of its 64 held-out samples is 1.6 points."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from torchship.config import build
+
+    out = tmp_path_factory.mktemp("int8") / "export"
+    run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(out), "max_batch": 8,
+                                    "formats": ["onnx", "onnx_int8"], "max_accuracy_drop": 2.0}), log=lambda *a: None)
+    return out
+
+
+@pytest.fixture(scope="session")
 def repo(exported, tmp_path_factory) -> Path:
     from serve.config import RepoConfig
     from serve.repository import build_repository

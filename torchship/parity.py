@@ -135,3 +135,79 @@ def artifact_summary(entry: dict[str, Any], tol: dict[str, Any]) -> tuple[float,
             a, n = row["top1_agree"].split("/")
             agree, total = agree + int(a), total + int(n)
     return worst, limit, multiple, f"{agree}/{total}" if total else ""
+
+
+# The gate a quantized artifact is held to instead of a rounding bound (its error is quantization, not rounding)
+GATE = {"max_accuracy_drop": 0.5, "min_top1_agreement": 0.99, "min_sqnr_db": 20.0}
+
+
+def sqnr_db(got: np.ndarray, want: np.ndarray) -> float:
+    """Signal-to-quantization-noise ratio of ``got`` against ``want``, in dB (inf when they are equal)."""
+    want64 = want.astype(np.float64)
+    noise = float(np.sum((got.astype(np.float64) - want64) ** 2))
+    signal = float(np.sum(want64 ** 2))
+    return float("inf") if noise == 0 else 10.0 * float(np.log10(max(signal, 1e-300) / noise))
+
+
+def check_quantized(got: dict[str, Optional[np.ndarray]], want: dict[str, np.ndarray], labels: Optional[np.ndarray],
+                    gate: dict[str, float], what: str, batch: int, real: bool) -> tuple[dict[str, Any], list[str]]:
+    """(row, failures) of a quantized artifact on one input set. Every output must have eager's shape and be
+    finite. On the real samples (``real``) it must also pass the gate: with ``labels``, accuracy within
+    ``max_accuracy_drop`` points of eager's; without, top-1 agreement with eager of at least
+    ``min_top1_agreement`` for a classifier's first output, and for every other float output an SQNR of at least
+    ``min_sqnr_db``. Random inputs lie outside what the artifact was calibrated on: only reported there."""
+    row: dict[str, Any] = {"batch": batch, "gate": dict(gate), "sqnr_db": {}}
+    failures: list[str] = []
+    names = list(want)
+    for o in names:
+        g = got.get(o)
+        if g is None or g.shape != want[o].shape:
+            failures.append(f"{what} output {o!r}: " + ("no such output" if g is None else
+                                                       f"shape {list(g.shape)}, eager {list(want[o].shape)}"))
+        elif np.issubdtype(want[o].dtype, np.floating):
+            if not np.all(np.isfinite(g)):
+                failures.append(f"{what} output {o!r}: not finite")
+            row["sqnr_db"][o] = round(sqnr_db(g, want[o]), 2)
+    if failures or not real:
+        row["pass"] = not failures
+        return row, failures
+    first, rest = names[0], names[1:]
+    g, w = got[first], want[first]
+    classifier = g.ndim == 2 and g.shape[-1] > 1 and np.issubdtype(w.dtype, np.floating)
+    if classifier:
+        agree = float(np.mean(g.argmax(-1) == w.argmax(-1)))
+        row["top1_agreement"] = round(agree, 4)
+        if labels is not None:
+            acc, eager = float(np.mean(g.argmax(-1) == labels)), float(np.mean(w.argmax(-1) == labels))
+            row.update(accuracy=round(100 * acc, 2), eager_accuracy=round(100 * eager, 2),
+                       accuracy_drop=round(100 * (eager - acc), 2))
+            if round(100 * (eager - acc), 6) > gate["max_accuracy_drop"]:  # 1.0 - 0.995 is not exactly 0.005
+                failures.append(f"{what}: accuracy {100 * acc:.2f} % against eager's {100 * eager:.2f} % on "
+                                f"{len(labels)} labelled samples, a drop beyond {gate['max_accuracy_drop']:g} points")
+        elif agree < gate["min_top1_agreement"]:
+            failures.append(f"{what}: top-1 agrees with eager on {100 * agree:.1f} % of {len(g)} real samples "
+                            f"(at least {100 * gate['min_top1_agreement']:g} % needed)")
+    for o in (rest if classifier else names):
+        s = row["sqnr_db"].get(o)
+        if s is not None and s < gate["min_sqnr_db"]:
+            failures.append(f"{what} output {o!r}: SQNR {s:.1f} dB against eager, below {gate['min_sqnr_db']:g} dB")
+    row["pass"] = not failures
+    return row, failures
+
+
+def check_quantized_sets(manifest: dict[str, Any], ref, got, gate: dict[str, float], name: str,
+                         rows: dict[str, Any]) -> list[str]:
+    """A quantized artifact's outputs (``got(set, output)``) on every reference set under the gate
+    (parity.check_quantized): the real samples gated, the random sets only checked for shape and finiteness.
+    Fills ``rows`` by set; returns the failures. With no real samples there is nothing to gate on: a failure."""
+    real = manifest["reference"].get("samples")
+    labels = ref[f"labels/{real}"] if real and f"labels/{real}" in ref else None
+    outputs = [o["name"] for o in manifest["outputs"]]
+    failures = [] if real else [f"{name}: a quantized artifact is gated on real samples, and this export has none "
+                                "(give --example-inputs)"]
+    for key, batch in manifest["reference"]["sets"].items():
+        row, problems = check_quantized({o: got(key, o) for o in outputs}, {o: ref[f"expected/{key}/{o}"] for o in outputs},
+                                               labels if key == real else None, gate, f"{name}: {key}", batch, key == real)
+        rows[key] = {**row, "output": outputs[0]}
+        failures += problems
+    return failures

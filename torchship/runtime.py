@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
+DEFAULT_FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
+FORMATS = (*DEFAULT_FORMATS, "onnx_int8")  # onnx_int8: opt-in (quantized, gated on accuracy rather than rounding)
 BUCKET_PREFIX = "bs"  # the model name of each static batch size inside an aoti_buckets archive: bs1, bs8, ...
 
 
@@ -105,7 +106,7 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
          threads: int = 1, buckets: Sequence[int] | None = None, ort_providers: Sequence[str] | None = None) -> Runner:
     """Load the artifact file ``path``; for aoti_buckets, ``buckets`` picks which of its batch sizes to run
     (default: all)."""
-    if fmt == "onnx":
+    if fmt in ("onnx", "onnx_int8"):
         import onnxruntime as ort
 
         so = ort.SessionOptions()

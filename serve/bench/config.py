@@ -10,7 +10,7 @@ from torchship.errors import ConfigError
 
 from ..config import ServeConfig, check_url
 
-IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
+IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx", "onnx_int8")
 
 
 @dataclass

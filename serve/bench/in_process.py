@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from torchship.errors import TorchshipError
 from torchship.manifest import artifact
 
@@ -22,7 +24,10 @@ def load_variants(cfg: BenchConfig, inputs: BenchInputs, device: str) -> tuple[d
     notes: dict[str, str] = {}
     manifest = inputs.manifest
     ins, outs = [i["name"] for i in manifest["inputs"]], [o["name"] for o in manifest["outputs"]]
+    have = {a["name"] for a in manifest["artifacts"]}
     for v in cfg.variants:
+        if v not in have and v not in runtime.DEFAULT_FORMATS and v != "eager":
+            continue  # an opt-in format this export was not asked for: nothing to say
         try:
             if v == "eager":
                 if inputs.eager is None:
@@ -33,7 +38,7 @@ def load_variants(cfg: BenchConfig, inputs: BenchInputs, device: str) -> tuple[d
                 continue
             r = runtime.load_artifact(str(inputs.export_dir), artifact(manifest, v), ins, outs, device=device, threads=cfg.threads)
             runners[v] = r.run
-            if v == "onnx":
+            if v in ("onnx", "onnx_int8"):
                 notes[v] = f"ONNX Runtime providers: {', '.join(r.session.get_providers())}"
         except TorchshipError as e:
             notes[v] = f"skipped: {e}"
@@ -104,4 +109,18 @@ def bench_in_process(cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, C
             raw[f"{v}/b{b}"] = [round(t * 1e3, 4) for t in ls]
             s = summarize(ls)
             rows.append({"variant": v, "batch": b, **s, "images_per_s": b / (s["mean_ms"] / 1e3), **how[v]})
-    return {"device": device, "threads": cfg.threads, "rows": rows, "notes": notes, "raw_ms": raw}
+    out = {"device": device, "threads": cfg.threads, "rows": rows, "notes": notes, "raw_ms": raw}
+    if inputs.labels is not None:  # accuracy beside speed: each variant's top-1 on the labelled samples
+        out["accuracy"] = {v: accuracy(fn, inputs, max(fits, default=1)) for v, fn in runners.items()}
+    return out
+
+
+def accuracy(fn: Callable, inputs: BenchInputs, batch: int) -> float:
+    """Percent of the labelled real samples whose top class (of the first output) is their label."""
+    n = len(inputs.labels)
+    right = 0
+    for i in range(0, n, batch):
+        out = fn({k: v[i:i + batch] for k, v in inputs.pool.items()})
+        first = next(iter(out.values())) if isinstance(out, dict) else out[0]
+        right += int((np.asarray(first).argmax(-1) == inputs.labels[i:i + batch]).sum())
+    return round(100 * right / n, 2)

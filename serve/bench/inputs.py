@@ -22,12 +22,15 @@ class BenchInputs:
     samples: str  # what they are, in words
     eager: Any = None  # the eager model, or None when it cannot be rebuilt (eager_error says why)
     eager_error: Optional[str] = None
+    labels: Optional[np.ndarray] = None  # the pool's labels, where it is a labelled real sample set
 
 
 def load_inputs(export_dir: Path, manifest: dict[str, Any], shape: dict[str, int] | None) -> BenchInputs:
     """Read the reference inputs (ArtifactError if reference.npz is missing or altered) and rebuild eager."""
-    pool, samples = bench_inputs(read_reference(export_dir, manifest), manifest, shape)
-    inputs = BenchInputs(Path(export_dir), manifest, pool, samples)
+    ref = read_reference(export_dir, manifest)
+    pool, samples = bench_inputs(ref, manifest, shape)
+    inputs = BenchInputs(Path(export_dir), manifest, pool, samples,
+                         labels=None if shape else ref.get(f"labels/{manifest['reference'].get('samples')}"))
     try:
         inputs.eager = eager_from_manifest(manifest)
     except TorchshipError as e:

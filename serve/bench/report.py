@@ -10,7 +10,7 @@ from torchship.io import atomic_write_text
 from torchship.markdown import table
 
 # the in-process variant each served format runs: the embedded server serves _aoti from the bucket packages
-SERVED_VARIANT = {"onnx": "onnx", "torchscript": "torchscript", "aoti": "aoti_buckets"}
+SERVED_VARIANT = {"onnx": "onnx", "onnx_int8": "onnx_int8", "torchscript": "torchscript", "aoti": "aoti_buckets"}
 
 
 GENERATORS = {"python": "torchship's Python client", "perf_analyzer": "perf_analyzer"}
@@ -164,11 +164,13 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
                   "Spread: how far apart those three block means are.", ""]
         probe = "flops_per_sample" in lim
         peak = "fp32_flops" if results["export"].get("dtype") in (None, "float32") else "bf16_flops"
+        acc = ip.get("accuracy")
         lines += table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "samples/s", "spread"]
-                       + ([f"% of {peak[:4]} matmul probe"] if probe else []),
+                       + ([f"% of {peak[:4]} matmul probe"] if probe else []) + (["held-out accuracy %"] if acc else []),
                         [[r["variant"], str(r["batch"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r.get("mean_ms")),
                           _f(r.get("images_per_s"), ".0f"), spread_text(r)]
                          + ([f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim[peak]:.1f}"] if probe else [])
+                         + ([_f(acc.get(r["variant"]))] if acc else [])
                          for r in ip["rows"] if r.get("n")])
         lines += [f"- {k}: {v}" for k, v in ip.get("notes", {}).items()] + [""]
         if probe:

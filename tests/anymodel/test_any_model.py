@@ -80,6 +80,19 @@ def heldout_accuracy(export_dir) -> float:
         return float((ref["expected/heldout/logits"].argmax(1) == ref["labels/heldout"]).mean())
 
 
+def test_a_transformer_gets_dynamic_int8_gated_on_its_accuracy(text_checkpoint, tmp_path, capsys):
+    """No Conv in the graph: dynamic quantization (no calibration); labelled held-out texts: the accuracy gate,
+    and the second output (an embedding) held to the SQNR floor."""
+    out = tmp_path / "export"
+    assert run_cli("export", text_checkpoint, "--dim", "S=1..64", "--out", out, *SMALL, "--formats", "onnx_int8") == 0
+    assert "onnx_int8: dynamic quantization; " in capsys.readouterr().out
+    m = read_manifest(out)
+    q = m["artifacts"][0]["quantization"]
+    assert q["method"] == "dynamic" and q["calibration"] is None
+    held = m["verification"]["artifacts"]["onnx_int8"]["sets"]["heldout"]
+    assert held["pass"] and held["accuracy_drop"] <= 0.5 and held["sqnr_db"]["embedding"] >= 20
+
+
 def test_ddp_prefixed_weights_export_to_every_format(weights, tmp_path, capsys):
     out = tmp_path / "export"
     assert run_cli("export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt",

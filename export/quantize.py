@@ -1,0 +1,125 @@
+"""INT8 ONNX artifacts: ONNX Runtime quantization in the scheme that suits the CPU at hand, static (calibrated on
+real samples) for convolutional models, dynamic for the rest (transformer-style MatMul models)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from torchship.device import cpu_flags
+from torchship.errors import ConfigError
+
+# CPU flags (as /proc/cpuinfo spells them) of instructions that multiply u8 by s8 into 32-bit sums in one step
+VNNI_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+CALIBRATION_LIMIT = 512  # samples: min/max calibration settles long before this; more only costs time
+
+
+def int8_scheme(flags: set[str] | None = None) -> dict[str, Any]:
+    """How to quantize for this CPU (``flags``: its /proc/cpuinfo flags, read here when None): u8 activations and
+    s8 per-channel weights, the pair ONNX Runtime's x86 kernels are fastest at. With VNNI the products sum in
+    32 bits. Without it (AVX2, AVX-512 before VNNI) pairs of products pass through a saturating 16-bit add
+    (vpmaddubsw), where 8-bit weights overflow it, so the weights keep 7 bits (reduce_range). Without AVX2
+    there is no fast INT8 path: ``pays`` is False and ``why`` says so."""
+    flags = cpu_flags() if flags is None else flags
+    vnni = next((f for f in VNNI_FLAGS if f in flags), None)
+    base = {"activations": "uint8", "weights": "int8", "per_channel": True}
+    if vnni:
+        return {**base, "reduce_range": False, "cpu": vnni, "pays": True,
+                "why": f"{vnni}: u8 x s8 products sum in 32 bits in one instruction"}
+    simd = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else None
+    if simd:
+        return {**base, "reduce_range": True, "cpu": simd, "pays": True,
+                "why": f"no VNNI ({simd}): u8 x s8 products pass through saturating 16-bit sums, so the weights "
+                       "keep 7 bits; a CPU with VNNI runs INT8 faster still"}
+    return {**base, "reduce_range": True, "cpu": "no AVX2", "pays": False,
+            "why": "no AVX2 or VNNI: ONNX Runtime has no fast INT8 path on this CPU, so INT8 will not pay here"}
+
+
+def calibration_samples(path: str | None, samples: dict[str, np.ndarray], names: list[str]) -> tuple[dict[str, np.ndarray], str]:
+    """The calibration inputs, by input name, and where they came from: ``path`` (an npz keyed by input name),
+    else the export's real samples (a checkpoint's held-out split, or --example-inputs)."""
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--calibration {p}: no such file (an npz of real inputs keyed by input name)")
+        with np.load(p) as z:
+            missing = [n for n in names if n not in z.files]
+            if missing:
+                raise ConfigError(f"--calibration {p} has no array {', '.join(missing)} (it has {', '.join(z.files) or 'none'})")
+            got = {n: z[n] for n in names}
+        source = str(p)
+    elif samples:
+        got, source = samples, "the export's real samples"
+    else:
+        raise ConfigError("onnx_int8 needs real inputs to calibrate on: give --calibration FILE.npz (keyed by input "
+                          "name), or --example-inputs")
+    sizes = {len(v) for v in got.values()}
+    if len(sizes) != 1 or 0 in sizes:
+        raise ConfigError(f"calibration inputs from {source}: the arrays hold different numbers of samples, or none")
+    n = min(sizes.pop(), CALIBRATION_LIMIT)
+    return {k: np.ascontiguousarray(v[:n]) for k, v in got.items()}, source
+
+
+def is_convolutional(model_path: Path) -> bool:
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    return any(n.op_type == "Conv" for n in m.graph.node)
+
+
+def onnx_int8(fp32: Path, out: Path, calibration: dict[str, np.ndarray] | None, source: str, scheme: dict[str, Any],
+              external: bool) -> dict[str, Any]:
+    """Quantize the fp32 ONNX model ``fp32`` into ``out``: static QDQ calibrated on ``calibration`` (min/max) for
+    a convolutional model, dynamic (weights only; activations quantized as they come) otherwise. Returns the
+    manifest's extra fields."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    types = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
+    static = is_convolutional(fp32)
+    with tempfile.TemporaryDirectory(prefix="torchship-int8-") as tmp:
+        pre = Path(tmp) / "pre.onnx"
+        quant_pre_process(str(fp32 if external else _without_shapes(fp32, Path(tmp) / "fp32.onnx")), str(pre),
+                          skip_symbolic_shape=True, save_as_external_data=external)
+        if static:
+            if calibration is None:
+                raise ConfigError("static INT8 needs calibration inputs")
+            quantize_static(str(pre), str(out), _Reader(calibration), quant_format=QuantFormat.QDQ,
+                            per_channel=scheme["per_channel"], reduce_range=scheme["reduce_range"],
+                            activation_type=types[scheme["activations"]], weight_type=types[scheme["weights"]],
+                            use_external_data_format=external)
+        else:
+            quantize_dynamic(str(pre), str(out), per_channel=scheme["per_channel"], reduce_range=scheme["reduce_range"],
+                             weight_type=types[scheme["weights"]], use_external_data_format=external)
+    n = len(next(iter(calibration.values()))) if static and calibration else 0
+    return {"quantization": {**scheme, "method": "static" if static else "dynamic",
+                             "calibration": {"samples": n, "source": source} if static else None}}
+
+
+def _without_shapes(src: Path, dst: Path) -> Path:
+    """``src`` without its recorded intermediate shapes (value_info): the exporter's can disagree with what
+    ONNX shape inference derives again (a transformer's attention reshapes), which stops the quantizer."""
+    import onnx
+
+    m = onnx.load(str(src))
+    del m.graph.value_info[:]
+    onnx.save(m, str(dst))
+    return dst
+
+
+class _Reader:
+    """ONNX Runtime's CalibrationDataReader over the calibration inputs, one sample at a time."""
+
+    def __init__(self, inputs: dict[str, np.ndarray]):
+        self.inputs = inputs
+        self.it: Iterator[int] = iter(range(len(next(iter(inputs.values())))))
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        i = next(self.it, None)
+        return None if i is None else {k: v[i:i + 1] for k, v in self.inputs.items()}
+
+    def rewind(self) -> None:
+        self.it = iter(range(len(next(iter(self.inputs.values())))))

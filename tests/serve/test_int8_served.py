@@ -1,0 +1,46 @@
+"""An INT8 model served by the real Triton beside its fp32 twin: answers under its own name, and infer --check
+holds it to the accuracy gate export verification applied, catching a badly calibrated one."""
+
+import numpy as np
+import pytest
+
+from serve.config import RepoConfig, ServeConfig
+from serve.embedded import TritonServer
+from serve.parity import check_served
+from serve.repository import build_repository
+from tests.conftest import run_cli
+from torchship.errors import ParityError
+
+
+@pytest.fixture(scope="module")
+def int8_repo(int8_export, tmp_path_factory):
+    out = tmp_path_factory.mktemp("int8repo") / "repo"
+    res = build_repository(int8_export, RepoConfig(out=str(out)))
+    assert res["models"] == {"onnx": "tiny_cnn_onnx", "onnx_int8": "tiny_cnn_onnx_int8"}
+    return out
+
+
+def test_the_int8_model_is_served_and_passes_the_gate(int8_repo, int8_export, capsys):
+    with TritonServer(ServeConfig(repo=str(int8_repo))) as s:
+        report = check_served(s.url, int8_export)
+        row = report["models"]["tiny_cnn_onnx_int8"]["heldout"]
+        assert report["pass"] and row["accuracy_drop"] <= 2.0 and "max_abs" not in row
+        assert run_cli("infer", "--url", s.url, "--check", int8_export, "--model", "tiny_cnn_onnx_int8") == 0
+        out = capsys.readouterr().out
+        assert "served parity: PASS" in out
+
+
+def test_a_badly_calibrated_int8_model_fails_served_parity(int8_repo, int8_export, tmp_path):
+    """The planted fault: the served file swapped for one calibrated on all-zero images."""
+    import shutil
+
+    from export.quantize import int8_scheme, onnx_int8
+
+    bad = tmp_path / "repo"
+    shutil.copytree(int8_repo, bad)
+    zeros = {"images": np.zeros((16, 3, 32, 32), np.float32)}
+    onnx_int8(int8_export / "onnx" / "model.onnx", bad / "tiny_cnn_onnx_int8" / "1" / "model.onnx", zeros, "zeros",
+              int8_scheme(), external=False)
+    with TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx_int8",))) as s:
+        with pytest.raises(ParityError, match=r"tiny_cnn_onnx_int8: heldout: accuracy .* a drop beyond 2 points"):
+            check_served(s.url, int8_export)
