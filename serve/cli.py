@@ -8,6 +8,7 @@ import sys
 import threading
 
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
+from torchship.errors import ConfigError
 
 from .config import InferConfig, RepoConfig, ServeConfig
 
@@ -21,10 +22,30 @@ def main_repo(ns: argparse.Namespace) -> int:
     from .repository import build_repository
 
     cfg = build(RepoConfig, namespace_overrides(ns, RepoConfig))
+    winner = None
+    if cfg.strategy:  # read and judged before anything is written
+        from torchship.manifest import read_manifest
+
+        from .strategy import pick
+
+        if not cfg.bench:
+            raise ConfigError(f"--strategy {cfg.strategy} judges a bench's served figures: give --bench results.json "
+                              f"(torchship bench {ns.export_dir} writes one)")
+        winner = pick(read_bench(cfg.bench), cfg.strategy, read_manifest(ns.export_dir))
     res = build_repository(ns.export_dir, cfg)
     print(f"repository {res['path']}: " + ", ".join(f"{m} ({f})" for f, m in res["models"].items()))
     if res["skipped"]:
         print(f"not in the export, skipped: {', '.join(res['skipped'])}")
+    if winner:
+        from torchship.manifest import read_manifest
+
+        from .strategy import serve_winner
+
+        if winner["format"] not in res["models"]:
+            raise ConfigError(f"the winner {winner['model']} is not in this repository (it serves "
+                              f"{', '.join(res['models'].values())})")
+        dest = serve_winner(res["path"], winner, read_manifest(ns.export_dir), cfg.only_winner)
+        print(f"served as {dest.name}: {winner['why']}")
     print(f"serve it: torchship serve {res['path']}   (official container: see {res['path']}/README.md)")
     return 0
 
@@ -75,3 +96,17 @@ def main_infer(ns: argparse.Namespace) -> int:
     from .infer import run_infer
 
     return run_infer(build(InferConfig, namespace_overrides(ns, InferConfig), {"files": ns.files}))
+
+
+def read_bench(path: str) -> dict:
+    """A bench results.json; ConfigError naming the file if it is missing or not one."""
+    import json
+    from pathlib import Path
+
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--bench {path}: cannot read it as bench results ({type(e).__name__})") from None
+    if not isinstance(results, dict) or "served" not in results:
+        raise ConfigError(f"--bench {path}: not the results.json of a torchship bench with a served part")
+    return results

@@ -34,7 +34,10 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         for rel, sha in a["files"].items():
             assert sha256_file(run_dir / "export" / rel) == sha
     assert sorted(p.name for p in (run_dir / "model_repository").iterdir() if p.is_dir()) == \
-        ["tiny_cnn_aoti", "tiny_cnn_onnx", "tiny_cnn_torchscript"]
+        ["tiny_cnn", "tiny_cnn_aoti", "tiny_cnn_onnx", "tiny_cnn_torchscript"]
+    winner = rec["stages"]["bench"]["winner"]  # max-throughput by default, served under the plain name after the bench
+    assert winner["strategy"] == "max-throughput" and winner["served_as"] == "tiny_cnn" and winner["runner_up"]
+    assert f"serves {winner['model']} as tiny_cnn (max-throughput)" in rec["gates"]["bench"]["detail"]
     parity = json.loads((run_dir / "served_parity.json").read_text())
     assert parity["pass"] and len(parity["models"]) == 3
     bench = json.loads((run_dir / "bench/results.json").read_text())
@@ -44,7 +47,8 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     assert (run_dir / "bench/report.md").exists() and (run_dir / "logs/tritonserver.log").exists()
     summary = (run_dir / "summary.md").read_text()
     for needle in ("all gates passed", "validation accuracy", "Parity against the float64 reference", "## Served over gRPC", "peak RSS",
-                   "batching gain", "Recommendation: `tiny_cnn_", "## In-process beside served"):
+                   "batching gain", "Recommendation: `tiny_cnn_", "## In-process beside served",
+                   f"Served as `tiny_cnn`: `{winner['model']}`. Why: max-throughput: the highest served throughput: "):
         assert needle in summary
 
 

@@ -60,6 +60,7 @@ def resolve_settings(file_cfg: dict[str, Any], sets: list[str], shortcuts: dict[
     return out
 
 
+DEFAULT_STRATEGY = "max-throughput"  # what torchship run serves under the plain name, unless repo.strategy says
 # the run's bench keeps to a short budget: half-second windows (torchship bench alone: one second)
 RUN_BENCH = {"window_s": 0.5}
 
@@ -207,8 +208,28 @@ def stage_bench(run: Run, t0: float) -> None:
 
     results = run_bench(run.cfg["bench"], log=run.log, server=run.served())
     failed = sum(r["failed"] for m in results.get("served", {}).get("models", {}).values() for r in m["rows"])
-    run.done("bench", t0, report=str(run.dirs["bench"] / "report.md"))
-    run.gate("bench", failed == 0, f"{failed} failed requests")
+    winner = serve_the_winner(run, results) if failed == 0 else None
+    run.done("bench", t0, report=str(run.dirs["bench"] / "report.md"), **({"winner": winner} if winner else {}))
+    run.gate("bench", failed == 0, f"{failed} failed requests" + (
+        f"; serves {winner['model']} as {winner['served_as']} ({winner['strategy']})" if winner else ""))
+
+
+def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
+    """The repo stage's --strategy (max-throughput by default) judged on the bench just measured: the winner
+    is added to the repository under the export's plain name, loaded into the live server, and must pass
+    served parity there before the run goes on."""
+    from serve.parity import check_served
+    from serve.strategy import pick, serve_winner
+    from torchship.manifest import read_manifest
+
+    manifest = read_manifest(run.dirs["export"])
+    winner = pick(results, run.cfg["repo"].strategy or DEFAULT_STRATEGY, manifest)
+    dest = serve_winner(run.dirs["repo"], winner, manifest, run.cfg["repo"].only_winner)
+    server = run.served()
+    server.load(dest.name)
+    check_served(server.url, run.dirs["export"], models=[dest.name])
+    run.log(f"serving {winner['model']} as {dest.name}: {winner['why']} (served parity PASS under {dest.name})")
+    return {**winner, "served_as": dest.name}
 
 
 # (stage, what it needs on disk from the stages before it, the stage that writes that, its function)

@@ -108,6 +108,9 @@ def summarize(run_dir: Path, record: dict[str, Any]) -> str:
         b = _readable(lines, results, load_results, results)
         if b.get("served"):
             lines += [""] + served_lines(b["served"], b.get("config", {}))
+            winner = record["stages"]["bench"].get("winner")
+            if winner:
+                lines += [f"Served as `{winner['served_as']}`: `{winner['model']}`. Why: {winner['why']}.", ""]
             rec = b.get("recommendation", {})
             if "model" in rec:
                 lines += [f"Recommendation: `{rec['model']}` with max_batch_size {rec['max_batch_size']}: "

@@ -1,0 +1,115 @@
+"""Serve the winner by strategy: from bench results, pick the served model (and batching) that a strategy
+prefers, and serve it under the export's plain name beside (or instead of) the per-format models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from torchship.errors import ConfigError
+from torchship.io import atomic_write_text
+from torchship.names import format_of
+
+from .bench.recommend import recommend, write_recommendation
+from .parity import FORMAT_PARAMETER
+from .repository import EMBEDDED_CONFIG, config_text, read_config, repository_models
+
+STRATEGIES = ("max-throughput", "min-latency", "p99-budget=MS")
+
+
+def parse_strategy(text: str) -> tuple[str, float | None]:
+    """("max-throughput" | "min-latency" | "p99-budget", the budget in ms or None); ConfigError otherwise."""
+    if text in ("max-throughput", "min-latency"):
+        return text, None
+    kind, _, ms = text.partition("=")
+    try:
+        if kind == "p99-budget" and float(ms) > 0:
+            return kind, float(ms)
+    except ValueError:
+        pass
+    raise ConfigError(f"--strategy {text!r}: choose max-throughput, min-latency or p99-budget=MS (MS a positive number)")
+
+
+def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The winner of ``strategy`` among the served models of ``results`` (a bench results.json) that belong to
+    this export, with the figures it won on, the runner-up (the best other model) and why, in words."""
+    kind, budget = parse_strategy(strategy)
+    served = results.get("served", {}).get("models", {})
+    mine = {m: v for m, v in served.items() if format_of(m, manifest)}
+    if not mine:
+        raise ConfigError(f"the bench results hold no served model of {manifest['name']!r} (they have "
+                          f"{', '.join(served) or 'none'}); bench this export's repository first")
+    ranked = []
+    for model, m in mine.items():
+        rows = [r for r in m["rows"] if r.get("n") and not r.get("failed")]
+        if kind == "min-latency":
+            rows = [min(rows, key=lambda r: r["concurrency"])] if rows else []
+            score = (lambda r: -r["p50_ms"])
+        else:
+            rows = [r for r in rows if budget is None or r["p99_ms"] <= budget]
+            score = (lambda r: r["requests_per_s"])
+        if rows:
+            best = max(rows, key=score)
+            ranked.append((score(best), model, best))
+    if not ranked:
+        lowest = min((r["p99_ms"] for m in mine.values() for r in m["rows"] if r.get("n")), default=float("nan"))
+        raise ConfigError(f"no served model meets p99 <= {budget:g} ms (the lowest p99 measured was {lowest:.2f} ms)")
+    ranked.sort(key=lambda t: t[0], reverse=True)
+    _, model, row = ranked[0]
+    rec = recommend({"served": {"models": {model: mine[model]}}}, budget, manifest["max_batch"]) \
+        if kind != "min-latency" else {}
+
+    def figures(r: dict[str, Any]) -> str:
+        return f"{r['requests_per_s']:.0f} req/s at p99 {r['p99_ms']:.2f} ms, p50 {r['p50_ms']:.2f} ms, {r['concurrency']} in flight"
+
+    goal = {"max-throughput": "the highest served throughput", "min-latency": "the lowest p50 with one request in flight",
+            "p99-budget": f"the highest throughput with p99 <= {budget or 0:g} ms"}[kind]
+    out = {"strategy": strategy, "model": model, "format": format_of(model, manifest), "figures": figures(row),
+           "row": {k: row[k] for k in ("concurrency", "requests_per_s", "p50_ms", "p99_ms")},
+           "why": f"{strategy}: {goal}: {model}, {figures(row)}"}
+    if rec and "error" not in rec:
+        out["batching"] = {k: rec[k] for k in ("dynamic_batching", "max_batch_size", "max_queue_delay_microseconds")}
+    if len(ranked) > 1:
+        _, second, r2 = ranked[1]
+        out["runner_up"] = {"model": second, "figures": figures(r2)}
+        out["why"] += f"; runner-up {second}, {figures(r2)}"
+    return out
+
+
+def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, Any], only_winner: bool = False) -> Path:
+    """Add the winner to ``repo`` as the model ``<export name>``: a copy of its model folder, renamed, with the
+    batching that won and the format it serves recorded, written beside the others and renamed into place.
+    ``only_winner`` removes the per-format models. Returns the new model's folder."""
+    repo = Path(repo)
+    name, src = manifest["name"], repo / winner["model"]
+    if not (src / "config.pbtxt").exists():
+        raise ConfigError(f"{repo} does not serve {winner['model']}, the winner (it has {', '.join(repository_models(repo))})")
+    staging = repo / f".{name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(src, staging, symlinks=True)
+    for config in ("config.pbtxt", EMBEDDED_CONFIG):
+        p = staging / config
+        if p.exists():
+            c = read_config(p)
+            c.name = name
+            c.parameters[FORMAT_PARAMETER].string_value = winner["format"]
+            atomic_write_text(p, config_text(c))
+    if winner.get("batching"):
+        write_recommendation(repo, {**winner["batching"], "model": staging.name})
+    (staging / "winner.json").write_text(json.dumps(winner, indent=2) + "\n")
+    dest = repo / name
+    if dest.exists():
+        shutil.rmtree(dest)
+    staging.rename(dest)
+    if only_winner:
+        for m in repository_models(repo):
+            if m != name and format_of(m, manifest):
+                shutil.rmtree(repo / m)
+    readme = repo / "README.md"
+    text = readme.read_text() if readme.exists() else ""
+    text = text.split("\n## Served by strategy\n")[0].rstrip() + "\n\n## Served by strategy\n\n" + \
+        f"`{name}` serves `{winner['model']}` ({winner['format']}). Why: {winner['why']}.\n"
+    atomic_write_text(readme, text)
+    return dest

@@ -1,0 +1,81 @@
+"""The strategy picks the winner from bench figures (a doctored results file picks another), and the winner is
+served under the export's plain name by the real Triton, held to the same parity as under its own name."""
+
+import json
+import shutil
+
+import pytest
+
+from serve.config import ServeConfig
+from serve.embedded import TritonServer
+from serve.parity import check_served
+from serve.strategy import parse_strategy, pick, serve_winner
+from tests.conftest import run_cli
+from torchship.errors import ConfigError
+
+MANIFEST = {"name": "tiny_cnn", "max_batch": 8}
+
+
+def row(c, rps, p50, p99):
+    return {"concurrency": c, "requests_per_s": rps, "p50_ms": p50, "p99_ms": p99, "n": 100, "failed": 0}
+
+
+def results(onnx, int8):
+    return {"served": {"models": {"tiny_cnn_onnx": {"rows": onnx}, "tiny_cnn_onnx_int8": {"rows": int8},
+                                  "_torchship_noop": {"rows": [row(1, 5000, 0.2, 0.3)]}}}}
+
+
+FAST_INT8 = results([row(1, 200, 4.0, 6.0), row(16, 600, 25.0, 40.0)], [row(1, 300, 3.0, 5.0), row(16, 900, 17.0, 30.0)])
+LOW_LATENCY_ONNX = results([row(1, 400, 2.0, 3.0), row(16, 700, 20.0, 35.0)], [row(1, 300, 3.0, 5.0), row(16, 900, 17.0, 60.0)])
+
+
+@pytest.mark.parametrize("res, strategy, model, runner_up", [
+    (FAST_INT8, "max-throughput", "tiny_cnn_onnx_int8", "tiny_cnn_onnx"),
+    (FAST_INT8, "min-latency", "tiny_cnn_onnx_int8", "tiny_cnn_onnx"),
+    (LOW_LATENCY_ONNX, "max-throughput", "tiny_cnn_onnx_int8", "tiny_cnn_onnx"),
+    (LOW_LATENCY_ONNX, "min-latency", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"),
+    (LOW_LATENCY_ONNX, "p99-budget=50", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"),  # int8's 900 req/s has p99 60 ms
+])
+def test_the_strategy_picks_from_the_figures(res, strategy, model, runner_up):
+    w = pick(res, strategy, MANIFEST)
+    assert (w["model"], w["runner_up"]["model"]) == (model, runner_up)
+    assert w["format"] == model[len("tiny_cnn_"):] and w["why"].startswith(f"{strategy}: ") and "runner-up" in w["why"]
+
+
+def test_a_budget_nothing_meets_and_a_bad_strategy_are_refused():
+    with pytest.raises(ConfigError, match=r"no served model meets p99 <= 1 ms \(the lowest p99 measured was 3.00 ms\)"):
+        pick(LOW_LATENCY_ONNX, "p99-budget=1", MANIFEST)
+    for bad in ("fastest", "p99-budget=", "p99-budget=-3", "p99-budget=x"):
+        with pytest.raises(ConfigError, match="choose max-throughput, min-latency or p99-budget=MS"):
+            parse_strategy(bad)
+
+
+def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_export, tmp_path, capsys):
+    bench = tmp_path / "results.json"
+    bench.write_text(json.dumps(FAST_INT8))
+    repo = tmp_path / "repo"
+    assert run_cli("repo", int8_export, "--out", repo, "--strategy", "max-throughput", "--bench", bench) == 0
+    out = capsys.readouterr().out
+    assert "served as tiny_cnn: max-throughput: the highest served throughput: tiny_cnn_onnx_int8, 900 req/s" in out
+    assert "## Served by strategy" in (repo / "README.md").read_text()
+    assert 'string_value: "onnx_int8"' in (repo / "tiny_cnn" / "config.pbtxt").read_text()
+    with TritonServer(ServeConfig(repo=str(repo))) as s:
+        report = check_served(s.url, int8_export, models=["tiny_cnn"])
+        assert report["pass"] and "accuracy" in report["models"]["tiny_cnn"]["heldout"]  # the INT8 gate, not a bound
+        assert sorted(check_served(s.url, int8_export)["models"]) == ["tiny_cnn", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"]
+    only = tmp_path / "only"
+    assert run_cli("repo", int8_export, "--out", only, "--strategy", "min-latency", "--bench", bench, "--only-winner") == 0
+    assert sorted(p.name for p in only.iterdir() if p.is_dir()) == ["tiny_cnn"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--strategy", "max-throughput"], "give --bench results.json"),
+    (["--bench", "r.json"], "--bench and --only-winner go with --strategy"),
+    (["--strategy", "max-throughput", "--bench", "missing.json"], "--bench missing.json: cannot read it as bench results"),
+    (["--strategy", "fast", "--bench", "r.json"], "choose max-throughput, min-latency or p99-budget=MS"),
+])
+def test_bad_strategy_input_is_refused_and_writes_nothing(int8_export, tmp_path, capsys, args, says):
+    code = run_cli("repo", int8_export, "--out", tmp_path / "repo", *args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "repo").exists()
