@@ -14,11 +14,39 @@ from .config import InferConfig, RepoConfig, ServeConfig
 
 
 def add_repo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("export_dir", help="export directory (with manifest.json) written by torchship export")
+    p.add_argument("export_dir", help="export directory (with manifest.json) written by torchship export; with "
+                                      "--history, a repository")
+    p.add_argument("--into", default=None, help="add the export as the next version of each of its models in this "
+                                                 "existing repository (the live version stays live: torchship rollout switches)")
+    p.add_argument("--keep", type=int, default=3, help="with --into: versions kept on disk per model (the live one always)")
+    p.add_argument("--new-signature", action="store_true", help="with --into: accept inputs or outputs that differ "
+                                                                 "from the served ones")
+    p.add_argument("--history", action="store_true", help="list a repository's versions, which is live and where each "
+                                                          "came from")
     add_dataclass_arguments(p, RepoConfig)
 
 
 def main_repo(ns: argparse.Namespace) -> int:
+    if ns.history:
+        from torchship.markdown import table
+
+        from .versions import history
+
+        rows = history(ns.export_dir)
+        print("\n".join(table(["model", "version", "live", "export", "weights sha256", "added"],
+                              [[r["model"], r["version"], "live" if r["live"] else "", r.get("export", "-"),
+                                (r.get("weights_sha256") or "-")[:12], r.get("added", "-")] for r in rows])))
+        return 0
+    if ns.into:
+        from .versions import add_version
+
+        if ns.keep < 1:
+            raise ConfigError("--keep must be at least 1")
+        cfg = build(RepoConfig, {k: v for k, v in namespace_overrides(ns, RepoConfig).items() if k != "out"})
+        added = add_version(ns.export_dir, ns.into, cfg, keep=ns.keep, new_signature=ns.new_signature)
+        print(f"repository {ns.into}: " + ", ".join(f"{m} version {v}" for m, v in added.items()))
+        print(f"switch to them: torchship rollout --url HOST:PORT {ns.into} --check {ns.export_dir}")
+        return 0
     from .repository import build_repository
 
     cfg = build(RepoConfig, namespace_overrides(ns, RepoConfig))
@@ -110,3 +138,45 @@ def read_bench(path: str) -> dict:
     if not isinstance(results, dict) or "served" not in results:
         raise ConfigError(f"--bench {path}: not the results.json of a torchship bench with a served part")
     return results
+
+
+def add_rollout_arguments(p: argparse.ArgumentParser, rollback: bool = False) -> None:
+    p.add_argument("repo", help="the repository the server at --url serves (on a shared volume for a container)")
+    p.add_argument("--url", required=True, help="gRPC HOST:PORT of the running Triton (explicit model control)")
+    p.add_argument("--check", default=None, help="export directory whose reference the new version's served outputs "
+                                                  "must match before it takes traffic")
+    p.add_argument("--models", nargs="+", default=None, help="models to switch (default: every model with a version "
+                                                              "other than the live one to switch to)")
+    if rollback:
+        p.add_argument("--to", type=int, default=None, help="version to go back to (default: the one before the live one)")
+
+
+def add_rollback_arguments(p: argparse.ArgumentParser) -> None:
+    add_rollout_arguments(p, rollback=True)
+
+
+def main_rollout(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .repository import repository_models
+    from .rollout import previous, switch
+    from .versions import live_version, versions
+
+    repo = Path(ns.repo)
+    if not repo.is_dir():
+        raise ConfigError(f"{repo}: no such repository")
+    back = ns.command == "rollback"
+    models = ns.models or [m for m in repository_models(repo) if not m.endswith("__candidate") and (
+        len(versions(repo / m)) > 1 if back else versions(repo / m)[-1] != live_version(repo / m))]
+    if not models:
+        print(f"{repo}: nothing to {'roll back' if back else 'roll out'} (every model's newest version is live)")
+        return 0
+    for m in models:
+        target = (ns.to or previous(repo, m)) if back else None
+        res = switch(ns.url, repo, m, target, ns.check)
+        if res["changed"]:
+            print(f"{m}: version {res['live']} live (was {res['was']})")
+    return 0
+
+
+main_rollback = main_rollout

@@ -34,6 +34,7 @@ from torchship.device import cuda_visible
 from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig
 
 EMBEDDED_CONFIG = "embedded.pbtxt"
+PROVENANCE = "provenance.json"  # in each version folder
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_FP64, "int64": mc.TYPE_INT64,
           "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
 # format -> (Triton platform, file name in the version folder), as the official container expects them
@@ -139,6 +140,20 @@ def read_config(path: str | Path) -> mc.ModelConfig:
     return text_format.Parse(Path(path).read_text(), mc.ModelConfig())
 
 
+def provenance(export_dir: str | Path) -> dict[str, Any]:
+    """Where a version comes from: the export (its manifest's sha256) and the checkpoint's weights."""
+    import time
+
+    from torchship.io import sha256_file
+    from torchship.manifest import MANIFEST
+
+    d = Path(export_dir)
+    source = read_manifest(d).get("source", {})
+    return {"export": str(d.resolve()), "manifest_sha256": sha256_file(d / MANIFEST),
+            "checkpoint": source.get("path"), "weights_sha256": source.get("weights_sha256"),
+            "added": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
 def failed_artifacts(manifest: dict[str, Any]) -> list[str]:
     return [n for n, e in (manifest.get("verification") or {}).get("artifacts", {}).items() if not e.get("pass")]
 
@@ -205,6 +220,8 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
                 if rel != a["file"]:
                     shutil.copy2(d / rel, vdir / Path(rel).name)
             (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
+        for fmt in formats:  # where each version came from: torchship repo REPO --history
+            (tmp / names[fmt] / str(cfg.version) / PROVENANCE).write_text(json.dumps(provenance(d), indent=2) + "\n")
         container_aoti = "aoti" not in formats or "aoti" in have
         (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU,
                                                container_aoti))

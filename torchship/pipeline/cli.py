@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "repo": ("serve.cli", "build a Triton model repository from an export manifest"),
     "serve": ("serve.cli", "start the embedded Triton Inference Server on a repository"),
     "infer": ("serve.cli", "send images, .npz requests or an export's samples to a Triton server over gRPC"),
+    "rollout": ("serve.cli", "switch a running Triton to each model's newest version on disk, once its served "
+                             "outputs pass the parity check, without a failed request"),
+    "rollback": ("serve.cli", "switch a running Triton back to an earlier version still on disk, the same way"),
     "bench": ("serve.bench.cli", "benchmark in-process and served latency/throughput, or compare two results"),
     "run": ("torchship.pipeline.run", "every stage in one run folder: train, export (each format verified against "
                                       "eager), repo (the Triton repository), check (served outputs over gRPC against "

@@ -1,0 +1,133 @@
+"""Roll a model version in (or back) on a running Triton without a failed request, gated on served parity.
+
+Triton answers an unversioned request with the highest version loaded, so the new version cannot be checked
+beside the live one under the model's own name without taking its traffic. It is checked under a candidate
+name first (a folder in the same repository pointing at the new version), then the model is reloaded with
+the new version alone: Triton loads it before it unloads the old one, and requests in flight on the old one
+complete."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from google.protobuf import json_format
+
+from torchship.errors import ServerError, TorchshipError
+from torchship.io import atomic_write_text
+
+from .client import TritonClient
+from .parity import FORMAT_PARAMETER, check_served
+from .repository import EMBEDDED_CONFIG, config_text, read_config, served_config_path
+from .versions import live_version, set_live, versions
+
+CANDIDATE = "{model}__candidate"
+
+
+class RolloutError(TorchshipError):
+    """A rollout step failed; the live version still serves."""
+
+    exit_code = 3
+
+
+def _load(client: TritonClient, name: str, config) -> None:
+    client._call(f"load {name}", client.client.load_model, name, config=json_format.MessageToJson(config))
+
+
+def _unload(client: TritonClient, name: str) -> None:
+    client._call(f"unload {name}", client.client.unload_model, name)
+
+
+def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None, check: Optional[str | Path] = None,
+           log=print) -> dict[str, Any]:
+    """Make version ``target`` (default: the highest on disk) of ``model`` the one that answers, on the server
+    at ``url`` serving ``repo``: load it under a candidate name, check its served outputs against ``check``'s
+    reference (an export directory) if given, then reload ``model`` with ``target`` alone and record it in the
+    config. On a failure before the switch, the candidate is unloaded and removed and RolloutError raised: the
+    live version never stopped. One line per step, with its time."""
+    repo, d = Path(repo), Path(repo) / model
+    on_disk = versions(d)
+    live = live_version(d)
+    target = on_disk[-1] if target is None else target
+    if target not in on_disk:
+        raise RolloutError(f"{model}: no version {target} on disk (it has {', '.join(map(str, on_disk))})")
+    if target == live:
+        log(f"{model}: version {live} is already live")
+        return {"model": model, "live": live, "changed": False}
+    client = TritonClient(url)
+    client.wait_ready(30)
+    cand = CANDIDATE.format(model=model)
+    cdir = repo / cand
+    steps: dict[str, float] = {}
+
+    def step(what: str, fn) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        steps[what] = round(time.perf_counter() - t0, 3)
+        log(f"{model}: {what} ({steps[what]:.2f} s)")
+        return out
+
+    base = read_config(served_config_path(d))
+    try:
+        def stage_candidate() -> None:
+            shutil.rmtree(cdir, ignore_errors=True)
+            cdir.mkdir()
+            (cdir / str(target)).symlink_to(Path("..") / model / str(target), target_is_directory=True)
+            for extra in ("labels.txt", "warmup"):
+                if (d / extra).exists():
+                    (cdir / extra).symlink_to(Path("..") / model / extra)
+            for name in ("config.pbtxt", EMBEDDED_CONFIG):
+                if (d / name).exists():
+                    c = read_config(d / name)
+                    c.name = cand
+                    c.version_policy.specific.versions[:] = [target]
+                    c.parameters[FORMAT_PARAMETER].string_value = _format_of(d, model)
+                    atomic_write_text(cdir / name, config_text(c))
+            c = read_config(served_config_path(cdir))
+            _load(client, cand, c)
+        step(f"version {target} loaded as {cand} beside live version {live}", stage_candidate)
+        if check is not None:
+            step(f"served parity of version {target} PASS", lambda: check_served(url, check, models=[cand]))
+    except BaseException as e:
+        _drop_candidate(client, cand, cdir)
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        raise RolloutError(f"{model}: version {target} refused ({what}); version {live} still serves") from None
+    _drop_candidate(client, cand, cdir)
+    base.version_policy.specific.versions[:] = [target]
+    try:
+        step(f"switched to version {target}; version {live} unloaded after its requests in flight", lambda: _load(client, model, base))
+    except TorchshipError as e:
+        raise ServerError(f"{model}: the switch to version {target} failed ({e}); ask the server which version is ready") from None
+    set_live(d, target)
+    client.close()
+    return {"model": model, "live": target, "was": live, "changed": True, "steps": steps}
+
+
+def _drop_candidate(client: TritonClient, cand: str, cdir: Path) -> None:
+    try:
+        _unload(client, cand)
+    except TorchshipError:
+        pass
+    shutil.rmtree(cdir, ignore_errors=True)
+
+
+def _format_of(d: Path, model: str) -> str:
+    """The format a model folder serves: the one its config records (a model under the plain name), else its name's suffix."""
+    from torchship.names import SERVED_FORMATS
+
+    c = read_config(d / "config.pbtxt")
+    if FORMAT_PARAMETER in c.parameters:
+        return c.parameters[FORMAT_PARAMETER].string_value
+    return next((f for f in sorted(SERVED_FORMATS, key=len, reverse=True) if model.endswith("_" + f)), "")
+
+
+def previous(repo: str | Path, model: str) -> int:
+    """The version before the live one on disk (rollback's default target)."""
+    d = Path(repo) / model
+    live = live_version(d)
+    older = [v for v in versions(d) if v < live]
+    if not older:
+        raise RolloutError(f"{model}: no version older than the live {live} is on disk")
+    return older[-1]

@@ -1,0 +1,146 @@
+"""Live operations on a real Triton under real load: a retrained model rolled in and back out while 16 requests
+stay in flight, with no failed request and every answer from one version or the other; a bad version refused
+at its parity check while the live one serves on; a new signature refused before anything is written."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from serve.client import TritonClient
+from serve.config import RepoConfig, ServeConfig
+from serve.embedded import TritonServer
+from serve.repository import build_repository
+from serve.rollout import RolloutError, previous, switch
+from serve.versions import add_version, history, live_version, versions
+from tests.helpers import in_process
+from torchship.errors import ArtifactError
+
+MODEL = "tiny_cnn_onnx"
+ONNX = RepoConfig(formats=("onnx",))
+
+
+@pytest.fixture(scope="module")
+def retrained(tmp_path_factory):
+    """The tiny CNN trained again from another seed, exported to ONNX: version 2, with other outputs."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from torchship.config import build
+    from train.config import TrainConfig
+    from train.loop import train
+
+    out = tmp_path_factory.mktemp("retrained")
+    res = train(build(TrainConfig, {"arch": "tiny_cnn", "epochs": 3, "lr": 3e-2, "batch_size": 32, "out": str(out / "train"),
+                                    "progress": False, "seed": 1, "amp": "off"}))
+    run_export(build(ExportConfig, {"checkpoint": str(res.best), "out": str(out / "export"), "max_batch": 8,
+                                    "formats": ["onnx"]}), log=lambda *a: None)
+    return out / "export"
+
+
+@pytest.fixture
+def two_versions(exported, retrained, tmp_path):
+    repo = tmp_path / "repo"
+    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
+    assert add_version(retrained, repo, ONNX, log=lambda *a: None) == {MODEL: 2}
+    assert live_version(repo / MODEL) == 1
+    return repo
+
+
+class Flood:
+    """16 threads, each sending one batch-1 request after another: (sent, answered, input index, output or error)."""
+
+    def __init__(self, url, xs, threads=16):
+        self.url, self.xs, self.stop, self.log = url, xs, threading.Event(), []
+        self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(threads)]
+
+    def run(self, seed):
+        client, i = TritonClient(self.url), seed
+        while not self.stop.is_set():
+            k = i % len(self.xs)
+            t0 = time.monotonic()
+            try:
+                out = client.infer(MODEL, self.xs[k:k + 1])
+            except Exception as e:  # every failure counts
+                out = e
+            self.log.append((t0, time.monotonic(), k, out))
+            i += 1
+        client.close()
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.5)
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def which(out, k, expected):
+    """1 or 2: the version whose output this is (within float rounding of batched execution), else None."""
+    for v, want in expected.items():
+        if not isinstance(out, Exception) and np.allclose(out[0], want[k], atol=1e-4, rtol=0):
+            return v
+    return None
+
+
+def test_a_flood_sees_no_failure_during_a_rollout_and_a_rollback(two_versions, exported, retrained, capsys):
+    repo = two_versions
+    xs = np.load(exported / "reference.npz")["input/heldout/images"][:16]
+    expected = {v: in_process(e, "onnx").run({"images": xs})["logits"] for v, e in ((1, exported), (2, retrained))}
+    assert not np.allclose(expected[1], expected[2], atol=1e-2)  # the two versions are told apart
+    with TritonServer(ServeConfig(repo=str(repo))) as s:
+        with Flood(s.url, xs) as flood:
+            switch(s.url, repo, MODEL, None, retrained)
+            rolled = time.monotonic()
+            time.sleep(1.0)
+            switch(s.url, repo, MODEL, previous(repo, MODEL), exported)
+            back = time.monotonic()
+    seen = [(t0, t1, which(out, k, expected), out) for t0, t1, k, out in flood.log]
+    failed = [o for *_, o in seen if isinstance(o, Exception)]
+    wrong = [v for _, _, v, o in seen if v is None and not isinstance(o, Exception)]
+    print(f"flood: {len(seen)} requests, {len(failed)} failed, {len(wrong)} wrong, "
+          f"{sum(v == 2 for _, _, v, _ in seen)} answered by version 2")
+    assert not failed and not wrong, (failed[:3], len(wrong))
+    assert all(v == 2 for t0, t1, v, _ in seen if rolled < t0 and t1 < back - 1.0)  # after the switch: version 2 only
+    assert all(v == 1 for t0, _, v, _ in seen if t0 > back)  # after the rollback: version 1 only
+    assert any(v == 2 for _, _, v, _ in seen) and live_version(repo / MODEL) == 1
+    out = capsys.readouterr().out
+    print(out)
+    assert out.count("tiny_cnn_onnx: ") >= 6  # a line per step
+
+
+def test_a_bad_new_version_is_refused_and_the_live_one_serves_on(two_versions, exported, retrained):
+    import onnx
+
+    repo = two_versions
+    path = repo / MODEL / "2" / "model.onnx"
+    m = onnx.load(str(path))
+    init = max(m.graph.initializer, key=lambda t: np.prod(t.dims))
+    arr = onnx.numpy_helper.to_array(init).copy() * 1.5
+    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+    onnx.save(m, str(path))
+    xs = np.load(exported / "reference.npz")["input/heldout/images"][:16]
+    expected = {1: in_process(exported, "onnx").run({"images": xs})["logits"]}
+    with TritonServer(ServeConfig(repo=str(repo))) as s:
+        with Flood(s.url, xs) as flood:
+            with pytest.raises(RolloutError, match=r"tiny_cnn_onnx: version 2 refused \(ParityError: .*version 1 still serves"):
+                switch(s.url, repo, MODEL, None, retrained)
+        assert sorted(TritonClient(s.url).ready_models()) == [MODEL]  # the candidate is gone
+    assert all(which(out, k, expected) == 1 for *_, k, out in flood.log) and len(flood.log) > 16
+    assert live_version(repo / MODEL) == 1 and not (repo / f"{MODEL}__candidate").exists()
+
+
+def test_a_new_signature_is_refused_until_asked_for(exported, tmp_path):
+    repo = tmp_path / "repo"
+    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
+    with pytest.raises(ArtifactError, match=r"tiny_cnn_onnx: the new version's inputs, outputs or max batch differ .*--new-signature"):
+        add_version(exported, repo, RepoConfig(formats=("onnx",), max_batch=4), log=lambda *a: None)
+    assert versions(repo / MODEL) == [1]  # nothing written
+    assert add_version(exported, repo, RepoConfig(formats=("onnx",), max_batch=4), new_signature=True, log=lambda *a: None) == {MODEL: 2}
+    rows = history(repo)
+    assert [(r["version"], r["live"]) for r in rows] == [(1, True), (2, False)] and all(r["manifest_sha256"] for r in rows)
