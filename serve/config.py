@@ -93,6 +93,8 @@ class ServeConfig:
     ready_timeout: float = opt(120.0, "seconds to wait for the server and every model to become ready")
     log: Optional[str] = opt(None, "server log file (default: a temp file, removed after a clean stop and kept after a failure)")
     models: tuple[str, ...] = opt((), "load only these models (default: every model in the repository)")
+    heal: bool = opt(True, "reload a model whose backend process died (it reports not ready meanwhile); one line per heal, "
+                           "counted in LOG.heals.json")
     triton_args: tuple[str, ...] = opt((), "extra tritonserver arguments, passed on as they are (repeatable: "
                                            "--triton-arg=--host-policy=cpu,cpu-cores=1-1 --triton-arg=--log-verbose=1)",
                                        flag="--triton-arg", append=True)

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -68,6 +69,7 @@ class TritonServer:
         self.loaded: list[str] = []
         self.stop_note: Optional[str] = None  # set by stop() when it had to cut the shutdown short
         self._log_start = 0  # where this start's lines begin in the log
+        self.healer = None  # heal.Healer while the server runs with cfg.heal
 
     @property
     def grpc_port(self) -> int:
@@ -127,7 +129,13 @@ class TritonServer:
         attempt = 1
         while True:
             try:
-                return self._start_once()
+                self._start_once()
+                if self.cfg.heal:
+                    from .heal import Healer
+
+                    self.healer = Healer(self, log=lambda line: print(f"torchship serve: {line}", file=sys.stderr, flush=True))
+                    self.healer.start()
+                return self
             except Exception:
                 flag = self.port_taken()
                 if flag is None:
@@ -255,6 +263,9 @@ class TritonServer:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs, or once every
         request is answered and a model still will not unload (``stop_note`` then says which)."""
+        if self.healer is not None:  # stubs die on purpose from here on
+            self.healer.stop()
+            self.healer = None
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         try:

@@ -1,0 +1,102 @@
+"""Healing the embedded server: a model whose backend process died is unloaded (so that it reports not ready,
+and a load balancer routes away from it) and loaded again.
+
+Triton's Python backend runs each model instance in a stub process. When one dies (killed, out of memory, a
+crash inside a runtime), Triton keeps reporting the model ready while every request to it fails with "Stub
+process ... is not healthy". A watcher thread compares each loaded model's stub processes with those it saw
+before: a stub gone with no new one in its place, while Triton still calls the model ready, is a death; stubs
+replaced by new ones are a reload and are left alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+STUB = "triton_python_backend_stub"
+
+
+def stub_processes(server_pid: int) -> dict[str, set[int]]:
+    """Model folder name -> pids of the server's live stub processes for it (a stub's first argument is the
+    model file, REPO/<model>/<version>/<file>)."""
+    out: dict[str, set[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            if int(stat[1]) != server_pid or stat[0] == "Z":  # not the server's child, or dead and not yet reaped
+                continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if len(argv) > 1 and argv[0].decode(errors="replace").endswith(STUB):
+            model = Path(argv[1].decode(errors="replace")).parents[1].name
+            out.setdefault(model, set()).add(int(entry.name))
+    return out
+
+
+class Healer(threading.Thread):
+    """Watches ``server`` (a started TritonServer) every ``interval`` seconds and heals its loaded models."""
+
+    def __init__(self, server, interval: float = 0.5, log: Callable[[str], None] = print):
+        super().__init__(name="torchship-healer", daemon=True)
+        self.server, self.interval, self.log = server, interval, log
+        self.known: dict[str, set[int]] = {}
+        self.heals: list[dict] = []
+        self.halt = threading.Event()
+        self.status = Path(f"{server.log_path}.heals.json") if server.log_path else None
+
+    def run(self) -> None:
+        client = self.server._client()
+        while not self.halt.wait(self.interval):
+            try:
+                self.tick(client)
+            except Exception as e:  # the watcher must outlive a failed check; the next tick tries again
+                self.log(f"heal: check failed ({type(e).__name__}: {e})")
+
+    def tick(self, client) -> None:
+        live = stub_processes(self.server.proc.pid)
+        for model in list(self.server.loaded):
+            pids, known = live.get(model, set()), self.known.get(model)
+            if known is None or pids - known:  # first seen, or reloaded: these are its stubs now
+                if pids:
+                    self.known[model] = pids
+                continue
+            dead = known - pids
+            if not dead or self.halt.is_set():
+                continue
+            if not client.is_model_ready(model):  # unloaded on purpose
+                self.known.pop(model, None)
+                continue
+            self.heal(client, model, sorted(dead))
+
+    def heal(self, client, model: str, dead: list[int]) -> None:
+        t0 = time.monotonic()
+        self.log(f"heal: {model}'s backend process {', '.join(map(str, dead))} died; reporting it not ready and "
+                 "loading it again")
+        client.unload_model(model)
+        while client.is_model_ready(model) and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        self.known.pop(model, None)
+        self.server.load(model, client, time.monotonic() + 60)
+        self.known[model] = stub_processes(self.server.proc.pid).get(model, set())
+        entry = {"model": model, "dead_pids": dead, "seconds": round(time.monotonic() - t0, 2),
+                 "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self.heals.append(entry)
+        line = f"healed {model} in {entry['seconds']:.1f} s (heal {len(self.heals)} of this server)"
+        self.log(line)
+        if self.status:
+            self.status.write_text(json.dumps({"heals": len(self.heals), "events": self.heals}, indent=2) + "\n")
+            with open(self.server.log_path, "a") as f:  # beside Triton's own lines
+                f.write(f"torchship: {line}\n")
+
+    def stop(self) -> None:
+        self.halt.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5)

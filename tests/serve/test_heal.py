@@ -1,0 +1,74 @@
+"""A killed backend process is healed under load: the model reports not ready while it is down, requests fail
+only in that window, it serves again within 10 s, and the heal is printed and counted."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+from serve.client import TritonClient
+from serve.config import ServeConfig
+from serve.embedded import TritonServer
+from serve.embedded.heal import stub_processes
+
+MODEL = "tiny_cnn_onnx"
+
+
+def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
+    x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
+    log, ready, stop = [], [], threading.Event()
+    with TritonServer(ServeConfig(repo=str(repo), models=(MODEL,))) as s:
+        def flood():
+            client = TritonClient(s.url)
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    client.infer(MODEL, x)
+                    log.append((t0, True))
+                except Exception:
+                    log.append((t0, False))
+                    time.sleep(0.01)
+
+        def watch():
+            import tritonclient.grpc as grpcclient
+
+            c = grpcclient.InferenceServerClient(s.url)
+            while not stop.is_set():
+                ready.append((time.monotonic(), c.is_model_ready(MODEL)))
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=flood) for _ in range(8)] + [threading.Thread(target=watch)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        (stub,) = stub_processes(s.proc.pid)[MODEL]
+        killed = time.monotonic()
+        os.kill(stub, signal.SIGKILL)  # a stub of the server this test started
+        deadline = killed + 15
+        while time.monotonic() < deadline and not (s.healer.heals and any(ok for t, ok in log if t > killed + 0.2
+                                                                          and t > killed + s.healer.heals[0]["seconds"])):
+            time.sleep(0.1)
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join()
+        status = json.loads(s.healer.status.read_text())
+    failed = [t for t, ok in log if not ok]
+    last_failure = max(failed, default=killed)
+    after = [t for t, ok in log if ok and t > last_failure]
+    recovered = min(after) - killed if after else float("inf")
+    down = [t for t, r in ready if not r]
+    with capfd.disabled():
+        print(f"heal under load: {len(log)} requests, {len(failed)} failed, served again {recovered:.1f} s after the "
+              f"kill (the heal took {status['events'][0]['seconds']:.1f} s), not ready for about {len(down) * 0.05:.1f} s")
+    assert recovered < 10 and status["heals"] == 1 and status["events"][0]["model"] == MODEL
+    # failures only in the window: requests in flight at the kill (sent up to a second before: the stub's health
+    # check waits 1 s) until the model serves again
+    assert failed and all(killed - 1.0 <= t <= killed + recovered for t in failed)
+    assert down and all(killed <= t <= killed + recovered + 0.5 for t in down)  # not ready while down, only then
+    assert all(ok for t, ok in log if t > killed + recovered + 0.5)
+    err = capfd.readouterr().err
+    assert f"heal: {MODEL}'s backend process {stub} died" in err and f"healed {MODEL} in " in err
