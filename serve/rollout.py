@@ -98,11 +98,25 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
     base.version_policy.specific.versions[:] = [target]
     try:
         step(f"switched to version {target}; version {live} unloaded after its requests in flight", lambda: _load(client, model, base))
+    except KeyboardInterrupt:  # the server finishes the switch or not on its own: wait for one version to be left
+        serving = _settle(client, model, (live, target))
+        set_live(d, serving)
+        raise RolloutError(f"{model}: interrupted during the switch; version {serving} serves") from None
     except TorchshipError as e:
         raise ServerError(f"{model}: the switch to version {target} failed ({e}); ask the server which version is ready") from None
     set_live(d, target)
     client.close()
     return {"model": model, "live": target, "was": live, "changed": True, "steps": steps}
+
+
+def _settle(client: TritonClient, model: str, candidates: tuple[int, int], timeout_s: float = 60.0) -> int:
+    """The one version of ``candidates`` left ready once the server has finished a switch it was asked for."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = [v for v in candidates if client.client.is_model_ready(model, str(v))]
+        if len(ready) == 1 or time.monotonic() > deadline:
+            return ready[-1] if ready else candidates[0]
+        time.sleep(0.1)
 
 
 def _drop_candidate(client: TritonClient, cand: str, cdir: Path) -> None:

@@ -8,7 +8,9 @@ from pathlib import Path
 import yaml
 
 from serve.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, REPOSITORY_DIR, TRITON_IMAGE, RepoConfig
+from serve.repository import servable_formats
 from torchship.names import model_names
+from torchship.runtime import DEFAULT_FORMATS
 from train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +88,7 @@ def triton_args(args):
 def test_compose_and_kubernetes_agree_with_the_code():
     """Ports, repository path, model names and image tag: one truth, read from both sides."""
     ports = {DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT}
-    names = sorted(model_names({"name": TrainConfig().arch}).values())
+    names = sorted(model_names({"name": TrainConfig().arch}, servable_formats({"artifacts": [{"format": f, "name": f} for f in DEFAULT_FORMATS]})).values())
 
     svc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["triton"]
     assert svc["image"] == TRITON_IMAGE
@@ -141,3 +143,42 @@ def test_training_job_runs_torchrun_with_flags_the_trainer_accepts():
     cfg = build(TrainConfig, namespace_overrides(p.parse_args(train_args), TrainConfig))
     assert cfg.resume == "auto" and cfg.out.startswith("/checkpoints")
     assert all(isinstance(a, str) for a in cmd), cmd  # YAML reads a bare 2 or true as a number or a bool, which k8s refuses
+
+
+def kserve_problems(isvc: dict) -> list[str]:
+    """What is wrong with deploy/kserve's InferenceService against KServe's v1beta1 fields and this project's
+    own truths (image tag, model names, the repository's PVC, explicit model control)."""
+    problems = []
+    if (isvc.get("apiVersion"), isvc.get("kind")) != ("serving.kserve.io/v1beta1", "InferenceService"):
+        problems.append("not a serving.kserve.io/v1beta1 InferenceService")
+    pred = isvc.get("spec", {}).get("predictor", {})
+    canary = pred.get("canaryTrafficPercent")
+    if not isinstance(canary, int) or not 0 <= canary <= 100:
+        problems.append(f"canaryTrafficPercent {canary!r} is not a percentage")
+    model = pred.get("model", {})
+    if model.get("modelFormat", {}).get("name") != "triton" or model.get("protocolVersion") != "v2":
+        problems.append("not the Triton runtime over the v2 protocol")
+    if model.get("runtimeVersion") != TRITON_IMAGE.split(":")[1]:
+        problems.append(f"runtimeVersion {model.get('runtimeVersion')} is not the image tag {TRITON_IMAGE}")
+    pvc = k8s("PersistentVolumeClaim")["metadata"]["name"]
+    if not str(model.get("storageUri", "")).startswith(f"pvc://{pvc}/"):
+        problems.append(f"storageUri {model.get('storageUri')} is not on the repository's PVC {pvc}")
+    opts, loads = triton_args(["tritonserver", *model.get("args", [])])
+    if opts.get("--model-control-mode") != "explicit":
+        problems.append("rollout needs --model-control-mode=explicit")
+    if sorted(loads) != sorted(model_names({"name": TrainConfig().arch}, servable_formats({"artifacts": [{"format": f, "name": f} for f in DEFAULT_FORMATS]})).values()):
+        problems.append(f"loads {loads}, not the repository's models")
+    unknown = set(pred) - {"canaryTrafficPercent", "minReplicas", "maxReplicas", "model", "scaleMetric", "scaleTarget"}
+    unknown |= set(model) - {"modelFormat", "protocolVersion", "runtimeVersion", "storageUri", "args", "ports", "resources", "env"}
+    problems += [f"unknown field {f}" for f in sorted(unknown)]
+    return problems
+
+
+def test_the_kserve_canary_agrees_with_kserve_and_the_code():
+    isvc = docs(DEPLOY / "kserve" / "inferenceservice.yaml")[0]
+    assert kserve_problems(isvc) == []
+    bad = yaml.safe_load(yaml.safe_dump(isvc))
+    bad["spec"]["predictor"]["canaryTrafficPercent"] = 150
+    bad["spec"]["predictor"]["model"]["args"].remove("--model-control-mode=explicit")
+    bad["spec"]["predictor"]["model"]["storgeUri"] = "pvc://x/y"  # a typo
+    assert len(kserve_problems(bad)) == 3

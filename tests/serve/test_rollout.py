@@ -144,3 +144,39 @@ def test_a_new_signature_is_refused_until_asked_for(exported, tmp_path):
     assert add_version(exported, repo, RepoConfig(formats=("onnx",), max_batch=4), new_signature=True, log=lambda *a: None) == {MODEL: 2}
     rows = history(repo)
     assert [(r["version"], r["live"]) for r in rows] == [(1, True), (2, False)] and all(r["manifest_sha256"] for r in rows)
+
+
+def test_the_second_model_workflow_in_one_command(exported, tmp_path, capsys):
+    """torchship run --into REPO --url URL: train and export a new model, then roll it out into a live server."""
+    from tests.conftest import run_cli
+
+    repo = tmp_path / "repo"
+    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
+    config = tmp_path / "run.toml"
+    config.write_text('[train]\narch = "tiny_cnn"\nepochs = 2\nlr = 0.03\nnproc = 1\namp = "off"\nprogress = false\nseed = 3\n'
+                      '[export]\nmax_batch = 8\nformats = ["onnx"]\n[repo]\nformats = ["onnx"]\n[run]\nmin_accuracy = 0.1\n')
+    with TritonServer(ServeConfig(repo=str(repo))) as s:
+        assert run_cli("run", "--out", tmp_path / "run", "--config", config, "--into", repo, "--url", s.url) == 0
+        assert TritonClient(s.url).ready_models() == [MODEL]
+    out = capsys.readouterr().out
+    assert "tiny_cnn_onnx: served parity of version 2 PASS" in out and live_version(repo / MODEL) == 2
+    assert "| rollout |" in (tmp_path / "run" / "summary.md").read_text()
+    assert run_cli("run", "--out", tmp_path / "other", "--into", repo) == 2
+    assert "--into REPO and --url HOST:PORT go together" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_a_rollout_leaves_one_version_serving_and_says_which(two_versions, exported, retrained, monkeypatch):
+    import serve.rollout
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve.rollout, "check_served", interrupted)  # Ctrl-C while version 2 is being checked
+    repo = two_versions
+    with TritonServer(ServeConfig(repo=str(repo))) as s:
+        with pytest.raises(RolloutError, match=r"version 2 refused \(interrupted\); version 1 still serves"):
+            switch(s.url, repo, MODEL, None, retrained)
+        client = TritonClient(s.url)
+        assert client.ready_models() == [MODEL] and client.client.is_model_ready(MODEL, "1")
+        assert not client.client.is_model_ready(MODEL, "2")
+    assert live_version(repo / MODEL) == 1 and not (repo / f"{MODEL}__candidate").exists()

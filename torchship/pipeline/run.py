@@ -114,6 +114,7 @@ class Run:
         self.record: dict[str, Any] = {"run_dir": str(run_dir), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                        "settings": settings, "stages": {}, "gates": {}}
         self.server = None
+        self.into, self.url = None, None  # --into REPO --url URL: roll out into a running server instead
 
     def save(self) -> None:
         atomic_write_json(self.dir / "run.json", self.record)
@@ -243,26 +244,48 @@ STAGES: tuple[tuple[str, str | None, str | None, Callable[[Run, float], None]], 
 STAGE_NAMES = tuple(s[0] for s in STAGES)
 
 
+def stage_rollout(run: Run, t0: float) -> None:
+    """--into REPO --url URL: the export becomes the next version of its models in the live server's repository,
+    switched to once its served outputs pass the parity check; the live version serves on otherwise."""
+    from serve.rollout import switch
+    from serve.versions import add_version
+
+    added = add_version(run.dirs["export"], run.into, run.cfg["repo"], log=run.log)
+    switched = {m: switch(run.url, run.into, m, v, run.dirs["export"], log=run.log)["live"] for m, v in added.items()}
+    run.done("rollout", t0, into=str(run.into), url=run.url, live=switched)
+    run.gate("rollout", True, f"{', '.join(f'{m} version {v}' for m, v in switched.items())} live at {run.url}")
+
+
+# the second-model workflow: train and export, then roll out into a running server instead of a fresh repository
+ROLLOUT_STAGES = STAGES[:2] + (("rollout", "export/manifest.json", "export", stage_rollout),)
+
+
 def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str = "train", log=print,
-                 overwrite: bool = False) -> dict[str, Any]:
+                 overwrite: bool = False, into: str | None = None, url: str | None = None) -> dict[str, Any]:
     """Run the stages from ``start`` on, in ``run_dir``. Returns the run record (also in run.json).
     Starting from training in a folder whose training wrote checkpoints needs ``overwrite``: it replaces
     them. Raises GateError naming the stage whose gate failed, and Interrupted (saying where and how to go
-    on) for Ctrl-C or SIGTERM."""
+    on) for Ctrl-C or SIGTERM. With ``into`` (a served repository) and ``url`` (its server), the export is
+    rolled out there instead of served from a repository of the run's own."""
+    if bool(into) != bool(url):
+        raise ConfigError("--into REPO and --url HOST:PORT go together: the repository the running server serves, and it")
+    stages = ROLLOUT_STAGES if into else STAGES
+    names = tuple(s[0] for s in stages)
     start = ALIASES.get(start, start)
-    if start not in STAGE_NAMES:
-        raise ConfigError(f"--from {start}: choose one of {', '.join(STAGE_NAMES)} "
+    if start not in names:
+        raise ConfigError(f"--from {start}: choose one of {', '.join(names)} "
                           f"({'; '.join(f'{a} means {s}' for a, s in ALIASES.items())})")
-    first = STAGE_NAMES.index(start)
+    first = names.index(start)
     if first == 0 and not overwrite and has_checkpoints(run_dir):
         raise ConfigError(f"--out {run_dir} already holds a trained run; pass --from STAGE ({', '.join(STAGE_NAMES[1:])}) "
                           "to go on from a finished stage, --overwrite to redo it from training (its checkpoints are "
                           "replaced), or another --out")
-    _, needs, producer, _ = STAGES[first]
+    _, needs, producer, _ = stages[first]
     if needs and not (run_dir / needs).exists():
         raise ConfigError(f"--from {start}: {run_dir / needs} is missing; run the '{producer}' stage first "
                           f"(or start --from {producer})")
     run = Run(run_dir, settings, log)
+    run.into, run.url = (Path(into) if into else None), url
     run.dirs["logs"].mkdir(parents=True, exist_ok=True)
     run.record["from"] = start
     prev = run_dir / "run.json"
@@ -270,13 +293,13 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
         old = read_json(prev, ConfigError, fix=f"; remove it and go on --from {start}: the stages' outputs stay, "
                                                "only the record of the earlier stages is lost")
         for key in ("stages", "gates"):
-            run.record[key] = {k: v for k, v in old.get(key, {}).items() if k in STAGE_NAMES[:first]}
+            run.record[key] = {k: v for k, v in old.get(key, {}).items() if k in names[:first]}
     t_all = time.perf_counter()
     current = start
     try:
         with RssSampler() as sampler:
             try:
-                for name, _, _, fn in STAGES[first:]:
+                for name, _, _, fn in stages[first:]:
                     current = name
                     log(f"\n== {name} " + "=" * (60 - len(name)))
                     fn(run, time.perf_counter())
@@ -318,6 +341,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="redo a run folder whose training wrote checkpoints from training, replacing them")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any stage option, e.g. --set train.epochs=3 --set bench.requests=50 (repeatable)")
+    p.add_argument("--into", default=None, metavar="REPO", help="with --url: roll the export out into the repository a "
+                                                                 "running server serves (as the next version of its models, "
+                                                                 "switched to once served parity passes) instead of serving "
+                                                                 "a repository of the run's own")
+    p.add_argument("--url", default=None, metavar="HOST:PORT", help="with --into: the running server's gRPC address")
     p.add_argument("--arch", default=None, help="shortcut for --set train.arch=...")
     p.add_argument("--data", default=None, help="shortcut for --set train.data=... (digits, synthetic, an ImageFolder path or package.module:factory)")
     p.add_argument("--epochs", type=int, default=None, help="shortcut for --set train.epochs=...")
@@ -347,5 +375,5 @@ def main_run(ns: argparse.Namespace) -> int:
             resolve_device(train_cfg)
         except ConfigError as e:
             raise in_run_terms("train", type(train_cfg), e) from None
-    run_pipeline(run_dir, settings, ns.start, overwrite=ns.overwrite)
+    run_pipeline(run_dir, settings, ns.start, overwrite=ns.overwrite, into=ns.into, url=ns.url)
     return 0
