@@ -135,7 +135,7 @@ class TritonClient:
         name = what.split()[-1]
         return ClientError(msg if msg.startswith(name + ":") else f"{what}: {msg}")
 
-    def infer_batches(self, model: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def infer_batches(self, model: str, feeds: dict[str, np.ndarray], version: str = "") -> dict[str, np.ndarray]:
         """Run any number of rows of every input, one request per chunk that fits the model's batching (one
         row at a time for a model without batching, whose dims carry the leading 1); every output by name."""
         from torchship.runtime import in_chunks
@@ -143,7 +143,7 @@ class TritonClient:
         names, outs = list(feeds), [o["name"] for o in self.config(model)["output"]]
 
         def run(xs):
-            got = self.infer_all(model, dict(zip(names, xs)))
+            got = self.infer_all(model, dict(zip(names, xs)), version)
             return [got[o] for o in outs]
         return dict(zip(outs, in_chunks(run, [feeds[n] for n in names], self.max_batch(model) or 1)))
 

@@ -24,7 +24,7 @@ def run_infer(ns: InferConfig) -> int:
     from .parity import check_served, served_markdown
 
     if ns.check:
-        report = check_served(ns.url, ns.check, [ns.model] if ns.model else None)
+        report = check_served(ns.url, ns.check, [ns.model] if ns.model else None, version=ns.version)
         print(json.dumps(report, indent=2) if ns.json else served_markdown(report))
         n = len(report["models"])
         print(f"served parity: PASS ({n} model{'s' if n != 1 else ''} at {ns.url})")

@@ -18,10 +18,10 @@ FORMAT_PARAMETER = "torchship_format"  # a model served under the export's plain
 
 
 def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None = None,
-                 tolerances: dict[str, Any] | None = None) -> dict[str, Any]:
+                 tolerances: dict[str, Any] | None = None, version: str = "") -> dict[str, Any]:
     """Send the export's reference inputs to every served model of this export (or ``models``) and compare
     with the reference outputs under the bounds the manifest records (or ``tolerances``, in its form), as
-    verify does in-process.
+    verify does in-process. ``version``: that version of each model (default: the one unversioned requests reach).
 
     Returns per-model results; raises ParityError listing every mismatch (its ``report`` holds them)."""
     d = Path(export_dir)
@@ -44,7 +44,7 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
         answers = {}
         for key, batch in manifest["reference"]["sets"].items():
             try:
-                got = answers[key] = client.infer_batches(model, reference_inputs(ref, manifest, key))
+                got = answers[key] = client.infer_batches(model, reference_inputs(ref, manifest, key), version)
             except (ClientError, ShapeError) as e:
                 failures.append(f"{model}: {key}: {e}")
                 rows[key] = {"batch": batch, "pass": False, "error": str(e)}

@@ -11,11 +11,12 @@ import pytest
 from serve.client import TritonClient
 from serve.config import RepoConfig, ServeConfig
 from serve.embedded import TritonServer
+from serve.parity import check_served
 from serve.repository import build_repository
 from serve.rollout import RolloutError, previous, switch
 from serve.versions import add_version, history, live_version, versions
 from tests.helpers import in_process
-from torchship.errors import ArtifactError
+from torchship.errors import ArtifactError, ParityError
 
 MODEL = "tiny_cnn_onnx"
 ONNX = RepoConfig(formats=("onnx",))
@@ -179,4 +180,7 @@ def test_ctrl_c_during_a_rollout_leaves_one_version_serving_and_says_which(two_v
         client = TritonClient(s.url)
         assert client.ready_models() == [MODEL] and client.client.is_model_ready(MODEL, "1")
         assert not client.client.is_model_ready(MODEL, "2")
+        assert check_served(s.url, exported, models=[MODEL], version="1")["pass"]  # infer --check --version
+        with pytest.raises(ParityError, match="tiny_cnn_onnx: heldout: .*version 2"):
+            check_served(s.url, exported, models=[MODEL], version="2")
     assert live_version(repo / MODEL) == 1 and not (repo / f"{MODEL}__candidate").exists()
