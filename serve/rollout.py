@@ -2,9 +2,9 @@
 
 Triton answers an unversioned request with the highest version loaded, so the new version cannot be checked
 beside the live one under the model's own name without taking its traffic. It is checked under a candidate
-name first (a folder in the same repository pointing at the new version), then the model is reloaded with
-the new version alone: Triton loads it before it unloads the old one, and requests in flight on the old one
-complete."""
+name first (a folder in the same repository pointing at the new version); then the model is loaded with both
+versions and, once both are ready, with the new one alone, so that some version is ready at every moment;
+requests in flight on the old one complete."""
 
 from __future__ import annotations
 
@@ -95,9 +95,14 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         raise RolloutError(f"{model}: version {target} refused ({what}); version {live} still serves") from None
     _drop_candidate(client, cand, cdir)
-    base.version_policy.specific.versions[:] = [target]
+
+    def both_then_one() -> None:  # never a moment without a ready version: a reload that changes versions has one
+        base.version_policy.specific.versions[:] = sorted({live, target})
+        _load(client, model, base)
+        base.version_policy.specific.versions[:] = [target]
+        _load(client, model, base)
     try:
-        step(f"switched to version {target}; version {live} unloaded after its requests in flight", lambda: _load(client, model, base))
+        step(f"switched to version {target}; version {live} unloaded after its requests in flight", both_then_one)
     except KeyboardInterrupt:  # the server finishes the switch or not on its own: wait for one version to be left
         serving = _settle(client, model, (live, target))
         set_live(d, serving)

@@ -3,9 +3,10 @@ and a load balancer routes away from it) and loaded again.
 
 Triton's Python backend runs each model instance in a stub process. When one dies (killed, out of memory, a
 crash inside a runtime), Triton keeps reporting the model ready while every request to it fails with "Stub
-process ... is not healthy". A watcher thread compares each loaded model's stub processes with those it saw
-before: a stub gone with no new one in its place, while Triton still calls the model ready, is a death; stubs
-replaced by new ones are a reload and are left alone."""
+process ... is not healthy". A watcher thread compares each loaded model version's stub processes with those
+it saw before: a stub gone with no new one in its place, while Triton still calls that version ready, is a
+death; stubs replaced by new ones are a reload, and a version Triton no longer calls ready was unloaded (a
+rollout): both are left alone."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from typing import Callable
 STUB = "triton_python_backend_stub"
 
 
-def stub_processes(server_pid: int) -> dict[str, set[int]]:
-    """Model folder name -> pids of the server's live stub processes for it (a stub's first argument is the
-    model file, REPO/<model>/<version>/<file>)."""
-    out: dict[str, set[int]] = {}
+def stub_processes(server_pid: int) -> dict[tuple[str, str], set[int]]:
+    """(model folder name, version) -> pids of the server's live stub processes for it (a stub's first argument
+    is the model file, REPO/<model>/<version>/<file>)."""
+    out: dict[tuple[str, str], set[int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -36,8 +37,8 @@ def stub_processes(server_pid: int) -> dict[str, set[int]]:
         except (OSError, IndexError, ValueError):
             continue
         if len(argv) > 1 and argv[0].decode(errors="replace").endswith(STUB):
-            model = Path(argv[1].decode(errors="replace")).parents[1].name
-            out.setdefault(model, set()).add(int(entry.name))
+            path = Path(argv[1].decode(errors="replace"))
+            out.setdefault((path.parents[1].name, path.parent.name), set()).add(int(entry.name))
     return out
 
 
@@ -62,17 +63,21 @@ class Healer(threading.Thread):
 
     def tick(self, client) -> None:
         live = stub_processes(self.server.proc.pid)
-        for model in list(self.server.loaded):
-            pids, known = live.get(model, set()), self.known.get(model)
+        loaded = set(self.server.loaded)
+        for key in sorted(set(live) | set(self.known)):
+            model, version = key
+            if model not in loaded:
+                continue
+            pids, known = live.get(key, set()), self.known.get(key)
             if known is None or pids - known:  # first seen, or reloaded: these are its stubs now
                 if pids:
-                    self.known[model] = pids
+                    self.known[key] = pids
                 continue
             dead = known - pids
             if not dead or self.halt.is_set():
                 continue
-            if not client.is_model_ready(model):  # unloaded on purpose
-                self.known.pop(model, None)
+            if not client.is_model_ready(model, version):  # unloaded on purpose
+                self.known.pop(key, None)
                 continue
             self.heal(client, model, sorted(dead))
 
@@ -83,9 +88,9 @@ class Healer(threading.Thread):
         client.unload_model(model)
         while client.is_model_ready(model) and time.monotonic() - t0 < 30:
             time.sleep(0.05)
-        self.known.pop(model, None)
+        for key in [k for k in self.known if k[0] == model]:
+            self.known.pop(key)
         self.server.load(model, client, time.monotonic() + 60)
-        self.known[model] = stub_processes(self.server.proc.pid).get(model, set())
         entry = {"model": model, "dead_pids": dead, "seconds": round(time.monotonic() - t0, 2),
                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         self.heals.append(entry)

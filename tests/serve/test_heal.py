@@ -44,7 +44,7 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
         for t in threads:
             t.start()
         time.sleep(1.0)
-        (stub,) = stub_processes(s.proc.pid)[MODEL]
+        (stub,) = stub_processes(s.proc.pid)[MODEL, "1"]
         killed = time.monotonic()
         os.kill(stub, signal.SIGKILL)  # a stub of the server this test started
         deadline = killed + 15
@@ -62,7 +62,7 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
     recovered = min(after) - killed if after else float("inf")
     down = [t for t, r in ready if not r]
     with capfd.disabled():
-        print(f"heal under load: {len(log)} requests, {len(failed)} failed, served again {recovered:.1f} s after the "
+        print(f"\nheal under load: {len(log)} requests, {len(failed)} failed, served again {recovered:.1f} s after the "
               f"kill (the heal took {status['events'][0]['seconds']:.1f} s), not ready for about {len(down) * 0.05:.1f} s")
     assert recovered < 10 and status["heals"] == 1 and status["events"][0]["model"] == MODEL
     # failures only in the window: requests in flight at the kill (sent up to a second before: the stub's health

@@ -104,15 +104,14 @@ def test_a_flood_sees_no_failure_during_a_rollout_and_a_rollback(two_versions, e
     seen = [(t0, t1, which(out, k, expected), out) for t0, t1, k, out in flood.log]
     failed = [o for *_, o in seen if isinstance(o, Exception)]
     wrong = [v for _, _, v, o in seen if v is None and not isinstance(o, Exception)]
-    print(f"flood: {len(seen)} requests, {len(failed)} failed, {len(wrong)} wrong, "
-          f"{sum(v == 2 for _, _, v, _ in seen)} answered by version 2")
+    with capsys.disabled():  # the counts, in the default run's output
+        print(f"\nflood during a rollout and a rollback: {len(seen)} requests, {len(failed)} failed, {len(wrong)} "
+              f"wrong, {sum(v == 2 for _, _, v, _ in seen)} answered by version 2")
     assert not failed and not wrong, (failed[:3], len(wrong))
     assert all(v == 2 for t0, t1, v, _ in seen if rolled < t0 and t1 < back - 1.0)  # after the switch: version 2 only
     assert all(v == 1 for t0, _, v, _ in seen if t0 > back)  # after the rollback: version 1 only
     assert any(v == 2 for _, _, v, _ in seen) and live_version(repo / MODEL) == 1
-    out = capsys.readouterr().out
-    print(out)
-    assert out.count("tiny_cnn_onnx: ") >= 6  # a line per step
+    assert capsys.readouterr().out.count("tiny_cnn_onnx: ") >= 6  # a line per step
 
 
 def test_a_bad_new_version_is_refused_and_the_live_one_serves_on(two_versions, exported, retrained):
