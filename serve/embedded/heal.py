@@ -5,19 +5,22 @@ Triton's Python backend runs each model instance in a stub process. When one die
 crash inside a runtime), Triton keeps reporting the model ready while every request to it fails with "Stub
 process ... is not healthy". A watcher thread compares each loaded model version's stub processes with those
 it saw before: a stub gone with no new one in its place, while Triton still calls that version ready, is a
-death; stubs replaced by new ones are a reload, and a version Triton no longer calls ready was unloaded (a
-rollout): both are left alone."""
+death. A model Triton logged loading or unloading in the last few seconds is being reloaded (its old stubs
+stop on their own), and a version Triton no longer calls ready was unloaded (a rollout): both are left alone."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 STUB = "triton_python_backend_stub"
+SETTLE_S = 3.0  # after Triton logs a (re)load or unload of a model, its stubs may come and go this long
+LIFECYCLE = re.compile(r'"(?:loading: ([^:"]+):\d+|successfully (?:un)?loaded \'([^\']+)\')')
 
 
 def stub_processes(server_pid: int) -> dict[tuple[str, str], set[int]]:
@@ -48,7 +51,9 @@ class Healer(threading.Thread):
     def __init__(self, server, interval: float = 0.5, log: Callable[[str], None] = print):
         super().__init__(name="torchship-healer", daemon=True)
         self.server, self.interval, self.log = server, interval, log
-        self.known: dict[str, set[int]] = {}
+        self.known: dict[tuple[str, str], set[int]] = {}
+        self.busy: dict[str, float] = {}  # model -> when Triton last logged loading or unloading it
+        self.log_offset = server.log_path.stat().st_size if server.log_path and server.log_path.exists() else 0
         self.heals: list[dict] = []
         self.halt = threading.Event()
         self.status = Path(f"{server.log_path}.heals.json") if server.log_path else None
@@ -61,7 +66,20 @@ class Healer(threading.Thread):
             except Exception as e:  # the watcher must outlive a failed check; the next tick tries again
                 self.log(f"heal: check failed ({type(e).__name__}: {e})")
 
+    def lifecycle(self) -> None:
+        """Note the models Triton logged loading or unloading since the last look."""
+        try:
+            with open(self.server.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace")
+                self.log_offset = f.tell()
+        except OSError:
+            return
+        for m in LIFECYCLE.finditer(text):
+            self.busy[m.group(1) or m.group(2)] = time.monotonic()
+
     def tick(self, client) -> None:
+        self.lifecycle()
         live = stub_processes(self.server.proc.pid)
         loaded = set(self.server.loaded)
         for key in sorted(set(live) | set(self.known)):
@@ -69,9 +87,15 @@ class Healer(threading.Thread):
             if model not in loaded:
                 continue
             pids, known = live.get(key, set()), self.known.get(key)
-            if known is None or pids - known:  # first seen, or reloaded: these are its stubs now
+            if time.monotonic() - self.busy.get(model, -SETTLE_S) < SETTLE_S:  # being (re)loaded: take what is there
                 if pids:
                     self.known[key] = pids
+                else:
+                    self.known.pop(key, None)
+                continue
+            if known is None or pids - known:  # first seen, or reloaded: the new stubs replace the old ones
+                if pids:
+                    self.known[key] = pids if known is None else pids - known
                 continue
             dead = known - pids
             if not dead or self.halt.is_set():
@@ -80,17 +104,22 @@ class Healer(threading.Thread):
                 self.known.pop(key, None)
                 continue
             self.heal(client, model, sorted(dead))
+        for model in loaded - {m for m, _ in live} - {m for m, _ in self.known}:  # no stub at all: gone while settling
+            if time.monotonic() - self.busy.get(model, -SETTLE_S) >= SETTLE_S and not self.halt.is_set() \
+                    and client.is_model_ready(model):
+                self.heal(client, model, [])
 
     def heal(self, client, model: str, dead: list[int]) -> None:
         t0 = time.monotonic()
-        self.log(f"heal: {model}'s backend process {', '.join(map(str, dead))} died; reporting it not ready and "
-                 "loading it again")
+        self.log(f"heal: {model}'s backend process {', '.join(map(str, dead)) or 'is gone'}"
+                 f"{' died' if dead else ''}; reporting it not ready and loading it again")
         client.unload_model(model)
         while client.is_model_ready(model) and time.monotonic() - t0 < 30:
             time.sleep(0.05)
         for key in [k for k in self.known if k[0] == model]:
             self.known.pop(key)
         self.server.load(model, client, time.monotonic() + 60)
+        self.busy[model] = time.monotonic()  # its new stubs settle in
         entry = {"model": model, "dead_pids": dead, "seconds": round(time.monotonic() - t0, 2),
                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         self.heals.append(entry)
