@@ -124,7 +124,7 @@ def test_onnx_external_data_is_hashed_verified_copied_and_served(tmp_path, monke
     assert a["external_data"] == ["model.onnx.data"] and set(a["files"]) == {"onnx/model.onnx", "onnx/model.onnx.data"}
     repo = tmp_path / "repo"
     build_repository(d, RepoConfig(out=str(repo)))
-    assert sorted(p.name for p in (repo / "mlp_onnx" / "1").iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert sorted(p.name for p in (repo / "mlp_onnx" / "1").iterdir()) == ["model.onnx", "model.onnx.data", "provenance.json"]
     with TritonServer(ServeConfig(repo=str(repo))) as server:
         assert check_served(server.url, d)["pass"]
     data = d / "onnx" / "model.onnx.data"

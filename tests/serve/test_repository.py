@@ -40,7 +40,7 @@ def test_layout_and_configs(repo, exported):
             assert emb.parameters["buckets"].string_value == "1,8" and emb.default_model_filename == "buckets.pt2"
             # the batcher takes what queued, up to max_batch_size; preferred sizes would cut it down
             assert emb.HasField("dynamic_batching") and not emb.dynamic_batching.preferred_batch_size
-            assert sorted(p.name for p in (repo / name / "1").iterdir()) == ["buckets.pt2", "model.pt2"]
+            assert sorted(p.name for p in (repo / name / "1").iterdir()) == ["buckets.pt2", "model.pt2", "provenance.json"]
             assert emb.input[0].format == mc.ModelInput.FORMAT_NCHW
             assert c.input[0].format == mc.ModelInput.FORMAT_NONE  # Triton allows a layout only on [C, H, W] dims
         else:
@@ -68,7 +68,7 @@ def test_without_the_aoti_package_the_aoti_model_serves_the_buckets_and_the_read
     repo = tmp_path / "repo"
     build_repository(d, RepoConfig(out=str(repo)))
     mdir = repo / "tiny_cnn_aoti"
-    assert sorted(p.name for p in (mdir / "1").iterdir()) == ["buckets.pt2"] and not (mdir / EMBEDDED_CONFIG).exists()
+    assert sorted(p.name for p in (mdir / "1").iterdir()) == ["buckets.pt2", "provenance.json"] and not (mdir / EMBEDDED_CONFIG).exists()
     c = cfg(mdir / "config.pbtxt")
     assert c.backend == "pytorch" and c.parameters["buckets"].string_value == "1,8" and c.max_batch_size == 8
     assert "`tiny_cnn_aoti` holds only the bucket archive" in (repo / "README.md").read_text()
