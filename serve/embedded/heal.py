@@ -61,10 +61,14 @@ class Healer(threading.Thread):
     def run(self) -> None:
         client = self.server._client()
         while not self.halt.wait(self.interval):
+            proc = self.server.proc
+            if proc is None or proc.poll() is not None:  # the server is gone (stopped, or killed): nothing to heal
+                return
             try:
                 self.tick(client)
             except Exception as e:  # the watcher must outlive a failed check; the next tick tries again
-                self.log(f"heal: check failed ({type(e).__name__}: {e})")
+                if proc.poll() is None and not self.halt.is_set():  # a server going away is not news
+                    self.log(f"heal: check failed ({type(e).__name__}: {e})")
 
     def lifecycle(self) -> None:
         """Note the models Triton logged loading or unloading since the last look."""
