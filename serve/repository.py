@@ -140,7 +140,7 @@ def read_config(path: str | Path) -> mc.ModelConfig:
     return text_format.Parse(Path(path).read_text(), mc.ModelConfig())
 
 
-def provenance(export_dir: str | Path) -> dict[str, Any]:
+def provenance(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Where a version comes from: the export (its manifest's sha256) and the checkpoint's weights."""
     import time
 
@@ -148,7 +148,7 @@ def provenance(export_dir: str | Path) -> dict[str, Any]:
     from torchship.manifest import MANIFEST
 
     d = Path(export_dir)
-    source = read_manifest(d).get("source", {})
+    source = manifest.get("source", {})
     return {"export": str(d.resolve()), "manifest_sha256": sha256_file(d / MANIFEST),
             "checkpoint": source.get("path"), "weights_sha256": source.get("weights_sha256"),
             "added": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -221,7 +221,7 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
                     shutil.copy2(d / rel, vdir / Path(rel).name)
             (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
         for fmt in formats:  # where each version came from: torchship repo REPO --history
-            (tmp / names[fmt] / str(cfg.version) / PROVENANCE).write_text(json.dumps(provenance(d), indent=2) + "\n")
+            (tmp / names[fmt] / str(cfg.version) / PROVENANCE).write_text(json.dumps(provenance(d, manifest), indent=2) + "\n")
         container_aoti = "aoti" not in formats or "aoti" in have
         (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU,
                                                container_aoti))

@@ -2,14 +2,13 @@
 served under the export's plain name by the real Triton, held to the same parity as under its own name."""
 
 import json
-import shutil
 
 import pytest
 
 from serve.config import ServeConfig
 from serve.embedded import TritonServer
 from serve.parity import check_served
-from serve.strategy import parse_strategy, pick, serve_winner
+from serve.strategy import parse_strategy, pick
 from tests.conftest import run_cli
 from torchship.errors import ConfigError
 
