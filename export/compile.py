@@ -50,8 +50,8 @@ def workers_for(model_bytes: int) -> int:
 
 
 def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
-    """In a worker: compile ``kind`` ("aoti": the dynamic-batch package at ``out``; "bucket": the static
-    ``batch`` model, its weights saved to ``out``). Returns {"seconds", ...} or {"error", "traceback"}."""
+    """In a worker: compile ``kind`` ("aoti": the dynamic-batch package at ``out``; "aoti_int8": the same,
+    quantized; "bucket": the static ``batch`` model, its weights saved to ``out``). Returns {"seconds", ...} or {"error", "traceback"}."""
     t0 = time.perf_counter()
     try:
         import torch
@@ -63,6 +63,13 @@ def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
         model, sig = artifact_model(src, cfg.dtype, device), src.signature
         if kind == "aoti":
             extra = exporters.aoti(model, exporters.example(sig, 2, device), Path(out), sig, cfg.max_batch, cfg.threads)
+            return {"seconds": time.perf_counter() - t0, "extra": extra}
+        if kind == "aoti_int8":
+            from . import quantize
+
+            calibration, source = quantize.calibration_samples(cfg.calibration, src.samples, [t.name for t in sig.inputs])
+            extra = quantize.aoti_int8(model, exporters.example(sig, 2, device), Path(out), sig, cfg.max_batch,
+                                       cfg.threads, calibration, source, quantize.int8_scheme())
             return {"seconds": time.perf_counter() - t0, "extra": extra}
         shared = cfg.bucket_weights == "shared"
         files = exporters.compile_bucket(model, sig, batch, cfg.threads, device, shared)

@@ -9,7 +9,7 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.errors import ConfigError
 from torchship.parity import GATE
-from torchship.runtime import DEFAULT_FORMATS, FORMATS
+from torchship.runtime import DEFAULT_FORMATS, FORMATS, INT8_FORMATS
 
 @dataclass
 class ExportConfig:
@@ -23,11 +23,12 @@ class ExportConfig:
     outputs: tuple[str, ...] = opt((), "output names in forward's order (default: a dict's keys, else output0, output1, ...; repeatable)", flag="--output", append=True)
     example_inputs: Optional[str] = opt(None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench")
     out: str = opt("runs/export", "export directory to create")
-    formats: tuple[str, ...] = opt(DEFAULT_FORMATS, "formats to export: " + ", ".join(FORMATS) + " (onnx_int8: ONNX "
-                                                    "Runtime INT8, quantized for this CPU and gated on accuracy; opt-in)")
-    calibration: Optional[str] = opt(None, "onnx_int8: an npz of real inputs keyed by input name to calibrate on (default: the "
+    formats: tuple[str, ...] = opt(DEFAULT_FORMATS, "formats to export: " + ", ".join(FORMATS) + " (onnx_int8, aoti_int8: "
+                                                    "ONNX Runtime INT8 and torchao PT2E INT8 compiled by AOTInductor, "
+                                                    "quantized for this CPU and gated on accuracy; opt-in)")
+    calibration: Optional[str] = opt(None, "onnx_int8, aoti_int8: an npz of real inputs keyed by input name to calibrate on (default: the "
                                            "checkpoint's held-out samples, or --example-inputs)")
-    max_accuracy_drop: float = opt(GATE["max_accuracy_drop"], "onnx_int8 passes if its accuracy on the labelled real samples "
+    max_accuracy_drop: float = opt(GATE["max_accuracy_drop"], "an INT8 artifact passes if its accuracy on the labelled real samples "
                                                                "is within this many points of eager's (without labels: top-1 "
                                                                "agreement >= 99 %% and SQNR >= 20 dB)")
     optional: tuple[str, ...] = opt((), "formats that may fail (cannot be exported, or disagree with the reference) without failing the command; they are reported and not served. Any other format failing exits 3")
@@ -83,10 +84,13 @@ class ExportConfig:
         if max(self.buckets) != self.max_batch and "aoti_buckets" in self.formats:
             raise ConfigError(f"--buckets must end at --max-batch {self.max_batch} (largest given: {max(self.buckets)})")
         self.buckets = tuple(sorted(set(self.buckets)))
-        if "onnx_int8" in self.formats and self.dtype != "float32":
-            raise ConfigError(f"--formats onnx_int8 quantizes the float32 model; it does not go with --dtype {self.dtype}")
-        if self.calibration and "onnx_int8" not in self.formats:
-            raise ConfigError("--calibration calibrates onnx_int8; add it to --formats")
+        int8 = [f for f in self.formats if f in INT8_FORMATS]
+        if int8 and self.dtype != "float32":
+            raise ConfigError(f"--formats {int8[0]} quantizes the float32 model; it does not go with --dtype {self.dtype}")
+        if "aoti_int8" in self.formats and self.device == "cuda":
+            raise ConfigError("--formats aoti_int8 is quantized for x86 CPUs (oneDNN's INT8 kernels); it does not go with --device cuda")
+        if self.calibration and not int8:
+            raise ConfigError(f"--calibration calibrates {' and '.join(INT8_FORMATS)}; add one to --formats")
         if self.calibration and not Path(self.calibration).is_file():
             raise ConfigError(f"--calibration {self.calibration}: no such file (an npz of real inputs keyed by input name)")
         if not 0 <= self.max_accuracy_drop <= 100:

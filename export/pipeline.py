@@ -104,6 +104,10 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
                 fail(fmt, error)
                 continue
             record(fmt, [f"{fmt}/model.pt2"], _compiled(fmt, results, tmp, cfg), sum(r["seconds"] for r in results.values()))
+            if fmt == "aoti_int8":
+                from .quantize import summary
+
+                log(summary(fmt, artifacts[-1]))
         artifacts.sort(key=lambda a: cfg.formats.index(a["format"]))
         if not artifacts:
             raise ArtifactError("no format could be exported: " + "; ".join(f"{f['format']}: {f['error']}" for f in failures))
@@ -158,8 +162,9 @@ def _nbytes(model: torch.nn.Module) -> int:
 def _start_compiles(compiler: Compiler, cfg: ExportConfig, tmp: Path, log) -> dict[str, dict[int, Any]]:
     """Submit the AOTInductor compiles; returns format -> {batch (0 for aoti): its pending result}."""
     jobs: dict[str, dict[int, Any]] = {}
-    if "aoti" in cfg.formats:
-        jobs["aoti"] = {0: compiler.submit("aoti", out=tmp / "aoti" / "model.pt2")}
+    for fmt in ("aoti", "aoti_int8"):
+        if fmt in cfg.formats:
+            jobs[fmt] = {0: compiler.submit(fmt, out=tmp / fmt / "model.pt2")}
     if "aoti_buckets" in cfg.formats:
         jobs["aoti_buckets"] = {b: compiler.submit("bucket", b) for b in cfg.buckets}
     if jobs:
@@ -171,6 +176,9 @@ def _compiled(fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: Expo
     """The manifest's extra fields of a compiled format; packages the aoti_buckets archive first."""
     if fmt == "aoti":
         return {**results[0]["extra"], "batch": {"min": 1, "max": cfg.max_batch}}
+    if fmt == "aoti_int8":
+        return {**results[0]["extra"], "gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop},
+                "batch": {"min": 1, "max": cfg.max_batch}}
     shared = exporters.package_buckets({b: bucket_files(r) for b, r in results.items()}, tmp / fmt / "model.pt2")
     return {"freezing": True, "compile_threads": cfg.threads, "weights": cfg.bucket_weights, "shared_constants": shared,
             "buckets": list(cfg.buckets), "batch": {"buckets": list(cfg.buckets)}}
@@ -210,9 +218,7 @@ def _onnx_int8(model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples:
         extra = quantize.onnx_int8(fp32, tmp / "onnx_int8" / "model.onnx", calibration, source, scheme, external)
     finally:
         shutil.rmtree(tmp / "onnx_int8" / "fp32", ignore_errors=True)
-    q = extra["quantization"]
-    log(f"  onnx_int8: {q['method']} quantization" + (f", calibrated on {q['calibration']['samples']} samples from "
-                                                      f"{source}" if q["calibration"] else "") + f"; {scheme['why']}")
+    log(quantize.summary("onnx_int8", extra))
     files = ["onnx_int8/model.onnx", *(f"onnx_int8/{f.name}" for f in (tmp / "onnx_int8").iterdir() if f.name != "model.onnx")]
     return files, {**extra, "gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop},
                    "batch": {"min": 1, "max": cfg.max_batch}}

@@ -216,6 +216,6 @@ def quantized_row(name: str, a: dict[str, Any], entry: dict[str, Any], real: str
     sqnr = ", ".join(f"{v:.1f}" for v in row.get("sqnr_db", {}).values()) or "-"
     bits = {"uint8": "u8", "int8": "s8"}
     return [name, f"{q['method']}, {bits[q['activations']]} activations, {bits[q['weights']]} weights"
-                  + (", per channel" if q["per_channel"] else "") + (", 7-bit weights" if q["reduce_range"] else ""),
+                  + (", per channel" if q["per_channel"] else "") + (f", 7-bit {q.get('narrowed', 'weights')}" if q["reduce_range"] else ""),
             f"{cal['samples']} samples ({cal['source']})" if cal else "-", acc, drop, agree, sqnr,
             "pass" if entry["pass"] else "FAIL"]

@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
 from torchship.errors import ConfigError
@@ -50,29 +51,31 @@ def main_repo(ns: argparse.Namespace) -> int:
     from .repository import build_repository
 
     cfg = build(RepoConfig, namespace_overrides(ns, RepoConfig))
-    winner = None
-    if cfg.strategy:  # read and judged before anything is written
+    manifest = winner = None
+    if cfg.strategy:
         from torchship.manifest import read_manifest
 
         from .strategy import pick
 
-        if not cfg.bench:
-            raise ConfigError(f"--strategy {cfg.strategy} judges a bench's served figures: give --bench results.json "
-                              f"(torchship bench {ns.export_dir} writes one)")
-        winner = pick(read_bench(cfg.bench), cfg.strategy, read_manifest(ns.export_dir))
+        manifest = read_manifest(ns.export_dir)
+        if cfg.bench:  # read and judged before anything is written
+            winner = pick(read_bench(cfg.bench), cfg.strategy, manifest)
     res = build_repository(ns.export_dir, cfg)
     print(f"repository {res['path']}: " + ", ".join(f"{m} ({f})" for f, m in res["models"].items()))
     if res["skipped"]:
         print(f"not in the export, skipped: {', '.join(res['skipped'])}")
-    if winner:
-        from torchship.manifest import read_manifest
+    if cfg.strategy:
+        from .strategy import serve_winner, short_bench
 
-        from .strategy import serve_winner
-
+        if winner is None:
+            out = Path(res["path"]).with_name(Path(res["path"]).name + "-bench")
+            print(f"--strategy {cfg.strategy} without --bench: a short served bench of {res['path']} first "
+                  f"(results in {out})", flush=True)
+            winner = pick(short_bench(ns.export_dir, res["path"], out), cfg.strategy, manifest)
         if winner["format"] not in res["models"]:
             raise ConfigError(f"the winner {winner['model']} is not in this repository (it serves "
                               f"{', '.join(res['models'].values())})")
-        dest = serve_winner(res["path"], winner, read_manifest(ns.export_dir), cfg.only_winner)
+        dest = serve_winner(res["path"], winner, manifest, cfg.only_winner)
         print(f"served as {dest.name}: {winner['why']}")
     print(f"serve it: torchship serve {res['path']}   (official container: see {res['path']}/README.md)")
     return 0

@@ -53,8 +53,10 @@ class RepoConfig:
     max_batch: Optional[int] = opt(None, "max_batch_size (default: the export's max batch)")
     overwrite: bool = opt(False, "replace an existing repository directory")
     strategy: Optional[str] = opt(None, "also serve the winner under the export's plain name: max-throughput, min-latency "
-                                        "or p99-budget=MS, judged on --bench's served figures")
-    bench: Optional[str] = opt(None, "with --strategy: the results.json of a torchship bench of this export")
+                                        "or p99-budget=MS, judged on --bench's served figures (without --bench: a short "
+                                        "served bench of the new repository, written beside it as OUT-bench)")
+    bench: Optional[str] = opt(None, "with --strategy: the results.json of a torchship bench of this export "
+                                     "(default: run a short one)")
     only_winner: bool = opt(False, "with --strategy: serve the winner alone, without the per-format models")
 
     def __post_init__(self) -> None:

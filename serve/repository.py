@@ -4,6 +4,7 @@ Layout (one model per format, versions in numbered folders):
   REPO/<name>_onnx/config.pbtxt, labels.txt, warmup/images, 1/model.onnx [+ its external data]   onnxruntime_onnx
   REPO/<name>_torchscript/...                               1/model.pt                           pytorch_libtorch
   REPO/<name>_aoti/config.pbtxt (+ embedded.pbtxt)          1/model.pt2 [+ buckets.pt2]          torch_aoti
+  REPO/<name>_onnx_int8/..., <name>_aoti_int8/... (opt-in INT8 exports, as _onnx and _aoti)
 
 The official container's torch_aoti support (26.03+) does not batch, so <name>_aoti/config.pbtxt is a
 batch-1 model over the dynamic-batch package. Triton 2.51 inside nvidia-pytriton does not know torch_aoti
@@ -39,7 +40,7 @@ DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_F
           "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
 # format -> (Triton platform, file name in the version folder), as the official container expects them
 PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "torchscript": ("pytorch_libtorch", "model.pt"),
-             "aoti": ("torch_aoti", "model.pt2"), "onnx_int8": ("onnxruntime_onnx", "model.onnx")}
+             "aoti": ("torch_aoti", "model.pt2"), "onnx_int8": ("onnxruntime_onnx", "model.onnx"), "aoti_int8": ("torch_aoti", "model.pt2")}
 
 
 def _instance_kind(cfg: RepoConfig) -> int:
@@ -214,6 +215,9 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
             if fmt == "aoti":
                 _write_aoti(d, manifest, cfg, max_batch, kind, mdir, vdir, warm, have)
                 continue
+            if fmt == "aoti_int8":
+                _write_aoti_int8(d, manifest, cfg, max_batch, kind, mdir, vdir, warm)
+                continue
             a = artifact(manifest, fmt)
             shutil.copy2(d / a["file"], vdir / PLATFORMS[fmt][1])
             for rel in a["files"]:  # ONNX external data, under the name the graph refers to it by
@@ -231,13 +235,29 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
 BUCKETS_FILE = "buckets.pt2"
 
 
+def _embedded(manifest, fmt: str, cfg: RepoConfig, max_batch: int, kind: int, warm) -> mc.ModelConfig:
+    """The config the embedded server loads an AOTInductor model with: the stand-in pytorch backend, batched."""
+    emb = build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)
+    emb.platform = ""
+    emb.backend = "pytorch"
+    return emb
+
+
+def _write_aoti_int8(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
+                     warm: dict[str, np.ndarray]) -> None:
+    """model.pt2, the dynamic-batch INT8 package: batch 1 in the official container (as _aoti), batched up to
+    ``max_batch`` by the embedded server (embedded.pbtxt), which runs each batch as it comes, without padding."""
+    shutil.copy2(d / artifact(manifest, "aoti_int8")["file"], vdir / "model.pt2")
+    (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti_int8", cfg, max_batch, kind,
+                                                                batch_one=True, warmup=warm)))
+    (mdir / EMBEDDED_CONFIG).write_text(config_text(_embedded(manifest, "aoti_int8", cfg, max_batch, kind, warm)))
+
+
 def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
                 warm: dict[str, np.ndarray], have: set[str]) -> None:
     """model.pt2 (the dynamic-batch package, batch 1 in the official container) and, for the embedded server,
     buckets.pt2 with embedded.pbtxt batching over its static-batch models up to ``max_batch``."""
-    emb = build_config(manifest, "aoti", cfg, max_batch, kind, warmup=warm)
-    emb.platform = ""
-    emb.backend = "pytorch"
+    emb = _embedded(manifest, "aoti", cfg, max_batch, kind, warm)
     if "aoti" in have:
         shutil.copy2(d / artifact(manifest, "aoti")["file"], vdir / "model.pt2")
         (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind,
@@ -272,6 +292,10 @@ def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti
     buckets_only = "" if container_aoti else (
         f"\n\n**`{names['aoti']}` holds only the bucket archive** (the export has no verified `aoti` package), which "
         "the container's `torch_aoti` cannot load; export the `aoti` format too to serve this model there.")
+    aoti = [f for f in formats if PLATFORMS[f][0] == "torch_aoti"]
+    named = " and ".join(f"`{names[f]}/config.pbtxt`" for f in aoti) or f"`{manifest['name']}_aoti/config.pbtxt`"
+    int8 = ("" if "aoti_int8" not in aoti else
+            f" `{names['aoti_int8']}` is batched the same way over its one dynamic-batch package, without padding.")
     kind_note = ("The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
                  "`torchship repo --instance-kind cpu` builds the same repository for a machine without one." if gpu else
                  "The models run on the CPU (`KIND_CPU` instances), in the container too; `torchship repo --instance-kind "
@@ -293,7 +317,7 @@ docker run --rm --gpus all --shm-size=1g -p {DEFAULT_HTTP_PORT}:8000 -p {DEFAULT
 ```
 
 26.03 or later is needed for `torch_aoti`; its PyTorch backend does not batch AOTInductor models yet, so
-`{names.get('aoti', manifest['name'] + '_aoti')}/config.pbtxt` declares a batch-1 model (`max_batch_size: 0`, dims `[1, ...]`).{buckets_only}
+{named} declare{"s" if len(aoti) < 2 else ""} a batch-1 model (`max_batch_size: 0`, dims `[1, ...]`).{buckets_only}
 
 {kind_note}
 
@@ -306,5 +330,5 @@ torchship serve {cfg.out}
 The embedded Triton 2.51 does not know the `torch_aoti` platform. `torchship serve` loads that model with
 `embedded.pbtxt` instead: the same tensors, batched (up to the largest bucket) over the static-batch
 AOTInductor models in `buckets.pt2`, which share one copy of the weights, padding each batch up to the
-next bucket.
+next bucket.{int8}
 """

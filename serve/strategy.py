@@ -78,6 +78,18 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
     return out
 
 
+def short_bench(export_dir: str | Path, repo: str | Path, out: Path, log=print) -> dict[str, Any]:
+    """A short served bench of ``repo``'s models (SHORT_BENCH's windows; no in-process part, no cross-check, no
+    batching-off sweep) on an embedded server of its own, for --strategy without --bench. Its results.json and
+    report.md go to ``out``."""
+    from .bench.config import SHORT_BENCH, BenchConfig
+    from .bench.run import run_bench
+
+    cfg = BenchConfig(export_dir=str(export_dir), repo=str(repo), out=str(out), skip_in_process=True,
+                      cross_check=False, batching_compare=(), plots=False, **SHORT_BENCH)
+    return run_bench(cfg, log=log)
+
+
 def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, Any], only_winner: bool = False) -> Path:
     """Add the winner to ``repo`` as the model ``<export name>``: a copy of its model folder, renamed, with the
     batching that won and the format it serves recorded, written beside the others and renamed into place.

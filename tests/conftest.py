@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,16 +61,35 @@ def exported(trained, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def int8_export(trained, tmp_path_factory) -> Path:
-    """The tiny CNN as fp32 ONNX and INT8 ONNX (calibrated on its held-out samples), verified. The gate allows a
-    2-point drop: the tiny CNN (85 %) has near-ties, and one of its 64 held-out samples is 1.6 points."""
+    """The tiny CNN as fp32 ONNX, INT8 ONNX and INT8 AOTInductor (calibrated on its held-out samples), verified.
+    The gate allows a 2-point drop: the tiny CNN (85 %) has near-ties, and one of its 64 held-out samples is 1.6
+    points."""
     from export.config import ExportConfig
     from export.pipeline import run_export
     from torchship.config import build
 
     out = tmp_path_factory.mktemp("int8") / "export"
     run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(out), "max_batch": 8,
-                                    "formats": ["onnx", "onnx_int8"], "max_accuracy_drop": 2.0}), log=lambda *a: None)
+                                    "formats": ["onnx", "onnx_int8", "aoti_int8"], "max_accuracy_drop": 2.0}), log=lambda *a: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def zero_calibrated(trained, tmp_path_factory) -> tuple[int, str, Path]:
+    """The INT8 tests' planted fault: both INT8 formats calibrated on all-zero images, so their activation ranges
+    collapse. (exit code, stderr, export directory): export writes the directory even when verification fails."""
+    import contextlib
+    import io
+
+    tmp = tmp_path_factory.mktemp("zeros")
+    zeros = tmp / "zeros.npz"
+    with np.load(trained / "heldout.npz") as held:
+        np.savez(zeros, images=np.zeros_like(held["images"][:32], dtype=np.float32))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run_cli("export", trained, "--out", tmp / "export", "--formats", "onnx_int8", "aoti_int8",
+                       "--max-batch", "8", "--calibration", zeros)
+    return code, err.getvalue(), tmp / "export"
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 DEFAULT_FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
-FORMATS = (*DEFAULT_FORMATS, "onnx_int8")  # onnx_int8: opt-in (quantized, gated on accuracy rather than rounding)
+INT8_FORMATS = ("onnx_int8", "aoti_int8")  # opt-in: quantized, gated on accuracy rather than rounding
+FORMATS = (*DEFAULT_FORMATS, *INT8_FORMATS)
 BUCKET_PREFIX = "bs"  # the model name of each static batch size inside an aoti_buckets archive: bs1, bs8, ...
 
 
@@ -142,7 +143,7 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
         r = Runner(torch_fn(m, device, threads), inputs, outputs)
         r.input_names = list(ep.graph_signature.user_inputs)
         return r
-    if fmt == "aoti":
+    if fmt in ("aoti", "aoti_int8"):
         return Runner(torch_fn(torch._inductor.aoti_load_package(path), device, threads), inputs, outputs)
     if fmt == "aoti_buckets":
         runners = load_buckets(path, device)

@@ -10,7 +10,10 @@ from torchship.errors import ConfigError
 
 from ..config import ServeConfig, check_url
 
-IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx", "onnx_int8")
+# the budget of a bench that only feeds a decision (torchship run's bench stage, repo --strategy without --bench):
+# half-second windows (torchship bench alone: one second)
+SHORT_BENCH = {"window_s": 0.5}
+IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx", "onnx_int8", "aoti_int8")
 
 
 @dataclass

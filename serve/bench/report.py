@@ -10,7 +10,8 @@ from torchship.io import atomic_write_text
 from torchship.markdown import table
 
 # the in-process variant each served format runs: the embedded server serves _aoti from the bucket packages
-SERVED_VARIANT = {"onnx": "onnx", "onnx_int8": "onnx_int8", "torchscript": "torchscript", "aoti": "aoti_buckets"}
+SERVED_VARIANT = {"onnx": "onnx", "onnx_int8": "onnx_int8", "torchscript": "torchscript", "aoti": "aoti_buckets",
+                  "aoti_int8": "aoti_int8"}
 
 
 GENERATORS = {"python": "torchship's Python client", "perf_analyzer": "perf_analyzer"}

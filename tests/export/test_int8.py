@@ -1,12 +1,13 @@
 """INT8: the scheme follows the CPU's flags (both branches forced), the accuracy gate passes a good artifact and
-catches a badly calibrated one, and an onnx_int8 export is verified under the gate."""
+catches a badly calibrated one, onnx_int8 and aoti_int8 exports are verified under the gate, and an aoti_int8
+package that runs no INT8 kernel is refused."""
 
 import json
 
 import numpy as np
 import pytest
 
-from export.quantize import int8_scheme
+from export.quantize import int8_scheme, quantized_kernels
 from torchship.parity import GATE, check_quantized, sqnr_db
 from tests.conftest import run_cli
 
@@ -85,23 +86,53 @@ def test_an_onnx_int8_export_is_calibrated_and_passes_the_gate(int8_export):
     assert "| onnx_int8 | static, u8 activations, s8 weights, per channel" in parity_md and "64 samples" in parity_md
 
 
-def test_constant_calibration_fails_the_gate_naming_the_artifact(trained, tmp_path, capsys):
+def test_an_aoti_int8_export_calls_int8_kernels_and_passes_the_gate(int8_export):
+    m = json.loads((int8_export / "manifest.json").read_text())
+    a = next(a for a in m["artifacts"] if a["format"] == "aoti_int8")
+    q = a["quantization"]
+    assert q["method"] == "static" and q["quantizer"] == "torchao X86InductorQuantizer" and q["narrowed"] == "activations"
+    assert q["calibration"] == {"samples": 64, "source": "the export's real samples"} and a["freezing"]
+    assert a["quantized_kernels"] == quantized_kernels(int8_export / a["file"]) >= 3  # two convolutions, one linear
+    v = m["verification"]["artifacts"]["aoti_int8"]
+    held = v["sets"]["heldout"]
+    assert v["pass"] and v["quantized"] and held["accuracy_drop"] <= 2.0 and held["sqnr_db"]["logits"] > 20
+    narrowed = ", 7-bit activations" if q["reduce_range"] else ""
+    assert f"| aoti_int8 | static, u8 activations, s8 weights, per channel{narrowed} | 64 samples" in (int8_export / "parity.md").read_text()
+
+
+def test_a_package_compiled_back_to_fp32_is_refused(trained, tmp_path, monkeypatch):
+    """The planted fault: without freezing, AOTInductor compiles the quantized graph's quantize/dequantize pairs
+    as plain fp32 arithmetic, which would pass the gate while running no faster; the kernel count refuses it."""
+    from export import exporters
+    from export.quantize import aoti_int8
+    from export.source import artifact_model, load_source
+    from export.config import ExportConfig
+    from torchship.config import build
+
+    src = load_source(build(ExportConfig, {"checkpoint": str(trained)}), log=lambda *a: None)
+    model = artifact_model(src, "float32", "cpu")
+    monkeypatch.setattr(exporters, "FREEZE", {"freezing": False})
+    with pytest.raises(RuntimeError, match="calls no INT8 kernel"):
+        aoti_int8(model, exporters.example(src.signature, 2, "cpu"), tmp_path / "model.pt2", src.signature, 8, 1,
+                  {"images": src.samples["images"][:16]}, "held-out", int8_scheme())
+
+
+@pytest.mark.parametrize("fmt", ["onnx_int8", "aoti_int8"])
+def test_constant_calibration_fails_the_gate_naming_the_artifact(zero_calibrated, fmt):
     """The planted fault: calibrated on all-zero images, the activation ranges collapse and accuracy falls."""
-    zeros = tmp_path / "zeros.npz"
-    with np.load(trained / "heldout.npz") as held:
-        np.savez(zeros, images=np.zeros_like(held["images"][:32], dtype=np.float32))
-    code = run_cli("export", trained, "--out", tmp_path / "export", "--formats", "onnx_int8", "--max-batch", "8",
-                   "--calibration", zeros)
-    err = capsys.readouterr().err
+    code, err, _ = zero_calibrated
     assert code == 3, err
-    assert "onnx_int8: heldout: accuracy" in err and "a drop beyond 0.5 points" in err
+    assert f"{fmt}: heldout: accuracy" in err and "a drop beyond 0.5 points" in err
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--calibration", "nowhere.npz"], "--calibration nowhere.npz: no such file"),
-    (["--dtype", "bfloat16"], "onnx_int8 quantizes the float32 model"),
+@pytest.mark.parametrize("fmt, args, says", [
+    ("onnx_int8", ["--calibration", "nowhere.npz"], "--calibration nowhere.npz: no such file"),
+    ("onnx_int8", ["--dtype", "bfloat16"], "onnx_int8 quantizes the float32 model"),
+    ("aoti_int8", ["--dtype", "float16"], "aoti_int8 quantizes the float32 model"),
+    ("aoti_int8", ["--device", "cuda"], "aoti_int8 is quantized for x86 CPUs"),
+    ("onnx", ["--calibration", "nowhere.npz"], "--calibration calibrates onnx_int8 and aoti_int8; add one to --formats"),
 ])
-def test_bad_int8_input_is_refused_in_one_line(trained, tmp_path, capsys, args, says):
-    code = run_cli("export", trained, "--out", tmp_path / "export", "--formats", "onnx_int8", *args)
+def test_bad_int8_input_is_refused_in_one_line(trained, tmp_path, capsys, fmt, args, says):
+    code = run_cli("export", trained, "--out", tmp_path / "export", "--formats", fmt, *args)
     err = capsys.readouterr().err
     assert code != 0 and says in err and len(err.strip().splitlines()) == 1, err

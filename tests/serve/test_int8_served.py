@@ -1,5 +1,6 @@
-"""An INT8 model served by the real Triton beside its fp32 twin: answers under its own name, and infer --check
-holds it to the accuracy gate export verification applied, catching a badly calibrated one."""
+"""INT8 models (ONNX Runtime and AOTInductor) served by the real Triton beside their fp32 twin: each answers
+under its own name, and infer --check holds it to the accuracy gate export verification applied, catching a
+badly calibrated one."""
 
 import numpy as np
 import pytest
@@ -16,18 +17,19 @@ from torchship.errors import ParityError
 def int8_repo(int8_export, tmp_path_factory):
     out = tmp_path_factory.mktemp("int8repo") / "repo"
     res = build_repository(int8_export, RepoConfig(out=str(out)))
-    assert res["models"] == {"onnx": "tiny_cnn_onnx", "onnx_int8": "tiny_cnn_onnx_int8"}
+    assert res["models"] == {"onnx": "tiny_cnn_onnx", "onnx_int8": "tiny_cnn_onnx_int8", "aoti_int8": "tiny_cnn_aoti_int8"}
     return out
 
 
-def test_the_int8_model_is_served_and_passes_the_gate(int8_repo, int8_export, capsys):
+def test_the_int8_models_are_served_and_pass_the_gate(int8_repo, int8_export, capsys):
     with TritonServer(ServeConfig(repo=str(int8_repo))) as s:
         report = check_served(s.url, int8_export)
-        row = report["models"]["tiny_cnn_onnx_int8"]["heldout"]
-        assert report["pass"] and row["accuracy_drop"] <= 2.0 and "max_abs" not in row
-        assert run_cli("infer", "--url", s.url, "--check", int8_export, "--model", "tiny_cnn_onnx_int8") == 0
-        out = capsys.readouterr().out
-        assert "served parity: PASS" in out
+        for model in ("tiny_cnn_onnx_int8", "tiny_cnn_aoti_int8"):
+            row = report["models"][model]["heldout"]
+            assert row["accuracy_drop"] <= 2.0 and "max_abs" not in row, model
+            assert run_cli("infer", "--url", s.url, "--check", int8_export, "--model", model) == 0
+            assert "served parity: PASS" in capsys.readouterr().out
+        assert report["pass"]
 
 
 def test_a_badly_calibrated_int8_model_fails_served_parity(int8_repo, int8_export, tmp_path):
@@ -43,4 +45,16 @@ def test_a_badly_calibrated_int8_model_fails_served_parity(int8_repo, int8_expor
               int8_scheme(), external=False)
     with TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx_int8",))) as s:
         with pytest.raises(ParityError, match=r"tiny_cnn_onnx_int8: heldout: accuracy .* a drop beyond 2 points"):
+            check_served(s.url, int8_export)
+
+
+def test_a_badly_calibrated_aoti_int8_model_fails_served_parity(int8_repo, int8_export, zero_calibrated, tmp_path):
+    """The planted fault: the served package swapped for the one calibrated on all-zero images."""
+    import shutil
+
+    bad = tmp_path / "repo"
+    shutil.copytree(int8_repo, bad)
+    shutil.copy2(zero_calibrated[2] / "aoti_int8" / "model.pt2", bad / "tiny_cnn_aoti_int8" / "1" / "model.pt2")
+    with TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_aoti_int8",))) as s:
+        with pytest.raises(ParityError, match=r"tiny_cnn_aoti_int8: heldout: accuracy .* a drop beyond 2 points"):
             check_served(s.url, int8_export)

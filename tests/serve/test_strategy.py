@@ -61,14 +61,26 @@ def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_ex
     with TritonServer(ServeConfig(repo=str(repo))) as s:
         report = check_served(s.url, int8_export, models=["tiny_cnn"])
         assert report["pass"] and "accuracy" in report["models"]["tiny_cnn"]["heldout"]  # the INT8 gate, not a bound
-        assert sorted(check_served(s.url, int8_export)["models"]) == ["tiny_cnn", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"]
+        assert sorted(check_served(s.url, int8_export)["models"]) == ["tiny_cnn", "tiny_cnn_aoti_int8", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"]
     only = tmp_path / "only"
     assert run_cli("repo", int8_export, "--out", only, "--strategy", "min-latency", "--bench", bench, "--only-winner") == 0
     assert sorted(p.name for p in only.iterdir() if p.is_dir()) == ["tiny_cnn"]
 
 
+def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    assert run_cli("repo", int8_export, "--out", repo, "--strategy", "max-throughput") == 0
+    out = capsys.readouterr().out
+    results = json.loads((tmp_path / "repo-bench" / "results.json").read_text())
+    served = results["served"]["models"]
+    assert sorted(served) == ["tiny_cnn_aoti_int8", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"] and "in_process" not in results
+    best = max(served, key=lambda m: max(r["requests_per_s"] for r in served[m]["rows"]))
+    winner = json.loads((repo / "tiny_cnn" / "winner.json").read_text())
+    assert winner["model"] == best and f"served as tiny_cnn: max-throughput: the highest served throughput: {best}" in out
+
+
 @pytest.mark.parametrize("args, says", [
-    (["--strategy", "max-throughput"], "give --bench results.json"),
+    (["--only-winner"], "--bench and --only-winner go with --strategy"),
     (["--bench", "r.json"], "--bench and --only-winner go with --strategy"),
     (["--strategy", "max-throughput", "--bench", "missing.json"], "--bench missing.json: cannot read it as bench results"),
     (["--strategy", "fast", "--bench", "r.json"], "choose max-throughput, min-latency or p99-budget=MS"),

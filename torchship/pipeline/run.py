@@ -61,14 +61,12 @@ def resolve_settings(file_cfg: dict[str, Any], sets: list[str], shortcuts: dict[
 
 
 DEFAULT_STRATEGY = "max-throughput"  # what torchship run serves under the plain name, unless repo.strategy says
-# the run's bench keeps to a short budget: half-second windows (torchship bench alone: one second)
-RUN_BENCH = {"window_s": 0.5}
 
 
 def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) -> dict[str, Any]:
     """Every section as its stage's typed config, with the run folder's paths filled in."""
     from export.config import ExportConfig
-    from serve.bench.config import BenchConfig
+    from serve.bench.config import SHORT_BENCH, BenchConfig
     from serve.config import RepoConfig, ServeConfig
     from train.config import TrainConfig
 
@@ -79,7 +77,7 @@ def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) ->
                                                                         "checkpoint": str(dirs["train"])}),
             "repo": _build_section("repo", RepoConfig, settings, {"out": str(dirs["repo"])}),
             "serve": serve,
-            "bench": _build_section("bench", BenchConfig, {**settings, "bench": {**RUN_BENCH, **settings.get("bench", {})}},
+            "bench": _build_section("bench", BenchConfig, {**settings, "bench": {**SHORT_BENCH, **settings.get("bench", {})}},
                                     {"out": str(dirs["bench"]), "repo": str(dirs["repo"]),
                                                                      "export_dir": str(dirs["export"]), "serve": serve}),
             "run": _build_section("run", RunConfig, settings, {})}
