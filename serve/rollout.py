@@ -134,12 +134,12 @@ def _drop_candidate(client: TritonClient, cand: str, cdir: Path) -> None:
 
 def _format_of(d: Path, model: str) -> str:
     """The format a model folder serves: the one its config records (a model under the plain name), else its name's suffix."""
-    from torchship.names import SERVED_FORMATS
+    from torchship.names import format_by_suffix
 
     c = read_config(d / "config.pbtxt")
     if FORMAT_PARAMETER in c.parameters:
         return c.parameters[FORMAT_PARAMETER].string_value
-    return next((f for f in sorted(SERVED_FORMATS, key=len, reverse=True) if model.endswith("_" + f)), "")
+    return format_by_suffix(model) or ""
 
 
 def previous(repo: str | Path, model: str) -> int:

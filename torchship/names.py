@@ -33,6 +33,12 @@ def format_of(model: str, manifest: dict[str, Any]) -> Optional[str]:
     return fmt if fmt in SERVED_FORMATS else None
 
 
+def format_by_suffix(model: str) -> Optional[str]:
+    """The format a Triton model's name ends in (the longest that fits), without knowing the export: for a
+    repository read on its own."""
+    return next((f for f in sorted(SERVED_FORMATS, key=len, reverse=True) if model.endswith("_" + f)), None)
+
+
 def models_of(manifest: dict[str, Any], served: Iterable[str]) -> list[str]:
     """The served models that belong to this export, in the order given."""
     return [m for m in served if format_of(m, manifest)]
