@@ -69,11 +69,11 @@ def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_ex
 
 def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_path, capsys):
     repo = tmp_path / "repo"
-    assert run_cli("repo", int8_export, "--out", repo, "--strategy", "max-throughput") == 0
+    assert run_cli("repo", int8_export, "--out", repo, "--formats", "onnx", "onnx_int8", "--strategy", "max-throughput") == 0
     out = capsys.readouterr().out
     results = json.loads((tmp_path / "repo-bench" / "results.json").read_text())
     served = results["served"]["models"]
-    assert sorted(served) == ["tiny_cnn_aoti_int8", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"] and "in_process" not in results
+    assert sorted(served) == ["tiny_cnn_onnx", "tiny_cnn_onnx_int8"] and "in_process" not in results
     best = max(served, key=lambda m: max(r["requests_per_s"] for r in served[m]["rows"]))
     winner = json.loads((repo / "tiny_cnn" / "winner.json").read_text())
     assert winner["model"] == best and f"served as tiny_cnn: max-throughput: the highest served throughput: {best}" in out
