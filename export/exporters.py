@@ -92,12 +92,18 @@ def aoti(model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batc
     compiled with 2 threads and run with 1 was several times slower here. So compile with the serving
     thread count.
     """
+    with quiet(), torch.no_grad(), torch_threads(threads):
+        compile_package(torch.export.export(model, ex, dynamic_shapes=dynamic_shapes(sig, max_batch)), path)
+    return {"freezing": True, "compile_threads": threads}
+
+
+def compile_package(ep, path: Path) -> None:
+    """``ep`` (an ExportedProgram) compiled into one AOTInductor package at ``path``, with freezing (FREEZE);
+    the caller holds the threads and no_grad the package is compiled under."""
     import torch._inductor.config as inductor_config
 
-    with quiet(), torch.no_grad(), torch_threads(threads), inductor_config.patch(FREEZE):
-        ep = torch.export.export(model, ex, dynamic_shapes=dynamic_shapes(sig, max_batch))
+    with inductor_config.patch(FREEZE):
         torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs={})
-    return {"freezing": True, "compile_threads": threads}
 
 
 SHARED_OPTIONS = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,

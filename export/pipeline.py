@@ -22,7 +22,7 @@ from torchship.io import check_out_dir, sha256_file, staging_dir
 from torchship.manifest import FORMAT, MANIFEST, REFERENCE, read_manifest, write_manifest
 from torchship.signature import Signature
 
-from . import exporters
+from . import exporters, quantize
 from .compile import Compiler, bucket_files, bucket_weights, workers_for
 from .config import ExportConfig
 from .reference import build_reference, input_sets
@@ -105,9 +105,7 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
                 continue
             record(fmt, [f"{fmt}/model.pt2"], _compiled(fmt, results, tmp, cfg), sum(r["seconds"] for r in results.values()))
             if fmt == "aoti_int8":
-                from .quantize import summary
-
-                log(summary(fmt, artifacts[-1]))
+                log(quantize.summary(fmt, artifacts[-1]))
         artifacts.sort(key=lambda a: cfg.formats.index(a["format"]))
         if not artifacts:
             raise ArtifactError("no format could be exported: " + "; ".join(f"{f['format']}: {f['error']}" for f in failures))
@@ -177,8 +175,7 @@ def _compiled(fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: Expo
     if fmt == "aoti":
         return {**results[0]["extra"], "batch": {"min": 1, "max": cfg.max_batch}}
     if fmt == "aoti_int8":
-        return {**results[0]["extra"], "gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop},
-                "batch": {"min": 1, "max": cfg.max_batch}}
+        return {**results[0]["extra"], **_gated(cfg)}
     shared = exporters.package_buckets({b: bucket_files(r) for b, r in results.items()}, tmp / fmt / "model.pt2")
     return {"freezing": True, "compile_threads": cfg.threads, "weights": cfg.bucket_weights, "shared_constants": shared,
             "buckets": list(cfg.buckets), "batch": {"buckets": list(cfg.buckets)}}
@@ -203,8 +200,6 @@ def _onnx_int8(model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples:
                log) -> tuple[list[str], dict[str, Any]]:
     """onnx_int8/model.onnx: the fp32 ONNX model (the onnx artifact's file where it was exported already)
     quantized for this CPU; the gate it will be verified under goes into its manifest entry."""
-    from . import quantize
-
     names = [t.name for t in sig.inputs]
     calibration, source = quantize.calibration_samples(cfg.calibration, samples, names)
     scheme = quantize.int8_scheme()
@@ -220,5 +215,9 @@ def _onnx_int8(model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples:
         shutil.rmtree(tmp / "onnx_int8" / "fp32", ignore_errors=True)
     log(quantize.summary("onnx_int8", extra))
     files = ["onnx_int8/model.onnx", *(f"onnx_int8/{f.name}" for f in (tmp / "onnx_int8").iterdir() if f.name != "model.onnx")]
-    return files, {**extra, "gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop},
-                   "batch": {"min": 1, "max": cfg.max_batch}}
+    return files, {**extra, **_gated(cfg)}
+
+
+def _gated(cfg: ExportConfig) -> dict[str, Any]:
+    """The manifest fields every INT8 artifact carries: the gate it is verified under, and its batch range."""
+    return {"gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop}, "batch": {"min": 1, "max": cfg.max_batch}}

@@ -145,17 +145,15 @@ QUANTIZED_CALL = re.compile(r"aoti_torch_cpu__q(conv|linear)\w*\(")
 def aoti_int8(model, ex: tuple, path: Path, sig, max_batch: int, threads: int, calibration: dict[str, np.ndarray] | None,
               source: str, scheme: dict[str, Any]) -> dict[str, Any]:
     """AOTInductor package of ``model`` quantized by torchao's PT2E flow for x86 (X86InductorQuantizer), static
-    (calibrated on ``calibration``, histogram observers) for every model: its dynamic mode took a small
-    transformer classifier (tests/anymodel) to chance accuracy, in eager before any compiling, where static kept
-    every top-1. Compiled with freezing, which is what turns the quantize/dequantize pairs into oneDNN's INT8
-    kernels; a package whose code calls none of them (the model would run in fp32 after all) is refused.
-    Returns the manifest's extra fields."""
+    (calibrated on ``calibration``, histogram observers) for every model, transformers too: torchao's dynamic
+    mode did not keep their accuracy. Compiled with freezing, which is what turns the quantize/dequantize pairs
+    into oneDNN's INT8 kernels; a package whose code calls none of them (the model would run in fp32 after all)
+    is refused. Returns the manifest's extra fields."""
     import torch
-    import torch._inductor.config as inductor_config
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 
-    from .exporters import FREEZE, dynamic_shapes, quiet, torch_threads
+    from .exporters import compile_package, dynamic_shapes, quiet, torch_threads
 
     if calibration is None:
         raise ConfigError("aoti_int8 needs calibration inputs")
@@ -170,9 +168,7 @@ def aoti_int8(model, ex: tuple, path: Path, sig, max_batch: int, threads: int, c
         n = len(next(iter(calibration.values())))
         for i in range(0, n, max_batch):
             prepared(*(torch.from_numpy(calibration[t.name][i:i + max_batch]) for t in sig.inputs))
-        quantized = torch.export.export(convert_pt2e(prepared), ex, dynamic_shapes=dims)
-        with inductor_config.patch(FREEZE):
-            torch._inductor.aoti_compile_and_package(quantized, package_path=str(path), inductor_configs={})
+        compile_package(torch.export.export(convert_pt2e(prepared), ex, dynamic_shapes=dims), path)
     kernels = quantized_kernels(path)
     if not kernels:
         raise RuntimeError("the compiled package calls no INT8 kernel: AOTInductor compiled the quantized model back "

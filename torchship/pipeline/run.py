@@ -275,7 +275,7 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
                           f"({'; '.join(f'{a} means {s}' for a, s in ALIASES.items())})")
     first = names.index(start)
     if first == 0 and not overwrite and has_checkpoints(run_dir):
-        raise ConfigError(f"--out {run_dir} already holds a trained run; pass --from STAGE ({', '.join(STAGE_NAMES[1:])}) "
+        raise ConfigError(f"--out {run_dir} already holds a trained run; pass --from STAGE ({', '.join(names[1:])}) "
                           "to go on from a finished stage, --overwrite to redo it from training (its checkpoints are "
                           "replaced), or another --out")
     _, needs, producer, _ = stages[first]
