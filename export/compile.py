@@ -6,6 +6,7 @@ as the parent did."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import shutil
 import time
@@ -53,17 +54,22 @@ def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
     """In a worker: compile ``kind`` ("aoti": the dynamic-batch package at ``out``; "aoti_int8": the same,
     quantized; "bucket": the static ``batch`` model, its weights saved to ``out``). Returns {"seconds", ...} or {"error", "traceback"}."""
     t0 = time.perf_counter()
+    stack = contextlib.ExitStack()
     try:
         import torch
 
         from . import exporters
         from .source import artifact_model, load_source
 
+        from torchship.runtime import fp32_precision
+
         src = load_source(cfg, log=lambda *a: None)
         model, sig = artifact_model(src, cfg.dtype, device), src.signature
+        # Inductor bakes the TF32 choice into the kernels it generates: compile under the one verification applies
+        stack.enter_context(fp32_precision(device, cfg.tf32))
         if kind == "aoti":
             extra = exporters.aoti(model, exporters.example(sig, 2, device), Path(out), sig, cfg.max_batch, cfg.threads)
-            return {"seconds": time.perf_counter() - t0, "extra": extra}
+            return {"seconds": time.perf_counter() - t0, "extra": {**extra, **tf32_field(cfg, device)}}
         if kind == "aoti_int8":
             from . import quantize
 
@@ -81,6 +87,14 @@ def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
     except Exception as e:  # reported as this format's failure; the exception itself may not pickle
         return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
                 "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        stack.close()
+
+
+def tf32_field(cfg, device: str) -> dict[str, Any]:
+    """The manifest field of an AOTInductor package compiled with TF32 allowed (--tf32 on CUDA): it is verified
+    and served with TF32 on, against the TF32 bound."""
+    return {"tf32": True} if cfg.tf32 and device.startswith("cuda") and cfg.dtype == "float32" else {}
 
 
 class Compiler:

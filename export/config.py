@@ -41,6 +41,9 @@ class ExportConfig:
     opset: Optional[int] = opt(None, "ONNX opset (default: the exporter's own, recorded in the manifest)")
     dtype: Literal["float32", "float16", "bfloat16"] = opt("float32", "compute dtype inside the artifacts (inputs and outputs stay float32)")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "device the artifacts are compiled for and verified on")
+    tf32: bool = opt(False, "on CUDA, float32: compile the AOTInductor packages with TensorFloat-32 allowed (faster matmuls and "
+                            "convolutions on Ampere and later, 10-bit mantissas) and verify them against a TF32 bound, "
+                            "reported beside the strict one. Off: every artifact is verified in IEEE float32, TF32 off")
     name: Optional[str] = opt(None, "model name used for Triton (default: the architecture)")
     overwrite: bool = opt(False, "replace an existing export directory")
     verify: bool = opt(True, "verify every artifact in a fresh process after exporting")
@@ -97,6 +100,9 @@ class ExportConfig:
             raise ConfigError("--max-accuracy-drop is in accuracy points, between 0 and 100")
         if self.threads < 1:
             raise ConfigError("--threads must be at least 1")
+        if self.tf32 and (self.dtype != "float32" or self.device == "cpu"):
+            raise ConfigError("--tf32 applies to float32 on CUDA; leave it out" +
+                              (f" with --dtype {self.dtype}" if self.dtype != "float32" else " with --device cpu"))
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:

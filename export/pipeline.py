@@ -23,7 +23,7 @@ from torchship.manifest import FORMAT, MANIFEST, REFERENCE, read_manifest, write
 from torchship.signature import Signature
 
 from . import exporters, quantize
-from .compile import Compiler, bucket_files, bucket_weights, workers_for
+from .compile import Compiler, bucket_files, bucket_weights, tf32_field, workers_for
 from .config import ExportConfig
 from .reference import build_reference, input_sets
 from .source import artifact_model, load_source
@@ -78,7 +78,8 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
         stack.enter_context(exporters.torch_threads(max(1, usable_cpus() - (compiler.workers if background else 0))))
         t0 = time.perf_counter()
         inputs, info = input_sets(sig, src.samples, src.sample_set, cfg.odd_batch, cfg.max_batch, cfg.seed)
-        ref = build_reference(eager, model, sig, inputs, info, cfg.dtype, cfg.max_batch, device, src.labels, src.sample_set)
+        ref = build_reference(eager, model, sig, inputs, info, cfg.dtype, cfg.max_batch, device, src.labels, src.sample_set,
+                              tf32="tf32" in tf32_field(cfg, device))
         _check_degenerate(ref.degenerate, cfg.allow_degenerate, log)
         tolerances = ref.tolerances if cfg.atol is None and cfg.rtol is None else \
             parity.given([t.name for t in sig.outputs], cfg.atol, cfg.rtol, ref.tolerances)
@@ -103,7 +104,7 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
             if error:
                 fail(fmt, error)
                 continue
-            record(fmt, [f"{fmt}/model.pt2"], _compiled(fmt, results, tmp, cfg), sum(r["seconds"] for r in results.values()))
+            record(fmt, [f"{fmt}/model.pt2"], _compiled(fmt, results, tmp, cfg, device), sum(r["seconds"] for r in results.values()))
             if fmt == "aoti_int8":
                 log(quantize.summary(fmt, artifacts[-1]))
         artifacts.sort(key=lambda a: cfg.formats.index(a["format"]))
@@ -170,7 +171,7 @@ def _start_compiles(compiler: Compiler, cfg: ExportConfig, tmp: Path, log) -> di
     return jobs
 
 
-def _compiled(fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: ExportConfig) -> dict[str, Any]:
+def _compiled(fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: ExportConfig, device: str) -> dict[str, Any]:
     """The manifest's extra fields of a compiled format; packages the aoti_buckets archive first."""
     if fmt == "aoti":
         return {**results[0]["extra"], "batch": {"min": 1, "max": cfg.max_batch}}
@@ -178,7 +179,7 @@ def _compiled(fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: Expo
         return {**results[0]["extra"], **_gated(cfg)}
     shared = exporters.package_buckets({b: bucket_files(r) for b, r in results.items()}, tmp / fmt / "model.pt2")
     return {"freezing": True, "compile_threads": cfg.threads, "weights": cfg.bucket_weights, "shared_constants": shared,
-            "buckets": list(cfg.buckets), "batch": {"buckets": list(cfg.buckets)}}
+            "buckets": list(cfg.buckets), "batch": {"buckets": list(cfg.buckets)}, **tf32_field(cfg, device)}
 
 
 def _export_one(fmt: str, model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray],

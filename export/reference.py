@@ -78,16 +78,24 @@ def fp64_outputs(model: torch.nn.Module, sets, names, outputs, max_batch: int, d
 
 
 def build_reference(eager: torch.nn.Module, exported: torch.nn.Module, sig: Signature, sets, info, dtype: str,
-                    max_batch: int, device: str, labels: np.ndarray | None, sample_set: str) -> Reference:
+                    max_batch: int, device: str, labels: np.ndarray | None, sample_set: str, tf32: bool = False) -> Reference:
     """Run eager (``eager``: the float32 model) in float64 and ``exported`` (the module the artifacts are
-    made from, in ``dtype``) on every set, and derive each output's bound from the two."""
+    made from, in ``dtype``) on every set, and derive each output's bound from the two. On CUDA, float32
+    runs in IEEE float32 (TF32 off), so that the bound is a float32 bound; with ``tf32`` eager runs once more
+    with TF32 allowed, for the bound of the artifacts compiled so (parity.with_tf32)."""
     names = [t.name for t in sig.inputs]
     outputs = [t.name for t in sig.outputs]
-    low = _run(runtime.torch_fn(exported, device), sets, names, outputs, max_batch)
+    with runtime.fp32_precision(device):
+        low = _run(runtime.torch_fn(exported, device), sets, names, outputs, max_batch)
     ref, why = fp64_outputs(eager, sets, names, outputs, max_batch, device)
     if ref is None:
-        ref = low if dtype == "float32" else _run(runtime.torch_fn(eager, device), sets, names, outputs, max_batch)
+        with runtime.fp32_precision(device):
+            ref = low if dtype == "float32" else _run(runtime.torch_fn(eager, device), sets, names, outputs, max_batch)
     tolerances = parity.derive(ref, low, dtype, fp64=not why, why=why)
+    if tf32:
+        with runtime.fp32_precision(device, tf32=True):
+            fast = _run(runtime.torch_fn(exported, device), sets, names, outputs, max_batch)
+        tolerances = parity.with_tf32(tolerances, parity.derive(ref, fast, dtype, fp64=not why, why=why))
     arrays: dict[str, np.ndarray] = {}
     for i, (key, feeds) in enumerate(sets.items()):
         for n in names:

@@ -100,6 +100,8 @@ def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights:
                  outputs, example_inputs: Optional[str], log=print) -> Source:
     """A user's model: ``factory(**model_args)`` with ``weights`` loaded strictly, and the signature given."""
     sig = parse_signature(inputs, dims, ranges)
+    for note in sig.notes:
+        log(note)
     args = parse_model_args(model_args)
     model = make_model(factory, "--model", args)
     ck.load_into(model, load_weights_file(weights, log), f"--weights {weights}")

@@ -20,7 +20,9 @@ from torchship.errors import OPTIONAL_HINT, ArtifactError, ParityError
 from torchship.device import usable_cpus
 from torchship.io import atomic_write_text
 from torchship.parity import check_output
-from torchship.manifest import PARITY_MD, REFERENCE, check_hashes, read_manifest, write_manifest
+from torchship.signature import looks_like_mask
+from torchship.manifest import (FAILED, PARITY_MD, REFERENCE, STALE, UNVERIFIED, check_hashes, read_manifest, verdict_state,
+                                verdicts, write_manifest)
 from torchship.markdown import table
 
 
@@ -84,52 +86,25 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
     arts = [a for a in manifest["artifacts"] if not only or a["name"] in only]
     in_names = [i["name"] for i in manifest["inputs"]]
     out_names = [o["name"] for o in manifest["outputs"]]
-    failures: list[tuple[str, str]] = []  # (format, message)
     results: dict[str, Any] = {}
+    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     with tempfile.TemporaryDirectory(prefix="torchship-verify-") as tmp, \
             ThreadPoolExecutor(max_workers=max(1, min(2, usable_cpus() // threads))) as pool:
         futures = {a["name"]: pool.submit(_run_artifact, d, manifest, a, device, threads, Path(tmp)) for a in arts}
         for a in arts:
-            name = a["name"]
-            res = futures[name].result()
-            entry: dict[str, Any] = {"format": a["format"], "seconds": round(res["seconds"], 2), "sets": {}, "pass": True,
-                                     "peak_rss_bytes": res.get("peak_rss_bytes")}
-            results[name] = entry
-
-            def fail(msg: str) -> None:
-                failures.append((a["format"], msg))
-                entry["pass"] = False
-            if not res.get("ok"):
-                entry["error"] = res.get("error")
-                fail(f"{name}: failed to load or run in a fresh process: {res.get('error')}")
-                continue
-            # names first
-            if res.get("input_names") is not None and res["input_names"] != in_names:
-                fail(f"{name}: input names {res['input_names']} != manifest {in_names}")
-            if res.get("output_names") is not None and res["output_names"] != out_names:
-                fail(f"{name}: output names {res['output_names']} != manifest {out_names}")
-            if a.get("quantization"):
-                entry["quantized"] = True
-                for msg in parity.check_quantized_sets(manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"),
-                                                a["gate"], name, entry["sets"]):
-                    fail(msg)
-                continue
-            for key, batch in manifest["reference"]["sets"].items():
-                for o in out_names:
-                    row, failure = check_output(res["outputs"].get(f"{key}/{o}"), ref[f"expected/{key}/{o}"],
-                                                parity.bound(tol, o), f"{name}: {key} output {o!r}", batch,
-                                                top1=key == "heldout" and o == out_names[0])
-                    entry["sets"][f"{key}/{o}"] = {**row, "output": o}
-                    if failure:
-                        fail(failure)
-    if not only:
-        failures += [(f["format"], f"{f['format']}: cannot be exported: {f['error']}") for f in manifest.get("export_failures", [])]
+            results[a["name"]] = _judge(a, futures[a["name"]].result(), manifest, ref, tol, in_names, out_names,
+                                        device, now)
+    # a verdict is never lost: --only replaces the verdicts of the artifacts it ran and keeps the others'
+    earlier = verdicts(manifest)
+    entries = {a["name"]: results.get(a["name"], earlier.get(a["name"])) for a in manifest["artifacts"]}
+    entries = {n: e for n, e in entries.items() if e is not None}
     may_fail = set(manifest.get("optional", [])) | set(optional or ())
+    failures = _failures(manifest, entries, set(results))
     required = [msg for fmt, msg in failures if fmt not in may_fail]
-    passed = [n for n, e in results.items() if e["pass"]]
-    verification = {"verified_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": device, "tolerances": tol,
+    passed = [n for n, e in entries.items() if e["pass"] and n not in stale_names(manifest, entries)]
+    verification = {"verified_at": now, "device": device, "tolerances": tol,
                     "pass": not required and bool(passed), "failures": [msg for _, msg in failures],
-                    "optional": sorted(may_fail), "artifacts": results}
+                    "optional": sorted(may_fail), "artifacts": entries}
     manifest["verification"] = verification
     write_manifest(d, manifest)
     atomic_write_text(d / PARITY_MD, parity_markdown(manifest))
@@ -146,9 +121,93 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
     for _, msg in failures:
         log(f"  verify FAILED (optional) {msg}")
     if failures:
-        log(f"verify: {len(passed)} of {len(results)} artifacts pass; the optional formats that failed are reported "
-            f"in {PARITY_MD} and will not be served")
+        log(f"verify: {len(passed)} of {len(manifest['artifacts'])} artifacts pass; the optional formats that failed are "
+            f"reported in {PARITY_MD} and will not be served")
     return verification
+
+
+def _judge(a: dict, res: dict, manifest: dict, ref, tol: dict, in_names: list[str], out_names: list[str], device: str,
+           now: str) -> dict[str, Any]:
+    """One artifact's verdict from what its fresh process returned: names, then shapes, then values (or the
+    accuracy gate of a quantized artifact). The entry keeps its failure messages, so that a later
+    ``verify --only`` of another artifact can report them again."""
+    name = a["name"]
+    entry: dict[str, Any] = {"format": a["format"], "verified_at": now, "device": device,
+                             "seconds": round(res["seconds"], 2), "sets": {}, "pass": True,
+                             "peak_rss_bytes": res.get("peak_rss_bytes"), "failures": [],
+                             "made_on": {"reference": manifest["reference"]["sha256"], "files": dict(a["files"])}}
+
+    def fail(msg: str) -> None:
+        entry["failures"].append(msg)
+        entry["pass"] = False
+    if not res.get("ok"):
+        entry["error"] = res.get("error")
+        fail(f"{name}: failed to load or run in a fresh process: {res.get('error')}")
+        return entry
+    if res.get("input_names") is not None and res["input_names"] != in_names:
+        fail(f"{name}: input names {res['input_names']} != manifest {in_names}")
+    if res.get("output_names") is not None and res["output_names"] != out_names:
+        fail(f"{name}: output names {res['output_names']} != manifest {out_names}")
+    if a.get("quantization"):
+        entry["quantized"] = True
+        for msg in parity.check_quantized_sets(manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"),
+                                               a["gate"], name, entry["sets"]):
+            fail(msg)
+        return entry
+    tf32 = bool(a.get("tf32"))
+    if tf32:
+        entry["tf32"] = True
+    for key, batch in manifest["reference"]["sets"].items():
+        for o in out_names:
+            row, failure = check_output(res["outputs"].get(f"{key}/{o}"), ref[f"expected/{key}/{o}"],
+                                        parity.bound(tol, o, tf32), f"{name}: {key} output {o!r}", batch,
+                                        top1=key == "heldout" and o == out_names[0])
+            if tf32 and "max_abs" in row:  # the strict float32 bound beside the TF32 one it is held to
+                row["strict_bound"] = parity.bound(tol, o)["atol"]
+            entry["sets"][f"{key}/{o}"] = {**row, "output": o}
+            if failure:
+                fail(failure + _empty_mask_hint(manifest, ref, key, res["outputs"].get(f"{key}/{o}"),
+                                                ref[f"expected/{key}/{o}"], parity.bound(tol, o, tf32)))
+    return entry
+
+
+def _empty_mask_hint(manifest: dict, ref, key: str, got, want, tol: dict) -> str:
+    """Where an artifact differs from eager only on rows whose mask-named input holds no 1 at all (a row no
+    tokenizer sends, which attention has no defined answer for), the words that say so; else ""."""
+    if got is None or got.shape != want.shape or not got.ndim:
+        return ""
+    err = np.abs(got.astype(np.float64) - want).reshape(len(want), -1).max(1)
+    bad = err > tol["atol"] + tol.get("rtol", 0.0) * np.abs(want).reshape(len(want), -1).max(1)
+    for t in manifest["inputs"]:
+        if not looks_like_mask(t["name"]) or t.get("values") == "mask" or t["dtype"].startswith("float"):
+            continue
+        empty = ~ref[f"input/{key}/{t['name']}"].reshape(len(want), -1).any(1)
+        if bad.any() and not (bad & ~empty).any():
+            return (f" (only on rows whose {t['name']} holds no 1: no tokenizer sends such a row; --input-range "
+                    f"{t['name']}=mask draws masks as a tokenizer makes them)")
+    return ""
+
+
+def stale_names(manifest: dict, entries: dict[str, dict]) -> set[str]:
+    with_entries = {**manifest, "verification": {"artifacts": entries}}
+    return {a["name"] for a in manifest["artifacts"] if verdict_state(with_entries, a) == STALE}
+
+
+def _failures(manifest: dict, entries: dict[str, dict], now: set[str]) -> list[tuple[str, str]]:
+    """(format, message) for every reason the export as a whole is not verified: each failed verdict (those
+    not run now marked with when they were), each artifact with no verdict, each format not exported."""
+    out: list[tuple[str, str]] = []
+    for a in manifest["artifacts"]:
+        e = entries.get(a["name"])
+        state = verdict_state({**manifest, "verification": {"artifacts": entries}}, a)
+        if state in (UNVERIFIED, STALE):
+            out.append((a["format"], f"{a['name']}: {state} (torchship verify EXPORT_DIR --only {a['name']})"))
+        elif state == FAILED:
+            msgs = e.get("failures") or [f"{a['name']}: failed verification"]
+            when = "" if a["name"] in now else f" (verified {e.get('verified_at', 'earlier')})"
+            out += [(a["format"], m + when) for m in msgs]
+    out += [(f["format"], f"{f['format']}: cannot be exported: {f['error']}") for f in manifest.get("export_failures", [])]
+    return out
 
 
 def parity_markdown(manifest: dict[str, Any]) -> str:
@@ -158,6 +217,12 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
              f"Verified {v['verified_at']} on {v['device']}; each artifact loaded in a fresh process. "
              f"{parity.describe(tol)} Pass: every output within its bound, and on real samples the same top-1 "
              "class, or one within the bound of it in the reference.", ""]
+    masks = [t["name"] for t in manifest["inputs"] if t.get("values") == "mask"]
+    if masks:
+        lines += [f"**Masks:** {', '.join(f'`{m}`' for m in masks)} {'is' if len(masks) == 1 else 'are'} drawn as a tokenizer "
+                  "pads: each row a run of ones, at least one, then zeros. A row with no token at all is never sent by "
+                  "a tokenizer and has no defined answer (attention over no key): eager and ONNX, for one, disagree "
+                  "on such rows, so they are left out of these checks rather than failing a format on them.", ""]
     if manifest["reference"].get("degenerate"):
         lines += [f"**Blind check:** eager's output {', '.join(manifest['reference']['degenerate'])} is the same for "
                   "every reference input (exported with --allow-degenerate).", ""]
@@ -167,7 +232,7 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         limit = f"{t['atol']:.2e}" + (f" + {t['rtol']:g} x reference" if t.get("rtol") else "")
         outputs.append([o, f"{t['scale']:.3g}" if "scale" in t else "-", eager, limit])
     lines += table(["output", "largest reference value", "eager's own error", "bound"], outputs)
-    artifacts, quantized = [], []
+    artifacts, quantized, tf32_notes = [], [], []
     by_name = {a["name"]: a for a in manifest["artifacts"]}
     for name, entry in v["artifacts"].items():
         if entry.get("quantized") and not entry.get("error"):
@@ -178,12 +243,23 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
             continue
         worst, bound, multiple, agree = parity.artifact_summary(entry, tol)
         optional = " (optional)" if not entry["pass"] and entry["format"] in v["optional"] else ""
-        artifacts.append([name, f"{worst:.2e}", f"{bound:.2e}", "-" if multiple is None else f"{multiple:.2f}", agree,
-                          ("pass" if entry["pass"] else "FAIL") + optional])
+        stale = name in by_name and verdict_state(manifest, by_name[name]) == STALE
+        artifacts.append([name + (" (TF32)" if entry.get("tf32") else ""), f"{worst:.2e}", f"{bound:.2e}",
+                          "-" if multiple is None else f"{multiple:.2f}", agree,
+                          f"NOT CURRENT: {STALE}" if stale else ("pass" if entry["pass"] else "FAIL") + optional])
+        if entry.get("tf32"):
+            strict = max((r["strict_bound"] for r in entry["sets"].values() if "strict_bound" in r), default=0.0)
+            tf32_notes.append(f"`{name}` was compiled with TF32 allowed (--tf32): it is held to the TF32 bound "
+                              f"{bound:.2e}, derived from eager run with TF32; the strict float32 bound is {strict:.2e}, "
+                              f"and its largest error is {worst / strict if strict else float('inf'):.1f} times that.")
+    for a in manifest["artifacts"]:
+        if a["name"] not in v["artifacts"]:
+            artifacts.append([a["name"], "-", "-", "-", "-", "NOT VERIFIED"])
     for f in manifest.get("export_failures", []):
         optional = " (optional)" if f["format"] in v["optional"] else ""
         artifacts.append([f["format"], "-", "-", "-", "-", f"NOT EXPORTED{optional}: {f['error']}"])
     lines += ["", *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts)]
+    lines += [line for note in tf32_notes for line in ("", note)]
     if quantized:
         lines += ["", "Quantized artifacts are held to an accuracy gate on the real samples instead of a rounding bound "
                   "(accuracy within the allowed drop of eager's where labels exist, else top-1 agreement; an SQNR "

@@ -48,7 +48,7 @@ def main_repo(ns: argparse.Namespace) -> int:
         print(f"repository {ns.into}: " + ", ".join(f"{m} version {v}" for m, v in added.items()))
         print(f"switch to them: torchship rollout --url HOST:PORT {ns.into} --check {ns.export_dir}")
         return 0
-    from .repository import build_repository
+    from .repository import build_repository, not_served_text
 
     cfg = build(RepoConfig, namespace_overrides(ns, RepoConfig))
     manifest = winner = None
@@ -62,8 +62,8 @@ def main_repo(ns: argparse.Namespace) -> int:
             winner = pick(read_bench(cfg.bench), cfg.strategy, manifest)
     res = build_repository(ns.export_dir, cfg)
     print(f"repository {res['path']}: " + ", ".join(f"{m} ({f})" for f, m in res["models"].items()))
-    if res["skipped"]:
-        print(f"not in the export, skipped: {', '.join(res['skipped'])}")
+    if res["not_served"]:
+        print(f"not served: {not_served_text(ns.export_dir, res['not_served'])}")
     if cfg.strategy:
         from .strategy import serve_winner, short_bench
 

@@ -41,6 +41,7 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
         rows = {}
         fmt = format_of(model, manifest) or client.config(model).get("parameters", {}).get(FORMAT_PARAMETER, {}).get("string_value")
         quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("quantization")), None)
+        tf32 = any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in (fmt, f"{fmt}_buckets"))
         answers = {}
         for key, batch in manifest["reference"]["sets"].items():
             try:
@@ -53,7 +54,7 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
                 continue
             for o in outputs:
                 what = f"{model}: {key}" + (f" output {o!r}" if len(outputs) > 1 else "")
-                row, failure = check_output(got.get(o), ref[f"expected/{key}/{o}"], parity.bound(tol, o), what, batch,
+                row, failure = check_output(got.get(o), ref[f"expected/{key}/{o}"], parity.bound(tol, o, tf32), what, batch,
                                             top1=key == "heldout" and o == outputs[0])
                 rows[key if len(outputs) == 1 else f"{key}/{o}"] = row
                 if failure:

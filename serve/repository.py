@@ -25,17 +25,17 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
-from torchship.manifest import artifact, read_manifest, read_reference, reference_inputs
+from torchship.manifest import (PARITY_MD, artifact, file_problem, passed_formats, read_manifest, read_reference,
+                                reference_inputs, why_not_passed)
 from torchship.markdown import table
 from torchship.names import SERVED_FORMATS, model_names
-from torchship.runtime import DEFAULT_FORMATS
+from torchship.runtime import DEFAULT_FORMATS, PROVENANCE
 
 from torchship.device import cuda_visible
 
 from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig
 
 EMBEDDED_CONFIG = "embedded.pbtxt"
-PROVENANCE = "provenance.json"  # in each version folder
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_FP64, "int64": mc.TYPE_INT64,
           "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
 # format -> (Triton platform, file name in the version folder), as the official container expects them
@@ -75,6 +75,8 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
         out = c.output.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + config_dims(spec))
         if manifest.get("classes") and i == 0:  # Triton's classification extension, for classifiers
             out.label_filename = "labels.txt"
+    if any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in (fmt, f"{fmt}_buckets")):
+        _param(c, "tf32", "true")  # the stand-in backends run it with TF32 allowed, as it was compiled and verified
     if manifest.get("dims"):  # the stand-in backends refuse a dynamic dim outside its range
         _param(c, "dim_ranges", json.dumps(dim_ranges(manifest)))
     if not batch_one:
@@ -155,40 +157,61 @@ def provenance(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str, An
             "added": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def failed_artifacts(manifest: dict[str, Any]) -> list[str]:
-    return [n for n, e in (manifest.get("verification") or {}).get("artifacts", {}).items() if not e.get("pass")]
-
-
-def verified_formats(manifest: dict[str, Any]) -> set[str]:
-    """The export's formats that were exported and passed verification."""
-    failed = failed_artifacts(manifest)
-    return {a["format"] for a in manifest["artifacts"] if a["name"] not in failed}
-
-
 def servable_formats(manifest: dict[str, Any], formats: Sequence[str] = SERVED_FORMATS) -> list[str]:
-    """Those of ``formats`` a repository built from this export serves: the ones exported and verified
-    (``aoti`` also from the ``aoti_buckets`` archive alone)."""
-    have = verified_formats(manifest)
+    """Those of ``formats`` a repository built from this export serves: the ones exported with a passing
+    verdict recorded (``aoti`` also from the ``aoti_buckets`` archive alone). An artifact that failed
+    verification, or was never verified, is not served."""
+    have = passed_formats(manifest)
     return [f for f in formats if f in have or (f == "aoti" and "aoti_buckets" in have)]
 
 
-def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
-    """Write the repository for ``export_dir`` into ``cfg.out``; returns {format: model name}.
+def not_served(manifest: dict[str, Any], formats: Sequence[str] = SERVED_FORMATS) -> dict[str, str]:
+    """format -> why a repository built from this export leaves it out ("failed verification", "not
+    verified", "not exported", ...), for each of ``formats`` that the export was asked for or has."""
+    served = servable_formats(manifest, formats)
+    asked = set(manifest.get("formats") or DEFAULT_FORMATS) | {a["format"] for a in manifest["artifacts"]}
+    out = {}
+    for f in formats:
+        if f in served or not ({f} | ({"aoti_buckets"} if f == "aoti" else set())) & asked:
+            continue
+        out[f] = why_not_passed(manifest, f)
+        if f == "aoti" and "aoti_buckets" in asked:
+            out[f] = f"{out[f]}; aoti_buckets {why_not_passed(manifest, 'aoti_buckets')}"
+    return out
 
-    Raises ArtifactError when the export lacks a requested format or verification failed.
+
+def not_served_text(export_dir: str | Path, reasons: dict[str, str]) -> str:
+    """One line naming each format left out and why, grouped by reason, with what to do."""
+    groups: dict[str, list[str]] = {}
+    for f, why in reasons.items():
+        groups.setdefault(why, []).append(f)
+    fix = {"failed verification": f"see {Path(export_dir) / PARITY_MD}", "not verified": f"torchship verify {export_dir}"}
+    return "; ".join(f"{', '.join(fs)}: {why}" + (f" ({fix[why]})" if why in fix else "") for why, fs in groups.items())
+
+
+def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
+    """Write the repository for ``export_dir`` into ``cfg.out``; returns {"models": {format: model name},
+    "not_served": {format: why}, "path"}.
+
+    Only artifacts with a passing verdict in the manifest are served, and each file is checked against the
+    manifest's sha256 before it is copied. Raises ArtifactError when no requested format can be served (the
+    message says which failed verification, which were not verified and which were not exported), or a file
+    was altered since export.
     """
     d = Path(export_dir)
     manifest = read_manifest(d)
-    v = manifest.get("verification")
-    failed = failed_artifacts(manifest)
-    if v is not None and not v.get("pass") and len(failed) == len(v.get("artifacts", {})):
-        raise ArtifactError(f"{d} failed verification; fix the export before serving it ({'; '.join(v['failures'][:2])})")
-    out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
-    have = verified_formats(manifest)
     formats = servable_formats(manifest, cfg.formats)
-    missing = [f for f in cfg.formats if f not in formats and (f in DEFAULT_FORMATS or f in manifest["formats"])]
+    reasons = not_served(manifest, cfg.formats)
     if not formats:
-        raise ArtifactError(f"{d} has none of the formats {', '.join(cfg.formats)}")
+        why = not_served_text(d, reasons) or f"it has none of the formats {', '.join(cfg.formats)}"
+        raise ArtifactError(f"{d}: nothing to serve: {why}")
+    have = passed_formats(manifest)
+    problems = [p for f in formats for a in manifest["artifacts"] if a["format"] in _sources(f, have)
+                for p in [file_problem(d, rel, sha) for rel, sha in a["files"].items()] if p]
+    if problems:
+        raise ArtifactError(f"{d}: " + "; ".join(problems) + "; export again (verification ran on the files the "
+                            "manifest lists)")
+    out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     kind = _instance_kind(cfg)
     if cfg.ort_accelerator != "none" and kind != mc.ModelInstanceGroup.KIND_GPU:
         why = "--instance-kind cpu" if cfg.instance_kind == "cpu" else "--instance-kind auto, and no CUDA GPU is visible here"
@@ -213,23 +236,25 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
             for name, x in warm.items():
                 (mdir / "warmup" / name).write_bytes(x.tobytes())
             if fmt == "aoti":
-                _write_aoti(d, manifest, cfg, max_batch, kind, mdir, vdir, warm, have)
-                continue
-            if fmt == "aoti_int8":
-                _write_aoti_int8(d, manifest, cfg, max_batch, kind, mdir, vdir, warm)
-                continue
-            a = artifact(manifest, fmt)
-            shutil.copy2(d / a["file"], vdir / PLATFORMS[fmt][1])
-            for rel in a["files"]:  # ONNX external data, under the name the graph refers to it by
-                if rel != a["file"]:
-                    shutil.copy2(d / rel, vdir / Path(rel).name)
-            (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
-        for fmt in formats:  # where each version came from: torchship repo REPO --history
-            (tmp / names[fmt] / str(cfg.version) / PROVENANCE).write_text(json.dumps(provenance(d, manifest), indent=2) + "\n")
+                files = _write_aoti(d, manifest, cfg, max_batch, kind, mdir, vdir, warm, have)
+            elif fmt == "aoti_int8":
+                files = _write_aoti_int8(d, manifest, cfg, max_batch, kind, mdir, vdir, warm)
+            else:
+                a = artifact(manifest, fmt)
+                files = copy_artifact(d, a, vdir, PLATFORMS[fmt][1])
+                (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
+            # where the version came from (torchship repo REPO --history) and the sha256 of each of its files,
+            # which the embedded server's backends and torchship serve check before loading them
+            (vdir / PROVENANCE).write_text(json.dumps({**provenance(d, manifest), "files": files}, indent=2) + "\n")
         container_aoti = "aoti" not in formats or "aoti" in have
         (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU,
                                                container_aoti))
-    return {"models": {f: names[f] for f in formats}, "skipped": missing, "unverified": failed, "path": str(out)}
+    return {"models": {f: names[f] for f in formats}, "not_served": reasons, "path": str(out)}
+
+
+def _sources(fmt: str, have: set[str]) -> set[str]:
+    """The artifact formats a served format's model is built from."""
+    return ({"aoti", "aoti_buckets"} & have) if fmt == "aoti" else {fmt}
 
 
 BUCKETS_FILE = "buckets.pt2"
@@ -244,22 +269,24 @@ def _embedded(manifest, fmt: str, cfg: RepoConfig, max_batch: int, kind: int, wa
 
 
 def _write_aoti_int8(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
-                     warm: dict[str, np.ndarray]) -> None:
+                     warm: dict[str, np.ndarray]) -> dict[str, str]:
     """model.pt2, the dynamic-batch INT8 package: batch 1 in the official container (as _aoti), batched up to
     ``max_batch`` by the embedded server (embedded.pbtxt), which runs each batch as it comes, without padding."""
-    shutil.copy2(d / artifact(manifest, "aoti_int8")["file"], vdir / "model.pt2")
+    files = copy_artifact(d, artifact(manifest, "aoti_int8"), vdir, "model.pt2")
     (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti_int8", cfg, max_batch, kind,
                                                                 batch_one=True, warmup=warm)))
     (mdir / EMBEDDED_CONFIG).write_text(config_text(_embedded(manifest, "aoti_int8", cfg, max_batch, kind, warm)))
+    return files
 
 
 def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
-                warm: dict[str, np.ndarray], have: set[str]) -> None:
+                warm: dict[str, np.ndarray], have: set[str]) -> dict[str, str]:
     """model.pt2 (the dynamic-batch package, batch 1 in the official container) and, for the embedded server,
     buckets.pt2 with embedded.pbtxt batching over its static-batch models up to ``max_batch``."""
     emb = _embedded(manifest, "aoti", cfg, max_batch, kind, warm)
+    files: dict[str, str] = {}
     if "aoti" in have:
-        shutil.copy2(d / artifact(manifest, "aoti")["file"], vdir / "model.pt2")
+        files.update(copy_artifact(d, artifact(manifest, "aoti"), vdir, "model.pt2"))
         (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind,
                                                                     batch_one=True, warmup=warm)))
     if "aoti_buckets" in have:
@@ -267,7 +294,7 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, m
         sizes = sorted(int(s) for s in b["buckets"] if int(s) <= max_batch)
         if 1 not in sizes:
             raise ArtifactError(f"{d}: aoti_buckets has no batch-1 bucket (it has {b['buckets']}); export it with --buckets 1,...")
-        shutil.copy2(d / b["file"], vdir / BUCKETS_FILE)
+        files.update(copy_artifact(d, b, vdir, BUCKETS_FILE))
         emb.default_model_filename = BUCKETS_FILE
         emb.max_batch_size = max(sizes)
         # no preferred batch sizes: with them the batcher cut what had queued down to the largest preferred size
@@ -277,6 +304,19 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, m
         (mdir / "config.pbtxt").write_text(config_text(emb))
     else:
         (mdir / EMBEDDED_CONFIG).write_text(config_text(emb))
+    return files
+
+
+def copy_artifact(d: Path, a: dict[str, Any], vdir: Path, filename: str) -> dict[str, str]:
+    """Copy an artifact's files into a version folder, its main file as ``filename`` and the rest (ONNX
+    external data) under the names the graph refers to them by; returns {name in the folder: sha256}, the
+    manifest's (build_repository checked the files against it)."""
+    files = {}
+    for rel, sha in a["files"].items():
+        dest = filename if rel == a["file"] else Path(rel).name
+        shutil.copy2(d / rel, vdir / dest)
+        files[dest] = sha
+    return files
 
 
 def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True) -> str:

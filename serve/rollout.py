@@ -17,6 +17,7 @@ from google.protobuf import json_format
 
 from torchship.errors import ServerError, TorchshipError
 from torchship.io import atomic_write_text
+from torchship.runtime import version_file_problems
 
 from .client import TritonClient
 from .parity import FORMAT_PARAMETER, check_served
@@ -56,6 +57,9 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
     if target == live:
         log(f"{model}: version {live} is already live")
         return {"model": model, "live": live, "changed": False}
+    problems = version_file_problems(d / str(target))
+    if problems:
+        raise RolloutError(f"{model}: version {target} refused: " + "; ".join(problems) + f"; version {live} still serves")
     client = TritonClient(url)
     client.wait_ready(30)
     cand = CANDIDATE.format(model=model)

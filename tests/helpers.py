@@ -31,6 +31,16 @@ def rehash(d, rel):
     write_manifest(d, m)
 
 
+def rehash_version(vdir) -> None:
+    """Make a repository version folder's provenance.json agree with its files, as a faulty repository builder
+    would have written it: the planted fault then reaches the server, and only served parity can catch it."""
+    import json
+
+    prov = json.loads((vdir / "provenance.json").read_text())
+    prov["files"] = {name: sha256_file(vdir / name) for name in prov["files"]}
+    (vdir / "provenance.json").write_text(json.dumps(prov))
+
+
 def perturb_onnx(d, delta: float) -> None:
     """Add ``delta`` to one weight of the export's ONNX model (its largest initializer) and rehash it."""
     model = onnx.load(str(d / "onnx/model.onnx"))

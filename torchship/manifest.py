@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -71,13 +71,13 @@ def check_hashes(export_dir: str | Path, manifest: dict[str, Any]) -> list[str]:
         for rel, sha in artifact_files(a).items():
             listed[rel] = sha
     for rel, sha in listed.items():
-        problem = _file_problem(d, rel, sha)
+        problem = file_problem(d, rel, sha)
         if problem:
             problems.append(problem)
     return problems
 
 
-def _file_problem(d: Path, rel: str, sha: str | None) -> str | None:
+def file_problem(d: Path, rel: str, sha: str | None) -> str | None:
     """Why the file ``rel`` under ``d`` is not the one the manifest lists by its sha256, or None."""
     if not (d / rel).is_file():
         return f"{rel} is missing"
@@ -90,7 +90,7 @@ def read_reference(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str
     """The export's reference arrays (reference.npz: inputs, eager outputs, held-out labels), once its
     sha256 matches the manifest's; ArtifactError naming the file if it is missing or altered."""
     d = Path(export_dir)
-    problem = _file_problem(d, REFERENCE, manifest["reference"].get("sha256"))
+    problem = file_problem(d, REFERENCE, manifest["reference"].get("sha256"))
     if problem:
         raise ArtifactError(f"{d}: {problem}; export again")
     with np.load(d / REFERENCE) as z:
@@ -122,13 +122,14 @@ def check_shape(manifest: dict[str, Any], shape: dict[str, int]) -> None:
 
 
 def bench_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any],
-                 shape: dict[str, int] | None = None) -> tuple[dict[str, np.ndarray], str]:
-    """Inputs for a benchmark, by input name, and a line saying what they are. Without ``shape``: the real
-    samples (sample_set). With it (a size per dynamic dim): the reference set of those sizes, real samples
-    first, then the largest random batch; random inputs of the signature when no set has them."""
+                 shape: dict[str, int] | None = None) -> tuple[dict[str, np.ndarray], str, Optional[str]]:
+    """Inputs for a benchmark, by input name, a line saying what they are, and the reference set they are
+    (None for random inputs, which have no reference outputs). Without ``shape``: the real samples
+    (sample_set). With it (a size per dynamic dim): the reference set of those sizes, real samples first,
+    then the largest random batch; random inputs of the signature when no set has them."""
     if not shape:
         key = sample_set(manifest)
-        return reference_inputs(ref, manifest, key), _described(key, manifest)
+        return reference_inputs(ref, manifest, key), _described(key, manifest), key
     check_shape(manifest, shape)
     sig = Signature.from_manifest(manifest)
     sets = manifest["reference"]["sets"]
@@ -136,17 +137,59 @@ def bench_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any],
     for key in order:
         feeds = reference_inputs(ref, manifest, key)
         if all(sig.dims_of(feeds).get(k) == v for k, v in shape.items()):
-            return feeds, _described(key, manifest)
+            return feeds, _described(key, manifest), key
     values = {**{k: hi for k, (lo, hi) in sig.dims.items()}, **shape}
     where = ", ".join(f"{k}={v}" for k, v in values.items())
     return (sig.random_inputs(np.random.default_rng(0), 64, values),
-            f"random inputs at {where} (no reference set has that size), drawn as verification draws them")
+            f"random inputs at {where} (no reference set has that size), drawn as verification draws them", None)
+
+
+def reference_outputs(ref: dict[str, np.ndarray], manifest: dict[str, Any], key: str) -> dict[str, np.ndarray]:
+    """The reference outputs (eager, in float64 where the model runs in it) of one reference set, by output name."""
+    return {o["name"]: ref[f"expected/{key}/{o['name']}"] for o in manifest["outputs"]}
 
 
 def _described(key: str, manifest: dict[str, Any]) -> str:
     what = {"heldout": "real held-out samples", "examples": "the example inputs"}.get(key, "random inputs")
     dims = manifest["reference"].get("dims", {}).get(key)
     return f"{what} ({key}" + (", " + ", ".join(f"{k}={v}" for k, v in dims.items()) if dims else "") + ")"
+
+
+def verdicts(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """artifact name -> its recorded verification entry ("pass", "failures", "verified_at", the figures), for
+    each artifact that has one."""
+    return dict((manifest.get("verification") or {}).get("artifacts", {}))
+
+
+PASSED, FAILED, UNVERIFIED, STALE = "passed verification", "failed verification", "not verified", \
+    "verified on other files (the artifact or the reference changed since)"
+
+
+def verdict_state(manifest: dict[str, Any], a: dict[str, Any]) -> str:
+    """Where artifact ``a`` stands: PASSED, FAILED, UNVERIFIED, or STALE when its verdict was reached on files
+    (the artifact's, or the reference) other than those the manifest lists now."""
+    e = verdicts(manifest).get(a["name"])
+    if e is None:
+        return UNVERIFIED
+    made_on = e.get("made_on")
+    if made_on and (made_on.get("reference") != manifest["reference"].get("sha256") or made_on.get("files") != a["files"]):
+        return STALE
+    return PASSED if e.get("pass") else FAILED
+
+
+def passed_formats(manifest: dict[str, Any]) -> set[str]:
+    """The formats whose artifact has a passing verdict recorded, on its files as they are: the only ones a
+    later stage may serve."""
+    return {a["format"] for a in manifest["artifacts"] if verdict_state(manifest, a) == PASSED}
+
+
+def why_not_passed(manifest: dict[str, Any], fmt: str) -> str:
+    """Why ``fmt`` has no passing verdict, in a few words: failed verification, not verified, not exported, ..."""
+    a = next((a for a in manifest["artifacts"] if a["format"] == fmt), None)
+    if a is None:
+        failed = any(f["format"] == fmt for f in manifest.get("export_failures", []))
+        return "could not be exported" if failed else "not exported"
+    return verdict_state(manifest, a)
 
 
 def artifact(manifest: dict[str, Any], name: str) -> dict[str, Any]:

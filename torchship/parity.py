@@ -51,9 +51,20 @@ def given(outputs: Iterable[str], atol: Optional[float], rtol: Optional[float], 
     return {**(base or {}), "rule": "given", "outputs": {o: {"atol": a, "rtol": r} for o in outputs}}
 
 
-def bound(tolerances: dict[str, Any], output: str) -> dict[str, float]:
-    """{"atol", "rtol"} that ``output`` is held to."""
-    return tolerances["outputs"][output]
+def with_tf32(strict: dict[str, Any], tf32: dict[str, Any]) -> dict[str, Any]:
+    """``strict`` (derive's tolerances from eager in IEEE float32) with each output's TF32 bound beside its own:
+    the bound of an artifact compiled with TF32 allowed on CUDA, derived the same way from eager run with TF32."""
+    out = {**strict, "outputs": {o: dict(t) for o, t in strict["outputs"].items()}}
+    for o, t in tf32["outputs"].items():
+        out["outputs"][o]["tf32"] = {k: t[k] for k in ("atol", "rtol", "eager_error") if k in t}
+    return out
+
+
+def bound(tolerances: dict[str, Any], output: str, tf32: bool = False) -> dict[str, float]:
+    """{"atol", "rtol"} that ``output`` is held to: its TF32 bound for an artifact that runs with TF32
+    (with_tf32; the strict bound where none was derived), else its float32 bound."""
+    t = tolerances["outputs"][output]
+    return t.get("tf32", t) if tf32 else t
 
 
 def describe(tolerances: dict[str, Any]) -> str:

@@ -6,8 +6,9 @@ Kept free of torchship imports so the serving backends can carry a copy of this 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -46,6 +47,40 @@ def _torch_setup(threads: int):
         except RuntimeError:
             pass  # already set in this process
     return torch
+
+
+def set_tf32(allowed: bool) -> tuple[bool, bool]:
+    """Allow or forbid TensorFloat-32 for float32 matmuls and cuDNN convolutions on CUDA; returns the two
+    settings it replaced, for restore_tf32. On CUDA, convolutions run in TF32 by default, which rounds float32
+    to 10 mantissa bits: a bound derived from such a run is too wide to catch a wrong weight. The allow_tf32
+    flags are the ones Inductor reads when it compiles, and torch's newer fp32_precision settings follow them
+    (setting those directly leaves the cuDNN flag unreadable in torch 2.14). Needs no GPU: process-wide switches."""
+    import torch
+
+    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allowed
+    return previous
+
+
+def restore_tf32(previous: tuple[bool, bool]) -> None:
+    """Put back what set_tf32 replaced."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+@contextlib.contextmanager
+def fp32_precision(device: str, tf32: bool = False):
+    """On CUDA: float32 computed as IEEE float32 (``tf32`` False) or with TF32 allowed, inside the block; the
+    settings before it are restored after. Elsewhere: nothing (CPUs have no TF32)."""
+    if not device.startswith("cuda"):
+        yield
+        return
+    previous = set_tf32(tf32)
+    try:
+        yield
+    finally:
+        restore_tf32(previous)
 
 
 def torch_fn(module, device: str, threads: int = 0):
@@ -104,9 +139,11 @@ def padded_call(fns: dict[int, Callable[[list[np.ndarray]], list[np.ndarray]]], 
 
 
 def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], device: str = "cpu",
-         threads: int = 1, buckets: Sequence[int] | None = None, ort_providers: Sequence[str] | None = None) -> Runner:
+         threads: int = 1, buckets: Sequence[int] | None = None, ort_providers: Sequence[str] | None = None,
+         tf32: bool = False) -> Runner:
     """Load the artifact file ``path``; for aoti_buckets, ``buckets`` picks which of its batch sizes to run
-    (default: all)."""
+    (default: all). On CUDA, float32 runs in IEEE float32 unless ``tf32`` (an artifact compiled with TF32
+    allowed): for torch formats this process's TF32 settings are set, for ONNX Runtime its CUDA provider's."""
     if fmt in ("onnx", "onnx_int8"):
         import onnxruntime as ort
 
@@ -115,7 +152,7 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
         so.inter_op_num_threads = 1
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
-        providers = list(ort_providers or (["CUDAExecutionProvider", "CPUExecutionProvider"]
+        providers = list(ort_providers or ([("CUDAExecutionProvider", ort_cuda_options(device, tf32)), "CPUExecutionProvider"]
                                            if device.startswith("cuda") else ["CPUExecutionProvider"]))
         sess = ort.InferenceSession(path, so, providers=providers)
         out_names = [o.name for o in sess.get_outputs()]
@@ -132,6 +169,7 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
     torch = _torch_setup(threads)
     if device.startswith("cuda"):
         torch.zeros(1, device=device)  # the CUDA context exists before any loader runs (AOTInductor's needs it)
+        set_tf32(tf32)  # for the life of this process, which loads this one artifact
     if fmt == "torchscript":
         m = torch.jit.load(path, map_location=device).eval()
         r = Runner(torch_fn(m, device, threads), inputs, outputs)
@@ -155,6 +193,11 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
+def ort_cuda_options(device: str, tf32: bool = False) -> dict[str, Any]:
+    """ONNX Runtime's CUDA provider options for ``device``: IEEE float32 unless ``tf32`` (its default allows TF32)."""
+    return {"device_id": int(device.split(":")[1]) if ":" in device else 0, "use_tf32": "1" if tf32 else "0"}
+
+
 def load_buckets(path: str, device: str = "cpu") -> dict:
     """batch size -> the loaded static-batch model of an aoti_buckets archive, all sharing one copy of the
     weights. torch's public loader (aoti_load_package) loads one model and not weights stored apart from
@@ -171,7 +214,46 @@ def load_artifact(export_dir: str, artifact: dict, inputs: Sequence[str], output
                   threads: int = 1) -> Runner:
     """Load one manifest artifact entry (its file) from ``export_dir``."""
     return load(artifact["format"], os.path.join(export_dir, artifact["file"]), inputs, outputs, device=device,
-                threads=threads)
+                threads=threads, tf32=bool(artifact.get("tf32")))
+
+
+PROVENANCE = "provenance.json"  # in each version folder of a repository: where it came from, each file's sha256
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def version_file_problems(version_dir: str | os.PathLike, loads: Sequence[str] = ()) -> list[str] | None:
+    """Each file of a repository version folder that is missing or differs from the sha256 its provenance.json
+    records, and each of ``loads`` (the files about to be loaded) that it does not list; None when the folder
+    records no hashes (a repository written by hand, or before they were recorded)."""
+    import json
+
+    try:
+        with open(os.path.join(version_dir, PROVENANCE)) as f:
+            files = json.load(f).get("files")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return [f"{PROVENANCE} cannot be read ({type(e).__name__})"]
+    if not isinstance(files, dict):
+        return None
+    problems = [f"{name} is not listed in {PROVENANCE}" for name in loads if name not in files]
+    for name, sha in files.items():
+        path = os.path.join(version_dir, name)
+        if not os.path.isfile(path):
+            problems.append(f"{name} is missing")
+        elif sha256_file(path) != sha:
+            problems.append(f"{name} differs from the sha256 in {PROVENANCE} (altered or truncated)")
+    return problems
 
 
 def default_threads() -> int:

@@ -20,17 +20,23 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64
              "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
 
 
+MASK = "mask"  # --input-range NAME=mask: padding masks, as a tokenizer makes them
+
+
 @dataclass
 class TensorSpec:
     name: str
     dtype: str
     shape: list  # shape[0] is BATCH; the others are ints or names of dynamic dims
     range: Optional[tuple[float, float]] = None  # the values random inputs take (integer inputs)
+    values: Optional[str] = None  # MASK: random inputs are padding masks (padding_mask); None: uniform in range
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
         if self.range is not None:
             d["range"] = list(self.range)
+        if self.values is not None:
+            d["values"] = self.values
         return d
 
     @property
@@ -43,6 +49,7 @@ class Signature:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec] = field(default_factory=list)
     dims: dict[str, tuple[int, int]] = field(default_factory=dict)  # dynamic non-batch dim -> (min, max)
+    notes: list[str] = field(default_factory=list)  # how a flag was read, for the export to print (not recorded)
 
     def to_manifest(self) -> dict[str, Any]:
         return {"inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
@@ -51,7 +58,8 @@ class Signature:
     @classmethod
     def from_manifest(cls, m: dict[str, Any]) -> "Signature":
         def spec(t):
-            return TensorSpec(t["name"], t["dtype"], list(t["shape"]), tuple(t["range"]) if t.get("range") else None)
+            return TensorSpec(t["name"], t["dtype"], list(t["shape"]), tuple(t["range"]) if t.get("range") else None,
+                              t.get("values"))
         return cls([spec(t) for t in m["inputs"]], [spec(t) for t in m["outputs"]],
                    {k: (int(v["min"]), int(v["max"])) for k, v in m.get("dims", {}).items()})
 
@@ -61,7 +69,8 @@ class Signature:
             return f"{v:g}" if isinstance(v, float) else str(v)
         out = [f"--input {t.name}:{t.dtype}:{','.join('B' if d == BATCH else str(d) for d in t.shape)}" for t in self.inputs]
         out += [f"--dim {k}={lo}..{hi}" for k, (lo, hi) in self.dims.items()]
-        out += [f"--input-range {t.name}={num(t.range[0])}..{num(t.range[1])}" for t in self.inputs if t.range is not None]
+        out += [f"--input-range {t.name}=" + (MASK if t.values == MASK else f"{num(t.range[0])}..{num(t.range[1])}")
+                for t in self.inputs if t.range is not None or t.values == MASK]
         return " ".join(out)
 
     def dims_of(self, feeds: dict[str, Any]) -> dict[str, int]:
@@ -77,12 +86,14 @@ class Signature:
         return (batch, *(d if isinstance(d, int) else values[d] for d in t.shape[1:]))
 
     def random_inputs(self, rng: np.random.Generator, batch: int, values: dict[str, int]) -> dict[str, np.ndarray]:
-        """Random inputs of every input's dtype: floats in [0, 1) or their range, integers in their range
-        (``values`` gives each dynamic dim's size)."""
+        """Random inputs of every input's dtype: floats in [0, 1) or their range, integers in their range,
+        masks as padding masks (``values`` gives each dynamic dim's size)."""
         out = {}
         for t in self.inputs:
             shp = self.shape(t, batch, values)
-            if t.dtype == "bool":
+            if t.values == MASK:
+                out[t.name] = padding_mask(rng, shp, NP_DTYPES[t.dtype])
+            elif t.dtype == "bool":
                 out[t.name] = rng.random(shp) < 0.5
             elif t.is_float:
                 lo, hi = t.range or (0.0, 1.0)
@@ -117,6 +128,36 @@ class Signature:
             out[k] = v
             taken.add(v)
         return out
+
+
+def padding_mask(rng: np.random.Generator, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Padding masks as a tokenizer makes them: along the last axis, a run of ones (at least one) followed by
+    zeros. Lengths are drawn in 1..S; with two or more rows the first is full and the second holds one token,
+    so both ends of the range are always checked. A row with no 1 at all, which no tokenizer sends and on
+    which attention has no defined answer, is never drawn."""
+    s, rows = shape[-1], int(np.prod(shape[:-1]))
+    lengths = rng.integers(1, s, size=rows, endpoint=True)
+    if rows >= 2:
+        lengths[0], lengths[1] = s, 1
+    return (np.arange(s)[None, :] < lengths[:, None]).reshape(shape).astype(dtype)
+
+
+def is_padding_mask(a: np.ndarray) -> bool:
+    """Whether ``a`` holds padding masks with some padding: 0s and 1s only, each row along the last axis a
+    run of ones (at least one) then zeros, and at least one 0."""
+    if a.ndim < 2 or a.size == 0 or not np.isin(a, (0, 1)).all():
+        return False
+    rows = a.reshape(-1, a.shape[-1]).astype(np.int8)
+    return bool((rows[:, 0] == 1).all() and (np.diff(rows, axis=1) <= 0).all() and (rows == 0).any())
+
+
+def looks_like_mask(name: str) -> bool:
+    return "mask" in name.lower()
+
+
+def _unit(t: TensorSpec) -> Optional[tuple]:
+    """A mask's value range, 0..1, in the input's kind (none for bool)."""
+    return None if t.dtype == "bool" else (0.0, 1.0) if t.is_float else (0, 1)
 
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -197,20 +238,39 @@ def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple
     if unused:
         raise ConfigError(f"--dim {unused[0]} is used by no --input")
     by_name = {t.name: t for t in specs}
+    notes: list[str] = []
     for text in ranges:
         name, sep, span = text.partition("=")
         if not sep or name not in by_name:
-            raise ConfigError(f"--input-range {text!r} must look like NAME=LO..HI with NAME one of the inputs "
-                              f"({', '.join(by_name)})")
+            raise ConfigError(f"--input-range {text!r} must look like NAME=LO..HI (or NAME=mask) with NAME one of the "
+                              f"inputs ({', '.join(by_name)})")
         t = by_name[name]
+        if span == MASK:
+            if len(t.shape) < 2:
+                raise ConfigError(f"--input-range {name}=mask: a mask runs along a sequence axis, and {name} has only the "
+                                  "batch dim")
+            t.values, t.range = MASK, _unit(t)
+            continue
+        uniform = span.startswith("uniform:")
+        span = span[len("uniform:"):] if uniform else span
         if t.dtype == "bool":
-            raise ConfigError(f"--input-range {name}: a bool input takes no range")
+            raise ConfigError(f"--input-range {name}: a bool input takes no range (only =mask, for a padding mask)")
         t.range = _span(span, f"--input-range {name}", int if not t.is_float else float)
+        if not uniform and t.range == (0, 1) and not t.is_float and looks_like_mask(name) and len(t.shape) >= 2:
+            t.values = MASK
+            notes.append(f"--input-range {name}=0..1 on an input named like a mask: drawn as padding masks (each row "
+                         f"ones, then zeros, at least one 1), as a tokenizer makes them; {name}=uniform:0..1 draws "
+                         "independent 0s and 1s instead")
     for t in specs:
-        if not t.is_float and t.dtype != "bool" and t.range is None:
+        if t.dtype == "bool" and t.values is None and looks_like_mask(t.name) and len(t.shape) >= 2:
+            t.values = MASK
+            notes.append(f"--input {t.name} is a bool input named like a mask: drawn as padding masks (each row True, "
+                         "then False, at least one True), as a tokenizer makes them")
+        if not t.is_float and t.dtype != "bool" and t.range is None and t.values is None:
             raise ConfigError(f"--input {t.name} is {t.dtype}: give the values its random verification data may take "
-                              f"with --input-range {t.name}=LO..HI (e.g. token ids 0..VOCAB-1, a mask 0..1)")
-    return Signature(specs, [], dim_ranges)
+                              f"with --input-range {t.name}=LO..HI (e.g. token ids 0..VOCAB-1), or {t.name}=mask for "
+                              "an attention mask")
+    return Signature(specs, [], dim_ranges, notes)
 
 
 def dtype_name(dtype: Any) -> str:

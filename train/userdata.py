@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from torchship.errors import DataError
 from torchship.models import call_factory
-from torchship.signature import BATCH, INPUT_DTYPES, Signature, TensorSpec, dtype_name
+from torchship.signature import BATCH, INPUT_DTYPES, MASK, Signature, TensorSpec, dtype_name, is_padding_mask
 
 from .data import DataSplit, heldout_batch
 
@@ -131,7 +131,9 @@ def heldout_inputs(ds: Dataset, sig: Signature, collate: Optional[Callable], whe
 
 def widened(sig: Signature, feeds: dict[str, np.ndarray]) -> Signature:
     """``sig`` with its dim and value ranges grown to hold ``feeds``: collation pads, so a batch can be
-    longer than any sample and hold values (a mask's 0) no sample has."""
+    longer than any sample and hold values (a mask's 0) no sample has. An input that the collated batch shows
+    to be a padding mask (rows of ones, then zeros) is recorded as one, so that verification draws masks as
+    the collation makes them rather than rows with no 1 at all."""
     dims = dict(sig.dims)
     for name, size in sig.dims_of(feeds).items():
         dims[name] = (min(dims[name][0], size), max(dims[name][1], size))
@@ -141,5 +143,5 @@ def widened(sig: Signature, feeds: dict[str, np.ndarray]) -> Signature:
         if rng is not None:
             cast, a = type(rng[0]), feeds[t.name]
             rng = (min(rng[0], cast(a.min())), max(rng[1], cast(a.max())))
-        specs.append(TensorSpec(t.name, t.dtype, list(t.shape), rng))
+        specs.append(TensorSpec(t.name, t.dtype, list(t.shape), rng, MASK if is_padding_mask(feeds[t.name]) else t.values))
     return Signature(specs, [], dims)

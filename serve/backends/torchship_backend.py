@@ -54,12 +54,25 @@ class BackendModel:
         if why_cpu:
             self.log(f"{self.name}: a GPU instance, run on the CPU: {why_cpu}")
         version_dir = os.path.join(args["model_repository"], args["model_version"])
-        path = os.path.join(version_dir, cfg.get("default_model_filename") or self.default_filename)
+        filename = cfg.get("default_model_filename") or self.default_filename
+        path = os.path.join(version_dir, filename)
+        self.check_files(version_dir, filename)
         fmt = self.runner_format(path, params)
         buckets = [int(b) for b in params["buckets"].split(",")] if fmt == "aoti_buckets" else None
+        tf32 = params.get("tf32", "false").lower() == "true"  # an AOTInductor package compiled with TF32 allowed
         self.runner = rt.load(fmt, path, self.inputs, self.outputs, device=device, threads=threads, buckets=buckets,
-                              ort_providers=self.ort_providers(cfg, device))
+                              ort_providers=self.ort_providers(cfg, device), tf32=tf32)
         self.log(f"{self.name}: {fmt} from {path} on {device}, {threads} intra-op thread(s)")
+
+    def check_files(self, version_dir, filename):
+        """Refuse to load a version whose files differ from the sha256 torchship repo recorded for them: the
+        load fails, the model stays not ready, and the error names each file."""
+        problems = rt.version_file_problems(version_dir, [filename])
+        if problems is None:
+            self.log(f"{self.name}: {version_dir} records no file hashes ({rt.PROVENANCE}); its files are not checked")
+        elif problems:
+            raise ValueError(f"{self.name}: refusing to load version {os.path.basename(version_dir)}: "
+                             + "; ".join(problems) + "; build the repository again with torchship repo")
 
     def device_for(self, args):
         """(device, why): where this instance runs, and for a GPU instance that runs on the CPU, why."""
@@ -160,7 +173,7 @@ class OnnxRuntimeModel(BackendModel):
                     "trt_fp16_enable": p.get("precision_mode", "FP32") == "FP16",
                     "trt_engine_cache_enable": p.get("trt_engine_cache_enable", "0") == "1",
                     "trt_engine_cache_path": p.get("trt_engine_cache_path", "/tmp/trt_cache")}))
-        providers.append(("CUDAExecutionProvider", {"device_id": int(device.split(":")[1])}))
+        providers.append(("CUDAExecutionProvider", rt.ort_cuda_options(device)))
         providers.append("CPUExecutionProvider")
         return providers
 

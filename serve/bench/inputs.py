@@ -11,7 +11,7 @@ import numpy as np
 
 from torchship.eager import eager_from_manifest
 from torchship.errors import TorchshipError
-from torchship.manifest import bench_inputs, read_reference
+from torchship.manifest import bench_inputs, read_reference, reference_outputs
 
 
 @dataclass
@@ -23,14 +23,16 @@ class BenchInputs:
     eager: Any = None  # the eager model, or None when it cannot be rebuilt (eager_error says why)
     eager_error: Optional[str] = None
     labels: Optional[np.ndarray] = None  # the pool's labels, where it is a labelled real sample set
+    expected: Optional[dict[str, np.ndarray]] = None  # the pool's reference outputs by output name (None: random inputs)
 
 
 def load_inputs(export_dir: Path, manifest: dict[str, Any], shape: dict[str, int] | None) -> BenchInputs:
     """Read the reference inputs (ArtifactError if reference.npz is missing or altered) and rebuild eager."""
     ref = read_reference(export_dir, manifest)
-    pool, samples = bench_inputs(ref, manifest, shape)
+    pool, samples, key = bench_inputs(ref, manifest, shape)
     inputs = BenchInputs(Path(export_dir), manifest, pool, samples,
-                         labels=None if shape else ref.get(f"labels/{manifest['reference'].get('samples')}"))
+                         labels=None if shape else ref.get(f"labels/{manifest['reference'].get('samples')}"),
+                         expected=reference_outputs(ref, manifest, key) if key else None)
     try:
         inputs.eager = eager_from_manifest(manifest)
     except TorchshipError as e:

@@ -13,11 +13,12 @@ from .stats import summarize
 
 
 def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concurrency: int, n: int,
-                min_s: float = 0.0) -> dict[str, Any]:
+                min_s: float = 0.0, keep=None) -> dict[str, Any]:
     """Keep ``concurrency`` requests in flight until ``n`` complete and ``min_s`` seconds have passed;
     per-request latency in seconds, and the CPU seconds this process spent (the client's own cost).
     Requests are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1 one
-    at a time in this thread, so no callback thread is in the measured path."""
+    at a time in this thread, so no callback thread is in the measured path. ``keep(i, response)`` is
+    handed each answer to ``inputs[i]``, to be checked once the window is over."""
     import grpc
 
     prepared = [request_feeds(model, feeds) for feeds in inputs]
@@ -34,8 +35,10 @@ def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concu
         while more(sent):
             t0 = time.perf_counter()
             try:
-                call(prepared[sent % len(prepared)], timeout=60)
+                response = call(prepared[sent % len(prepared)], timeout=60)
                 lat.append(time.perf_counter() - t0)
+                if keep is not None:
+                    keep(sent % len(prepared), response)
             except grpc.RpcError as e:
                 errors.append(e.details() or str(e.code()))
             sent += 1
@@ -55,9 +58,9 @@ def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concu
             i = issued[0]
             issued[0] += 1
         t0 = time.perf_counter()
-        call.future(prepared[i % len(prepared)], timeout=60).add_done_callback(lambda f, t0=t0: complete(f, t0))
+        call.future(prepared[i % len(prepared)], timeout=60).add_done_callback(lambda f, t0=t0, i=i: complete(f, t0, i))
 
-    def complete(fut, t0):
+    def complete(fut, t0, i):
         dt = time.perf_counter() - t0
         err = fut.exception()
         with lock:
@@ -65,6 +68,8 @@ def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concu
                 errors.append(err.details() if hasattr(err, "details") else str(err))
             else:
                 lat.append(dt)
+                if keep is not None:
+                    keep(i % len(prepared), fut.result())
             finished[0] += 1
         issue()
 

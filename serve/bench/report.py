@@ -31,7 +31,8 @@ def spread_text(r: dict[str, Any]) -> str:
 def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     """p50, p99 and throughput per model and concurrency, with their spread, then the batching gain per model."""
     rows = [[model, str(r["concurrency"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r["requests_per_s"], ".0f"),
-             spread_text(r), _f(r["server"]["avg_batch"]), _f(r.get("client_cpu_us"), ".0f"), f"{r['ok']}/{r['sent']}"]
+             spread_text(r), _f(r["server"]["avg_batch"]), _f(r.get("client_cpu_us"), ".0f"), f"{r['ok']}/{r['sent']}",
+             checked_text(r)]
             for model, mm in served.get("models", {}).items() for r in mm["rows"]]
     unstable = sum(not r.get("stable", True) for mm in served.get("models", {}).values() for r in mm["rows"])
     gen = served.get("load_generator", {"name": "python"})
@@ -44,11 +45,13 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
              "figures come from those three. A level's windows are a round apart, so the machine's drift over "
              "the sweep shows in its spread: how far apart the three windows' throughputs and mean latencies are. "
              "Client CPU: the load generator's own CPU time per request. Measured/sent: requests in the last "
-             "three windows, and in all of the level's windows." + (
+             "three windows, and in all of the level's windows. Checked: responses compared with the reference "
+             "outputs of their inputs under the model's bound (a quantized model: with its own answers on the idle "
+             "server, under the INT8 gate's SQNR floor); one wrong response fails the bench." + (
                  " perf_analyzer's percentiles are the mean of its three windows' own." if gen["name"] == "perf_analyzer" else "")
              + (f" **{unstable} level(s) never settled**: read them as rough." if unstable else ""), ""]
     lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "spread", "avg batch", "client CPU µs/req",
-                    "measured/sent"], rows) + [""]
+                    "measured/sent", "checked"], rows) + [""]
     for model, mm in served.get("models", {}).items():
         rs = mm["rows"]
         if len(rs) > 1 and rs[0]["requests_per_s"]:
@@ -66,6 +69,13 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     if noop.get("n"):
         lines.append(f"- No-op round trip (same tensors, no model): p50 {noop['p50_ms']:.2f} ms, p99 {noop['p99_ms']:.2f} ms")
     return lines + [""]
+
+
+def checked_text(r: dict[str, Any]) -> str:
+    """A level's checked responses, with the wrong ones called out."""
+    if "checked" not in r:
+        return "-"
+    return f"{r['checked']}" + (f", **{r['wrong']} WRONG**" if r.get("wrong") else ", 0 wrong")
 
 
 def computed_per_request(buckets: list[int], executions: dict[str, int]) -> float | None:

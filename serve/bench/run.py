@@ -11,6 +11,7 @@ from torchship.errors import BenchError, TorchshipError
 from torchship.io import atomic_write_json
 from torchship.manifest import check_shape, read_manifest
 
+from .checks import wrong_in
 from .compare import RESULTS_FORMAT
 from .config import BenchConfig
 from .in_process import bench_in_process, in_process_runs, load_variants
@@ -102,6 +103,9 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
     save()
     write_report(results, out, plots=cfg.plots)
     log(f"results: {out / 'results.json'}   report: {out / 'report.md'}")
+    wrong = wrong_in(results.get("served", {}))
+    if wrong is not None:  # a wrong answer outweighs every figure measured
+        raise wrong
     if failure is not None:
         raise type(failure)(f"{failure} (partial results kept in {out / 'results.json'})")
     if "error" in rec and cfg.p99_budget_ms is not None:

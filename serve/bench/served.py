@@ -17,6 +17,8 @@ from torchship.names import format_of, model_names, models_of
 
 from ..client import TritonClient
 from ..repository import DTYPES, config_dims, read_config, repository_models, servable_formats, served_config_path
+from ..parity import FORMAT_PARAMETER
+from .checks import ResponseCheck, keeper, response_check, tally
 from .config import BenchConfig
 from .inputs import BenchInputs, single_rows
 from .load import closed_loop, level_row, open_loop
@@ -132,16 +134,20 @@ class LoadGenerator:
 
 
 def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg: BenchConfig, levels, bar,
-          client, gen: LoadGenerator) -> dict[str, list[dict]]:
+          client, gen: LoadGenerator, checks: dict[str, ResponseCheck] | None = None) -> dict[str, list[dict]]:
     """Every model at every concurrency level, in rounds: a round runs one window (of at least --window-s
     seconds; with the Python client also of a third of --requests) of each (model, level) not yet settled,
     each after a short untimed warm-up, until a cell's last three windows agree within --stability (or
     --max-windows). A cell's windows are thus spread over the whole sweep, so a machine that speeds up or
     slows down meanwhile shows as spread instead of as a difference between runs. A level's figures come
-    from its last three windows; its failures from every window. Returns each model's rows, by level."""
+    from its last three windows; its failures from every window. Every response of a window (perf_analyzer's
+    windows: those of a Python client sending known requests one at a time beside it) is checked against
+    ``checks[model]`` once the window is over (checks.py), and counted in the level's checked and wrong.
+    Returns each model's rows, by level."""
     batch = len(next(iter(inputs[0].values())))
     per_window = -(-cfg.requests // LAST)
     deltas: dict[tuple[str, int], list[dict]] = {}
+    judged: dict[tuple[str, int], dict[str, Any]] = {}
 
     def cell(model: str, c: int) -> Callable[[], dict[str, Any]]:
         def window() -> dict[str, Any]:
@@ -149,14 +155,19 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
             count = served_count(stats_of(client, model))
             closed_loop(url, model, inputs, c, warm)
             before = settled_stats(client, model, count + warm)
+            check = (checks or {}).get(model)
+            keep, kept = keeper()
             if gen.name == "perf_analyzer":
                 from .perf_analyzer import window as pa_window
 
+                side = _beside(lambda: closed_loop(url, model, inputs, 1, 1, cfg.window_s, keep) if check else None)
                 res = pa_window(gen.binary, url, model, c, gen.data, cfg.window_s)
-                after = settled_stats(client, model, served_count(before) + 1)
+                extra = side()
+                after = settled_stats(client, model, served_count(before) + 1 + (len(extra["latencies_s"]) if extra else 0))
             else:
-                res = closed_loop(url, model, inputs, c, per_window, cfg.window_s)
+                res = closed_loop(url, model, inputs, c, per_window, cfg.window_s, keep if check else None)
                 after = settled_stats(client, model, served_count(before) + len(res["latencies_s"]))
+            tally(check, kept, judged.setdefault((model, c), {}))
             delta = stats_delta(before, after)
             res["completed"] = res.get("completed", int(delta["requests"]))
             deltas.setdefault((model, c), []).append(delta)
@@ -183,8 +194,23 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
                    client_cpu_us=1e6 * sum(w["cpu_s"] for w in last) / max(1, measured))
         if errors:
             row["first_error"] = errors[0][:300]
+        row.update(judged.get((model, c), {}))
         rows[model].append(row)
     return rows
+
+
+def _beside(fn):
+    """Run ``fn`` in a thread now; returns a callable that waits for it and gives its result."""
+    import threading
+
+    out: list[Any] = [None]
+    t = threading.Thread(target=lambda: out.__setitem__(0, fn()), daemon=True)
+    t.start()
+
+    def wait():
+        t.join()
+        return out[0]
+    return wait
 
 
 def window_row(last: list[dict[str, Any]], delta: dict, concurrency: int, batch: int) -> dict[str, Any]:
@@ -238,8 +264,12 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
     gen, other, why = load_generators(cfg, inputs.pool, data)
     served["load_generator"] = {"name": gen.name, "why": why}
 
+    checks = {m: response_check(client, m, manifest, format_of(m, manifest) or client.config(m).get("parameters", {})
+                                .get(FORMAT_PARAMETER, {}).get("string_value"), inputs.expected, singles,
+                                len(next(iter(inputs.pool.values())))) for m in models}
+
     def run(these: list[str], levels=cfg.concurrency, by: LoadGenerator = gen) -> dict[str, list[dict]]:
-        return sweep(url, these, singles, cfg, levels, bar, client, by)
+        return sweep(url, these, singles, cfg, levels, bar, client, by, checks)
 
     for model in models:
         cfgm = client.config(model)

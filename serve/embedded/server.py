@@ -18,6 +18,7 @@ from google.protobuf import json_format
 
 from torchship.device import cuda_visible
 from torchship.errors import ServerError
+from torchship.runtime import version_file_problems
 
 from ..config import ServeConfig
 from ..repository import EMBEDDED_CONFIG, read_config, repository_models, served_config_path
@@ -215,8 +216,9 @@ class TritonServer:
 
     def check_configs(self, names: Sequence[str]) -> None:
         """Parse the config of each model in ``names`` (as load() reads it), so that a broken one is named with
-        its line, and one that asks for GPU instances where no CUDA GPU is visible is refused, before the
-        server starts (Triton itself only logs either among its start-up lines)."""
+        its line, one whose files differ from the sha256 the repository recorded is named with the file, and one
+        that asks for GPU instances where no CUDA GPU is visible is refused, before the server starts (Triton
+        itself only logs these among its start-up lines, or, for the files, leaves the model not ready)."""
         from google.protobuf.text_format import ParseError
         from tritonclient.grpc import model_config_pb2 as mc
 
@@ -229,6 +231,11 @@ class TritonServer:
             except (ParseError, UnicodeDecodeError) as e:
                 raise ServerError(f"{path}: {str(e).rstrip('.')}; fix it, or build the repository again with torchship "
                                   "repo") from None
+            for v in served_versions(self.repo / name, config):
+                problems = version_file_problems(self.repo / name / str(v))
+                if problems:
+                    raise ServerError(f"model {name} version {v}: " + "; ".join(problems) + "; it would not be served: "
+                                      "build the repository again with torchship repo")
             if any(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in config.instance_group) and not cuda_visible():
                 raise ServerError(f"model {name} asks for GPU instances (KIND_GPU in {path}) and no CUDA GPU is visible "
                                   "here; build the repository again with torchship repo EXPORT_DIR --instance-kind cpu, "
@@ -315,6 +322,17 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def served_versions(model_dir: Path, config) -> list[int]:
+    """The version folders Triton loads for a model under its config's version policy."""
+    on_disk = sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    policy = config.version_policy.WhichOneof("policy_choice")
+    if policy == "specific":
+        return [v for v in on_disk if v in config.version_policy.specific.versions]
+    if policy == "all":
+        return on_disk
+    return on_disk[-max(1, config.version_policy.latest.num_versions):]
 
 
 def unload_stalled(log: str) -> int:

@@ -146,3 +146,13 @@ class Float32Inside(nn.Module):
 
 def float32_inside(**kw) -> Float32Inside:
     return Float32Inside(**kw)
+
+
+def hf_bert(vocab: int = 30522, classes: int = 4) -> nn.Module:
+    """A Hugging Face BertForSequenceClassification, small (2 layers of 32), as users bring one: its forward
+    takes input_ids and attention_mask and returns a ModelOutput holding the logits."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                     max_position_embeddings=512, num_labels=classes)
+    return BertForSequenceClassification(cfg).eval()

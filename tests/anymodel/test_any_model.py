@@ -220,7 +220,7 @@ def test_a_perturbed_weight_in_one_artifact_fails_verification_and_is_not_served
     verify_export(d, optional=["onnx"])  # the others pass: reported, not raised
     assert "the optional formats that failed are reported" in capsys.readouterr().out
     res = build_repository(d, RepoConfig(out=str(tmp_path / "repo")))
-    assert sorted(res["models"]) == ["aoti", "torchscript"] and res["unverified"] == ["onnx"]
+    assert sorted(res["models"]) == ["aoti", "torchscript"] and res["not_served"] == {"onnx": "failed verification"}
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,11 @@ def test_user_ci_workflow_is_valid_and_gates_on_verify_and_served_parity():
     assert steps[-1].get("if") == "always()"
 
 
+# what the default export's manifest says of its artifacts: every default format exported and verified
+DEFAULT_EXPORT = {"artifacts": [{"format": f, "name": f} for f in DEFAULT_FORMATS],
+                  "verification": {"artifacts": {f: {"pass": True} for f in DEFAULT_FORMATS}}}
+
+
 def triton_args(args):
     return {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.startswith("--") and "=" in a}, \
         [a.split("=", 1)[1] for a in args if a.startswith("--load-model=")]
@@ -88,7 +93,7 @@ def triton_args(args):
 def test_compose_and_kubernetes_agree_with_the_code():
     """Ports, repository path, model names and image tag: one truth, read from both sides."""
     ports = {DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT}
-    names = sorted(model_names({"name": TrainConfig().arch}, servable_formats({"artifacts": [{"format": f, "name": f} for f in DEFAULT_FORMATS]})).values())
+    names = sorted(model_names({"name": TrainConfig().arch}, servable_formats(DEFAULT_EXPORT)).values())
 
     svc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["triton"]
     assert svc["image"] == TRITON_IMAGE
@@ -166,7 +171,7 @@ def kserve_problems(isvc: dict) -> list[str]:
     opts, loads = triton_args(["tritonserver", *model.get("args", [])])
     if opts.get("--model-control-mode") != "explicit":
         problems.append("rollout needs --model-control-mode=explicit")
-    if sorted(loads) != sorted(model_names({"name": TrainConfig().arch}, servable_formats({"artifacts": [{"format": f, "name": f} for f in DEFAULT_FORMATS]})).values()):
+    if sorted(loads) != sorted(model_names({"name": TrainConfig().arch}, servable_formats(DEFAULT_EXPORT)).values()):
         problems.append(f"loads {loads}, not the repository's models")
     unknown = set(pred) - {"canaryTrafficPercent", "minReplicas", "maxReplicas", "model", "scaleMetric", "scaleTarget"}
     unknown |= set(model) - {"modelFormat", "protocolVersion", "runtimeVersion", "storageUri", "args", "ports", "resources", "env"}

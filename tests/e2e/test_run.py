@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_cli
+from tests.helpers import rehash_version
 from torchship.io import sha256_file
 
 CONFIG = Path(__file__).with_name("tiny.toml")
@@ -98,6 +99,7 @@ def test_a_failing_gate_exits_non_zero_naming_the_stage(run_dir, tmp_path, capsy
     arr = onnx.numpy_helper.to_array(init).copy() * 1.5
     init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
     onnx.save(model, str(path))
+    rehash_version(path.parent)
     capsys.readouterr()
     assert run_cli("run", "--out", bad, "--config", CONFIG, "--from", "check") == 3
     err = capsys.readouterr().err
@@ -113,6 +115,7 @@ def test_a_run_stopped_by_an_error_says_where_and_how_to_go_on(run_dir, tmp_path
     shutil.copytree(run_dir, bad)
     path = bad / "model_repository/tiny_cnn_onnx/1/model.onnx"
     path.write_bytes(path.read_bytes()[:1000])  # the server cannot load it
+    rehash_version(path.parent)
     assert run_cli("run", "--out", bad, "--config", CONFIG, "--from", "check") == 2
     assert "tiny_cnn_onnx failed to load" in capsys.readouterr().err
     rec = json.loads((bad / "run.json").read_text())

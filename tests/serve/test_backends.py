@@ -13,7 +13,7 @@ from serve.config import ServeConfig
 from serve.embedded import TritonServer
 from serve.parity import check_served
 from tests.conftest import run_cli
-from tests.helpers import MODELS, in_process
+from tests.helpers import MODELS, in_process, rehash_version
 from torchship.errors import ParityError
 
 
@@ -111,6 +111,7 @@ def test_tampered_artifact_fails_served_parity(repo, exported, tmp_path, capsys)
     arr.flat[: arr.size // 4] *= 1.5
     init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
     onnx.save(model, str(path))
+    rehash_version(path.parent)
     with TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx",))) as s:
         with pytest.raises(ParityError, match="tiny_cnn_onnx"):
             check_served(s.url, exported)

@@ -55,6 +55,7 @@ def test_results_and_report_are_well_formed(bench_run):
                 assert r["client_cpu_us"] > 0 and r["spread"] >= 0
                 assert r["server"]["requests"] == r["ok"]
                 assert r["server"]["compute_infer_us"] > 0
+                assert r["checked"] >= r["ok"] and r["wrong"] == 0, (model, r)  # every response, held to the bound
     assert served["batching_off"]["tiny_cnn_onnx"]["rows"][0]["server"]["avg_batch"] == 1.0
     assert served["noop"]["rows"][0]["ok"] >= SHORT["requests"]
     assert all(v["errors"] == 0 and v["sent"] > 0 for v in served["open_loop"].values())
@@ -106,7 +107,7 @@ def test_one_run_reads_the_reference_once_and_rebuilds_eager_once(exported, serv
     import torchship.manifest
 
     reads, checks, rebuilds = [], [], []
-    load, rebuild, check = np.load, torchship.eager.checkpoint_model, torchship.manifest._file_problem
+    load, rebuild, check = np.load, torchship.eager.checkpoint_model, torchship.manifest.file_problem
 
     def counted_load(path, *a, **k):
         reads.append(str(path))
@@ -120,7 +121,7 @@ def test_one_run_reads_the_reference_once_and_rebuilds_eager_once(exported, serv
                 {"export_dir": str(exported), "out": str(tmp_path), "url": server.url, "models": ["tiny_cnn_onnx"]})
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(np, "load", counted_load)
-        mp.setattr(torchship.manifest, "_file_problem", counted_check)
+        mp.setattr(torchship.manifest, "file_problem", counted_check)
         mp.setattr(torchship.eager, "checkpoint_model", lambda *a: rebuilds.append(a) or rebuild(*a))
         results = run_bench(cfg, log=lambda *a: None)
     assert results["in_process"]["rows"] and results["served"]["models"]["tiny_cnn_onnx"]["rows"]
@@ -320,3 +321,50 @@ def test_a_server_stop_note_reaches_the_bench_log_results_and_report(exported, t
     assert results["server_stop_note"] == "tiny_cnn_onnx still loaded (planted)"
     assert "note: tiny_cnn_onnx still loaded (planted)" in lines
     assert "killed at the end: tiny_cnn_onnx still loaded" in (tmp_path / "report.md").read_text()
+
+
+CORRUPTING = """
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from torchship_stub import stub_model  # noqa: E402
+
+
+class TritonPythonModel(stub_model("onnxruntime")):
+    \"\"\"A batcher bug: in a batch of 4 rows or more, the first request's answer comes back wrong.\"\"\"
+
+    def run_batch(self, batch, owners, results):
+        super().run_batch(batch, owners, results)
+        if sum(f[self.inputs[0]].shape[0] for f in batch) >= 4 and not isinstance(results[owners[0]], str):
+            results[owners[0]][0] = results[owners[0]][0] + 0.5
+"""
+
+
+@pytest.mark.slow
+def test_a_backend_that_corrupts_one_row_of_a_batch_is_caught_under_load(exported, repo, tmp_path, monkeypatch):
+    """Planted: a backend that returns one wrong row in batches of 4 or more. Batch-1 requests one at a time
+    never form such a batch, so concurrency 1 checks clean; at 16 in flight the batcher forms them, and the
+    bench fails naming the model and the level, with its results and report written."""
+    import shutil
+
+    import serve.embedded.server as server_module
+    from serve.embedded.wheel import backend_dir
+    from torchship.errors import ParityError
+
+    planted = tmp_path / "backends"
+    shutil.copytree(backend_dir(), planted)
+    (planted / "onnxruntime" / "model.py").write_text(CORRUPTING)
+    monkeypatch.setattr(server_module, "backend_dir", lambda: planted)
+    out = tmp_path / "bench"
+    cfg = build(BenchConfig, {**SHORT, "skip_in_process": True, "models": ["tiny_cnn_onnx"], "concurrency": [1, 16],
+                              "batching_compare": [], "plots": False},
+                {"export_dir": str(exported), "repo": str(repo), "out": str(out)})
+    with pytest.raises(ParityError, match=r"tiny_cnn_onnx at concurrency 16: \d+ of \d+ checked responses wrong") as e:
+        run_bench(cfg, log=lambda *a: None)
+    assert "at concurrency 1:" not in str(e.value) and "beyond" in str(e.value)
+    c1, c16 = json.loads((out / "results.json").read_text())["served"]["models"]["tiny_cnn_onnx"]["rows"]
+    assert c1["checked"] >= SHORT["requests"] and c1["wrong"] == 0
+    assert c16["wrong"] >= 1 and c16["server"]["avg_batch"] > 1
+    assert "WRONG" in (out / "report.md").read_text()

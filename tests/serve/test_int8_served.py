@@ -10,6 +10,7 @@ from serve.embedded import TritonServer
 from serve.parity import check_served
 from serve.repository import build_repository
 from tests.conftest import run_cli
+from tests.helpers import rehash_version
 from torchship.errors import ParityError
 
 
@@ -43,6 +44,7 @@ def test_a_badly_calibrated_int8_model_fails_served_parity(int8_repo, int8_expor
     zeros = {"images": np.zeros((16, 3, 32, 32), np.float32)}
     onnx_int8(int8_export / "onnx" / "model.onnx", bad / "tiny_cnn_onnx_int8" / "1" / "model.onnx", zeros, "zeros",
               int8_scheme(), external=False)
+    rehash_version(bad / "tiny_cnn_onnx_int8" / "1")
     with TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx_int8",))) as s:
         with pytest.raises(ParityError, match=r"tiny_cnn_onnx_int8: heldout: accuracy .* a drop beyond 2 points"):
             check_served(s.url, int8_export)
@@ -55,6 +57,7 @@ def test_a_badly_calibrated_aoti_int8_model_fails_served_parity(int8_repo, int8_
     bad = tmp_path / "repo"
     shutil.copytree(int8_repo, bad)
     shutil.copy2(zero_calibrated[2] / "aoti_int8" / "model.pt2", bad / "tiny_cnn_aoti_int8" / "1" / "model.pt2")
+    rehash_version(bad / "tiny_cnn_aoti_int8" / "1")
     with TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_aoti_int8",))) as s:
         with pytest.raises(ParityError, match=r"tiny_cnn_aoti_int8: heldout: accuracy .* a drop beyond 2 points"):
             check_served(s.url, int8_export)

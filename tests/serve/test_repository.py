@@ -1,14 +1,18 @@
 """The generated repository: layout, protobuf configs, and names that agree with the manifest."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from serve.config import ServeConfig
+from serve.embedded import TritonServer
 from serve.repository import EMBEDDED_CONFIG
 from tests.conftest import run_cli
+from torchship.errors import ServerError
 from torchship.manifest import read_manifest, read_reference
 
 
@@ -127,7 +131,7 @@ def test_gpu_repository_configs_and_the_providers_the_backend_builds_from_them(g
     assert OnnxRuntimeModel().ort_providers(config_json(onnx), "cuda:0") == [
         ("TensorrtExecutionProvider", {"device_id": 0, "trt_fp16_enable": False, "trt_engine_cache_enable": True,
                                        "trt_engine_cache_path": "/engines"}),
-        ("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+        ("CUDAExecutionProvider", {"device_id": 0, "use_tf32": "0"}), "CPUExecutionProvider"]  # IEEE float32
     assert OnnxRuntimeModel().ort_providers(config_json(onnx), "cpu") == ["CPUExecutionProvider"]
     assert "The models run on GPU 0 (`KIND_GPU` instances)" in (gpu_repo / "README.md").read_text()
 
@@ -186,3 +190,57 @@ def test_serving_a_gpu_repository_without_a_gpu_is_refused_before_the_server_sta
     assert run_cli("serve", gpu_repo) == 2
     err = capsys.readouterr().err
     assert "asks for GPU instances (KIND_GPU in" in err and "--instance-kind cpu" in err, err
+
+
+def tampered(repo, tmp_path, rel="tiny_cnn_onnx/1/model.onnx"):
+    """A copy of ``repo`` with one byte of one served file changed (a flipped bit on disk, an edit after review)."""
+    bad = tmp_path / "repo"
+    shutil.copytree(repo, bad)
+    data = bytearray((bad / rel).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (bad / rel).write_bytes(bytes(data))
+    return bad
+
+
+def test_each_version_records_the_sha256_of_its_files(repo):
+    import hashlib
+
+    for model in ("tiny_cnn_onnx", "tiny_cnn_torchscript", "tiny_cnn_aoti"):
+        vdir = repo / model / "1"
+        files = json.loads((vdir / "provenance.json").read_text())["files"]
+        assert set(files) == {p.name for p in vdir.iterdir()} - {"provenance.json"}
+        assert all(hashlib.sha256((vdir / f).read_bytes()).hexdigest() == sha for f, sha in files.items())
+
+
+def test_serve_refuses_a_tampered_repository_before_it_starts(repo, tmp_path, capsys):
+    bad = tampered(repo, tmp_path)
+    assert run_cli("serve", bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model tiny_cnn_onnx version 1: model.onnx differs from the sha256 in provenance.json" in err[0]
+
+
+def test_the_backend_refuses_to_load_a_file_that_differs_from_its_hash(repo, tmp_path, backend):
+    """The check inside the server itself: Triton's load of such a model fails, naming the file."""
+    bad = tampered(repo, tmp_path, "tiny_cnn_torchscript/1/model.pt")
+    mdir = bad / "tiny_cnn_torchscript"
+    model = backend.PyTorchModel()
+    model.log = lambda *a: None
+    args = {"model_config": json.dumps(config_json(cfg(mdir / "config.pbtxt"))), "model_name": mdir.name,
+            "model_repository": str(mdir), "model_version": "1"}
+    with pytest.raises(ValueError, match="refusing to load version 1: model.pt differs from the sha256"):
+        model.initialize(args)
+    shutil.copy2(repo / "tiny_cnn_torchscript/1/model.pt", mdir / "1" / "model.pt")
+    model.initialize(args)  # the file as recorded loads
+
+
+@pytest.mark.slow
+def test_a_tampered_model_is_not_served_by_a_real_triton(repo, tmp_path, monkeypatch):
+    """With serve's own check out of the way, Triton's load of the model fails inside the backend and the model
+    never reports ready; the log names the file."""
+    bad = tampered(repo, tmp_path)
+    monkeypatch.setattr(TritonServer, "check_configs", lambda self, names: None)
+    server = TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx",)))
+    with pytest.raises(ServerError, match="tiny_cnn_onnx failed to load") as e:
+        server.start()
+    assert "model.onnx differs from the sha256 in provenance.json" in str(e.value)
+    server.log_path.unlink()

@@ -15,7 +15,7 @@ from serve.parity import check_served
 from serve.repository import build_repository
 from serve.rollout import RolloutError, previous, switch
 from serve.versions import add_version, history, live_version, versions
-from tests.helpers import in_process
+from tests.helpers import in_process, rehash_version
 from torchship.errors import ArtifactError, ParityError
 
 MODEL = "tiny_cnn_onnx"
@@ -124,6 +124,7 @@ def test_a_bad_new_version_is_refused_and_the_live_one_serves_on(two_versions, e
     arr = onnx.numpy_helper.to_array(init).copy() * 1.5
     init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
     onnx.save(m, str(path))
+    rehash_version(path.parent)
     xs = np.load(exported / "reference.npz")["input/heldout/images"][:16]
     expected = {1: in_process(exported, "onnx").run({"images": xs})["logits"]}
     with TritonServer(ServeConfig(repo=str(repo))) as s:
@@ -183,3 +184,13 @@ def test_ctrl_c_during_a_rollout_leaves_one_version_serving_and_says_which(two_v
         with pytest.raises(ParityError, match="tiny_cnn_onnx: heldout: .*version 2"):
             check_served(s.url, exported, models=[MODEL], version="2")
     assert live_version(repo / MODEL) == 1 and not (repo / f"{MODEL}__candidate").exists()
+
+
+def test_a_tampered_candidate_is_refused_before_it_is_loaded(two_versions, exported):
+    """Version 2's file altered on disk after torchship repo wrote it: the rollout refuses it, naming the file,
+    without loading it; version 1 stays live."""
+    path = two_versions / MODEL / "2" / "model.onnx"
+    path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))
+    with pytest.raises(RolloutError, match=r"version 2 refused: model.onnx differs from the sha256 .*version 1 still serves"):
+        switch("127.0.0.1:1", two_versions, MODEL, None, exported)  # refused before any server is asked
+    assert live_version(two_versions / MODEL) == 1

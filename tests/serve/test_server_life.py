@@ -15,7 +15,7 @@ from serve.client import TritonClient
 from serve.config import ServeConfig
 from serve.embedded import TritonServer
 from tests.conftest import run_cli
-from tests.helpers import assert_onnx_served, in_process, refused_then_served
+from tests.helpers import assert_onnx_served, in_process, refused_then_served, rehash_version
 from torchship.errors import ClientError, ServerError
 
 
@@ -117,6 +117,7 @@ def test_a_model_that_fails_to_load_is_named_and_its_log_kept(repo, tmp_path):
     shutil.copytree(repo, bad)
     path = bad / "tiny_cnn_onnx" / "1" / "model.onnx"
     path.write_bytes(path.read_bytes()[:1000])
+    rehash_version(path.parent)
     server = TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx",)))
     with pytest.raises(ServerError, match="tiny_cnn_onnx failed to load") as e:
         server.start()

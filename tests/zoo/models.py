@@ -37,10 +37,10 @@ class Entry:
 
 IMAGE = ("--input", "images:float32:B,3,224,224")
 TEXT_BERT = ("--input", "input_ids:int64:B,S", "--input", "attention_mask:int64:B,S", "--input", "token_type_ids:int64:B,S",
-             "--dim", "S=1..128", "--input-range", "input_ids=0..30521", "--input-range", "attention_mask=1..1",
+             "--dim", "S=1..128", "--input-range", "input_ids=0..30521", "--input-range", "attention_mask=mask",
              "--input-range", "token_type_ids=0..1")
 TEXT_GPT2 = ("--input", "input_ids:int64:B,S", "--input", "attention_mask:int64:B,S", "--dim", "S=1..64",
-             "--input-range", "input_ids=0..50256", "--input-range", "attention_mask=1..1")
+             "--input-range", "input_ids=0..50256", "--input-range", "attention_mask=mask")
 
 ZOO = [
     Entry("resnet50", "torchvision_model", {"arch": "resnet50"}, IMAGE),
