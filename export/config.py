@@ -9,7 +9,7 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.errors import ConfigError
 from torchship.parity import GATE
-from torchship.runtime import DEFAULT_FORMATS, FORMATS, INT8_FORMATS
+from torchship.runtime import FORMATS, INT8_FORMATS, default_formats
 
 @dataclass
 class ExportConfig:
@@ -23,9 +23,12 @@ class ExportConfig:
     outputs: tuple[str, ...] = opt((), "output names in forward's order (default: a dict's keys, else output0, output1, ...; repeatable)", flag="--output", append=True)
     example_inputs: Optional[str] = opt(None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench")
     out: str = opt("runs/export", "export directory to create")
-    formats: tuple[str, ...] = opt(DEFAULT_FORMATS, "formats to export: " + ", ".join(FORMATS) + " (onnx_int8, aoti_int8: "
-                                                    "ONNX Runtime INT8 and torchao PT2E INT8 compiled by AOTInductor, "
-                                                    "quantized for this CPU and gated on accuracy; opt-in)")
+    formats: tuple[str, ...] = opt((), "formats to export: " + ", ".join(FORMATS) + ". Default: torchscript and onnx, "
+                                       "and on CUDA aoti (the official container's torch_aoti); on a CPU an fp32 "
+                                       "AOTInductor package is slower than ONNX Runtime and costs most of the export's "
+                                       "time, so aoti, aoti_buckets and exported_program are opt-in there (onnx_int8, "
+                                       "aoti_int8: ONNX Runtime INT8 and torchao PT2E INT8 compiled by AOTInductor, "
+                                       "quantized for this CPU and gated on accuracy; opt-in)")
     calibration: Optional[str] = opt(None, "onnx_int8, aoti_int8: an npz of real inputs keyed by input name to calibrate on (default: the "
                                            "checkpoint's held-out samples, or --example-inputs)")
     max_accuracy_drop: float = opt(GATE["max_accuracy_drop"], "an INT8 artifact passes if its accuracy on the labelled real samples "
@@ -71,11 +74,9 @@ class ExportConfig:
         unknown = [f for f in self.formats if f not in FORMATS]
         if unknown:
             raise ConfigError(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
-        if not self.formats:
-            raise ConfigError("--formats: give at least one format")
-        stray = [f for f in self.optional if f not in self.formats]
+        stray = [f for f in self.optional if f not in (self.formats or FORMATS)]
         if stray:
-            raise ConfigError(f"--optional {stray[0]} is not among --formats ({', '.join(self.formats)})")
+            raise ConfigError(f"--optional {stray[0]} is not among --formats ({', '.join(self.formats or FORMATS)})")
         if self.max_batch < 2:
             raise ConfigError("--max-batch must be at least 2 (a batch of 1 cannot be exported as dynamic)")
         if not 1 <= self.odd_batch <= self.max_batch:
@@ -103,6 +104,20 @@ class ExportConfig:
         if self.tf32 and (self.dtype != "float32" or self.device == "cpu"):
             raise ConfigError("--tf32 applies to float32 on CUDA; leave it out" +
                               (f" with --dtype {self.dtype}" if self.dtype != "float32" else " with --device cpu"))
+
+
+    def for_device(self, device: str) -> "ExportConfig":
+        """This config with --formats resolved for ``device`` (default_formats where none were given)."""
+        if self.formats:
+            return self
+        import dataclasses
+
+        formats = default_formats(device)
+        stray = [f for f in self.optional if f not in formats]
+        if stray:
+            raise ConfigError(f"--optional {stray[0]} is not among the default formats on {device} ({', '.join(formats)}); "
+                              "name it in --formats")
+        return dataclasses.replace(self, formats=formats)
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:

@@ -44,6 +44,9 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
     src = load_source(cfg, log)
     sig = src.signature
     device = resolve_device(cfg.device)
+    if not cfg.formats:
+        cfg = cfg.for_device(device)
+        log(f"formats: {', '.join(cfg.formats)} (the default on {device}; --formats chooses)")
     eager = src.model.to(device)
     model = artifact_model(src, cfg.dtype, device)
     name = cfg.name or src.name

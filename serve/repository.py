@@ -29,7 +29,7 @@ from torchship.manifest import (PARITY_MD, artifact, file_problem, passed_format
                                 reference_inputs, why_not_passed)
 from torchship.markdown import table
 from torchship.names import SERVED_FORMATS, model_names
-from torchship.runtime import DEFAULT_FORMATS, PROVENANCE
+from torchship.runtime import PROVENANCE
 
 from torchship.device import cuda_visible
 
@@ -165,11 +165,17 @@ def servable_formats(manifest: dict[str, Any], formats: Sequence[str] = SERVED_F
     return [f for f in formats if f in have or (f == "aoti" and "aoti_buckets" in have)]
 
 
+def served_artifacts(manifest: dict[str, Any]) -> dict[str, str]:
+    """format -> the artifact the embedded server runs for it: ``aoti`` from the bucket archive where it verified."""
+    have = passed_formats(manifest)
+    return {f: "aoti_buckets" if f == "aoti" and "aoti_buckets" in have else f for f in servable_formats(manifest)}
+
+
 def not_served(manifest: dict[str, Any], formats: Sequence[str] = SERVED_FORMATS) -> dict[str, str]:
     """format -> why a repository built from this export leaves it out ("failed verification", "not
     verified", "not exported", ...), for each of ``formats`` that the export was asked for or has."""
     served = servable_formats(manifest, formats)
-    asked = set(manifest.get("formats") or DEFAULT_FORMATS) | {a["format"] for a in manifest["artifacts"]}
+    asked = set(manifest.get("formats") or ()) | {a["format"] for a in manifest["artifacts"]}
     out = {}
     for f in formats:
         if f in served or not ({f} | ({"aoti_buckets"} if f == "aoti" else set())) & asked:

@@ -86,7 +86,7 @@ def short_bench(export_dir: str | Path, repo: str | Path, out: Path, log=print) 
     from .bench.run import run_bench
 
     cfg = BenchConfig(export_dir=str(export_dir), repo=str(repo), out=str(out), skip_in_process=True,
-                      cross_check=False, batching_compare=(), plots=False, **SHORT_BENCH)
+                      cross_check=False, plots=False, **SHORT_BENCH)
     return run_bench(cfg, log=log)
 
 

@@ -48,14 +48,15 @@ def python() -> str:
 
 @pytest.fixture(scope="session")
 def exported(trained, tmp_path_factory) -> Path:
-    """Every format exported (example batch 2, max batch 8, buckets 1/8) and verified."""
+    """Every fp32 format exported (example batch 2, max batch 8, buckets 1/8) and verified."""
     from export.config import ExportConfig
     from export.pipeline import run_export
     from torchship.config import build
+    from torchship.runtime import FP32_FORMATS
 
     out = tmp_path_factory.mktemp("exported") / "export"
     run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(out), "max_batch": 8, "buckets": [1, 8],
-                                    "odd_batch": 5}), log=lambda *a: None)
+                                    "odd_batch": 5, "formats": list(FP32_FORMATS)}), log=lambda *a: None)
     return out
 
 

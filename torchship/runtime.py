@@ -12,9 +12,18 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-DEFAULT_FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
+FP32_FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")  # in the model's own dtype
 INT8_FORMATS = ("onnx_int8", "aoti_int8")  # opt-in: quantized, gated on accuracy rather than rounding
-FORMATS = (*DEFAULT_FORMATS, *INT8_FORMATS)
+FORMATS = (*FP32_FORMATS, *INT8_FORMATS)
+
+
+def default_formats(device: str) -> tuple[str, ...]:
+    """What an export makes when --formats is not given: what the repository serves and pays its way. TorchScript
+    and ONNX everywhere; on CUDA also the AOTInductor package the official container serves. On a CPU an fp32
+    AOTInductor package served and ran in-process slower than ONNX Runtime while its compiles took most of the
+    export's time (docs/benchmarks.md), so there it is opt-in (aoti, aoti_buckets), as exported_program is,
+    which no Triton backend serves."""
+    return ("torchscript", "aoti", "onnx") if device.startswith("cuda") else ("torchscript", "onnx")
 BUCKET_PREFIX = "bs"  # the model name of each static batch size inside an aoti_buckets archive: bs1, bs8, ...
 
 

@@ -10,9 +10,9 @@ from torchship.errors import ConfigError
 
 from ..config import ServeConfig, check_url
 
-# the budget of a bench that only feeds a decision (torchship run's bench stage, repo --strategy without --bench):
-# half-second windows (torchship bench alone: one second)
-SHORT_BENCH = {"window_s": 0.5}
+# a bench that feeds a decision (torchship run's bench stage, repo --strategy without --bench): half-second windows
+# (torchship bench alone: one second), and none of the sweeps only an investigation reads (batching off, the no-op)
+SHORT_BENCH = {"window_s": 0.5, "batching_compare": (), "noop": False}
 IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx", "onnx_int8", "aoti_int8")
 
 
@@ -22,7 +22,8 @@ class BenchConfig:
     url: Optional[str] = opt(None, "benchmark an already-running Triton at HOST:PORT instead of starting the embedded one")
     repo: Optional[str] = opt(None, "repository for the embedded server (default: built from the export into OUT/repo)")
     out: str = opt("runs/bench", "directory for results.json, report.md and the plots")
-    variants: tuple[str, ...] = opt(IN_PROCESS, "in-process variants: " + ", ".join(IN_PROCESS))
+    variants: tuple[str, ...] = opt((), "in-process variants, of " + ", ".join(IN_PROCESS) + " (default: eager and every "
+                                        "format the export has)")
     batch_sizes: tuple[int, ...] = opt((1, 32), "in-process batch sizes to sweep")
     iters: int = opt(60, "timed runs per in-process variant and batch size (split into interleaved blocks)")
     blocks: int = opt(6, "interleaved blocks: each variant runs iters/blocks times per block, in turn")
@@ -37,6 +38,7 @@ class BenchConfig:
     max_windows: int = opt(10, "windows after which a level that has not settled stops and is reported unstable")
     batching_compare: tuple[str, ...] = opt(("onnx",), "formats whose sweep is repeated with dynamic batching off (embedded server only)")
     queue_delays_us: tuple[int, ...] = opt((), "extra max_queue_delay_microseconds values to sweep (embedded server only)")
+    noop: bool = opt(True, "also time a model that runs nothing: the round trip of the protocol and the backend alone")
     rate: Optional[float] = opt(None, "also run an open-loop test at this many requests/s (Poisson arrivals)")
     duration_s: float = opt(5.0, "open-loop test duration in seconds")
     p99_budget_ms: Optional[float] = opt(None, "latency budget for the recommendation (p99, milliseconds)")

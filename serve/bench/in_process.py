@@ -24,10 +24,11 @@ def load_variants(cfg: BenchConfig, inputs: BenchInputs, device: str) -> tuple[d
     notes: dict[str, str] = {}
     manifest = inputs.manifest
     ins, outs = [i["name"] for i in manifest["inputs"]], [o["name"] for o in manifest["outputs"]]
-    have = {a["name"] for a in manifest["artifacts"]}
-    for v in cfg.variants:
-        if v not in have and v not in runtime.DEFAULT_FORMATS and v != "eager":
-            continue  # an opt-in format this export was not asked for: nothing to say
+    have = [a["name"] for a in manifest["artifacts"]]
+    for v in cfg.variants or ("eager", *have):
+        if v not in have and v != "eager":
+            notes[v] = "skipped: the export has no such artifact"
+            continue
         try:
             if v == "eager":
                 if inputs.eager is None:

@@ -120,7 +120,7 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
     models = list(cfg.models) or models_of(manifest, known)
     if not models and error is None:
         raise BenchError(f"no model of {manifest['name']!r} is served in {where} (served: {', '.join(known) or 'none'})")
-    return ServedPlan(models, embedded, embedded or NOOP_MODEL in known, error)
+    return ServedPlan(models, embedded, cfg.noop and (embedded or NOOP_MODEL in known), error)
 
 
 @dataclass

@@ -32,6 +32,7 @@ UNLOAD_STALL_TICKS = 5
 PORT_ATTEMPTS = 3
 PORT_TAKEN = re.compile(r"Socket '[^']*:(\d+)' already in use")
 PORTS = ("--grpc-port", "--http-port", "--metrics-port")
+FAILED_START_STOP_S = 3.0  # after a failed start, how long SIGTERM gets before the server is killed
 
 
 class TritonServer:
@@ -211,7 +212,7 @@ class TritonServer:
             self.loaded.sort()
             return self
         except BaseException:
-            self.stop()
+            self.stop(timeout=FAILED_START_STOP_S)  # nothing was served: no drain to wait for
             raise
 
     def check_configs(self, names: Sequence[str]) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 from torchship.manifest import read_manifest
-from torchship.runtime import DEFAULT_FORMATS
+from torchship.runtime import FP32_FORMATS
 
 pytest.importorskip("transformers")
 
@@ -45,10 +45,10 @@ def test_the_readme_text_command_exports_serves_and_checks_hf_bert(tmp_path):
     torch.save(hf_bert().state_dict(), tmp_path / "bert.pt")
     out = tmp_path / "export"
     assert run_cli("export", "--model", "tests.anymodel.models:hf_bert", "--weights", tmp_path / "bert.pt", *flags,
-                   "--formats", *DEFAULT_FORMATS, "--max-batch", "8", "--buckets", "1", "8", "--out", out) == 0
+                   "--formats", *FP32_FORMATS, "--max-batch", "8", "--buckets", "1", "8", "--out", out) == 0
     m = read_manifest(out)
     v = m["verification"]
-    assert v["pass"] and all(e["pass"] for e in v["artifacts"].values()) and len(v["artifacts"]) == len(DEFAULT_FORMATS)
+    assert v["pass"] and all(e["pass"] for e in v["artifacts"].values()) and len(v["artifacts"]) == len(FP32_FORMATS)
     assert {"random_b1_S=1", "random_b8_S=1"} <= set(m["reference"]["sets"])  # S down to 1, at batch 1 and the max
     res = build_repository(out, RepoConfig(out=str(tmp_path / "repo")))
     with TritonServer(ServeConfig(repo=res["path"])) as server:

@@ -21,7 +21,7 @@ from torchship.manifest import read_manifest, write_manifest
 
 def test_every_format_exported_and_verified(exported):
     m = read_manifest(exported)
-    assert {a["format"] for a in m["artifacts"]} == set(runtime.DEFAULT_FORMATS)
+    assert {a["format"] for a in m["artifacts"]} == set(runtime.FP32_FORMATS)
     assert m["verification"]["pass"], m["verification"]["failures"]
     assert (exported / "parity.md").read_text().count("| pass |") >= 5 * 4
     assert m["inputs"] == [{"name": "images", "dtype": "float32", "shape": ["batch", 3, 32, 32]}]
@@ -40,7 +40,7 @@ def load(exported, fmt):
     return runtime.load_artifact(str(exported), a, ["images"], ["logits"]), m
 
 
-@pytest.mark.parametrize("fmt", runtime.DEFAULT_FORMATS)
+@pytest.mark.parametrize("fmt", runtime.FP32_FORMATS)
 def test_dynamic_batch_is_really_dynamic(exported, fmt):
     """Exported with an example batch of 2; batch 5 (and 7) must run and match eager."""
     from torchship.eager import eager_from_manifest

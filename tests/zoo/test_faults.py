@@ -1,5 +1,5 @@
-"""Planted faults: verification against the float64 reference catches each, on resnet50 at 224 and on a
-BERT-style classifier, and passes the faithful artifact beside them (no false failure).
+"""Planted faults: verification against the float64 reference catches each, on a BERT-style classifier (and,
+under -m zoo, on resnet50 at 224), and passes the faithful artifact beside them (no false failure).
 
 Each fault is a real artifact (an ExportedProgram of the faulty model) listed in the manifest beside the
 faithful one, as a faulty exporter would have written it; one verification run checks them all.
@@ -169,7 +169,11 @@ def verdicts(d) -> dict[str, dict]:
     return read_manifest(d)["verification"]["artifacts"]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# resnet50 at 224 is real size: under -m zoo; bert_tiny keeps every planted fault in the default run
+CASES = [pytest.param(n, marks=pytest.mark.zoo) if n == "resnet50" else n for n in MODELS]
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_every_planted_fault_is_caught_and_the_faithful_artifact_passes(name, tmp_path, zoo_weights):
     if name == "bert_tiny":
         pytest.importorskip("transformers")
@@ -187,7 +191,7 @@ def test_every_planted_fault_is_caught_and_the_faithful_artifact_passes(name, tm
         assert worst > 3 * next(iter(tol["outputs"].values()))["atol"], (fault, worst)  # not a near miss
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", CASES)
 def test_an_artifact_returning_zeros_is_caught_on_outputs_near_1e10(name, tmp_path, zoo_weights):
     """Outputs around 1e-10: a fixed absolute tolerance passes an artifact of zeros; the bound scales with
     the reference, and catches it."""

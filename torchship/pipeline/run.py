@@ -205,10 +205,15 @@ def stage_check(run: Run, t0: float) -> None:
 def stage_bench(run: Run, t0: float) -> None:
     from serve.bench.run import run_bench
 
+    from serve.repository import served_artifacts
     from torchship.errors import ParityError
+    from torchship.manifest import read_manifest
 
+    cfg = run.cfg["bench"]
+    if not run.settings["bench"].get("variants"):  # in-process, what the summary sets beside each served model
+        cfg = dataclasses.replace(cfg, variants=tuple(served_artifacts(read_manifest(run.dirs["export"])).values()))
     try:
-        results = run_bench(run.cfg["bench"], log=run.log, server=run.served())
+        results = run_bench(cfg, log=run.log, server=run.served())
     except ParityError as e:  # a wrong answer under load: the results and report are written
         run.done("bench", t0, report=str(run.dirs["bench"] / "report.md"), error=str(e))
         run.gate("bench", False, str(e))
