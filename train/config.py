@@ -16,7 +16,7 @@ class TrainConfig:
                            "package.module:factory returning (train, val) datasets of (inputs, class index) samples, inputs a "
                            "tensor or a dict of tensors (see docs/any-model.md)")
     image_size: Optional[int] = opt(None, "input height and width in pixels (default: 32 for digits/synthetic, 224 for folders)")
-    epochs: int = opt(3, "number of passes over the training split (the default digits reach 97-99 % in 3)")
+    epochs: int = opt(3, "number of passes over the training split (the default digits reach 97-99 %% in 3)")
     batch_size: int = opt(64, "global batch size, split evenly across DDP ranks")
     lr: float = opt(2e-3, "peak learning rate of AdamW (warm-up then cosine decay)")
     weight_decay: float = opt(5e-4, "AdamW weight decay")

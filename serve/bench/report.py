@@ -60,6 +60,10 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     for model, mm in served.get("models", {}).items():
         if mm.get("buckets"):
             lines.append(padding_line(model, mm["buckets"], mm["rows"]))
+    memory = {m: mm["instance_rss_bytes"] for m, mm in served.get("models", {}).items() if mm.get("instance_rss_bytes")}
+    if memory:
+        lines.append("- Resident memory of each model's backend process after the sweep: "
+                     + ", ".join(f"{m} {b / 2 ** 20:.0f} MiB" for m, b in memory.items()))
     for model, off in served.get("batching_off", {}).items():
         on = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
         gains = [f"{r['concurrency']}: {on[r['concurrency']]['requests_per_s'] / r['requests_per_s']:.2f}x"

@@ -279,6 +279,10 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
                                    **({"buckets": [int(b) for b in buckets.split(",")]} if buckets else {})}
     for model, rows in run(models).items():
         served["models"][model]["rows"] = rows
+    if embedded:  # after the sweep: what each model's instance holds once it has served every batch size
+        for model, rss in server.instance_memory().items():
+            if model in served["models"]:
+                served["models"][model]["instance_rss_bytes"] = rss
     save()
     if embedded:
         def config(model: str):

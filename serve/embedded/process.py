@@ -135,3 +135,31 @@ def _end_started(done: concurrent.futures.Future) -> None:
         proc = done.result()
         proc.kill()
         proc.wait()
+
+
+STUB = "triton_python_backend_stub"
+
+
+def instance_memory(pgid: int, models: Sequence[str]) -> dict[str, int]:
+    """Resident bytes of each model's backend processes (Triton's Python stubs, one per instance, named
+    ``<model>`` or ``<model>_<group>_<index>`` on their command lines) in the process group ``pgid``, summed per model."""
+    out: dict[str, int] = {}
+    by_length = sorted(models, key=len, reverse=True)
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            if os.getpgid(int(d)) != pgid:
+                continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{d}/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            continue
+        if not argv[0].endswith(STUB):
+            continue
+        model = next((m for m in by_length if any(a == m or a.startswith(m + "_") for a in argv[1:])), None)
+        if model:
+            out[model] = out.get(model, 0) + rss
+    return out

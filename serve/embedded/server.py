@@ -314,6 +314,12 @@ class TritonServer:
             self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
+    def instance_memory(self) -> dict[str, int]:
+        """model -> resident bytes of its backend processes (Python stubs), for the models loaded now."""
+        from .process import instance_memory
+
+        return instance_memory(self.proc.pid, self.loaded) if self.running else {}
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
