@@ -1,8 +1,11 @@
-"""Shared fixtures: one small trained model per test session, reused by export and serve tests."""
+"""Shared fixtures: one small trained model and its exports per test run, reused by every test that only reads
+them. Under pytest-xdist (the suite runs on two workers) each is built by the first worker that needs it and
+reused by the other (``once``)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -13,6 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: one worker per usable core and one more, up to 4. The suite waits on Triton servers and child
+    processes about half of its time, so one extra worker keeps the cores busy."""
+    return min(4, len(os.sched_getaffinity(0)) + 1)
+
+
 def pytest_collection_modifyitems(config, items):
     """The zoo runs only when asked for by name (-m zoo): it takes about an hour."""
     if "zoo" in (config.getoption("markexpr") or ""):
@@ -21,6 +30,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("zoo"):
             item.add_marker(skip)
+
+
+def once(tmp_path_factory, name: str, build) -> Path:
+    """The folder ``build(folder)`` fills, built once per test run however many xdist workers ask for it: the
+    first builds it under a file lock, the others wait and reuse it. Tests only read what it holds."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    out = root / f"once-{name}"
+    with FileLock(str(out) + ".lock"):
+        if not (out / ".built").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            (out / ".built").touch()
+    return out
 
 
 def run_cli(*argv: str) -> int:
@@ -36,10 +63,12 @@ def trained(tmp_path_factory) -> Path:
     from train.config import TrainConfig
     from train.loop import train
 
-    out = tmp_path_factory.mktemp("trained")
-    res = train(build(TrainConfig, {"arch": "tiny_cnn", "epochs": 6, "lr": 3e-2, "batch_size": 32, "out": str(out),
-                                    "progress": False, "seed": 0, "amp": "off"}))
-    return res.best
+    def make(out):
+        train(build(TrainConfig, {"arch": "tiny_cnn", "epochs": 6, "lr": 3e-2, "batch_size": 32, "out": str(out),
+                                  "progress": False, "seed": 0, "amp": "off"}))
+    from torchship import checkpoint as ck
+
+    return ck.resolve_checkpoint(once(tmp_path_factory, "trained", make), which="best")
 
 
 def python() -> str:
@@ -54,10 +83,10 @@ def exported(trained, tmp_path_factory) -> Path:
     from torchship.config import build
     from torchship.runtime import FP32_FORMATS
 
-    out = tmp_path_factory.mktemp("exported") / "export"
-    run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(out), "max_batch": 8, "buckets": [1, 8],
-                                    "odd_batch": 5, "formats": list(FP32_FORMATS)}), log=lambda *a: None)
-    return out
+    def make(d):
+        run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(d / "export"), "max_batch": 8,
+                                        "buckets": [1, 8], "odd_batch": 5, "formats": list(FP32_FORMATS)}), log=lambda *a: None)
+    return once(tmp_path_factory, "exported", make) / "export"
 
 
 @pytest.fixture(scope="session")
@@ -69,10 +98,11 @@ def int8_export(trained, tmp_path_factory) -> Path:
     from export.pipeline import run_export
     from torchship.config import build
 
-    out = tmp_path_factory.mktemp("int8") / "export"
-    run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(out), "max_batch": 8,
-                                    "formats": ["onnx", "onnx_int8", "aoti_int8"], "max_accuracy_drop": 2.0}), log=lambda *a: None)
-    return out
+    def make(d):
+        run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(d / "export"), "max_batch": 8,
+                                        "formats": ["onnx", "onnx_int8", "aoti_int8"], "max_accuracy_drop": 2.0}),
+                   log=lambda *a: None)
+    return once(tmp_path_factory, "int8", make) / "export"
 
 
 @pytest.fixture(scope="session")
@@ -82,15 +112,20 @@ def zero_calibrated(trained, tmp_path_factory) -> tuple[int, str, Path]:
     import contextlib
     import io
 
-    tmp = tmp_path_factory.mktemp("zeros")
-    zeros = tmp / "zeros.npz"
-    with np.load(trained / "heldout.npz") as held:
-        np.savez(zeros, images=np.zeros_like(held["images"][:32], dtype=np.float32))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = run_cli("export", trained, "--out", tmp / "export", "--formats", "onnx_int8", "aoti_int8",
-                       "--max-batch", "8", "--calibration", zeros)
-    return code, err.getvalue(), tmp / "export"
+    import json
+
+    def make(tmp):
+        zeros = tmp / "zeros.npz"
+        with np.load(trained / "heldout.npz") as held:
+            np.savez(zeros, images=np.zeros_like(held["images"][:32], dtype=np.float32))
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = run_cli("export", trained, "--out", tmp / "export", "--formats", "onnx_int8", "aoti_int8",
+                           "--max-batch", "8", "--calibration", zeros)
+        (tmp / "outcome.json").write_text(json.dumps({"code": code, "stderr": err.getvalue()}))
+    tmp = once(tmp_path_factory, "zeros", make)
+    outcome = json.loads((tmp / "outcome.json").read_text())
+    return outcome["code"], outcome["stderr"], tmp / "export"
 
 
 @pytest.fixture(scope="session")

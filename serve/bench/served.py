@@ -26,6 +26,7 @@ from .stats import merge_deltas, served_count, settled_stats, stats_delta, stats
 from .windows import LAST, settle_rounds, ticker
 
 NOOP_MODEL = "_torchship_noop"
+READY_WAIT_S = 15.0  # how long the bench waits for the server at --url to say it is ready
 
 
 def noop_repo(out: Path, manifest: dict) -> Path:
@@ -98,7 +99,7 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
         where, known, embedded = f"the server at {cfg.url}", [], False
         client = TritonClient(cfg.url)
         try:
-            client.wait_ready(15)
+            client.wait_ready(READY_WAIT_S)
             known = client.ready_models()
         except TorchshipError as e:
             if cfg.models:

@@ -241,9 +241,11 @@ def test_compare_detects_a_planted_2x_slowdown(bench_run, exported, tmp_path, ca
         assert len(err) == 1 and str(bad) in err[0] and says in err[0], err
 
 
-def test_unreachable_server_keeps_partial_results(exported, tmp_path):
+def test_unreachable_server_keeps_partial_results(exported, tmp_path, monkeypatch):
+    import serve.bench.served
     from serve.embedded.process import free_ports
 
+    monkeypatch.setattr(serve.bench.served, "READY_WAIT_S", 2.0)
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "variants": ["onnx"],
                                      "url": f"127.0.0.1:{free_ports()[0]}"})
     with pytest.raises(ServerError, match="partial results kept"):
