@@ -19,6 +19,7 @@ from torchship.device import resolve_device, usable_cpus
 from torchship import parity
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ConfigError, DegenerateError, ParityError
 from torchship.io import check_out_dir, sha256_file, staging_dir
+from torchship.markdown import size
 from torchship.manifest import FORMAT, MANIFEST, REFERENCE, read_manifest, write_manifest
 from torchship.signature import Signature
 
@@ -60,7 +61,7 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
                  "device": device, "torch_version": torch.__version__, "export_seconds": round(secs, 2),
                  "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
         artifacts.append(entry)
-        log(f"  {fmt}: {', '.join(files)} ({entry['bytes'] / 1e6:.1f} MB, {secs:.1f}s)")
+        log(f"  {fmt}: {', '.join(files)} ({size(entry['bytes'])}, {secs:.1f}s)")
 
     def fail(fmt: str, reason: str) -> None:
         shutil.rmtree(tmp / fmt, ignore_errors=True)

@@ -23,7 +23,7 @@ from torchship.parity import check_output
 from torchship.signature import looks_like_mask
 from torchship.manifest import (FAILED, PARITY_MD, REFERENCE, STALE, UNVERIFIED, check_hashes, read_manifest, verdict_state,
                                 verdicts, write_manifest)
-from torchship.markdown import table
+from torchship.markdown import size, table
 
 
 def exit_text(code: int) -> str:
@@ -260,6 +260,15 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         artifacts.append([f["format"], "-", "-", "-", "-", f"NOT EXPORTED{optional}: {f['error']}"])
     lines += ["", *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts)]
     lines += [line for note in tf32_notes for line in ("", note)]
+    lines += ["", "What each artifact cost (export: the seconds to make it, an AOTInductor package's compile included; "
+              "verify: loading and running it in a fresh process):", "", *table(
+                  ["artifact", "export s", "on disk", "verify s", "verify peak RSS"],
+                  [[a["name"], f"{a['export_seconds']:.1f}" if "export_seconds" in a else "-",
+                    size(a["bytes"]) if "bytes" in a else "-",
+                    f"{v['artifacts'][a['name']]['seconds']:.1f}" if a["name"] in v["artifacts"] else "-",
+                    f"{v['artifacts'][a['name']]['peak_rss_bytes'] / 2 ** 30:.2f} GiB"
+                    if (v["artifacts"].get(a["name"]) or {}).get("peak_rss_bytes") else "-"]
+                   for a in manifest["artifacts"]])]
     if quantized:
         lines += ["", "Quantized artifacts are held to an accuracy gate on the real samples instead of a rounding bound "
                   "(accuracy within the allowed drop of eager's where labels exist, else top-1 agreement; an SQNR "

@@ -10,3 +10,11 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     """A markdown table's lines: the header, its separator, then a line per row (each cell as str())."""
     return [f"| {' | '.join(header)} |", "|" + "---|" * len(header),
             *(f"| {' | '.join(str(c) for c in row)} |" for row in rows)]
+
+
+def size(n: float) -> str:
+    """Bytes in words a table can hold: 812 KB, 44.7 MB, 1.04 GB (powers of ten, as disk sizes are given)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{1 if unit == 'MB' else 2 if unit == 'GB' else 0}f} {unit}"
+    return f"{int(n)} B"

@@ -82,6 +82,7 @@ def heldout_accuracy(export_dir) -> float:
         return float((ref["expected/heldout/logits"].argmax(1) == ref["labels/heldout"]).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, method", [("onnx_int8", "dynamic"), ("aoti_int8", "static")])
 def test_a_transformer_gets_int8_gated_on_its_accuracy(text_checkpoint, tmp_path, capsys, fmt, method):
     """No Conv in the graph: onnx_int8 quantizes dynamically (no calibration); aoti_int8 calibrates on the
@@ -108,6 +109,7 @@ def test_ddp_prefixed_weights_export_to_every_format(weights, tmp_path, capsys):
     assert m["verification"]["pass"] and m["source"]["kind"] == "weights"
 
 
+@pytest.mark.slow
 def test_text_model_verified_in_every_format_at_every_length(text_checkpoint, text_export):
     meta = json.loads(next(text_checkpoint.glob("checkpoints/step-*/meta.json")).read_text())
     assert meta["world_size"] == 2 and meta["metrics"]["val_acc"] > 0.8
@@ -125,6 +127,7 @@ def test_text_model_verified_in_every_format_at_every_length(text_checkpoint, te
     assert all(f"{k}/embedding" in v["artifacts"]["onnx"]["sets"] for k in m["reference"]["sets"])
 
 
+@pytest.mark.slow
 def test_dict_samples_reach_forward_by_keyword(text_checkpoint, tmp_path):
     """The dataset's dict is in another order than forward's parameters: export passes it by keyword, as
     training did. Planted fault: the same checkpoint taken by position feeds the mask as the ids."""
@@ -210,6 +213,7 @@ def test_a_trace_right_only_at_its_traced_length_fails_at_another(tmp_path, caps
     assert not read_manifest(tmp_path / "e")["verification"]["pass"]
 
 
+@pytest.mark.slow
 def test_a_perturbed_weight_in_one_artifact_fails_verification_and_is_not_served(text_export, tmp_path, capsys):
     from export.verify import verify_export
     from serve.config import RepoConfig
@@ -246,6 +250,7 @@ def served(mlp_export, text_export, tmp_path_factory):
     assert s.stop() == 0, s.log_tail()
 
 
+@pytest.mark.slow
 def test_served_outputs_match_eager_for_both_models(served, mlp_export, text_export):
     from serve.parity import check_served
 
@@ -258,6 +263,7 @@ def test_served_outputs_match_eager_for_both_models(served, mlp_export, text_exp
     assert "labels.txt" not in (served.repo / "mlp_onnx" / "config.pbtxt").read_text()  # the MLP's weights name none
 
 
+@pytest.mark.slow
 def test_bad_requests_are_refused_naming_the_input_and_the_server_goes_on(served):
     from serve.client import TritonClient
 
@@ -279,6 +285,7 @@ def test_bad_requests_are_refused_naming_the_input_and_the_server_goes_on(served
     client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["mlp", "text"])
 def test_a_short_bench_of_each_model(which, served, request, tmp_path):
     from serve.bench.config import BenchConfig
@@ -302,6 +309,7 @@ def test_a_short_bench_of_each_model(which, served, request, tmp_path):
     assert res["limits"]["flops_per_sample"] > 0
 
 
+@pytest.mark.slow
 def test_infer_sends_an_npz_per_request_and_prints_every_output(served, text_export, tmp_path, capsys):
     """For a model that is not an image model, each .npz (keyed by input name) is one request; every output
     comes back, with the top classes where the model has labels. A file that does not fit is refused by name."""
@@ -335,6 +343,7 @@ def test_infer_sends_an_npz_per_request_and_prints_every_output(served, text_exp
     assert run_cli(*base, tmp_path / "two.npz") == 0  # the server goes on
 
 
+@pytest.mark.slow
 def test_bench_shape_picks_the_size_of_a_dynamic_dim(text_export, tmp_path, capsys):
     """--shape S=64 runs at that length: the reference set of that size, or random inputs of the signature
     where none has it; a size outside the export's range, or a dim it lacks, is refused naming --shape."""

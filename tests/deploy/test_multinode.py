@@ -8,9 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from serve.embedded.process import free_ports
+
+pytestmark = pytest.mark.slow  # real servers, compiles or processes: the full run, not the fast tier
 
 TRAIN = ["-m", "train", "--arch", "tiny_cnn", "--data", "synthetic", "--synthetic-samples", "96", "--batch-size", "16",
          "--epochs", "2", "--seed", "3", "--no-progress"]

@@ -56,6 +56,7 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         assert needle in summary
 
 
+@pytest.mark.slow
 def test_run_trains_and_serves_a_text_model_from_your_own_factories(tmp_path):
     """torchship run --arch F --data F for a model that is not an image classifier: trained on its data
     factory, exported from the checkpoint's recorded signature, served, checked and benched."""
@@ -74,6 +75,7 @@ def test_run_trains_and_serves_a_text_model_from_your_own_factories(tmp_path):
     assert "text_classifier_onnx" in summary and "images/s" not in summary
 
 
+@pytest.mark.slow
 def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
     ckpts = run_dir / "train/checkpoints"
     before = {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")}
@@ -91,6 +93,7 @@ def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
     assert {a["format"] for a in m["artifacts"]} == {"onnx", "torchscript"}
 
 
+@pytest.mark.slow
 def test_a_failing_gate_exits_non_zero_naming_the_stage(run_dir, tmp_path, capsys):
     import onnx
 
@@ -112,6 +115,7 @@ def test_a_failing_gate_exits_non_zero_naming_the_stage(run_dir, tmp_path, capsy
     assert rec["outcome"]["status"] == "gate failed" and "**a gate FAILED**: stage check:" in (bad / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_an_error_says_where_and_how_to_go_on(run_dir, tmp_path, capsys):
     """No gate failed, yet the run did not finish: the summary must not read "all gates passed"."""
     bad = tmp_path / "run"
@@ -129,6 +133,7 @@ def test_a_run_stopped_by_an_error_says_where_and_how_to_go_on(run_dir, tmp_path
     assert f"--out {bad} --from check" in summary
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_says_so(run_dir, tmp_path, monkeypatch, capsys):
     import serve.bench.run
 

@@ -320,6 +320,7 @@ def test_an_out_path_that_is_a_file_is_refused_and_kept(exported, tmp_path, caps
     assert f.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_unexportable_format_is_reported_and_others_kept(tmp_path, capsys):
     from torchship.config import build
     from train.config import TrainConfig

@@ -68,6 +68,7 @@ def test_random_inputs_are_only_checked_for_shape_and_finiteness():
     assert failures == ["m: random_b8 output 'logits': not finite"] and "shape [8, 3], eager [8, 10]" in wrong[0]
 
 
+@pytest.mark.slow
 def test_an_onnx_int8_export_is_calibrated_and_passes_the_gate(int8_export):
     import onnx
 
@@ -86,6 +87,7 @@ def test_an_onnx_int8_export_is_calibrated_and_passes_the_gate(int8_export):
     assert "| onnx_int8 | static, u8 activations, s8 weights, per channel" in parity_md and "64 samples" in parity_md
 
 
+@pytest.mark.slow
 def test_an_aoti_int8_export_calls_int8_kernels_and_passes_the_gate(int8_export):
     m = json.loads((int8_export / "manifest.json").read_text())
     a = next(a for a in m["artifacts"] if a["format"] == "aoti_int8")
@@ -100,6 +102,7 @@ def test_an_aoti_int8_export_calls_int8_kernels_and_passes_the_gate(int8_export)
     assert f"| aoti_int8 | static, u8 activations, s8 weights, per channel{narrowed} | 64 samples" in (int8_export / "parity.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_package_compiled_back_to_fp32_is_refused(trained, tmp_path, monkeypatch):
     """The planted fault: without freezing, AOTInductor compiles the quantized graph's quantize/dequantize pairs
     as plain fp32 arithmetic, which would pass the gate while running no faster; the kernel count refuses it."""
@@ -117,6 +120,7 @@ def test_a_package_compiled_back_to_fp32_is_refused(trained, tmp_path, monkeypat
                   {"images": src.samples["images"][:16]}, "held-out", int8_scheme())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["onnx_int8", "aoti_int8"])
 def test_constant_calibration_fails_the_gate_naming_the_artifact(zero_calibrated, fmt):
     """The planted fault: calibrated on all-zero images, the activation ranges collapse and accuracy falls."""

@@ -105,6 +105,7 @@ def test_a_bfloat16_export_is_held_to_eager_rounding_in_bfloat16(trained, export
     assert "10 x eager in bfloat16's own error" in (out / "parity.md").read_text()
 
 
+@pytest.mark.slow
 def test_onnx_external_data_is_hashed_verified_copied_and_served(tmp_path, monkeypatch, capsys):
     """Above protobuf's 2 GB limit ONNX keeps the weights in a file beside the graph. The limit is lowered
     here so that a small model takes that path; the zoo's 2.5 GB MLP takes it for real."""
@@ -135,6 +136,7 @@ def test_onnx_external_data_is_hashed_verified_copied_and_served(tmp_path, monke
         verify_export(d)
 
 
+@pytest.mark.slow
 def test_the_bucket_archive_stores_the_weights_once(tmp_path):
     """Two static-batch models, one copy of their weights: AOTInductor keeps constants out of each model's
     library, and constants equal across buckets are packaged once."""
@@ -169,6 +171,7 @@ def test_auto_bucket_weights_prepack_on_a_cpu_while_the_copies_stay_small():
     assert bucket_weights("shared", "cpu", 45 << 20, buckets) == ("shared", "as asked")
 
 
+@pytest.mark.slow
 def test_prepacked_buckets_keep_a_copy_each_and_pass_beside_aoti(tmp_path):
     """--bucket-weights prepacked: each bucket's library holds its own prepacked weights (N copies, the price
     of oneDNN's faster layout), and compiling the prepacked aoti package first in the same export does not

@@ -99,6 +99,7 @@ def test_per_request_check_catches_misrouted_responses(exported):
         check_each_response(inputs, swapped, lambda x: local.run({"images": x})["logits"])
 
 
+@pytest.mark.slow
 def test_tampered_artifact_fails_served_parity(repo, exported, tmp_path, capsys):
     import onnx
 

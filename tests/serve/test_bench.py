@@ -241,6 +241,7 @@ def test_compare_detects_a_planted_2x_slowdown(bench_run, exported, tmp_path, ca
         assert len(err) == 1 and str(bad) in err[0] and says in err[0], err
 
 
+@pytest.mark.slow
 def test_unreachable_server_keeps_partial_results(exported, tmp_path, monkeypatch):
     import serve.bench.served
     from serve.embedded.process import free_ports
@@ -302,6 +303,7 @@ def test_bench_passes_triton_arguments_to_its_server(exported, tmp_path, capsys)
     assert "no-such-triton-flag" in err and "partial results kept" in err, err
 
 
+@pytest.mark.slow
 def test_a_server_stop_note_reaches_the_bench_log_results_and_report(exported, tmp_path, monkeypatch):
     """When the bench's own server had to be killed (a model that would not unload), the bench says so
     rather than ending as if the server stopped cleanly."""

@@ -32,6 +32,7 @@ def test_one_stream_carries_requests_in_turn_and_survives_a_refusal(server, expo
         channel.close()
 
 
+@pytest.mark.slow
 def test_unreachable_server_is_a_clear_error(capsys, exported):
     from serve.embedded.process import free_ports
 

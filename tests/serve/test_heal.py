@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from serve.client import TritonClient
 from serve.config import ServeConfig
@@ -18,6 +19,7 @@ from serve.repository import read_config
 MODEL = "tiny_cnn_onnx"
 
 
+@pytest.mark.slow
 def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
     x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
     log, ready, stop, errors = [], [], threading.Event(), []

@@ -13,6 +13,8 @@ from tests.conftest import run_cli
 from tests.helpers import rehash_version
 from torchship.errors import ParityError
 
+pytestmark = pytest.mark.slow  # real servers, compiles or processes: the full run, not the fast tier
+
 
 @pytest.fixture(scope="module")
 def int8_repo(int8_export, tmp_path_factory):

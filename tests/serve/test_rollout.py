@@ -89,6 +89,7 @@ def which(out, k, expected):
     return None
 
 
+@pytest.mark.slow
 def test_a_flood_sees_no_failure_during_a_rollout_and_a_rollback(two_versions, exported, retrained, capsys):
     repo = two_versions
     xs = np.load(exported / "reference.npz")["input/heldout/images"][:16]
@@ -114,6 +115,7 @@ def test_a_flood_sees_no_failure_during_a_rollout_and_a_rollback(two_versions, e
     assert capsys.readouterr().out.count("tiny_cnn_onnx: ") >= 6  # a line per step
 
 
+@pytest.mark.slow
 def test_a_bad_new_version_is_refused_and_the_live_one_serves_on(two_versions, exported, retrained):
     import onnx
 
@@ -147,6 +149,7 @@ def test_a_new_signature_is_refused_until_asked_for(exported, tmp_path):
     assert [(r["version"], r["live"]) for r in rows] == [(1, True), (2, False)] and all(r["manifest_sha256"] for r in rows)
 
 
+@pytest.mark.slow
 def test_the_second_model_workflow_in_one_command(exported, tmp_path, capsys):
     """torchship run --into REPO --url URL: train and export a new model, then roll it out into a live server."""
     from tests.conftest import run_cli
@@ -166,6 +169,7 @@ def test_the_second_model_workflow_in_one_command(exported, tmp_path, capsys):
     assert "--into REPO and --url HOST:PORT go together" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_rollout_leaves_one_version_serving_and_says_which(two_versions, exported, retrained, monkeypatch):
     import serve.rollout
 

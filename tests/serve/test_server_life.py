@@ -33,6 +33,7 @@ def test_explicit_model_control_unload_and_load(server, exported):
                                in_process(exported, "torchscript").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_stream_loses_no_completed_response(repo, exported):
     server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",)))
     server.start()
@@ -71,6 +72,7 @@ def test_sigterm_during_a_stream_loses_no_completed_response(repo, exported):
     server.log_path.unlink()
 
 
+@pytest.mark.slow
 def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported):
     """Triton 2.51 never unloads a model once the first request of a gRPC stream was refused for it, so
     its shutdown would wait out the exit timeout and fail; stop() ends it once every request is answered
@@ -231,6 +233,7 @@ def test_each_endpoint_gets_its_own_port(repo, capsys, monkeypatch):
     assert "--grpc-port and --metrics-port are both 50000" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--grpc-port", "--metrics-port"])
 def test_a_picked_port_taken_before_triton_binds_it_is_picked_again(repo, exported, tmp_path, monkeypatch, flag):
     """Another process takes a port the server picked, between the pick and Triton's bind (gRPC: before the
@@ -250,6 +253,7 @@ def test_a_picked_port_taken_before_triton_binds_it_is_picked_again(repo, export
     assert server.proc.returncode == 0 and list(tmp_path.glob("tritonserver-*.log")) == []
 
 
+@pytest.mark.slow
 def test_another_server_on_the_picked_grpc_port_is_not_taken_for_this_one(repo, exported, tmp_path, monkeypatch):
     """What a second Triton that won the race for the picked gRPC port would do: answer live, load and
     ready for any model. start() must not take it for its own server: it starts again on a new port."""
@@ -304,6 +308,7 @@ def test_a_given_port_taken_after_the_check_is_named(repo, tmp_path, monkeypatch
     assert server.grpc_port == port and server.proc.poll() is not None
     assert list(tmp_path.glob("tritonserver-*.log")) == [server.log_path]
 
+@pytest.mark.slow
 def test_the_server_starts_without_running_this_process_fork_handlers(repo, exported):
     """No preexec_fn anywhere: Popen then uses vfork and runs none of the at-fork handlers that native
     libraries loaded here registered. gRPC's, with requests in flight on other threads, can abort the child
@@ -319,6 +324,7 @@ def test_the_server_starts_without_running_this_process_fork_handlers(repo, expo
     np.testing.assert_allclose(got, in_process(exported, "onnx").run({"images": x})["logits"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_server_started_from_a_thread_that_ends_keeps_serving(repo, exported):
     """Linux sends a child its death signal when the thread that started it ends, not the process: a server
     started straight from a worker thread was SIGTERMed as soon as that thread returned."""
@@ -390,6 +396,7 @@ def test_a_start_interrupted_while_waiting_on_the_starter_ends_the_child(monkeyp
                 p.kill()
 
 
+@pytest.mark.slow
 def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
     """SIGKILL the process that started the server: no finally block runs, yet the server goes too."""
     import subprocess
@@ -425,6 +432,7 @@ time.sleep(600)
         os.killpg(server_pid, 0)  # its stubs are gone too
 
 
+@pytest.mark.slow
 def test_a_backend_process_that_never_starts_fails_the_start_in_time(repo, tmp_path, monkeypatch):
     """Planted: the Python stub cannot start (as when it cannot find libpython). The load call is bounded by
     --ready-timeout and the error carries the server log's tail, instead of start() waiting for good."""

@@ -49,6 +49,7 @@ def test_a_budget_nothing_meets_and_a_bad_strategy_are_refused():
             parse_strategy(bad)
 
 
+@pytest.mark.slow
 def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_export, tmp_path, capsys):
     bench = tmp_path / "results.json"
     bench.write_text(json.dumps(FAST_INT8))
@@ -67,6 +68,7 @@ def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_ex
     assert sorted(p.name for p in only.iterdir() if p.is_dir()) == ["tiny_cnn"]
 
 
+@pytest.mark.slow
 def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_path, capsys, monkeypatch):
     import serve.bench.config
 
@@ -88,8 +90,8 @@ def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_pa
     (["--strategy", "max-throughput", "--bench", "missing.json"], "--bench missing.json: cannot read it as bench results"),
     (["--strategy", "fast", "--bench", "r.json"], "choose max-throughput, min-latency or p99-budget=MS"),
 ])
-def test_bad_strategy_input_is_refused_and_writes_nothing(int8_export, tmp_path, capsys, args, says):
-    code = run_cli("repo", int8_export, "--out", tmp_path / "repo", *args)
+def test_bad_strategy_input_is_refused_and_writes_nothing(exported, tmp_path, capsys, args, says):
+    code = run_cli("repo", exported, "--out", tmp_path / "repo", *args)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and says in err[0], err
     assert not (tmp_path / "repo").exists()

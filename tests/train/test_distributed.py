@@ -42,6 +42,7 @@ def test_two_ranks_get_disjoint_samples_and_identical_parameters(tmp_path):
     assert len((tmp_path / "train" / "metrics.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through Linux's /proc")
 def test_a_rank_frees_its_process_group_before_it_exits(tmp_path):
     """After training, no Gloo thread may outlive destroy_process_group: a group freed only at interpreter
@@ -56,6 +57,7 @@ def test_a_rank_frees_its_process_group_before_it_exits(tmp_path):
         assert not [n for n in names if "gloo" in n], f"rank {rank} still runs Gloo threads after training: {names}"
 
 
+@pytest.mark.slow
 def test_the_sharding_check_catches_ranks_that_share_a_shard(tmp_path):
     """Planted: a sampler that hands every rank rank 0's shard, in a real two-rank run."""
     r = torchrun(str(HERE / "ddp_worker.py"), str(tmp_path), env={"TORCHSHIP_PLANT_SAME_SHARD": "1"})

@@ -19,6 +19,8 @@ from torchship.errors import ParityError
 from torchship.io import sha256_file
 from torchship.manifest import read_manifest, write_manifest
 
+pytestmark = pytest.mark.slow  # real servers, compiles or processes: the full run, not the fast tier
+
 SMALL = {"max_batch": 2, "odd_batch": 1, "formats": ("exported_program",)}
 
 
