@@ -27,6 +27,7 @@ import numpy as np
 from tests.zoo import models as zoo
 from torchship.io import atomic_write_json, atomic_write_text
 from torchship.pipeline.summary import RssSampler
+from torchship.runtime import FP32_FORMATS  # the zoo takes every model through every fp32 format, opt-in ones too
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,8 +91,8 @@ def run_model(entry: zoo.Entry, out: Path, serve: bool = True, keep: bool = Fals
     rec["weights_bytes"] = weights.stat().st_size
     ts = [sys.executable, "-m", "torchship.pipeline.cli"]
     export = [*ts, "export", "--model", rec["factory"], *[a for arg in model_args(entry) for a in ("--model-arg", arg)],
-              "--weights", str(weights), *entry.flags, *entry.export, "--name", entry.name, "--out", str(d / "export"),
-              "--overwrite"]
+              "--weights", str(weights), *entry.flags, *entry.export, "--formats", *FP32_FORMATS, "--name", entry.name,
+              "--out", str(d / "export"), "--overwrite"]
     rec["export"] = _command([*export, "--no-verify"], log)
     if not (d / "export" / "manifest.json").exists():
         return {**rec, "error": f"export failed: {_last_error(log)}"}
