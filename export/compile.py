@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torchship.device import usable_cpus
+from torchship.errors import first_line
 
 def available_memory() -> int:
     """Bytes of memory available to new work (Linux's MemAvailable: free plus reclaimable cache); 0 if unknown."""
@@ -85,7 +86,7 @@ def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
         return {"seconds": time.perf_counter() - t0, "files": [f for f in files if isinstance(f, str)],
                 "weights": out if shared else None}
     except Exception as e:  # reported as this format's failure; the exception itself may not pickle
-        return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+        return {"error": first_line(e),
                 "traceback": traceback.format_exc()[-4000:]}
     finally:
         stack.close()

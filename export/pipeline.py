@@ -17,10 +17,10 @@ import torch
 import torchship
 from torchship.device import resolve_device, usable_cpus
 from torchship import parity
-from torchship.errors import OPTIONAL_HINT, ArtifactError, ConfigError, DegenerateError, ParityError
+from torchship.errors import OPTIONAL_HINT, ArtifactError, ConfigError, DegenerateError, ParityError, first_line
 from torchship.io import check_out_dir, sha256_file, staging_dir
 from torchship.markdown import size
-from torchship.manifest import FORMAT, MANIFEST, REFERENCE, read_manifest, write_manifest
+from torchship.manifest import FORMAT, MANIFEST, REFERENCE, Export, write_manifest
 from torchship.signature import Signature
 
 from . import exporters, quantize
@@ -98,7 +98,7 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
             try:
                 files, extra = _export_one(fmt, model, ex, tmp, cfg, sig, src.samples, log)
             except Exception as e:  # one format failing must not lose the others
-                fail(fmt, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+                fail(fmt, first_line(e))
                 continue
             record(fmt, files, extra, time.perf_counter() - t0)
         for fmt, jobs in background.items():
@@ -110,7 +110,7 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
                 continue
             record(fmt, [f"{fmt}/model.pt2"], _compiled(fmt, results, tmp, cfg, device), sum(r["seconds"] for r in results.values()))
             if fmt == "aoti_int8":
-                log(quantize.summary(fmt, artifacts[-1]))
+                log(quantize.log_line(fmt, artifacts[-1]))
         artifacts.sort(key=lambda a: cfg.formats.index(a["format"]))
         if not artifacts:
             raise ArtifactError("no format could be exported: " + "; ".join(f"{f['format']}: {f['error']}" for f in failures))
@@ -137,8 +137,9 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
     log(f"manifest: {out / MANIFEST}")
     if cfg.verify:
         log("verify: each artifact in a fresh process against the reference ...")
-        verify_export(out, device=device, threads=cfg.threads, log=log)  # writes its results into manifest.json
-        return read_manifest(out)
+        # the files were hashed as they were written, and the reference is in memory: verification reads neither
+        verify_export(Export(out, manifest, ref.arrays, files_checked=True), device=device, threads=cfg.threads, log=log)
+        return manifest  # with its verification, as written into manifest.json
     required = [f for f in failures if f["format"] not in cfg.optional]
     if required:
         raise ParityError([f"{f['format']}: cannot be exported: {f['error']}" for f in required],
@@ -218,7 +219,7 @@ def _onnx_int8(model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples:
         extra = quantize.onnx_int8(fp32, tmp / "onnx_int8" / "model.onnx", calibration, source, scheme, external)
     finally:
         shutil.rmtree(tmp / "onnx_int8" / "fp32", ignore_errors=True)
-    log(quantize.summary("onnx_int8", extra))
+    log(quantize.log_line("onnx_int8", extra))
     files = ["onnx_int8/model.onnx", *(f"onnx_int8/{f.name}" for f in (tmp / "onnx_int8").iterdir() if f.name != "model.onnx")]
     return files, {**extra, **_gated(cfg)}
 

@@ -67,7 +67,7 @@ def calibration_samples(path: str | None, samples: dict[str, np.ndarray], names:
     return {k: np.ascontiguousarray(v[:n]) for k, v in got.items()}, source
 
 
-def summary(fmt: str, extra: dict[str, Any]) -> str:
+def log_line(fmt: str, extra: dict[str, Any]) -> str:
     """The export log's line on how an INT8 artifact was quantized, and why so on this CPU."""
     q = extra["quantization"]
     calibrated = f", calibrated on {q['calibration']['samples']} samples from {q['calibration']['source']}" \

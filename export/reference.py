@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from torchship import parity, runtime
+from torchship.errors import first_line
 from torchship.signature import Signature
 
 
@@ -67,7 +68,7 @@ def fp64_outputs(model: torch.nn.Module, sets, names, outputs, max_batch: int, d
     try:
         got = _run(_fp64_fn(twin, device), sets, names, outputs, max_batch)
     except Exception as e:  # any model code that insists on float32
-        return None, f"it fails in float64 ({type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})"
+        return None, f"it fails in float64 ({first_line(e, 160)})"
     finally:
         torch.set_default_dtype(default)
         del twin

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from torchship.errors import first_line
+
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
@@ -35,7 +37,7 @@ def main(spec_path: str) -> int:
         result["ok"] = True
         result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # loading and running it
     except Exception as e:  # reported to the verifier as this artifact's failure
-        result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        result["error"] = first_line(e)
         result["traceback"] = traceback.format_exc()[-4000:]
     Path(spec["result"]).write_text(json.dumps(result))
     return 0

@@ -12,7 +12,7 @@ import torch
 
 from torchship import checkpoint as ck
 from torchship.eager import checkpoint_model, load_weights_file, named
-from torchship.errors import CheckpointError, ConfigError
+from torchship.errors import CheckpointError, ConfigError, first_line
 from torchship.names import export_name
 from torchship.models import WithPreprocessing, make_model, parse_model_args
 from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_dims, parse_signature
@@ -200,8 +200,8 @@ def _probe_outputs(model, sig: Signature, by_keyword: bool) -> list:
             outs.append(_call(model, sig, feeds, by_keyword))
         except Exception as e:
             shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in feeds.items())
-            raise ConfigError(f"the model fails on inputs of the given signature ({shapes}): {type(e).__name__}: "
-                              f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}; check --input") from None
+            raise ConfigError(f"the model fails on inputs of the given signature ({shapes}): {first_line(e, 200)}; "
+                              "check --input") from None
     return [(o, values) for o, values in zip(outs, (first, second))]
 
 

@@ -21,8 +21,8 @@ from torchship.device import usable_cpus
 from torchship.io import atomic_write_text
 from torchship.parity import check_output
 from torchship.signature import looks_like_mask
-from torchship.manifest import (FAILED, PARITY_MD, REFERENCE, STALE, UNVERIFIED, check_hashes, read_manifest, verdict_state,
-                                verdicts, write_manifest)
+from torchship.manifest import (FAILED, PARITY_MD, REFERENCE, STALE, UNVERIFIED, Export, verdict_state, verdicts,
+                                write_manifest)
 from torchship.markdown import size, table
 
 
@@ -54,7 +54,7 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
     return res
 
 
-def verify_export(export_dir: str | Path, device: str | None = None, threads: int = 1,
+def verify_export(export_dir: "str | Path | Export", device: str | None = None, threads: int = 1,
                   tolerances: dict[str, Any] | None = None, only: list[str] | None = None,
                   optional: list[str] | None = None, log=print) -> dict[str, Any]:
     """Verify every artifact of an export directory (or those in ``only``) against its reference; write the
@@ -64,13 +64,12 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
     listing every failure (a format that could not be exported, names, shapes, values, top-1) of a format
     that is not optional (the manifest's ``optional``, plus ``optional``), or when no artifact passes.
     Failures of optional formats are reported (manifest, parity.md, one line each) and left for the
-    repository to skip. ``tolerances`` (the manifest's form) replaces the recorded bounds.
+    repository to skip. ``tolerances`` (the manifest's form) replaces the recorded bounds. ``export_dir`` may be
+    an Export held already (its manifest is updated in place).
     """
-    d = Path(export_dir)
-    manifest = read_manifest(d)
-    problems = check_hashes(d, manifest)
-    if problems:
-        raise ArtifactError(f"{d}: " + "; ".join(problems))
+    export = Export.of(export_dir)
+    d, manifest = export.dir, export.manifest
+    export.check_files()
     device = device or manifest.get("device", "cpu")
     if device.startswith("cuda"):
         import torch
@@ -78,7 +77,7 @@ def verify_export(export_dir: str | Path, device: str | None = None, threads: in
         if not torch.cuda.is_available():
             raise ArtifactError(f"{d} was exported for {device}, but no CUDA device is visible; verify on a GPU machine")
     tol = tolerances or manifest["tolerances"]
-    ref = np.load(d / REFERENCE)
+    ref = export.reference()
     names = [a["name"] for a in manifest["artifacts"]]
     unknown = [n for n in only or () if n not in names]
     if unknown:  # verifying nothing would print PASS

@@ -28,54 +28,57 @@ def add_repo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_repo(ns: argparse.Namespace) -> int:
+    """torchship repo: list a repository's versions (--history), add an export as the next version of each of
+    its models (--into), or build a repository (and with --strategy serve the winner under the plain name)."""
     if ns.history:
-        from torchship.markdown import table
-
-        from .versions import history
-
-        rows = history(ns.export_dir)
-        print("\n".join(table(["model", "version", "live", "export", "weights sha256", "added"],
-                              [[r["model"], r["version"], "live" if r["live"] else "", r.get("export", "-"),
-                                (r.get("weights_sha256") or "-")[:12], r.get("added", "-")] for r in rows])))
-        return 0
+        return repo_history(ns.export_dir)
     if ns.into:
-        from .versions import add_version
+        return repo_into(ns)
+    return repo_build(ns)
 
-        if ns.keep < 1:
-            raise ConfigError("--keep must be at least 1")
-        cfg = build(RepoConfig, {k: v for k, v in namespace_overrides(ns, RepoConfig).items() if k != "out"})
-        added = add_version(ns.export_dir, ns.into, cfg, keep=ns.keep, new_signature=ns.new_signature)
-        print(f"repository {ns.into}: " + ", ".join(f"{m} version {v}" for m, v in added.items()))
-        print(f"switch to them: torchship rollout --url HOST:PORT {ns.into} --check {ns.export_dir}")
-        return 0
+
+def repo_history(repo: str) -> int:
+    from torchship.markdown import table
+
+    from .versions import history
+
+    rows = history(repo)
+    print("\n".join(table(["model", "version", "live", "export", "weights sha256", "added"],
+                          [[r["model"], r["version"], "live" if r["live"] else "", r.get("export", "-"),
+                            (r.get("weights_sha256") or "-")[:12], r.get("added", "-")] for r in rows])))
+    return 0
+
+
+def repo_into(ns: argparse.Namespace) -> int:
+    from .versions import add_version
+
+    if ns.keep < 1:
+        raise ConfigError("--keep must be at least 1")
+    cfg = build(RepoConfig, {k: v for k, v in namespace_overrides(ns, RepoConfig).items() if k != "out"})
+    added = add_version(ns.export_dir, ns.into, cfg, keep=ns.keep, new_signature=ns.new_signature)
+    print(f"repository {ns.into}: " + ", ".join(f"{m} version {v}" for m, v in added.items()))
+    print(f"switch to them: torchship rollout --url HOST:PORT {ns.into} --check {ns.export_dir}")
+    return 0
+
+
+def repo_build(ns: argparse.Namespace) -> int:
+    from torchship.manifest import read_manifest
+
+    from .bench.strategy import pick, serve_by_strategy
     from .repository import build_repository, not_served_text
 
     cfg = build(RepoConfig, namespace_overrides(ns, RepoConfig))
-    manifest = winner = None
-    if cfg.strategy:
-        from torchship.manifest import read_manifest
-
-        from .strategy import pick
-
-        manifest = read_manifest(ns.export_dir)
-        if cfg.bench:  # read and judged before anything is written
-            winner = pick(read_bench(cfg.bench), cfg.strategy, manifest)
-    res = build_repository(ns.export_dir, cfg)
+    manifest = read_manifest(ns.export_dir)
+    results = read_bench(cfg.bench) if cfg.bench else None
+    if results is not None:  # judged before anything is written
+        pick(results, cfg.strategy, manifest)
+    res = build_repository(ns.export_dir, cfg, manifest=manifest)
     print(f"repository {res['path']}: " + ", ".join(f"{m} ({f})" for f, m in res["models"].items()))
     if res["not_served"]:
         print(f"not served: {not_served_text(ns.export_dir, res['not_served'])}")
     if cfg.strategy:
-        from .strategy import serve_winner, short_bench
-
-        if winner is None:
-            out = Path(res["path"]).with_name(Path(res["path"]).name + "-bench")
-            print(f"--strategy {cfg.strategy} without --bench: a short served bench of {res['path']} first "
-                  f"(results in {out})", flush=True)
-            winner = pick(short_bench(ns.export_dir, res["path"], out), cfg.strategy, manifest)
-        if winner["format"] not in res["models"]:
-            raise ConfigError(f"the winner {winner['model']} is not in this repository (it serves "
-                              f"{', '.join(res['models'].values())})")
-        dest = serve_winner(res["path"], winner, manifest, cfg.only_winner)
+        winner, dest = serve_by_strategy(ns.export_dir, res["path"], cfg.strategy, manifest, results, cfg.only_winner,
+                                         log=lambda line: print(line, flush=True))
         print(f"served as {dest.name}: {winner['why']}")
     print(f"serve it: torchship serve {res['path']}   (official container: see {res['path']}/README.md)")
     return 0
@@ -132,7 +135,6 @@ def main_infer(ns: argparse.Namespace) -> int:
 def read_bench(path: str) -> dict:
     """A bench results.json; ConfigError naming the file if it is missing or not one."""
     import json
-    from pathlib import Path
 
     try:
         results = json.loads(Path(path).read_text())
@@ -159,17 +161,15 @@ def add_rollback_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_rollout(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .repository import repository_models
-    from .rollout import previous, switch
-    from .versions import live_version, versions
+    from .model_config import repository_models, versions
+    from .rollout import is_candidate, previous, switch
+    from .versions import live_version
 
     repo = Path(ns.repo)
     if not repo.is_dir():
         raise ConfigError(f"{repo}: no such repository")
     back = ns.command == "rollback"
-    models = ns.models or [m for m in repository_models(repo) if not m.endswith("__candidate") and (
+    models = ns.models or [m for m in repository_models(repo) if not is_candidate(m) and (
         len(versions(repo / m)) > 1 if back else versions(repo / m)[-1] != live_version(repo / m))]
     if not models:
         print(f"{repo}: nothing to {'roll back' if back else 'roll out'} (every model's newest version is live)")

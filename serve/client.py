@@ -66,6 +66,29 @@ class TritonClient:
                 raise ServerError(f"Triton at {self.url} is not ready after {timeout_s:.0f}s; is the server running?")
             time.sleep(0.2)
 
+    def live(self, timeout_s: float = 1.0) -> bool:
+        """Whether the server answers as live within ``timeout_s`` (False, not an error, when it does not)."""
+        try:
+            return bool(self.client.is_server_live(client_timeout=timeout_s))
+        except Exception:  # not up yet, or not a gRPC server
+            return False
+
+    def load(self, model: str, config=None, timeout_s: float | None = None) -> None:
+        """Load (or reload) ``model``: with ``config`` (a ModelConfig) as the config Triton uses, else with the
+        repository's. Bounded by ``timeout_s`` where given. ClientError carrying Triton's message if it fails."""
+        from google.protobuf import json_format
+
+        self._call(f"load {model}", self.client.load_model, model,
+                   config=json_format.MessageToJson(config) if config is not None else None, client_timeout=timeout_s)
+
+    def unload(self, model: str) -> None:
+        """Unload every version of ``model`` (requests in flight complete first)."""
+        self._call(f"unload {model}", self.client.unload_model, model)
+
+    def ready(self, model: str, version: str = "") -> bool:
+        """Whether ``model`` (one version of it, where given) is ready for requests."""
+        return bool(self._call(f"model {model}", self.client.is_model_ready, model, str(version)))
+
     def ready_models(self) -> list[str]:
         index = self._call("repository index", self.client.get_model_repository_index, as_json=True)
         return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})

@@ -33,6 +33,23 @@ def check_url(url: str, flag: str = "--url") -> None:
         raise ConfigError(f"{flag} {url}: {port!r} is not a port number (1-65535); {fix}")
 
 
+STRATEGIES = ("max-throughput", "min-latency", "p99-budget=MS")
+
+
+def parse_strategy(text: str) -> tuple[str, float | None]:
+    """--strategy as ("max-throughput" | "min-latency" | "p99-budget", the budget in ms or None); ConfigError
+    otherwise."""
+    if text in ("max-throughput", "min-latency"):
+        return text, None
+    kind, _, ms = text.partition("=")
+    try:
+        if kind == "p99-budget" and float(ms) > 0:
+            return kind, float(ms)
+    except ValueError:
+        pass
+    raise ConfigError(f"--strategy {text!r}: choose max-throughput, min-latency or p99-budget=MS (MS a positive number)")
+
+
 TRT_CACHE = "/tmp/trt_cache"  # TensorRT engine cache inside the server, unless --trt-cache says
 
 
@@ -61,8 +78,6 @@ class RepoConfig:
 
     def __post_init__(self) -> None:
         if self.strategy is not None:
-            from .strategy import parse_strategy
-
             parse_strategy(self.strategy)
         if (self.bench or self.only_winner) and not self.strategy:
             raise ConfigError("--bench and --only-winner go with --strategy")

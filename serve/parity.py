@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from torchship.errors import ClientError, ParityError, ShapeError
-from torchship.manifest import read_manifest, read_reference, reference_inputs
+from torchship.manifest import Export, reference_inputs, runs_tf32
 from torchship.markdown import table
 from torchship.names import format_of, models_of
 from torchship import parity
@@ -14,20 +14,19 @@ from torchship.parity import check_output, check_quantized_sets
 
 from .client import TritonClient
 
-FORMAT_PARAMETER = "torchship_format"  # a model served under the export's plain name records its format here
 
 
-def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None = None,
+def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[str] | None = None,
                  tolerances: dict[str, Any] | None = None, version: str = "") -> dict[str, Any]:
     """Send the export's reference inputs to every served model of this export (or ``models``) and compare
     with the reference outputs under the bounds the manifest records (or ``tolerances``, in its form), as
     verify does in-process. ``version``: that version of each model (default: the one unversioned requests reach).
 
     Returns per-model results; raises ParityError listing every mismatch (its ``report`` holds them)."""
-    d = Path(export_dir)
-    manifest = read_manifest(d)
+    export = Export.of(export_dir)
+    d, manifest = export.dir, export.manifest
     tol = tolerances or manifest["tolerances"]
-    ref = read_reference(d, manifest)
+    ref = export.reference()
     client = TritonClient(url)
     client.wait_ready()
     ready = client.require_models(models or ())
@@ -39,9 +38,9 @@ def check_served(url: str, export_dir: str | Path, models: Sequence[str] | None 
     outputs = [o["name"] for o in manifest["outputs"]]
     for model in models:
         rows = {}
-        fmt = format_of(model, manifest) or client.config(model).get("parameters", {}).get(FORMAT_PARAMETER, {}).get("string_value")
+        fmt = format_of(model, manifest, client.config(model))
         quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("quantization")), None)
-        tf32 = any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in (fmt, f"{fmt}_buckets"))
+        tf32 = runs_tf32(manifest, fmt)
         answers = {}
         for key, batch in manifest["reference"]["sets"].items():
             try:

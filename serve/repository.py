@@ -14,28 +14,28 @@ models of the bucket archive, which share one copy of the weights).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
-from torchship.manifest import (PARITY_MD, artifact, file_problem, passed_formats, read_manifest, read_reference,
-                                reference_inputs, why_not_passed)
+from torchship.manifest import (PARITY_MD, Export, artifact, file_problem, passed_formats, reference_inputs, runs_tf32,
+                                why_not_passed)
 from torchship.markdown import table
 from torchship.names import SERVED_FORMATS, model_names
 from torchship.runtime import PROVENANCE
 
 from torchship.device import cuda_visible
 
+from .model_config import CONFIG, EMBEDDED_CONFIG, config_text
 from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig
 
-EMBEDDED_CONFIG = "embedded.pbtxt"
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_FP64, "int64": mc.TYPE_INT64,
           "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
 # format -> (Triton platform, file name in the version folder), as the official container expects them
@@ -75,7 +75,7 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
         out = c.output.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + config_dims(spec))
         if manifest.get("classes") and i == 0:  # Triton's classification extension, for classifiers
             out.label_filename = "labels.txt"
-    if any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in (fmt, f"{fmt}_buckets")):
+    if runs_tf32(manifest, fmt):
         _param(c, "tf32", "true")  # the stand-in backends run it with TF32 allowed, as it was compiled and verified
     if manifest.get("dims"):  # the stand-in backends refuse a dynamic dim outside its range
         _param(c, "dim_ranges", json.dumps(dim_ranges(manifest)))
@@ -122,25 +122,6 @@ def config_dims(spec: dict[str, Any]) -> list[int]:
 def warmup_sample(manifest: dict[str, Any], ref: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One real sample per input (the first of the reference's real samples, else of its first set)."""
     return {k: np.ascontiguousarray(v[:1]) for k, v in reference_inputs(ref, manifest).items()}
-
-
-def repository_models(repo: str | Path) -> list[str]:
-    """The models of a repository folder: its subfolders with a config.pbtxt, sorted."""
-    return sorted(p.name for p in Path(repo).iterdir() if (p / "config.pbtxt").exists())
-
-
-def served_config_path(model_dir: str | Path) -> Path:
-    """The config the embedded server loads a model with: its embedded.pbtxt where it has one, else its config.pbtxt."""
-    d = Path(model_dir)
-    return d / EMBEDDED_CONFIG if (d / EMBEDDED_CONFIG).exists() else d / "config.pbtxt"
-
-
-def config_text(c: mc.ModelConfig) -> str:
-    return text_format.MessageToString(c)
-
-
-def read_config(path: str | Path) -> mc.ModelConfig:
-    return text_format.Parse(Path(path).read_text(), mc.ModelConfig())
 
 
 def provenance(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -195,25 +176,26 @@ def not_served_text(export_dir: str | Path, reasons: dict[str, str]) -> str:
     return "; ".join(f"{', '.join(fs)}: {why}" + (f" ({fix[why]})" if why in fix else "") for why, fs in groups.items())
 
 
-def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
-    """Write the repository for ``export_dir`` into ``cfg.out``; returns {"models": {format: model name},
-    "not_served": {format: why}, "path"}.
+def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict[str, Any]:
+    """Write the repository for ``export_dir`` (a directory, or an Export held already) into ``cfg.out``; returns
+    {"models": {format: model name}, "not_served": {format: why}, "path"}.
 
     Only artifacts with a passing verdict in the manifest are served, and each file is checked against the
-    manifest's sha256 before it is copied. Raises ArtifactError when no requested format can be served (the
-    message says which failed verification, which were not verified and which were not exported), or a file
-    was altered since export.
+    manifest's sha256 before it is copied (unless the Export says they were). Raises ArtifactError when no
+    requested format can be served (the message says which failed verification, which were not verified and
+    which were not exported), or a file was altered since export.
     """
-    d = Path(export_dir)
-    manifest = read_manifest(d)
+    export = Export.of(export_dir)
+    d, manifest = export.dir, export.manifest
     formats = servable_formats(manifest, cfg.formats)
     reasons = not_served(manifest, cfg.formats)
     if not formats:
         why = not_served_text(d, reasons) or f"it has none of the formats {', '.join(cfg.formats)}"
         raise ArtifactError(f"{d}: nothing to serve: {why}")
     have = passed_formats(manifest)
-    problems = [p for f in formats for a in manifest["artifacts"] if a["format"] in _sources(f, have)
-                for p in [file_problem(d, rel, sha) for rel, sha in a["files"].items()] if p]
+    problems = [] if export.files_checked else [
+        p for f in formats for a in manifest["artifacts"] if a["format"] in _sources(f, have)
+        for p in [file_problem(d, rel, sha) for rel, sha in a["files"].items()] if p]
     if problems:
         raise ArtifactError(f"{d}: " + "; ".join(problems) + "; export again (verification ran on the files the "
                             "manifest lists)")
@@ -226,10 +208,13 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
     max_batch = cfg.max_batch or manifest["max_batch"]
     if max_batch > manifest["max_batch"]:
         raise ArtifactError(f"--max-batch {max_batch} exceeds the export's max batch {manifest['max_batch']}")
-    if cfg.threads is None:
+    threads = cfg.threads
+    if threads is None:
         compiled = {a.get("compile_threads") for a in manifest["artifacts"] if a.get("compile_threads")}
-        cfg.threads = compiled.pop() if len(compiled) == 1 else 1
-    warm = warmup_sample(manifest, read_reference(d, manifest))
+        threads = compiled.pop() if len(compiled) == 1 else 1
+    cfg = dataclasses.replace(cfg, threads=threads)  # a copy: the caller's config is left as it was
+    warm = warmup_sample(manifest, export.reference())
+    origin = provenance(d, manifest)
     names = model_names(manifest)
     with staging_dir(out, overwrite=True) as tmp:
         for fmt in formats:
@@ -248,10 +233,10 @@ def build_repository(export_dir: str | Path, cfg: RepoConfig) -> dict[str, Any]:
             else:
                 a = artifact(manifest, fmt)
                 files = copy_artifact(d, a, vdir, PLATFORMS[fmt][1])
-                (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
+                (mdir / CONFIG).write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
             # where the version came from (torchship repo REPO --history) and the sha256 of each of its files,
             # which the embedded server's backends and torchship serve check before loading them
-            (vdir / PROVENANCE).write_text(json.dumps({**provenance(d, manifest), "files": files}, indent=2) + "\n")
+            (vdir / PROVENANCE).write_text(json.dumps({**origin, "files": files}, indent=2) + "\n")
         container_aoti = "aoti" not in formats or "aoti" in have
         (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU,
                                                container_aoti))
@@ -279,7 +264,7 @@ def _write_aoti_int8(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: i
     """model.pt2, the dynamic-batch INT8 package: batch 1 in the official container (as _aoti), batched up to
     ``max_batch`` by the embedded server (embedded.pbtxt), which runs each batch as it comes, without padding."""
     files = copy_artifact(d, artifact(manifest, "aoti_int8"), vdir, "model.pt2")
-    (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti_int8", cfg, max_batch, kind,
+    (mdir / CONFIG).write_text(config_text(build_config(manifest, "aoti_int8", cfg, max_batch, kind,
                                                                 batch_one=True, warmup=warm)))
     (mdir / EMBEDDED_CONFIG).write_text(config_text(_embedded(manifest, "aoti_int8", cfg, max_batch, kind, warm)))
     return files
@@ -293,7 +278,7 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, m
     files: dict[str, str] = {}
     if "aoti" in have:
         files.update(copy_artifact(d, artifact(manifest, "aoti"), vdir, "model.pt2"))
-        (mdir / "config.pbtxt").write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind,
+        (mdir / CONFIG).write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind,
                                                                     batch_one=True, warmup=warm)))
     if "aoti_buckets" in have:
         b = artifact(manifest, "aoti_buckets")
@@ -307,7 +292,7 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, m
         # that fit, and served fewer, smaller batches (measured in the commit that made this choice)
         _param(emb, "buckets", ",".join(map(str, sizes)))
     if "aoti" not in have:  # the embedded server only: the container's torch_aoti cannot read a bucket archive
-        (mdir / "config.pbtxt").write_text(config_text(emb))
+        (mdir / CONFIG).write_text(config_text(emb))
     else:
         (mdir / EMBEDDED_CONFIG).write_text(config_text(emb))
     return files

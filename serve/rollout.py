@@ -13,32 +13,24 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from google.protobuf import json_format
-
-from torchship.errors import ServerError, TorchshipError
-from torchship.io import atomic_write_text
+from torchship.errors import RolloutError, ServerError, TorchshipError
+from torchship.names import FORMAT_PARAMETER, format_of
 from torchship.runtime import version_file_problems
 
 from .client import TritonClient
-from .parity import FORMAT_PARAMETER, check_served
-from .repository import EMBEDDED_CONFIG, config_text, read_config, served_config_path
-from .versions import live_version, set_live, versions
+from .model_config import CONFIG, edit_configs, read_config, served_config_path, versions
+from .parity import check_served
+from .versions import live_version, set_live
 
-CANDIDATE = "{model}__candidate"
-
-
-class RolloutError(TorchshipError):
-    """A rollout step failed; the live version still serves."""
-
-    exit_code = 3
+CANDIDATE = "__candidate"  # a version is checked under <model>__candidate before it takes the model's traffic
 
 
-def _load(client: TritonClient, name: str, config) -> None:
-    client._call(f"load {name}", client.client.load_model, name, config=json_format.MessageToJson(config))
+def candidate(model: str) -> str:
+    return model + CANDIDATE
 
 
-def _unload(client: TritonClient, name: str) -> None:
-    client._call(f"unload {name}", client.client.unload_model, name)
+def is_candidate(model: str) -> bool:
+    return model.endswith(CANDIDATE)
 
 
 def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None, check: Optional[str | Path] = None,
@@ -62,7 +54,7 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
         raise RolloutError(f"{model}: version {target} refused: " + "; ".join(problems) + f"; version {live} still serves")
     client = TritonClient(url)
     client.wait_ready(30)
-    cand = CANDIDATE.format(model=model)
+    cand = candidate(model)
     cdir = repo / cand
     steps: dict[str, float] = {}
 
@@ -82,15 +74,14 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
             for extra in ("labels.txt", "warmup"):
                 if (d / extra).exists():
                     (cdir / extra).symlink_to(Path("..") / model / extra)
-            for name in ("config.pbtxt", EMBEDDED_CONFIG):
-                if (d / name).exists():
-                    c = read_config(d / name)
-                    c.name = cand
-                    c.version_policy.specific.versions[:] = [target]
-                    c.parameters[FORMAT_PARAMETER].string_value = _format_of(d, model)
-                    atomic_write_text(cdir / name, config_text(c))
-            c = read_config(served_config_path(cdir))
-            _load(client, cand, c)
+            fmt = format_of(model, config=read_config(d / CONFIG)) or ""
+
+            def as_candidate(c) -> None:
+                c.name = cand
+                c.version_policy.specific.versions[:] = [target]
+                c.parameters[FORMAT_PARAMETER].string_value = fmt
+            edit_configs(d, as_candidate, into=cdir)
+            client.load(cand, read_config(served_config_path(cdir)))
         step(f"version {target} loaded as {cand} beside live version {live}", stage_candidate)
         if check is not None:
             step(f"served parity of version {target} PASS", lambda: check_served(url, check, models=[cand]))
@@ -102,9 +93,9 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
 
     def both_then_one() -> None:  # never a moment without a ready version: a reload that changes versions has one
         base.version_policy.specific.versions[:] = sorted({live, target})
-        _load(client, model, base)
+        client.load(model, base)
         base.version_policy.specific.versions[:] = [target]
-        _load(client, model, base)
+        client.load(model, base)
     try:
         step(f"switched to version {target}; version {live} unloaded after its requests in flight", both_then_one)
     except KeyboardInterrupt:  # the server finishes the switch or not on its own: wait for one version to be left
@@ -122,7 +113,7 @@ def _settle(client: TritonClient, model: str, candidates: tuple[int, int], timeo
     """The one version of ``candidates`` left ready once the server has finished a switch it was asked for."""
     deadline = time.monotonic() + timeout_s
     while True:
-        ready = [v for v in candidates if client.client.is_model_ready(model, str(v))]
+        ready = [v for v in candidates if client.ready(model, str(v))]
         if len(ready) == 1 or time.monotonic() > deadline:
             return ready[-1] if ready else candidates[0]
         time.sleep(0.1)
@@ -130,20 +121,10 @@ def _settle(client: TritonClient, model: str, candidates: tuple[int, int], timeo
 
 def _drop_candidate(client: TritonClient, cand: str, cdir: Path) -> None:
     try:
-        _unload(client, cand)
+        client.unload(cand)
     except TorchshipError:
         pass
     shutil.rmtree(cdir, ignore_errors=True)
-
-
-def _format_of(d: Path, model: str) -> str:
-    """The format a model folder serves: the one its config records (a model under the plain name), else its name's suffix."""
-    from torchship.names import format_by_suffix
-
-    c = read_config(d / "config.pbtxt")
-    if FORMAT_PARAMETER in c.parameters:
-        return c.parameters[FORMAT_PARAMETER].string_value
-    return format_by_suffix(model) or ""
 
 
 def previous(repo: str | Path, model: str) -> int:

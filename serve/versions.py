@@ -11,36 +11,37 @@ from pathlib import Path
 from typing import Any
 
 from torchship.errors import ArtifactError
-from torchship.io import atomic_write_text
+from torchship.runtime import PROVENANCE
 
 from .config import RepoConfig
-from .repository import EMBEDDED_CONFIG, PROVENANCE, build_repository, config_text, read_config, repository_models
-
-def versions(model_dir: Path) -> list[int]:
-    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+from .model_config import CONFIG, edit_configs, read_config, repository_models, versions
+from .repository import build_repository
 
 
 def live_version(model_dir: Path) -> int:
     """The version unversioned requests reach: the highest the config's version policy names, else the highest on disk."""
-    c = read_config(model_dir / "config.pbtxt")
+    c = read_config(model_dir / CONFIG)
     on_disk = versions(model_dir)
     if c.version_policy.WhichOneof("policy_choice") == "specific" and c.version_policy.specific.versions:
         return max(c.version_policy.specific.versions)
     return on_disk[-1]
 
 
+def live(version: int):
+    """The config edit that makes ``version`` the one a (re)started server loads."""
+    def edit(c) -> None:
+        c.version_policy.specific.versions[:] = [version]
+    return edit
+
+
 def set_live(model_dir: Path, version: int) -> None:
     """Record ``version`` as the one a (re)started server loads, in config.pbtxt and embedded.pbtxt."""
-    for name in ("config.pbtxt", EMBEDDED_CONFIG):
-        p = model_dir / name
-        if p.exists():
-            c = read_config(p)
-            c.version_policy.specific.versions[:] = [version]
-            atomic_write_text(p, config_text(c))
+    edit_configs(model_dir, live(version))
 
 
-def signature(model_dir: Path) -> list[tuple]:
-    c = read_config(model_dir / "config.pbtxt")
+def served_tensors(model_dir: Path) -> list[tuple]:
+    """What clients of a model depend on: each input's and output's name, type and dims, and the max batch."""
+    c = read_config(model_dir / CONFIG)
     return [(t.name, t.data_type, tuple(t.dims)) for t in (*c.input, *c.output)] + [("max_batch_size", c.max_batch_size)]
 
 
@@ -61,11 +62,11 @@ def add_version(export_dir: str | Path, repo: str | Path, cfg: RepoConfig, keep:
         plan: dict[str, int] = {}
         for model in res["models"].values():
             dest = repo / model
-            if (dest / "config.pbtxt").exists():
-                if signature(dest) != signature(built / model) and not new_signature:
+            if (dest / CONFIG).exists():
+                if served_tensors(dest) != served_tensors(built / model) and not new_signature:
                     raise ArtifactError(f"{model}: the new version's inputs, outputs or max batch differ from the served "
-                                        f"ones ({_differ(signature(dest), signature(built / model))}); pass --new-signature "
-                                        "if clients are ready for it")
+                                        f"ones ({_differ(served_tensors(dest), served_tensors(built / model))}); pass "
+                                        "--new-signature if clients are ready for it")
                 plan[model] = versions(dest)[-1] + 1
             else:
                 plan[model] = 1
@@ -75,16 +76,13 @@ def add_version(export_dir: str | Path, repo: str | Path, cfg: RepoConfig, keep:
                 set_live(built / model, 1)
                 (built / model).rename(dest)
                 continue
-            live = live_version(dest)
+            was = live_version(dest)
             (built / model / "1").rename(dest / str(v))
-            for name in ("config.pbtxt", EMBEDDED_CONFIG):  # the new build's configs, still naming the live version
-                if (built / model / name).exists():
-                    shutil.copy2(built / model / name, dest / name)
-            set_live(dest, live)
+            edit_configs(built / model, live(was), into=dest)  # the new build's configs, still naming the live version
             for old in versions(dest)[:-keep] if keep > 0 else []:
-                if old != live:
+                if old != was:
                     shutil.rmtree(dest / str(old))
-            log(f"{model}: version {v} added beside live version {live} (kept: {', '.join(map(str, versions(dest)))})")
+            log(f"{model}: version {v} added beside live version {was} (kept: {', '.join(map(str, versions(dest)))})")
     return plan
 
 

@@ -41,14 +41,29 @@ def rehash_version(vdir) -> None:
     (vdir / "provenance.json").write_text(json.dumps(prov))
 
 
-def perturb_onnx(d, delta: float) -> None:
-    """Add ``delta`` to one weight of the export's ONNX model (its largest initializer) and rehash it."""
-    model = onnx.load(str(d / "onnx/model.onnx"))
+def alter_onnx_weight(path, change) -> None:
+    """Change the largest weight (initializer) of the ONNX model at ``path`` in place with ``change(array)``, as a
+    faulty exporter would have written it."""
+    model = onnx.load(str(path))
     init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
     arr = onnx.numpy_helper.to_array(init).copy()
-    arr.flat[0] += delta
+    change(arr)
     init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
-    onnx.save(model, str(d / "onnx/model.onnx"))
+    onnx.save(model, str(path))
+
+
+def scale(factor: float, part: float = 1.0):
+    """A change for alter_onnx_weight: the first ``part`` of the weight's values times ``factor``."""
+    def change(arr) -> None:
+        arr.flat[: int(arr.size * part)] *= factor
+    return change
+
+
+def perturb_onnx(d, delta: float) -> None:
+    """Add ``delta`` to one weight of the export's ONNX model (its largest initializer) and rehash it."""
+    def add(arr) -> None:
+        arr.flat[0] += delta
+    alter_onnx_weight(d / "onnx/model.onnx", add)
     rehash(d, "onnx/model.onnx")
 
 

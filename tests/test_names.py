@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchship.names import SERVED_FORMATS, export_name, format_by_suffix, format_of, model_name, models_of
+from torchship.names import SERVED_FORMATS, export_name, format_of, model_name, models_of
 
 
 def test_a_model_name_reads_back_to_its_format_and_no_other_exports():
@@ -18,5 +18,18 @@ def test_a_model_name_reads_back_to_its_format_and_no_other_exports():
 
 
 def test_a_name_alone_reads_back_to_its_format():
-    assert [format_by_suffix(f"my_net_{f}") for f in SERVED_FORMATS] == list(SERVED_FORMATS)
-    assert format_by_suffix("my_net") is None and format_by_suffix("my_net_aoti_buckets") is None
+    assert [format_of(f"my_net_{f}") for f in SERVED_FORMATS] == list(SERVED_FORMATS)
+    assert format_of("my_net") is None and format_of("my_net_aoti_buckets") is None
+
+
+def test_a_recorded_format_wins_over_the_name():
+    """A model served under the export's plain name has no format in its name; its config records one."""
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    m = {"name": "resnet50"}
+    as_json = {"parameters": {"torchship_format": {"string_value": "onnx_int8"}}}
+    proto = mc.ModelConfig(name="resnet50")
+    proto.parameters["torchship_format"].string_value = "aoti"
+    assert format_of("resnet50", m) is None
+    assert format_of("resnet50", m, as_json) == "onnx_int8" and format_of("resnet50", config=proto) == "aoti"
+    assert format_of("resnet50_onnx", m, {"parameters": {}}) == "onnx"

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 from .io import read_json, sha256_file
 
 WEIGHTS = "model.pt"
@@ -79,7 +79,7 @@ def load_weights(ckpt_dir: Path, check_hash: bool = True) -> dict[str, torch.Ten
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged zip/pickle
-        raise CheckpointError(f"{path} is corrupt or truncated: {type(e).__name__}: {str(e).splitlines()[0][:160]}") from None
+        raise CheckpointError(f"{path} is corrupt or truncated: {first_line(e, 160)}") from None
     if not isinstance(sd, dict):
         raise CheckpointError(f"{path} holds a {type(sd).__name__}, not a state_dict")
     return sd

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from .checkpoint import load_into, load_meta, load_weights
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 from .models import WithPreprocessing, make_model, model_from_meta
 
 PREFIXES = ("module.", "_orig_mod.")  # DDP's wrapper and torch.compile's
@@ -77,8 +77,7 @@ def load_weights_file(path: str | Path, log=print) -> dict[str, torch.Tensor]:
         else:
             sd = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"--weights {p} cannot be read as a state_dict: {type(e).__name__}: "
-                              f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}") from None
+        raise CheckpointError(f"--weights {p} cannot be read as a state_dict: {first_line(e, 200)}") from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         log(f"weights: using the 'state_dict' entry of {p.name}")
         sd = sd["state_dict"]

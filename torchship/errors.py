@@ -1,6 +1,13 @@
 """The typed errors every stage raises; the CLI prints them as one line and exits non-zero."""
 
 
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """``e`` as one short line: its type and the first line of its message (cut to ``limit`` characters), for
+    an error that goes on into a message of ours, a manifest or a report."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
+
+
 class TorchshipError(Exception):
     """A problem the user can act on. ``str(err)`` is the one line the CLI prints."""
 
@@ -70,3 +77,9 @@ class Interrupted(TorchshipError):
     """Ctrl-C or SIGTERM stopped a command; the message says where, and how to go on."""
 
     exit_code = 130
+
+
+class RolloutError(TorchshipError):
+    """A rollout step failed; the live version still serves."""
+
+    exit_code = 3

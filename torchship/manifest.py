@@ -86,6 +86,39 @@ def file_problem(d: Path, rel: str, sha: str | None) -> str | None:
     return None
 
 
+class Export:
+    """An export directory as a later stage holds it: its manifest, read once, and its reference arrays, read (and
+    their sha256 checked) once, when first asked for. ``torchship run`` hands one Export from stage to stage, so
+    each file is read once per run. ``files_checked``: every file the manifest lists (the reference included)
+    was hashed against it already (by the export that wrote them, or a check earlier in this process)."""
+
+    def __init__(self, export_dir: str | Path, manifest: dict[str, Any] | None = None,
+                 reference: dict[str, np.ndarray] | None = None, files_checked: bool = False):
+        self.dir = Path(export_dir)
+        self.manifest = manifest if manifest is not None else read_manifest(self.dir)
+        self._reference = reference
+        self.files_checked = files_checked
+
+    @classmethod
+    def of(cls, export: "str | Path | Export") -> "Export":
+        """``export`` itself if it is one, else the export directory it names, read."""
+        return export if isinstance(export, Export) else cls(export)
+
+    def reference(self) -> dict[str, np.ndarray]:
+        """The reference arrays (read_reference; without hashing it again where files_checked), read on first use."""
+        if self._reference is None:
+            self._reference = _load_npz(self.dir / REFERENCE) if self.files_checked else read_reference(self.dir, self.manifest)
+        return self._reference
+
+    def check_files(self) -> None:
+        """ArtifactError naming each file the manifest lists that is missing or altered (once per Export)."""
+        if not self.files_checked:
+            problems = check_hashes(self.dir, self.manifest)
+            if problems:
+                raise ArtifactError(f"{self.dir}: " + "; ".join(problems))
+            self.files_checked = True
+
+
 def read_reference(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str, np.ndarray]:
     """The export's reference arrays (reference.npz: inputs, eager outputs, held-out labels), once its
     sha256 matches the manifest's; ArtifactError naming the file if it is missing or altered."""
@@ -93,7 +126,11 @@ def read_reference(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str
     problem = file_problem(d, REFERENCE, manifest["reference"].get("sha256"))
     if problem:
         raise ArtifactError(f"{d}: {problem}; export again")
-    with np.load(d / REFERENCE) as z:
+    return _load_npz(d / REFERENCE)
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as z:
         return {k: z[k] for k in z.files}
 
 
@@ -190,6 +227,12 @@ def why_not_passed(manifest: dict[str, Any], fmt: str) -> str:
         failed = any(f["format"] == fmt for f in manifest.get("export_failures", []))
         return "could not be exported" if failed else "not exported"
     return verdict_state(manifest, a)
+
+
+def runs_tf32(manifest: dict[str, Any], fmt: str | None) -> bool:
+    """Whether the served model of ``fmt`` runs an AOTInductor package compiled with TF32 allowed (its own, or
+    the bucket archive the embedded server runs for it), and so is held to the TF32 bound."""
+    return any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in (fmt, f"{fmt}_buckets"))
 
 
 def artifact(manifest: dict[str, Any], name: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 SERVED_FORMATS = ("onnx", "torchscript", "aoti", "onnx_int8", "aoti_int8")  # the formats a repository serves, one Triton model each
+FORMAT_PARAMETER = "torchship_format"  # a model served under the export's plain name records its format in this parameter
 
 
 def export_name(spec: str) -> str:
@@ -26,16 +27,20 @@ def model_names(manifest: dict[str, Any], formats: Iterable[str] = SERVED_FORMAT
     return {f: model_name(manifest, f) for f in formats}
 
 
-def format_of(model: str, manifest: dict[str, Any]) -> Optional[str]:
-    """The format a Triton model serves, if it is one of this export's models; else None."""
-    prefix = f"{manifest['name']}_"
-    fmt = model[len(prefix):] if model.startswith(prefix) else None
-    return fmt if fmt in SERVED_FORMATS else None
-
-
-def format_by_suffix(model: str) -> Optional[str]:
-    """The format a Triton model's name ends in (the longest that fits), without knowing the export: for a
-    repository read on its own."""
+def format_of(model: str, manifest: Optional[dict[str, Any]] = None, config: Any = None) -> Optional[str]:
+    """The format a Triton model serves; None if it serves none of them (or another export's). The rule read
+    backwards: the format its ``config`` records (a model served under the export's plain name carries
+    FORMAT_PARAMETER; a config as JSON, or a ModelConfig), else the suffix of its name after the export's
+    name (``manifest``), else, for a repository read on its own, the longest format its name ends in."""
+    if config is not None:
+        params = config.get("parameters", {}) if isinstance(config, dict) else config.parameters
+        if FORMAT_PARAMETER in params:
+            p = params[FORMAT_PARAMETER]
+            return p.get("string_value") if isinstance(p, dict) else p.string_value
+    if manifest is not None:
+        prefix = f"{manifest['name']}_"
+        fmt = model[len(prefix):] if model.startswith(prefix) else None
+        return fmt if fmt in SERVED_FORMATS else None
     return next((f for f in sorted(SERVED_FORMATS, key=len, reverse=True) if model.endswith("_" + f)), None)
 
 

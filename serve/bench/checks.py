@@ -12,6 +12,7 @@ import numpy as np
 
 from torchship import parity
 from torchship.errors import ParityError
+from torchship.manifest import runs_tf32
 
 from ..client import decode_all
 
@@ -88,7 +89,7 @@ def response_check(client, model: str, manifest: dict[str, Any], fmt: Optional[s
     pool they were drawn from. Where the bench's inputs have no reference (--shape at a size no reference set has),
     an fp32 model too is held to its idle answers, within twice its bound (two runs each within it)."""
     art = next((a for a in manifest["artifacts"] if a["format"] == fmt), {})
-    tf32 = any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in (fmt, f"{fmt}_buckets"))
+    tf32 = runs_tf32(manifest, fmt)
     outputs = [o["name"] for o in manifest["outputs"]]
     tol = manifest["tolerances"]
     if art.get("quantization") or expected is None:

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from torchship.errors import TorchshipError
+from torchship.errors import TorchshipError, first_line
 from torchship.manifest import artifact
 
 from .config import BenchConfig
@@ -44,7 +44,7 @@ def load_variants(cfg: BenchConfig, inputs: BenchInputs, device: str) -> tuple[d
         except TorchshipError as e:
             notes[v] = f"skipped: {e}"
         except Exception as e:
-            notes[v] = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            notes[v] = f"skipped: {first_line(e, 200)}"
     return runners, notes
 
 

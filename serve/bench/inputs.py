@@ -11,7 +11,7 @@ import numpy as np
 
 from torchship.eager import eager_from_manifest
 from torchship.errors import TorchshipError
-from torchship.manifest import bench_inputs, read_reference, reference_outputs
+from torchship.manifest import Export, bench_inputs, reference_outputs
 
 
 @dataclass
@@ -26,11 +26,13 @@ class BenchInputs:
     expected: Optional[dict[str, np.ndarray]] = None  # the pool's reference outputs by output name (None: random inputs)
 
 
-def load_inputs(export_dir: Path, manifest: dict[str, Any], shape: dict[str, int] | None) -> BenchInputs:
-    """Read the reference inputs (ArtifactError if reference.npz is missing or altered) and rebuild eager."""
-    ref = read_reference(export_dir, manifest)
+def load_inputs(export: Export, shape: dict[str, int] | None) -> BenchInputs:
+    """The reference inputs (read once per Export; ArtifactError if reference.npz is missing or altered), and
+    eager rebuilt."""
+    manifest = export.manifest
+    ref = export.reference()
     pool, samples, key = bench_inputs(ref, manifest, shape)
-    inputs = BenchInputs(Path(export_dir), manifest, pool, samples,
+    inputs = BenchInputs(export.dir, manifest, pool, samples,
                          labels=None if shape else ref.get(f"labels/{manifest['reference'].get('samples')}"),
                          expected=reference_outputs(ref, manifest, key) if key else None)
     try:

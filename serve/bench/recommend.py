@@ -45,24 +45,22 @@ def recommend(results: dict, budget_ms: float | None, max_batch: int) -> dict[st
                     "one instance: instance counts were not swept (on a 2-core CPU a second instance only competes for cores)")}
 
 
-def write_recommendation(repo: Path, rec: dict) -> list[str]:
-    """Apply the recommended batching to the model's configs in the repository (atomic writes)."""
-    from ..repository import EMBEDDED_CONFIG, config_text, read_config
-    from torchship.io import atomic_write_text
-
-    written = []
-    for name in ("config.pbtxt", EMBEDDED_CONFIG):
-        p = repo / rec["model"] / name
-        if not p.exists():
-            continue
-        c = read_config(p)
-        if c.max_batch_size == 0:  # a batch-1 config stays batch-1
-            continue
+def batching_edit(rec: dict[str, Any]):
+    """The config edit that applies a recommendation's batching (max_batch_size, dynamic batching and its queue
+    delay); a batch-1 config stays batch-1."""
+    def edit(c) -> None:
+        if c.max_batch_size == 0:
+            return
         c.max_batch_size = max(1, min(c.max_batch_size, rec["max_batch_size"] or c.max_batch_size))
         if rec["dynamic_batching"]:
             c.dynamic_batching.max_queue_delay_microseconds = rec["max_queue_delay_microseconds"]
         else:
             c.ClearField("dynamic_batching")
-        atomic_write_text(p, config_text(c))
-        written.append(str(p))
-    return written
+    return edit
+
+
+def write_recommendation(repo: Path, rec: dict) -> list[str]:
+    """Apply the recommended batching to the model's configs in the repository (both, atomically)."""
+    from ..model_config import edit_configs
+
+    return [str(p) for p in edit_configs(Path(repo) / rec["model"], batching_edit(rec))]

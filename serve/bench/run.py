@@ -9,7 +9,7 @@ from typing import Any
 
 from torchship.errors import BenchError, TorchshipError
 from torchship.io import atomic_write_json
-from torchship.manifest import check_shape, read_manifest
+from torchship.manifest import Export, check_shape
 
 from .checks import wrong_in
 from .compare import RESULTS_FORMAT
@@ -20,20 +20,20 @@ from .recommend import recommend, write_recommendation
 from .stats import device_peak, flops_per_sample, machine_info
 
 
-def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
+def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = None) -> dict[str, Any]:
     """Measure, then write OUT/results.json, OUT/report.md and plots. Partial results are written
     even when a part fails; the failure is raised afterwards as BenchError/ServerError/ClientError.
     The served part runs against ``server`` (a started ``bench_server``, left running) if given, else
     against ``cfg.url``, else against an embedded server of its own. The manifest, the reference inputs
-    and eager are read once, here, and handed to every part."""
+    and eager are read once, here (or come with ``export``, an Export held already), and handed to every part."""
     import torch
 
     from .report import write_report
 
-    if not cfg.export_dir:
+    if not cfg.export_dir and export is None:
         raise BenchError("give an EXPORT_DIR (its manifest names the model, inputs and reference data)")
-    export_dir = Path(cfg.export_dir)
-    manifest = read_manifest(export_dir)
+    export = export or Export(cfg.export_dir)
+    export_dir, manifest = export.dir, export.manifest
     check_shape(manifest, cfg.shape_values())
     device = manifest.get("device", "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -43,7 +43,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
         from . import served  # tritonclient, which only the served part needs: --skip-served runs without it
 
         plan = served.served_plan(cfg, manifest, server)
-    inputs = load_inputs(export_dir, manifest, cfg.shape_values())
+    inputs = load_inputs(export, cfg.shape_values())
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"format": RESULTS_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -80,7 +80,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None) -> dict[str, Any]:
             own = server is None and not cfg.url
             try:
                 if own:
-                    server = served.start_own_server(cfg, export_dir, manifest, out)
+                    server = served.start_own_server(cfg, export, out)
                 url = server.url if server is not None else cfg.url
                 log(f"served: {url}")
                 served.bench_served(cfg, inputs, plan, url, server, bar, results, save)

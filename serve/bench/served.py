@@ -16,8 +16,8 @@ from torchship.errors import BenchError, TorchshipError
 from torchship.names import format_of, model_names, models_of
 
 from ..client import TritonClient
-from ..repository import DTYPES, config_dims, read_config, repository_models, servable_formats, served_config_path
-from ..parity import FORMAT_PARAMETER
+from ..model_config import read_config, repository_models, served_config_path
+from ..repository import DTYPES, config_dims, servable_formats
 from .checks import ResponseCheck, keeper, response_check, tally
 from .config import BenchConfig
 from .inputs import BenchInputs, single_rows
@@ -58,15 +58,17 @@ def bench_server(serve_cfg, manifest: dict, out: Path):
     return TritonServer(serve_cfg, extra_repos=[noop_repo(out, manifest)])
 
 
-def start_own_server(cfg: BenchConfig, export_dir: Path, manifest: dict, out: Path):
-    """The bench's own embedded server: on --repo, else on a repository built from the export into OUT/repo."""
+def start_own_server(cfg: BenchConfig, export, out: Path):
+    """The bench's own embedded server: on --repo, else on a repository built from ``export`` (an Export) into
+    OUT/repo."""
     from ..config import RepoConfig
     from ..repository import build_repository
 
     repo = Path(cfg.repo) if cfg.repo else out / "repo"
     if not cfg.repo:
-        build_repository(export_dir, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
-    server = bench_server(dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")), manifest, out)
+        build_repository(export, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
+    server = bench_server(dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")),
+                          export.manifest, out)
     return server.start()
 
 
@@ -265,8 +267,7 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
     gen, other, why = load_generators(cfg, inputs.pool, data)
     served["load_generator"] = {"name": gen.name, "why": why}
 
-    checks = {m: response_check(client, m, manifest, format_of(m, manifest) or client.config(m).get("parameters", {})
-                                .get(FORMAT_PARAMETER, {}).get("string_value"), inputs.expected, singles,
+    checks = {m: response_check(client, m, manifest, format_of(m, manifest, client.config(m)), inputs.expected, singles,
                                 len(next(iter(inputs.pool.values())))) for m in models}
 
     def run(these: list[str], levels=cfg.concurrency, by: LoadGenerator = gen) -> dict[str, list[dict]]:

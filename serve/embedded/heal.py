@@ -11,38 +11,16 @@ stop on their own), and a version Triton no longer calls ready was unloaded (a r
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-STUB = "triton_python_backend_stub"
+from .process import stub_processes
+
 SETTLE_S = 3.0  # after Triton logs a (re)load or unload of a model, its stubs may come and go this long
 LIFECYCLE = re.compile(r'"(?:loading: ([^:"]+):\d+|successfully (?:un)?loaded \'([^\']+)\')')
-
-
-def stub_processes(server_pid: int) -> dict[tuple[str, str], set[int]]:
-    """(model folder name, version) -> pids of the server's live stub processes for it (a stub's first argument
-    is the model file, REPO/<model>/<version>/<file>)."""
-    out: dict[tuple[str, str], set[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-            if int(stat[1]) != server_pid or stat[0] == "Z":  # not the server's child, or dead and not yet reaped
-                continue
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if len(argv) > 1 and argv[0].decode(errors="replace").endswith(STUB):
-            path = Path(argv[1].decode(errors="replace"))
-            out.setdefault((path.parents[1].name, path.parent.name), set()).add(int(entry.name))
-    return out
 
 
 class Healer(threading.Thread):
@@ -56,10 +34,10 @@ class Healer(threading.Thread):
         self.log_offset = server.log_path.stat().st_size if server.log_path and server.log_path.exists() else 0
         self.heals: list[dict] = []
         self.halt = threading.Event()
-        self.status = Path(f"{server.log_path}.heals.json") if server.log_path else None
+        self.heals_file = Path(f"{server.log_path}.heals.json") if server.log_path else None
 
     def run(self) -> None:
-        client = self.server._client()
+        client = self.server.client()
         while not self.halt.wait(self.interval):
             proc = self.server.proc
             if proc is None or proc.poll() is not None:  # the server is gone (stopped, or killed): nothing to heal
@@ -70,7 +48,7 @@ class Healer(threading.Thread):
                 if proc.poll() is None and not self.halt.is_set():  # a server going away is not news
                     self.log(f"heal: check failed ({type(e).__name__}: {e})")
 
-    def lifecycle(self) -> None:
+    def note_reloads(self) -> None:
         """Note the models Triton logged loading or unloading since the last look."""
         try:
             with open(self.server.log_path, "rb") as f:
@@ -83,7 +61,7 @@ class Healer(threading.Thread):
             self.busy[m.group(1) or m.group(2)] = time.monotonic()
 
     def tick(self, client) -> None:
-        self.lifecycle()
+        self.note_reloads()
         live = stub_processes(self.server.proc.pid)
         loaded = set(self.server.loaded)
         for key in sorted(set(live) | set(self.known)):
@@ -104,21 +82,21 @@ class Healer(threading.Thread):
             dead = known - pids
             if not dead or self.halt.is_set():
                 continue
-            if not client.is_model_ready(model, version):  # unloaded on purpose
+            if not client.ready(model, version):  # unloaded on purpose
                 self.known.pop(key, None)
                 continue
             self.heal(client, model, sorted(dead))
         for model in loaded - {m for m, _ in live} - {m for m, _ in self.known}:  # no stub at all: gone while settling
             if time.monotonic() - self.busy.get(model, -SETTLE_S) >= SETTLE_S and not self.halt.is_set() \
-                    and client.is_model_ready(model):
+                    and client.ready(model):
                 self.heal(client, model, [])
 
     def heal(self, client, model: str, dead: list[int]) -> None:
         t0 = time.monotonic()
         self.log(f"heal: {model}'s backend process {', '.join(map(str, dead)) or 'is gone'}"
                  f"{' died' if dead else ''}; reporting it not ready and loading it again")
-        client.unload_model(model)
-        while client.is_model_ready(model) and time.monotonic() - t0 < 30:
+        client.unload(model)
+        while client.ready(model) and time.monotonic() - t0 < 30:
             time.sleep(0.05)
         for key in [k for k in self.known if k[0] == model]:
             self.known.pop(key)
@@ -129,8 +107,8 @@ class Healer(threading.Thread):
         self.heals.append(entry)
         line = f"healed {model} in {entry['seconds']:.1f} s (heal {len(self.heals)} of this server)"
         self.log(line)
-        if self.status:
-            self.status.write_text(json.dumps({"heals": len(self.heals), "events": self.heals}, indent=2) + "\n")
+        if self.heals_file:
+            self.heals_file.write_text(json.dumps({"heals": len(self.heals), "events": self.heals}, indent=2) + "\n")
             with open(self.server.log_path, "a") as f:  # beside Triton's own lines
                 f.write(f"torchship: {line}\n")
 

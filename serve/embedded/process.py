@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Optional, Sequence
 
 
@@ -137,29 +138,44 @@ def _end_started(done: concurrent.futures.Future) -> None:
         proc.wait()
 
 
+
 STUB = "triton_python_backend_stub"
 
 
-def instance_memory(pgid: int, models: Sequence[str]) -> dict[str, int]:
-    """Resident bytes of each model's backend processes (Triton's Python stubs, one per instance, named
-    ``<model>`` or ``<model>_<group>_<index>`` on their command lines) in the process group ``pgid``, summed per model."""
-    out: dict[str, int] = {}
-    by_length = sorted(models, key=len, reverse=True)
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
+def stub_processes(server_pid: int) -> dict[tuple[str, str], set[int]]:
+    """(model folder name, version) -> pids of the server's live stub processes for it (a stub's first argument
+    is the model file, REPO/<model>/<version>/<file>)."""
+    out: dict[tuple[str, str], set[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
             continue
         try:
-            if os.getpgid(int(d)) != pgid:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            if int(stat[1]) != server_pid or stat[0] == "Z":  # not the server's child, or dead and not yet reaped
                 continue
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-            with open(f"/proc/{d}/statm") as f:
-                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
             continue
-        if not argv[0].endswith(STUB):
-            continue
-        model = next((m for m in by_length if any(a == m or a.startswith(m + "_") for a in argv[1:])), None)
-        if model:
-            out[model] = out.get(model, 0) + rss
+        if len(argv) > 1 and argv[0].decode(errors="replace").endswith(STUB):
+            path = Path(argv[1].decode(errors="replace"))
+            out.setdefault((path.parents[1].name, path.parent.name), set()).add(int(entry.name))
     return out
+
+
+def instance_memory(server_pid: int, models: Sequence[str]) -> dict[str, int]:
+    """model -> resident bytes of its backend processes (Triton's Python stubs, one per instance and version)."""
+    out: dict[str, int] = {}
+    for (model, _), pids in stub_processes(server_pid).items():
+        if model in models:
+            out[model] = out.get(model, 0) + sum(_rss(pid) for pid in pids)
+    return out
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

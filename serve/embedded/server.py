@@ -14,14 +14,13 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from google.protobuf import json_format
 
 from torchship.device import cuda_visible
-from torchship.errors import ServerError
+from torchship.errors import ServerError, TorchshipError
 from torchship.runtime import version_file_problems
 
 from ..config import ServeConfig
-from ..repository import EMBEDDED_CONFIG, read_config, repository_models, served_config_path
+from ..model_config import EMBEDDED_CONFIG, read_config, repository_models, served_config_path, versions
 from .process import dying_with_parent, free_ports, listens_on, port_in_use, start_child
 from .wheel import backend_dir, server_env, triton_home
 
@@ -190,16 +189,14 @@ class TritonServer:
             log.close()
         deadline = time.monotonic() + self.cfg.ready_timeout
         try:
-            client = self._client()
+            client = self.client()
             while True:
                 if self.proc.poll() is not None:
                     raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}")
-                try:  # a bounded wait: a port taken by something that is not a gRPC server never answers
-                    if (client.is_server_live(client_timeout=1.0)  # and it is this server that answers
-                            and listens_on(self.proc.pid, self.grpc_port) is not False):
-                        break
-                except Exception:
-                    pass
+                # a bounded wait (a port taken by something that is not a gRPC server never answers), and it is this
+                # server that answers
+                if client.live(timeout_s=1.0) and listens_on(self.proc.pid, self.grpc_port) is not False:
+                    break
                 if time.monotonic() > deadline:
                     raise ServerError(f"tritonserver not live after {self.cfg.ready_timeout:.0f}s:\n{self.log_tail()}")
                 time.sleep(0.1)
@@ -244,29 +241,28 @@ class TritonServer:
 
     def load(self, name: str, client=None, deadline: float | None = None, override=None) -> None:
         """Load (or reload) one model: with ``override`` (a ModelConfig) if given, else with
-        embedded.pbtxt where the repository has one, else with its config.pbtxt."""
-        from tritonclient.utils import InferenceServerException
-
-        client = client or self._client()
+        embedded.pbtxt where the repository has one, else with its config.pbtxt. ``client``: a TritonClient of
+        this server (default: a new one)."""
+        client = client or self.client()
         path = served_config_path(self.repo / name)
         if override is None and path.name == EMBEDDED_CONFIG:  # Triton reads config.pbtxt itself
             override = read_config(path)
-        config = json_format.MessageToJson(override) if override is not None else None
         try:  # bounded: a model whose backend process never starts holds the call open for good
-            client.load_model(name, config=config, client_timeout=max(1.0, deadline - time.monotonic()) if deadline else None)
-        except InferenceServerException as e:
-            raise ServerError(f"model {name} failed to load: {e.message()}\n{self.log_tail()}") from None
-        while not client.is_model_ready(name):
+            client.load(name, override, timeout_s=max(1.0, deadline - time.monotonic()) if deadline else None)
+        except TorchshipError as e:
+            raise ServerError(f"model {name} failed to load: {str(e).removeprefix(f'load {name}: ')}\n{self.log_tail()}") from None
+        while not client.ready(name):
             if deadline and time.monotonic() > deadline:
                 raise ServerError(f"model {name} not ready in time:\n{self.log_tail()}")
             time.sleep(0.05)
         if name not in self.loaded:
             self.loaded.append(name)
 
-    def _client(self):
-        import tritonclient.grpc as grpcclient
+    def client(self):
+        """A TritonClient of this server."""
+        from ..client import TritonClient
 
-        return grpcclient.InferenceServerClient(self.url)
+        return TritonClient(self.url)
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs, or once every
@@ -333,7 +329,7 @@ class TritonServer:
 
 def served_versions(model_dir: Path, config) -> list[int]:
     """The version folders Triton loads for a model under its config's version policy."""
-    on_disk = sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    on_disk = versions(model_dir)
     policy = config.version_policy.WhichOneof("policy_choice")
     if policy == "specific":
         return [v for v in on_disk if v in config.version_policy.specific.versions]

@@ -5,21 +5,81 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.conftest import run_cli
-from tests.helpers import rehash_version
+from tests.helpers import alter_onnx_weight, rehash_version, scale
 from torchship.io import sha256_file
 
 CONFIG = Path(__file__).with_name("tiny.toml")
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def counted_run(tmp_path_factory):
+    """The run, with this process's reads of its hand-over files counted: manifest.json parsed, reference.npz
+    loaded and hashed, and the stage configs built. (The verifier's fresh processes read their own.)"""
+    import torchship.manifest
+    import torchship.pipeline.run
+
     d = tmp_path_factory.mktemp("e2e") / "run"
-    assert run_cli("run", "--out", d, "--config", CONFIG) == 0
-    return d
+    reads = {"manifest.json": 0, "reference.npz loaded": 0, "reference.npz hashed": 0, "stage configs": 0}
+    parse, load, hash_, configs = (torchship.manifest.read_json, torchship.manifest._load_npz, torchship.manifest.sha256_file,
+                                   torchship.pipeline.run.stage_configs)
+
+    def counted_parse(path, *a, **k):
+        reads["manifest.json"] += Path(path).name == "manifest.json"
+        return parse(path, *a, **k)
+
+    def counted_load(path):
+        reads["reference.npz loaded"] += Path(path).name == "reference.npz"
+        return load(path)
+
+    def counted_hash(path, *a, **k):
+        reads["reference.npz hashed"] += Path(path).name == "reference.npz"
+        return hash_(path, *a, **k)
+
+    def counted_configs(*a, **k):
+        reads["stage configs"] += 1
+        return configs(*a, **k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torchship.manifest, "read_json", counted_parse)
+        mp.setattr(torchship.manifest, "_load_npz", counted_load)
+        mp.setattr(torchship.manifest, "sha256_file", counted_hash)
+        mp.setattr(torchship.pipeline.run, "stage_configs", counted_configs)
+        assert run_cli("run", "--out", d, "--config", CONFIG) == 0
+    return d, reads
+
+
+@pytest.fixture(scope="module")
+def run_dir(counted_run):
+    return counted_run[0]
+
+
+def test_one_run_reads_each_hand_over_once(counted_run):
+    """The export stage hands its manifest and reference on in memory; the repo, check and bench stages read
+    neither again, and the stage configs are built once, for the checks before the run and the run itself."""
+    _, reads = counted_run
+    assert reads == {"manifest.json": 0, "reference.npz loaded": 0, "reference.npz hashed": 0, "stage configs": 1}, reads
+
+
+@pytest.mark.slow
+def test_a_run_from_a_later_stage_reads_each_hand_over_once(run_dir, tmp_path, monkeypatch):
+    """--from repo reads the export from disk: its manifest parsed once, its reference loaded once, for the
+    repo, check and bench stages together."""
+    import shutil
+
+    import torchship.manifest
+
+    d = tmp_path / "run"
+    shutil.copytree(run_dir, d)
+    counts = {"manifest": 0, "reference": 0}
+    parse, load = torchship.manifest.read_json, torchship.manifest._load_npz
+    monkeypatch.setattr(torchship.manifest, "read_json", lambda p, *a, **k: counts.__setitem__(
+        "manifest", counts["manifest"] + (Path(p).name == "manifest.json")) or parse(p, *a, **k))
+    monkeypatch.setattr(torchship.manifest, "_load_npz", lambda p: counts.__setitem__(
+        "reference", counts["reference"] + (Path(p).name == "reference.npz")) or load(p))
+    assert run_cli("run", "--out", d, "--config", CONFIG, "--from", "repo") == 0
+    assert counts == {"manifest": 1, "reference": 1}, counts
 
 
 def test_every_stage_output_exists_and_is_consistent(run_dir):
@@ -95,16 +155,10 @@ def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
 
 @pytest.mark.slow
 def test_a_failing_gate_exits_non_zero_naming_the_stage(run_dir, tmp_path, capsys):
-    import onnx
-
     bad = tmp_path / "run"
     shutil.copytree(run_dir, bad)
     path = bad / "model_repository/tiny_cnn_onnx/1/model.onnx"
-    model = onnx.load(str(path))
-    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
-    arr = onnx.numpy_helper.to_array(init).copy() * 1.5
-    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
-    onnx.save(model, str(path))
+    alter_onnx_weight(path, scale(1.5))
     rehash_version(path.parent)
     capsys.readouterr()
     assert run_cli("run", "--out", bad, "--config", CONFIG, "--from", "check") == 3

@@ -13,7 +13,7 @@ from serve.config import ServeConfig
 from serve.embedded import TritonServer
 from serve.parity import check_served
 from tests.conftest import run_cli
-from tests.helpers import MODELS, in_process, rehash_version
+from tests.helpers import MODELS, alter_onnx_weight, in_process, rehash_version, scale
 from torchship.errors import ParityError
 
 
@@ -101,17 +101,10 @@ def test_per_request_check_catches_misrouted_responses(exported):
 
 @pytest.mark.slow
 def test_tampered_artifact_fails_served_parity(repo, exported, tmp_path, capsys):
-    import onnx
-
     bad = tmp_path / "repo"
     shutil.copytree(repo, bad)
     path = bad / "tiny_cnn_onnx" / "1" / "model.onnx"
-    model = onnx.load(str(path))
-    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
-    arr = onnx.numpy_helper.to_array(init).copy()
-    arr.flat[: arr.size // 4] *= 1.5
-    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
-    onnx.save(model, str(path))
+    alter_onnx_weight(path, scale(1.5, part=0.25))
     rehash_version(path.parent)
     with TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx",))) as s:
         with pytest.raises(ParityError, match="tiny_cnn_onnx"):

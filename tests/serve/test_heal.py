@@ -13,8 +13,8 @@ import pytest
 from serve.client import TritonClient
 from serve.config import ServeConfig
 from serve.embedded import TritonServer
-from serve.embedded.heal import stub_processes
-from serve.repository import read_config
+from serve.embedded.process import stub_processes
+from serve.model_config import read_config
 
 MODEL = "tiny_cnn_onnx"
 
@@ -65,7 +65,7 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
         stop.set()
         for t in threads:
             t.join()
-        status = json.loads(s.healer.status.read_text())
+        status = json.loads(s.healer.heals_file.read_text())
     log = [(t, ok) for t, ok in log if t > settled]  # from the kill's side of the reload on
     ready = [(t, r) for t, r in ready if t > settled]
     failed = [t for t, ok in log if not ok]

@@ -10,7 +10,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from serve.config import ServeConfig
 from serve.embedded import TritonServer
-from serve.repository import EMBEDDED_CONFIG
+from serve.model_config import EMBEDDED_CONFIG
 from tests.conftest import run_cli
 from torchship.errors import ServerError
 from torchship.manifest import read_manifest, read_reference

@@ -13,10 +13,11 @@ from serve.config import RepoConfig, ServeConfig
 from serve.embedded import TritonServer
 from serve.parity import check_served
 from serve.repository import build_repository
-from serve.rollout import RolloutError, previous, switch
-from serve.versions import add_version, history, live_version, versions
-from tests.helpers import in_process, rehash_version
-from torchship.errors import ArtifactError, ParityError
+from serve.rollout import previous, switch
+from serve.model_config import versions
+from serve.versions import add_version, history, live_version
+from tests.helpers import alter_onnx_weight, in_process, rehash_version, scale
+from torchship.errors import ArtifactError, ParityError, RolloutError
 
 MODEL = "tiny_cnn_onnx"
 ONNX = RepoConfig(formats=("onnx",))
@@ -117,15 +118,9 @@ def test_a_flood_sees_no_failure_during_a_rollout_and_a_rollback(two_versions, e
 
 @pytest.mark.slow
 def test_a_bad_new_version_is_refused_and_the_live_one_serves_on(two_versions, exported, retrained):
-    import onnx
-
     repo = two_versions
     path = repo / MODEL / "2" / "model.onnx"
-    m = onnx.load(str(path))
-    init = max(m.graph.initializer, key=lambda t: np.prod(t.dims))
-    arr = onnx.numpy_helper.to_array(init).copy() * 1.5
-    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
-    onnx.save(m, str(path))
+    alter_onnx_weight(path, scale(1.5))
     rehash_version(path.parent)
     xs = np.load(exported / "reference.npz")["input/heldout/images"][:16]
     expected = {1: in_process(exported, "onnx").run({"images": xs})["logits"]}

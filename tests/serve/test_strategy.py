@@ -8,7 +8,8 @@ import pytest
 from serve.config import ServeConfig
 from serve.embedded import TritonServer
 from serve.parity import check_served
-from serve.strategy import parse_strategy, pick
+from serve.bench.strategy import pick
+from serve.config import parse_strategy
 from tests.conftest import run_cli
 from torchship.errors import ConfigError
 

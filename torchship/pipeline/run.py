@@ -105,14 +105,16 @@ def in_run_terms(section: str, cls: type, e: ConfigError) -> ConfigError:
 class Run:
     """One run of the pipeline: its folder, configs and record, and the embedded server once it is up."""
 
-    def __init__(self, run_dir: Path, settings: dict[str, dict[str, Any]], log: Callable[[str], None]):
+    def __init__(self, run_dir: Path, settings: dict[str, dict[str, Any]], log: Callable[[str], None],
+                 configs: dict[str, Any] | None = None):
         self.dir, self.dirs, self.log = run_dir, layout(run_dir), log
         self.settings = settings
-        self.cfg = stage_configs(settings, self.dirs)
+        self.cfg = configs or stage_configs(settings, self.dirs)  # built once: main_run builds them to check them
         self.record: dict[str, Any] = {"run_dir": str(run_dir), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                        "settings": settings, "stages": {}, "gates": {}}
         self.server = None
         self.into, self.url = None, None  # --into REPO --url URL: roll out into a running server instead
+        self._export = None  # the export as the stages hand it on: its manifest and reference read once per run
 
     def save(self) -> None:
         atomic_write_json(self.dir / "run.json", self.record)
@@ -127,14 +129,23 @@ class Run:
         if not ok:
             raise GateError(f"stage {name}: {detail}")
 
+    def export(self):
+        """The run's export (an Export): the one the export stage wrote, or, in a run that starts after it, the
+        export folder read, its files checked once."""
+        if self._export is None:
+            from torchship.manifest import Export
+
+            self._export = Export(self.dirs["export"])
+            self._export.check_files()
+        return self._export
+
     def served(self):
         """The embedded server on the run's repository, with the bench's no-op model beside it; started on
         first use, so that the check and the bench measure the same server."""
         if self.server is None:
             from serve.bench.served import bench_server
-            from torchship.manifest import read_manifest
 
-            self.server = bench_server(self.cfg["serve"], read_manifest(self.dirs["export"]), self.dirs["bench"])
+            self.server = bench_server(self.cfg["serve"], self.export().manifest, self.dirs["bench"])
             self.server.start()
             self.log(f"Triton ready at {self.server.url} with {', '.join(self.server.loaded)}")
         return self.server
@@ -144,9 +155,8 @@ def stage_train(run: Run, t0: float) -> None:
     from torchship import checkpoint as ck
     from train.launch import run_train
 
-    cfg = run.cfg["train"]
-    cfg.overwrite = True  # an existing train/ holds no checkpoint yet, or --overwrite said to replace them
-    run_train(cfg)
+    # an existing train/ holds no checkpoint yet, or --overwrite said to replace them
+    run_train(dataclasses.replace(run.cfg["train"], overwrite=True))
     meta = ck.load_meta(ck.resolve_checkpoint(run.dirs["train"], "best"))
     acc, min_acc = float(meta.get("metrics", {}).get("val_acc", 0.0)), run.cfg["run"].min_accuracy
     run.done("train", t0, val_acc=acc, arch=meta["arch"], world_size=meta["world_size"], amp=meta["amp"])
@@ -156,9 +166,9 @@ def stage_train(run: Run, t0: float) -> None:
 def stage_export(run: Run, t0: float) -> None:
     from export.pipeline import run_export
     from torchship.errors import ParityError
+    from torchship.manifest import Export
 
-    cfg = run.cfg["export"]
-    cfg.overwrite = True
+    cfg = dataclasses.replace(run.cfg["export"], overwrite=True)
     with open(run.dirs["logs"] / "export.log", "w") as elog:
         def both(msg: str) -> None:
             run.log(msg)
@@ -168,6 +178,7 @@ def stage_export(run: Run, t0: float) -> None:
         except ParityError as e:
             run.done("export", t0, error=str(e))
             run.gate("export", False, str(e))
+    run._export = Export(cfg.out, m, files_checked=True)  # the files were hashed as they were written
     failed = [n for n, e in m.get("verification", {}).get("artifacts", {}).items() if not e["pass"]]
     failed += [f["format"] for f in m["export_failures"]]
     run.done("export", t0, artifacts=[a["name"] for a in m["artifacts"]], failures=m["export_failures"],
@@ -179,9 +190,7 @@ def stage_export(run: Run, t0: float) -> None:
 def stage_repo(run: Run, t0: float) -> None:
     from serve.repository import build_repository
 
-    cfg = run.cfg["repo"]
-    cfg.overwrite = True
-    res = build_repository(run.dirs["export"], cfg)
+    res = build_repository(run.export(), dataclasses.replace(run.cfg["repo"], overwrite=True))
     run.log(f"repository {res['path']}: {', '.join(res['models'].values())}")
     run.done("repo", t0, models=res["models"])
 
@@ -191,7 +200,7 @@ def stage_check(run: Run, t0: float) -> None:
     from torchship.errors import ParityError
 
     try:
-        report = check_served(run.served().url, run.dirs["export"])
+        report = check_served(run.served().url, run.export())
     except ParityError as e:
         atomic_write_json(run.dirs["check"], getattr(e, "report", {"failures": e.failures}))
         run.done("check", t0, error=str(e))
@@ -204,16 +213,14 @@ def stage_check(run: Run, t0: float) -> None:
 
 def stage_bench(run: Run, t0: float) -> None:
     from serve.bench.run import run_bench
-
     from serve.repository import served_artifacts
     from torchship.errors import ParityError
-    from torchship.manifest import read_manifest
 
     cfg = run.cfg["bench"]
     if not run.settings["bench"].get("variants"):  # in-process, what the summary sets beside each served model
-        cfg = dataclasses.replace(cfg, variants=tuple(served_artifacts(read_manifest(run.dirs["export"])).values()))
+        cfg = dataclasses.replace(cfg, variants=tuple(served_artifacts(run.export().manifest).values()))
     try:
-        results = run_bench(cfg, log=run.log, server=run.served())
+        results = run_bench(cfg, log=run.log, server=run.served(), export=run.export())
     except ParityError as e:  # a wrong answer under load: the results and report are written
         run.done("bench", t0, report=str(run.dirs["bench"] / "report.md"), error=str(e))
         run.gate("bench", False, str(e))
@@ -229,16 +236,15 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
     """The repo stage's --strategy (max-throughput by default) judged on the bench just measured: the winner
     is added to the repository under the export's plain name, loaded into the live server, and must pass
     served parity there before the run goes on."""
+    from serve.bench.strategy import serve_by_strategy
     from serve.parity import check_served
-    from serve.strategy import pick, serve_winner
-    from torchship.manifest import read_manifest
 
-    manifest = read_manifest(run.dirs["export"])
-    winner = pick(results, run.cfg["repo"].strategy or DEFAULT_STRATEGY, manifest)
-    dest = serve_winner(run.dirs["repo"], winner, manifest, run.cfg["repo"].only_winner)
+    export = run.export()
+    winner, dest = serve_by_strategy(export, run.dirs["repo"], run.cfg["repo"].strategy or DEFAULT_STRATEGY,
+                                     export.manifest, results, run.cfg["repo"].only_winner, log=run.log)
     server = run.served()
     server.load(dest.name)
-    check_served(server.url, run.dirs["export"], models=[dest.name])
+    check_served(server.url, export, models=[dest.name])
     run.log(f"serving {winner['model']} as {dest.name}: {winner['why']} (served parity PASS under {dest.name})")
     return {**winner, "served_as": dest.name}
 
@@ -260,8 +266,8 @@ def stage_rollout(run: Run, t0: float) -> None:
     from serve.rollout import switch
     from serve.versions import add_version
 
-    added = add_version(run.dirs["export"], run.into, run.cfg["repo"], log=run.log)
-    switched = {m: switch(run.url, run.into, m, v, run.dirs["export"], log=run.log)["live"] for m, v in added.items()}
+    added = add_version(run.export(), run.into, run.cfg["repo"], log=run.log)
+    switched = {m: switch(run.url, run.into, m, v, run.export(), log=run.log)["live"] for m, v in added.items()}
     run.done("rollout", t0, into=str(run.into), url=run.url, live=switched)
     run.gate("rollout", True, f"{', '.join(f'{m} version {v}' for m, v in switched.items())} live at {run.url}")
 
@@ -271,12 +277,14 @@ ROLLOUT_STAGES = STAGES[:2] + (("rollout", "export/manifest.json", "export", sta
 
 
 def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str = "train", log=print,
-                 overwrite: bool = False, into: str | None = None, url: str | None = None) -> dict[str, Any]:
+                 overwrite: bool = False, into: str | None = None, url: str | None = None,
+                 configs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the stages from ``start`` on, in ``run_dir``. Returns the run record (also in run.json).
     Starting from training in a folder whose training wrote checkpoints needs ``overwrite``: it replaces
     them. Raises GateError naming the stage whose gate failed, and Interrupted (saying where and how to go
     on) for Ctrl-C or SIGTERM. With ``into`` (a served repository) and ``url`` (its server), the export is
-    rolled out there instead of served from a repository of the run's own."""
+    rolled out there instead of served from a repository of the run's own. ``configs``: the stage configs
+    (stage_configs of ``settings``) where the caller built them already."""
     if bool(into) != bool(url):
         raise ConfigError("--into REPO and --url HOST:PORT go together: the repository the running server serves, and it")
     stages = ROLLOUT_STAGES if into else STAGES
@@ -294,7 +302,7 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     if needs and not (run_dir / needs).exists():
         raise ConfigError(f"--from {start}: {run_dir / needs} is missing; run the '{producer}' stage first "
                           f"(or start --from {producer})")
-    run = Run(run_dir, settings, log)
+    run = Run(run_dir, settings, log, configs)
     run.into, run.url = (Path(into) if into else None), url
     run.dirs["logs"].mkdir(parents=True, exist_ok=True)
     run.record["from"] = start
@@ -335,7 +343,7 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
             run.record["stages"].setdefault("stop", {"seconds": round(time.perf_counter() - t0, 1)})
         run.record["total_seconds"] = round(time.perf_counter() - t_all, 1)
         run.save()
-        summary = summarize(run_dir, run.record)
+        summary = summarize(run_dir, run.record, run._export.manifest if run._export else None)
         atomic_write_text(run_dir / "summary.md", summary)
         log("\n" + summary)
     return run.record
@@ -377,7 +385,8 @@ def main_run(ns: argparse.Namespace) -> int:
         print(f"--from {ns.start}: continuing {run_dir}")
     else:
         run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    train_cfg = stage_configs(settings, layout(run_dir))["train"]  # every section checked before any work starts
+    configs = stage_configs(settings, layout(run_dir))  # every section checked before any work starts
+    train_cfg = configs["train"]
     if ns.start == "train":  # and where training would run (fp16 needs CUDA), before the run folder is made
         from train.loop import resolve_device
 
@@ -385,5 +394,5 @@ def main_run(ns: argparse.Namespace) -> int:
             resolve_device(train_cfg)
         except ConfigError as e:
             raise in_run_terms("train", type(train_cfg), e) from None
-    run_pipeline(run_dir, settings, ns.start, overwrite=ns.overwrite, into=ns.into, url=ns.url)
+    run_pipeline(run_dir, settings, ns.start, overwrite=ns.overwrite, into=ns.into, url=ns.url, configs=configs)
     return 0

@@ -79,7 +79,8 @@ def outcome_line(run_dir: Path, outcome: dict[str, Any], markdown: bool = True) 
             f"go on with {q}{again}{q}")
 
 
-def summarize(run_dir: Path, record: dict[str, Any]) -> str:
+def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | None = None) -> str:
+    """The run's summary.md; ``manifest``: the export's, where the run holds it (else it is read, if there is one)."""
     rows = []
     for name, st in record["stages"].items():
         result = record["gates"].get(name, {}).get("detail", "")
@@ -91,7 +92,7 @@ def summarize(run_dir: Path, record: dict[str, Any]) -> str:
     lines = [f"# torchship run: {run_dir}", "", outcome_line(run_dir, record.get("outcome", {})), "",
              *table(["stage", "seconds", "result"], rows)]
     # the summary is written after a failure too: a file that cannot be read is named, not raised
-    v = _readable(lines, run_dir / "export" / MANIFEST, read_manifest, run_dir / "export").get("verification")
+    v = (manifest or _readable(lines, run_dir / "export" / MANIFEST, read_manifest, run_dir / "export")).get("verification")
     if v:
         rows = []
         for name, e in v["artifacts"].items():

@@ -10,27 +10,11 @@ from typing import Any
 
 from torchship.errors import ConfigError
 from torchship.io import atomic_write_text
-from torchship.names import format_of
+from torchship.names import FORMAT_PARAMETER, format_of
 
-from .bench.recommend import recommend, write_recommendation
-from .parity import FORMAT_PARAMETER
-from .repository import EMBEDDED_CONFIG, config_text, read_config, repository_models
-
-STRATEGIES = ("max-throughput", "min-latency", "p99-budget=MS")
-
-
-def parse_strategy(text: str) -> tuple[str, float | None]:
-    """("max-throughput" | "min-latency" | "p99-budget", the budget in ms or None); ConfigError otherwise."""
-    if text in ("max-throughput", "min-latency"):
-        return text, None
-    kind, _, ms = text.partition("=")
-    try:
-        if kind == "p99-budget" and float(ms) > 0:
-            return kind, float(ms)
-    except ValueError:
-        pass
-    raise ConfigError(f"--strategy {text!r}: choose max-throughput, min-latency or p99-budget=MS (MS a positive number)")
-
+from ..config import parse_strategy
+from ..model_config import edit_configs, repository_models
+from .recommend import batching_edit, recommend
 
 def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """The winner of ``strategy`` among the served models of ``results`` (a bench results.json) that belong to
@@ -82,8 +66,8 @@ def short_bench(export_dir: str | Path, repo: str | Path, out: Path, log=print) 
     """A short served bench of ``repo``'s models (SHORT_BENCH's windows; no in-process part, no cross-check, no
     batching-off sweep) on an embedded server of its own, for --strategy without --bench. Its results.json and
     report.md go to ``out``."""
-    from .bench.config import SHORT_BENCH, BenchConfig
-    from .bench.run import run_bench
+    from .config import SHORT_BENCH, BenchConfig
+    from .run import run_bench
 
     cfg = BenchConfig(export_dir=str(export_dir), repo=str(repo), out=str(out), skip_in_process=True,
                       cross_check=False, plots=False, **SHORT_BENCH)
@@ -91,9 +75,9 @@ def short_bench(export_dir: str | Path, repo: str | Path, out: Path, log=print) 
 
 
 def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, Any], only_winner: bool = False) -> Path:
-    """Add the winner to ``repo`` as the model ``<export name>``: a copy of its model folder, renamed, with the
-    batching that won and the format it serves recorded, written beside the others and renamed into place.
-    ``only_winner`` removes the per-format models. Returns the new model's folder."""
+    """Add the winner to ``repo`` as the model ``<export name>``: a copy of its model folder, its configs renamed,
+    recording the format it serves and set to the batching that won, in one edit; written beside the others
+    and renamed into place. ``only_winner`` removes the per-format models. Returns the new model's folder."""
     repo = Path(repo)
     name, src = manifest["name"], repo / winner["model"]
     if not (src / "config.pbtxt").exists():
@@ -101,15 +85,14 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
     staging = repo / f".{name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(src, staging, symlinks=True)
-    for config in ("config.pbtxt", EMBEDDED_CONFIG):
-        p = staging / config
-        if p.exists():
-            c = read_config(p)
-            c.name = name
-            c.parameters[FORMAT_PARAMETER].string_value = winner["format"]
-            atomic_write_text(p, config_text(c))
-    if winner.get("batching"):
-        write_recommendation(repo, {**winner["batching"], "model": staging.name})
+    batching = batching_edit(winner["batching"]) if winner.get("batching") else None
+
+    def as_winner(c) -> None:
+        c.name = name
+        c.parameters[FORMAT_PARAMETER].string_value = winner["format"]
+        if batching:
+            batching(c)
+    edit_configs(src, as_winner, into=staging)
     (staging / "winner.json").write_text(json.dumps(winner, indent=2) + "\n")
     dest = repo / name
     if dest.exists():
@@ -125,3 +108,20 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
         f"`{name}` serves `{winner['model']}` ({winner['format']}). Why: {winner['why']}.\n"
     atomic_write_text(readme, text)
     return dest
+
+
+def serve_by_strategy(export_dir: str | Path, repo: str | Path, strategy: str, manifest: dict[str, Any],
+                      results: dict[str, Any] | None = None, only_winner: bool = False, log=print
+                      ) -> tuple[dict[str, Any], Path]:
+    """Pick the winner of ``strategy`` from ``results`` (a bench's results.json) or, without them, from a short
+    served bench of ``repo`` written beside it as REPO-bench, and serve it under the export's plain name.
+    Returns (the winner, its model folder)."""
+    if results is None:
+        out = Path(repo).with_name(Path(repo).name + "-bench")
+        log(f"--strategy {strategy} without --bench: a short served bench of {repo} first (results in {out})")
+        results = short_bench(export_dir, repo, out, log=log)
+    winner = pick(results, strategy, manifest)
+    if not (Path(repo) / winner["model"]).is_dir():
+        raise ConfigError(f"the winner {winner['model']} is not in this repository (it serves "
+                          f"{', '.join(repository_models(repo))})")
+    return winner, serve_winner(repo, winner, manifest, only_winner)

@@ -1,0 +1,67 @@
+"""A model's config files in a repository: config.pbtxt (what the official container reads) and, where the embedded
+server needs another, embedded.pbtxt; read, printed, and edited in one place."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+CONFIG = "config.pbtxt"
+EMBEDDED_CONFIG = "embedded.pbtxt"  # the embedded server's config, where the container's cannot run there
+CONFIGS = (CONFIG, EMBEDDED_CONFIG)
+
+
+def read_config(path: str | Path) -> mc.ModelConfig:
+    return text_format.Parse(Path(path).read_text(), mc.ModelConfig())
+
+
+def config_text(c: mc.ModelConfig) -> str:
+    return text_format.MessageToString(c)
+
+
+def repository_models(repo: str | Path) -> list[str]:
+    """The models of a repository folder: its subfolders with a config.pbtxt, sorted."""
+    return sorted(p.name for p in Path(repo).iterdir() if (p / CONFIG).exists())
+
+
+def versions(model_dir: str | Path) -> list[int]:
+    """The version folders of a model on disk, in order."""
+    return sorted(int(p.name) for p in Path(model_dir).iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def served_config_path(model_dir: str | Path) -> Path:
+    """The config the embedded server loads a model with: its embedded.pbtxt where it has one, else its config.pbtxt."""
+    d = Path(model_dir)
+    return d / EMBEDDED_CONFIG if (d / EMBEDDED_CONFIG).exists() else d / CONFIG
+
+
+def edit_configs(model_dir: str | Path, edit: Callable[[mc.ModelConfig], None], into: Optional[str | Path] = None
+                 ) -> list[Path]:
+    """Apply ``edit`` to each config of the model in ``model_dir`` (config.pbtxt, and embedded.pbtxt where it has
+    one) and write them into ``into`` (default: the same folder), both or neither: each is written to a
+    temporary file first and renamed over its file only once both are written. Returns the files written."""
+    src, dest = Path(model_dir), Path(into or model_dir)
+    staged: list[tuple[str, Path]] = []
+    try:
+        for name in CONFIGS:
+            if (src / name).exists():
+                c = read_config(src / name)
+                edit(c)
+                fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=dest)
+                with os.fdopen(fd, "w") as f:
+                    f.write(config_text(c))
+                    f.flush()
+                    os.fsync(f.fileno())
+                staged.append((tmp, dest / name))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return [path for _, path in staged]
