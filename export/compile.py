@@ -53,7 +53,8 @@ def workers_for(model_bytes: int) -> int:
 
 def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
     """In a worker: compile ``kind`` ("aoti": the dynamic-batch package at ``out``; "aoti_int8": the same,
-    quantized; "bucket": the static ``batch`` model, its weights saved to ``out``). Returns {"seconds", ...} or {"error", "traceback"}."""
+    quantized; "aoti_bf16": the same, computing in bfloat16; "bucket": the static ``batch`` model, its weights
+    saved to ``out``). Returns {"seconds", ...} or {"error", "traceback"}."""
     t0 = time.perf_counter()
     stack = contextlib.ExitStack()
     try:
@@ -71,6 +72,10 @@ def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
         if kind == "aoti":
             extra = exporters.aoti(model, exporters.example(sig, 2, device), Path(out), sig, cfg.max_batch, cfg.threads)
             return {"seconds": time.perf_counter() - t0, "extra": {**extra, **tf32_field(cfg, device)}}
+        if kind == "aoti_bf16":  # the float32 model computing in bfloat16 behind float32 inputs and outputs
+            bf16 = artifact_model(src, "bfloat16", device)
+            extra = exporters.aoti(bf16, exporters.example(sig, 2, device), Path(out), sig, cfg.max_batch, cfg.threads)
+            return {"seconds": time.perf_counter() - t0, "extra": extra}
         if kind == "aoti_int8":
             from . import quantize
 
@@ -105,13 +110,20 @@ class Compiler:
     def __init__(self, cfg, device: str, workers: int, work: Path):
         self.cfg, self.device, self.work, self.workers = cfg, device, work, workers
         self.pool = None  # started on the first submit
+        self.jobs: list = []
 
     def submit(self, kind: str, batch: int = 0, out: Path | None = None):
         if self.pool is None:
             self.work.mkdir(parents=True, exist_ok=True)
             self.pool = mp.get_context("spawn").Pool(processes=self.workers, maxtasksperchild=1)
         out = out or self.work / f"bs{batch}.weights.pt"
-        return self.pool.apply_async(_job, (self.cfg, self.device, kind, batch, str(out)))
+        job = self.pool.apply_async(_job, (self.cfg, self.device, kind, batch, str(out)))
+        self.jobs.append(job)
+        return job
+
+    def busy(self) -> int:
+        """How many cores the compiles hold now: one per job still running, at most one per worker."""
+        return min(self.workers, sum(not j.ready() for j in self.jobs))
 
     def __enter__(self) -> "Compiler":
         return self

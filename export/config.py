@@ -9,7 +9,37 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.errors import ConfigError
 from torchship.parity import GATE
-from torchship.runtime import FORMATS, INT8_FORMATS, default_formats
+from torchship.device import cpu_flags, native_precisions
+from torchship.runtime import BF16_FORMATS, FORMATS, INT8_FORMATS
+
+def reduced_format(precision: str, flags: set[str]) -> str:
+    """The artifact that computes ``precision`` fastest on a CPU with ``flags`` (measured, docs/int8.md): for INT8,
+    torchao's PT2E package where AMX-INT8's tiles run its oneDNN kernels, else ONNX Runtime's (VNNI without AMX:
+    resnet50 at batch 8 ran twice as fast in ONNX Runtime); for bfloat16, the AOTInductor package (ONNX has no
+    bfloat16 convolutions)."""
+    if precision == "int8":
+        return "aoti_int8" if "amx_int8" in flags else "onnx_int8"
+    return "aoti_bf16"
+
+
+def default_formats(device: str, flags: set[str] | None = None) -> tuple[tuple[str, ...], str]:
+    """(formats, why in one line): what an export makes when --formats is not given, what the repository serves
+    and pays its way on ``device``. TorchScript and ONNX in float32 everywhere; on CUDA also the AOTInductor package
+    the official container serves. On a CPU an fp32 AOTInductor package served and ran in-process no faster than
+    ONNX Runtime while its compiles took most of the export's time (docs/benchmarks.md), so it is opt-in there;
+    instead each precision the CPU (``flags``) computes natively gets the artifact fastest at it (reduced_format):
+    INT8 with VNNI or AMX-INT8, bfloat16 with AVX512-BF16 or AMX."""
+    if device.startswith("cuda"):
+        return ("torchscript", "aoti", "onnx"), "on CUDA: float32 torchscript and onnx, and the aoti package the official container serves"
+    flags = cpu_flags() if flags is None else flags
+    chosen, why = ["torchscript", "onnx"], ["float32 always (torchscript, onnx)"]
+    for precision, (native, reason) in native_precisions(flags).items():
+        fmt = reduced_format(precision, flags)
+        if native:
+            chosen.append(fmt)
+        why.append(f"{precision} {'(' + fmt + ')' if native else 'left out'}: {reason}")
+    return tuple(chosen), "; ".join(why)
+
 
 @dataclass
 class ExportConfig:
@@ -23,12 +53,13 @@ class ExportConfig:
     outputs: tuple[str, ...] = opt((), "output names in forward's order (default: a dict's keys, else output0, output1, ...; repeatable)", flag="--output", append=True)
     example_inputs: Optional[str] = opt(None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench")
     out: str = opt("runs/export", "export directory to create")
-    formats: tuple[str, ...] = opt((), "formats to export: " + ", ".join(FORMATS) + ". Default: torchscript and onnx, "
-                                       "and on CUDA aoti (the official container's torch_aoti); on a CPU an fp32 "
-                                       "AOTInductor package is slower than ONNX Runtime and costs most of the export's "
-                                       "time, so aoti, aoti_buckets and exported_program are opt-in there (onnx_int8, "
-                                       "aoti_int8: ONNX Runtime INT8 and torchao PT2E INT8 compiled by AOTInductor, "
-                                       "quantized for this CPU and gated on accuracy; opt-in)")
+    formats: tuple[str, ...] = opt((), "formats to export: " + ", ".join(FORMATS) + ". Default: torchscript and onnx "
+                                       "in float32; on CUDA also aoti (the official container's torch_aoti); on a CPU "
+                                       "also aoti_int8 where it multiplies 8-bit integers natively (VNNI, AMX-INT8) "
+                                       "and aoti_bf16 where it computes bfloat16 natively (AVX512-BF16, AMX), each "
+                                       "gated on accuracy against float32 and left unserved if it fails. onnx_int8: "
+                                       "ONNX Runtime INT8; aoti_int8: torchao PT2E INT8 compiled by AOTInductor; "
+                                       "aoti_bf16: AOTInductor in bfloat16 behind float32 inputs and outputs")
     calibration: Optional[str] = opt(None, "onnx_int8, aoti_int8: an npz of real inputs keyed by input name to calibrate on (default: the "
                                            "checkpoint's held-out samples, or --example-inputs)")
     max_accuracy_drop: float = opt(GATE["max_accuracy_drop"], "an INT8 artifact passes if its accuracy on the labelled real samples "
@@ -89,10 +120,14 @@ class ExportConfig:
             raise ConfigError(f"--buckets must end at --max-batch {self.max_batch} (largest given: {max(self.buckets)})")
         self.buckets = tuple(sorted(set(self.buckets)))
         int8 = [f for f in self.formats if f in INT8_FORMATS]
-        if int8 and self.dtype != "float32":
-            raise ConfigError(f"--formats {int8[0]} quantizes the float32 model; it does not go with --dtype {self.dtype}")
-        if "aoti_int8" in self.formats and self.device == "cuda":
-            raise ConfigError("--formats aoti_int8 is quantized for x86 CPUs (oneDNN's INT8 kernels); it does not go with --device cuda")
+        reduced = [f for f in self.formats if f in (*INT8_FORMATS, *BF16_FORMATS)]
+        if reduced and self.dtype != "float32":
+            raise ConfigError(f"--formats {reduced[0]} reduces the float32 model's precision itself; it does not go with "
+                              f"--dtype {self.dtype}")
+        cpu_only = [f for f in self.formats if f in ("aoti_int8", "aoti_bf16")]
+        if cpu_only and self.device == "cuda":
+            raise ConfigError(f"--formats {cpu_only[0]} is compiled for x86 CPUs (oneDNN's INT8 and bf16 kernels); it does "
+                              "not go with --device cuda")
         if self.calibration and not int8:
             raise ConfigError(f"--calibration calibrates {' and '.join(INT8_FORMATS)}; add one to --formats")
         if self.calibration and not Path(self.calibration).is_file():
@@ -106,18 +141,27 @@ class ExportConfig:
                               (f" with --dtype {self.dtype}" if self.dtype != "float32" else " with --device cpu"))
 
 
-    def for_device(self, device: str) -> "ExportConfig":
-        """This config with --formats resolved for ``device`` (default_formats where none were given)."""
+    def for_device(self, device: str, real_samples: bool = True) -> tuple["ExportConfig", str]:
+        """(this config with --formats resolved for ``device``, a line saying what was chosen and why):
+        default_formats where none were given. The reduced precisions it adds are optional (a failure is reported
+        and not served), and are left out without real samples (a checkpoint's held-out split, or
+        --example-inputs) to calibrate and gate them on, or with --dtype other than float32."""
         if self.formats:
-            return self
+            return self, ""
         import dataclasses
 
-        formats = default_formats(device)
+        formats, why = default_formats(device)
+        reduced = [f for f in formats if f in (*INT8_FORMATS, *BF16_FORMATS)]
+        if reduced and (not real_samples or self.dtype != "float32"):
+            formats = tuple(f for f in formats if f not in reduced)
+            why += (f"; {', '.join(reduced)} left out: " + ("no real samples to calibrate and gate them on (give "
+                    "--example-inputs)" if not real_samples else f"--dtype {self.dtype} is already reduced"))
+            reduced = []
         stray = [f for f in self.optional if f not in formats]
         if stray:
             raise ConfigError(f"--optional {stray[0]} is not among the default formats on {device} ({', '.join(formats)}); "
                               "name it in --formats")
-        return dataclasses.replace(self, formats=formats)
+        return dataclasses.replace(self, formats=formats, optional=tuple(dict.fromkeys((*self.optional, *reduced)))), why
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:

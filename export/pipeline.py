@@ -46,8 +46,8 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
     sig = src.signature
     device = resolve_device(cfg.device)
     if not cfg.formats:
-        cfg = cfg.for_device(device)
-        log(f"formats: {', '.join(cfg.formats)} (the default on {device}; --formats chooses)")
+        cfg, why = cfg.for_device(device, real_samples=bool(src.samples))
+        log(f"formats: {', '.join(cfg.formats)} (the default here: {why}; --formats chooses)")
     eager = src.model.to(device)
     model = artifact_model(src, cfg.dtype, device)
     name = cfg.name or src.name
@@ -78,12 +78,15 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
         for fmt in cfg.formats:
             (tmp / fmt).mkdir()
         background = _start_compiles(compiler, cfg, tmp, log)  # they run while the reference is computed
-        # the workers take a core each: this process takes what is left, as OpenMP slows badly when oversubscribed
-        stack.enter_context(exporters.torch_threads(max(1, usable_cpus() - (compiler.workers if background else 0))))
+
+        def pace() -> None:  # a running compile holds a core: this process takes what is left (OpenMP slows badly
+            torch.set_num_threads(max(1, usable_cpus() - compiler.busy()))  # when oversubscribed), more once done
+        stack.enter_context(exporters.torch_threads(torch.get_num_threads()))  # put back afterwards
+        pace()
         t0 = time.perf_counter()
         inputs, info = input_sets(sig, src.samples, src.sample_set, cfg.odd_batch, cfg.max_batch, cfg.seed)
         ref = build_reference(eager, model, sig, inputs, info, cfg.dtype, cfg.max_batch, device, src.labels, src.sample_set,
-                              tf32="tf32" in tf32_field(cfg, device))
+                              tf32="tf32" in tf32_field(cfg, device), pace=pace)
         _check_degenerate(ref.degenerate, cfg.allow_degenerate, log)
         tolerances = ref.tolerances if cfg.atol is None and cfg.rtol is None else \
             parity.given([t.name for t in sig.outputs], cfg.atol, cfg.rtol, ref.tolerances)
@@ -93,6 +96,7 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
         with open(tmp / REFERENCE, "wb") as f:
             np.savez(f, **ref.arrays)
         for fmt in (f for f in cfg.formats if f not in background):
+            pace()
             t0 = time.perf_counter()
             log(f"export {fmt} ...")
             try:
@@ -166,7 +170,7 @@ def _nbytes(model: torch.nn.Module) -> int:
 def _start_compiles(compiler: Compiler, cfg: ExportConfig, tmp: Path, log) -> dict[str, dict[int, Any]]:
     """Submit the AOTInductor compiles; returns format -> {batch (0 for aoti): its pending result}."""
     jobs: dict[str, dict[int, Any]] = {}
-    for fmt in ("aoti", "aoti_int8"):
+    for fmt in ("aoti", "aoti_int8", "aoti_bf16"):
         if fmt in cfg.formats:
             jobs[fmt] = {0: compiler.submit(fmt, out=tmp / fmt / "model.pt2")}
     if "aoti_buckets" in cfg.formats:
@@ -180,8 +184,8 @@ def _compiled(fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: Expo
     """The manifest's extra fields of a compiled format; packages the aoti_buckets archive first."""
     if fmt == "aoti":
         return {**results[0]["extra"], "batch": {"min": 1, "max": cfg.max_batch}}
-    if fmt == "aoti_int8":
-        return {**results[0]["extra"], **_gated(cfg)}
+    if fmt in ("aoti_int8", "aoti_bf16"):
+        return {**results[0]["extra"], **_gated(cfg, "int8" if fmt == "aoti_int8" else "bfloat16")}
     shared = exporters.package_buckets({b: bucket_files(r) for b, r in results.items()}, tmp / fmt / "model.pt2")
     return {"freezing": True, "compile_threads": cfg.threads, "weights": cfg.bucket_weights, "shared_constants": shared,
             "buckets": list(cfg.buckets), "batch": {"buckets": list(cfg.buckets)}, **tf32_field(cfg, device)}
@@ -221,9 +225,11 @@ def _onnx_int8(model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples:
         shutil.rmtree(tmp / "onnx_int8" / "fp32", ignore_errors=True)
     log(quantize.log_line("onnx_int8", extra))
     files = ["onnx_int8/model.onnx", *(f"onnx_int8/{f.name}" for f in (tmp / "onnx_int8").iterdir() if f.name != "model.onnx")]
-    return files, {**extra, **_gated(cfg)}
+    return files, {**extra, **_gated(cfg, "int8")}
 
 
-def _gated(cfg: ExportConfig) -> dict[str, Any]:
-    """The manifest fields every INT8 artifact carries: the gate it is verified under, and its batch range."""
-    return {"gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop}, "batch": {"min": 1, "max": cfg.max_batch}}
+def _gated(cfg: ExportConfig, dtype: str) -> dict[str, Any]:
+    """The manifest fields every reduced-precision artifact (INT8, bf16) carries: what it computes in, the gate it is
+    verified under instead of a rounding bound, and its batch range."""
+    return {"dtype": dtype, "gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop},
+            "batch": {"min": 1, "max": cfg.max_batch}}

@@ -12,11 +12,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from torchship.device import cpu_flags
+from torchship.device import NATIVE_INT8_FLAGS, cpu_flags
 from torchship.errors import ConfigError
 
-# CPU flags (as /proc/cpuinfo spells them) of instructions that multiply u8 by s8 into 32-bit sums in one step
-VNNI_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 CALIBRATION_LIMIT = 512  # samples: min/max calibration settles long before this; more only costs time
 
 
@@ -28,7 +26,7 @@ def int8_scheme(flags: set[str] | None = None) -> dict[str, Any]:
     quantizer narrows the weights, torchao's the activations). Without AVX2
     there is no fast INT8 path: ``pays`` is False and ``why`` says so."""
     flags = cpu_flags() if flags is None else flags
-    vnni = next((f for f in VNNI_FLAGS if f in flags), None)
+    vnni = next((f for f in NATIVE_INT8_FLAGS if f in flags), None)
     base = {"activations": "uint8", "weights": "int8", "per_channel": True}
     if vnni:
         return {**base, "reduce_range": False, "cpu": vnni, "pays": True,

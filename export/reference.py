@@ -15,6 +15,9 @@ from torchship.errors import first_line
 from torchship.signature import Signature
 
 
+FP64_CHUNK = 8  # rows per float64 call
+
+
 @dataclass
 class Reference:
     arrays: dict[str, np.ndarray]  # reference.npz: input/SET/NAME, expected/SET/OUTPUT, labels/SET
@@ -52,21 +55,25 @@ def _fp64_fn(model: torch.nn.Module, device: str):
     return fn
 
 
-def _run(fn, sets: dict[str, dict[str, np.ndarray]], names: list[str], outputs: list[str], max_batch: int) -> dict[str, list[np.ndarray]]:
+def _run(fn, sets: dict[str, dict[str, np.ndarray]], names: list[str], outputs: list[str], max_batch: int,
+         pace=None) -> dict[str, list[np.ndarray]]:
+    """``fn`` on every set, in chunks of at most ``max_batch``; ``pace()`` (where given) before each chunk, to take
+    the cores the compiles beside it leave free."""
     got: dict[str, list[np.ndarray]] = {o: [] for o in outputs}
+    paced = fn if pace is None else (lambda xs: (pace(), fn(xs))[1])
     for feeds in sets.values():
-        for o, y in zip(outputs, runtime.in_chunks(fn, [feeds[n] for n in names], max_batch)):
+        for o, y in zip(outputs, runtime.in_chunks(paced, [feeds[n] for n in names], max_batch)):
             got[o].append(y)
     return got
 
 
-def fp64_outputs(model: torch.nn.Module, sets, names, outputs, max_batch: int, device: str) -> tuple[dict | None, str]:
+def fp64_outputs(model: torch.nn.Module, sets, names, outputs, max_batch: int, device: str, pace=None) -> tuple[dict | None, str]:
     """(eager's outputs in float64 per output and set, "") or (None, why it cannot run in float64)."""
     twin = copy.deepcopy(model).double()
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # tensors the model makes itself follow it
     try:
-        got = _run(_fp64_fn(twin, device), sets, names, outputs, max_batch)
+        got = _run(_fp64_fn(twin, device), sets, names, outputs, max_batch, pace)
     except Exception as e:  # any model code that insists on float32
         return None, f"it fails in float64 ({first_line(e, 160)})"
     finally:
@@ -79,16 +86,19 @@ def fp64_outputs(model: torch.nn.Module, sets, names, outputs, max_batch: int, d
 
 
 def build_reference(eager: torch.nn.Module, exported: torch.nn.Module, sig: Signature, sets, info, dtype: str,
-                    max_batch: int, device: str, labels: np.ndarray | None, sample_set: str, tf32: bool = False) -> Reference:
+                    max_batch: int, device: str, labels: np.ndarray | None, sample_set: str, tf32: bool = False,
+                    pace=None) -> Reference:
     """Run eager (``eager``: the float32 model) in float64 and ``exported`` (the module the artifacts are
     made from, in ``dtype``) on every set, and derive each output's bound from the two. On CUDA, float32
     runs in IEEE float32 (TF32 off), so that the bound is a float32 bound; with ``tf32`` eager runs once more
-    with TF32 allowed, for the bound of the artifacts compiled so (parity.with_tf32)."""
+    with TF32 allowed, for the bound of the artifacts compiled so (parity.with_tf32). ``pace()``, where given, runs
+    before each chunk: the export sets the thread count there to the cores its compiles leave free."""
     names = [t.name for t in sig.inputs]
     outputs = [t.name for t in sig.outputs]
     with runtime.fp32_precision(device):
-        low = _run(runtime.torch_fn(exported, device), sets, names, outputs, max_batch)
-    ref, why = fp64_outputs(eager, sets, names, outputs, max_batch, device)
+        low = _run(runtime.torch_fn(exported, device), sets, names, outputs, max_batch, pace)
+    # float64 runs several times slower than float32: in chunks of 8, so that pace() can hand it a core freed early
+    ref, why = fp64_outputs(eager, sets, names, outputs, min(max_batch, FP64_CHUNK), device, pace)
     if ref is None:
         with runtime.fp32_precision(device):
             ref = low if dtype == "float32" else _run(runtime.torch_fn(eager, device), sets, names, outputs, max_batch)

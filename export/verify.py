@@ -147,7 +147,7 @@ def _judge(a: dict, res: dict, manifest: dict, ref, tol: dict, in_names: list[st
         fail(f"{name}: input names {res['input_names']} != manifest {in_names}")
     if res.get("output_names") is not None and res["output_names"] != out_names:
         fail(f"{name}: output names {res['output_names']} != manifest {out_names}")
-    if a.get("quantization"):
+    if a.get("gate"):  # a reduced precision (INT8, bf16): held to the accuracy gate, not a rounding bound
         entry["quantized"] = True
         for msg in parity.check_quantized_sets(manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"),
                                                a["gate"], name, entry["sets"]):
@@ -269,10 +269,10 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
                     if (v["artifacts"].get(a["name"]) or {}).get("peak_rss_bytes") else "-"]
                    for a in manifest["artifacts"]])]
     if quantized:
-        lines += ["", "Quantized artifacts are held to an accuracy gate on the real samples instead of a rounding bound "
-                  "(accuracy within the allowed drop of eager's where labels exist, else top-1 agreement; an SQNR "
-                  "floor for other outputs); on random inputs, outside what they were calibrated on, only their "
-                  "shapes and finiteness are checked.", "",
+        lines += ["", "Reduced-precision artifacts (INT8, bfloat16) are held to an accuracy gate on the real samples "
+                  "instead of a rounding bound (accuracy within the allowed drop of eager's where labels exist, else "
+                  "top-1 agreement; an SQNR floor for other outputs); on random inputs, outside what INT8 was "
+                  "calibrated on, only their shapes and finiteness are checked.", "",
                   *table(["artifact", "method", "calibrated on", "accuracy (eager)", "drop, points (allowed)",
                           "top-1 agree with eager", "SQNR dB", "result"], quantized)]
     sets = []
@@ -291,15 +291,18 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
 
 
 def quantized_row(name: str, a: dict[str, Any], entry: dict[str, Any], real: str | None) -> list[str]:
-    """parity.md's row of a quantized artifact: how it was quantized and its gate figures on the real samples."""
-    q, row = a["quantization"], entry["sets"].get(real or "", {})
-    cal = q.get("calibration")
+    """parity.md's row of a reduced-precision artifact: how it computes (how it was quantized) and its gate
+    figures on the real samples."""
+    q, row = a.get("quantization"), entry["sets"].get(real or "", {})
+    cal = (q or {}).get("calibration")
     acc = f"{row['accuracy']:.2f} % ({row['eager_accuracy']:.2f} %)" if "accuracy" in row else "-"
     drop = f"{row['accuracy_drop']:.2f} ({a['gate']['max_accuracy_drop']:g})" if "accuracy_drop" in row else "-"
     agree = f"{100 * row['top1_agreement']:.1f} %" if "top1_agreement" in row else "-"
     sqnr = ", ".join(f"{v:.1f}" for v in row.get("sqnr_db", {}).values()) or "-"
     bits = {"uint8": "u8", "int8": "s8"}
-    return [name, f"{q['method']}, {bits[q['activations']]} activations, {bits[q['weights']]} weights"
-                  + (", per channel" if q["per_channel"] else "") + (f", 7-bit {q.get('narrowed', 'weights')}" if q["reduce_range"] else ""),
+    how = (f"{q['method']}, {bits[q['activations']]} activations, {bits[q['weights']]} weights"
+           + (", per channel" if q["per_channel"] else "") + (f", 7-bit {q.get('narrowed', 'weights')}" if q["reduce_range"] else "")
+           if q else f"computes in {a.get('dtype', 'bfloat16')} behind float32 inputs and outputs")
+    return [name, how,
             f"{cal['samples']} samples ({cal['source']})" if cal else "-", acc, drop, agree, sqnr,
             "pass" if entry["pass"] else "FAIL"]

@@ -39,7 +39,7 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
     for model in models:
         rows = {}
         fmt = format_of(model, manifest, client.config(model))
-        quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("quantization")), None)
+        quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("gate")), None)
         tf32 = runs_tf32(manifest, fmt)
         answers = {}
         for key, batch in manifest["reference"]["sets"].items():

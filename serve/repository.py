@@ -4,7 +4,7 @@ Layout (one model per format, versions in numbered folders):
   REPO/<name>_onnx/config.pbtxt, labels.txt, warmup/images, 1/model.onnx [+ its external data]   onnxruntime_onnx
   REPO/<name>_torchscript/...                               1/model.pt                           pytorch_libtorch
   REPO/<name>_aoti/config.pbtxt (+ embedded.pbtxt)          1/model.pt2 [+ buckets.pt2]          torch_aoti
-  REPO/<name>_onnx_int8/..., <name>_aoti_int8/... (opt-in INT8 exports, as _onnx and _aoti)
+  REPO/<name>_onnx_int8/..., <name>_aoti_int8/..., <name>_aoti_bf16/... (reduced precisions, as _onnx and _aoti)
 
 The official container's torch_aoti support (26.03+) does not batch, so <name>_aoti/config.pbtxt is a
 batch-1 model over the dynamic-batch package. Triton 2.51 inside nvidia-pytriton does not know torch_aoti
@@ -40,7 +40,8 @@ DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_F
           "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
 # format -> (Triton platform, file name in the version folder), as the official container expects them
 PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "torchscript": ("pytorch_libtorch", "model.pt"),
-             "aoti": ("torch_aoti", "model.pt2"), "onnx_int8": ("onnxruntime_onnx", "model.onnx"), "aoti_int8": ("torch_aoti", "model.pt2")}
+             "aoti": ("torch_aoti", "model.pt2"), "onnx_int8": ("onnxruntime_onnx", "model.onnx"), "aoti_int8": ("torch_aoti", "model.pt2"),
+             "aoti_bf16": ("torch_aoti", "model.pt2")}
 
 
 def _instance_kind(cfg: RepoConfig) -> int:
@@ -228,8 +229,8 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
                 (mdir / "warmup" / name).write_bytes(x.tobytes())
             if fmt == "aoti":
                 files = _write_aoti(d, manifest, cfg, max_batch, kind, mdir, vdir, warm, have)
-            elif fmt == "aoti_int8":
-                files = _write_aoti_int8(d, manifest, cfg, max_batch, kind, mdir, vdir, warm)
+            elif fmt in ("aoti_int8", "aoti_bf16"):
+                files = _write_aoti_package(d, manifest, fmt, cfg, max_batch, kind, mdir, vdir, warm)
             else:
                 a = artifact(manifest, fmt)
                 files = copy_artifact(d, a, vdir, PLATFORMS[fmt][1])
@@ -259,14 +260,14 @@ def _embedded(manifest, fmt: str, cfg: RepoConfig, max_batch: int, kind: int, wa
     return emb
 
 
-def _write_aoti_int8(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
-                     warm: dict[str, np.ndarray]) -> dict[str, str]:
-    """model.pt2, the dynamic-batch INT8 package: batch 1 in the official container (as _aoti), batched up to
-    ``max_batch`` by the embedded server (embedded.pbtxt), which runs each batch as it comes, without padding."""
-    files = copy_artifact(d, artifact(manifest, "aoti_int8"), vdir, "model.pt2")
-    (mdir / CONFIG).write_text(config_text(build_config(manifest, "aoti_int8", cfg, max_batch, kind,
-                                                                batch_one=True, warmup=warm)))
-    (mdir / EMBEDDED_CONFIG).write_text(config_text(_embedded(manifest, "aoti_int8", cfg, max_batch, kind, warm)))
+def _write_aoti_package(d: Path, manifest, fmt: str, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
+                        warm: dict[str, np.ndarray]) -> dict[str, str]:
+    """model.pt2, a dynamic-batch reduced-precision package (aoti_int8, aoti_bf16): batch 1 in the official
+    container (as _aoti), batched up to ``max_batch`` by the embedded server (embedded.pbtxt), which runs each
+    batch as it comes, without padding."""
+    files = copy_artifact(d, artifact(manifest, fmt), vdir, "model.pt2")
+    (mdir / CONFIG).write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, batch_one=True, warmup=warm)))
+    (mdir / EMBEDDED_CONFIG).write_text(config_text(_embedded(manifest, fmt, cfg, max_batch, kind, warm)))
     return files
 
 
@@ -325,8 +326,10 @@ def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti
         "the container's `torch_aoti` cannot load; export the `aoti` format too to serve this model there.")
     aoti = [f for f in formats if PLATFORMS[f][0] == "torch_aoti"]
     named = " and ".join(f"`{names[f]}/config.pbtxt`" for f in aoti) or f"`{manifest['name']}_aoti/config.pbtxt`"
-    int8 = ("" if "aoti_int8" not in aoti else
-            f" `{names['aoti_int8']}` is batched the same way over its one dynamic-batch package, without padding.")
+    packages = [f"`{names[f]}`" for f in ("aoti_int8", "aoti_bf16") if f in aoti]
+    int8 = ("" if not packages else
+            f" {' and '.join(packages)} {'is' if len(packages) == 1 else 'are'} batched the same way over "
+            f"{'its' if len(packages) == 1 else 'their'} one dynamic-batch package, without padding.")
     kind_note = ("The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
                  "`torchship repo --instance-kind cpu` builds the same repository for a machine without one." if gpu else
                  "The models run on the CPU (`KIND_CPU` instances), in the container too; `torchship repo --instance-kind "

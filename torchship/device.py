@@ -12,6 +12,8 @@ from .errors import ConfigError
 # CPU flags (as /proc/cpuinfo spells them) of instructions that compute bf16 natively. Without one,
 # bf16 autocast on the CPU is emulated: resnet18 trained 37x slower than fp32 on an AVX2-only Zen 2.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# ... and of instructions that multiply u8 by s8 into 32-bit sums in one step (VNNI, AMX-INT8)
+NATIVE_INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 
 
 def cuda_visible() -> bool:
@@ -49,6 +51,18 @@ def native_bf16_flag() -> str | None:
     """The first of NATIVE_BF16_FLAGS this CPU has, else None."""
     flags = cpu_flags()
     return next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
+
+
+def native_precisions(flags: set[str] | None = None) -> dict[str, tuple[bool, str]]:
+    """{"int8": (native, why), "bf16": (native, why)}: which reduced precisions this CPU (``flags``: its
+    /proc/cpuinfo flags, read here when None) computes natively, each with its reason in a few words."""
+    flags = cpu_flags() if flags is None else flags
+    int8 = next((f for f in NATIVE_INT8_FLAGS if f in flags), None)
+    bf16 = next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
+    return {"int8": (True, f"{int8} multiplies 8-bit integers natively") if int8 else
+                    (False, "no VNNI or AMX-INT8: 8-bit products go through saturating 16-bit sums"),
+            "bf16": (True, f"{bf16} computes bfloat16 natively") if bf16 else
+                    (False, "no AVX512-BF16 or AMX: bfloat16 would be emulated, many times slower")}
 
 
 def resolve_amp(amp: str, device: str) -> tuple[str, str]:

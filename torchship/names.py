@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
-SERVED_FORMATS = ("onnx", "torchscript", "aoti", "onnx_int8", "aoti_int8")  # the formats a repository serves, one Triton model each
+SERVED_FORMATS = ("onnx", "torchscript", "aoti", "onnx_int8", "aoti_int8", "aoti_bf16")  # one Triton model each
 FORMAT_PARAMETER = "torchship_format"  # a model served under the export's plain name records its format in this parameter
 
 

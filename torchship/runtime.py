@@ -13,17 +13,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 FP32_FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")  # in the model's own dtype
-INT8_FORMATS = ("onnx_int8", "aoti_int8")  # opt-in: quantized, gated on accuracy rather than rounding
-FORMATS = (*FP32_FORMATS, *INT8_FORMATS)
-
-
-def default_formats(device: str) -> tuple[str, ...]:
-    """What an export makes when --formats is not given: what the repository serves and pays its way. TorchScript
-    and ONNX everywhere; on CUDA also the AOTInductor package the official container serves. On a CPU an fp32
-    AOTInductor package served and ran in-process slower than ONNX Runtime while its compiles took most of the
-    export's time (docs/benchmarks.md), so there it is opt-in (aoti, aoti_buckets), as exported_program is,
-    which no Triton backend serves."""
-    return ("torchscript", "aoti", "onnx") if device.startswith("cuda") else ("torchscript", "onnx")
+INT8_FORMATS = ("onnx_int8", "aoti_int8")  # quantized: gated on accuracy rather than rounding
+BF16_FORMATS = ("aoti_bf16",)  # computing in bfloat16 behind float32 inputs and outputs: gated on accuracy too
+FORMATS = (*FP32_FORMATS, *INT8_FORMATS, *BF16_FORMATS)
 BUCKET_PREFIX = "bs"  # the model name of each static batch size inside an aoti_buckets archive: bs1, bs8, ...
 
 
@@ -190,7 +182,7 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
         r = Runner(torch_fn(m, device, threads), inputs, outputs)
         r.input_names = list(ep.graph_signature.user_inputs)
         return r
-    if fmt in ("aoti", "aoti_int8"):
+    if fmt in ("aoti", "aoti_int8", "aoti_bf16"):
         return Runner(torch_fn(torch._inductor.aoti_load_package(path), device, threads), inputs, outputs)
     if fmt == "aoti_buckets":
         runners = load_buckets(path, device)

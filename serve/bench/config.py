@@ -11,9 +11,10 @@ from torchship.errors import ConfigError
 from ..config import ServeConfig, check_url
 
 # a bench that feeds a decision (torchship run's bench stage, repo --strategy without --bench): half-second windows
-# (torchship bench alone: one second), and none of the sweeps only an investigation reads (batching off, the no-op)
-SHORT_BENCH = {"window_s": 0.5, "batching_compare": (), "noop": False}
-IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx", "onnx_int8", "aoti_int8")
+# (torchship bench alone: one second), one request in flight and many (the batching gain is their ratio), and none
+# of the sweeps only an investigation reads (batching off, the no-op)
+SHORT_BENCH = {"window_s": 0.5, "concurrency": (1, 16), "batching_compare": (), "noop": False}
+IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx", "onnx_int8", "aoti_int8", "aoti_bf16")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from torchship.markdown import table
 
 # the in-process variant each served format runs: the embedded server serves _aoti from the bucket packages
 SERVED_VARIANT = {"onnx": "onnx", "onnx_int8": "onnx_int8", "torchscript": "torchscript", "aoti": "aoti_buckets",
-                  "aoti_int8": "aoti_int8"}
+                  "aoti_int8": "aoti_int8", "aoti_bf16": "aoti_bf16"}
 
 
 GENERATORS = {"python": "torchship's Python client", "perf_analyzer": "perf_analyzer"}
@@ -46,8 +46,8 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
              "the sweep shows in its spread: how far apart the three windows' throughputs and mean latencies are. "
              "Client CPU: the load generator's own CPU time per request. Measured/sent: requests in the last "
              "three windows, and in all of the level's windows. Checked: responses compared with the reference "
-             "outputs of their inputs under the model's bound (a quantized model: with its own answers on the idle "
-             "server, under the INT8 gate's SQNR floor); one wrong response fails the bench." + (
+             "outputs of their inputs under the model's bound (a reduced-precision model: with its own answers on "
+             "the idle server, under its gate's SQNR floor); one wrong response fails the bench." + (
                  " perf_analyzer's percentiles are the mean of its three windows' own." if gen["name"] == "perf_analyzer" else "")
              + (f" **{unstable} level(s) never settled**: read them as rough." if unstable else ""), ""]
     lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "spread", "avg batch", "client CPU µs/req",
@@ -73,6 +73,15 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     if noop.get("n"):
         lines.append(f"- No-op round trip (same tensors, no model): p50 {noop['p50_ms']:.2f} ms, p99 {noop['p99_ms']:.2f} ms")
     return lines + [""]
+
+
+PRECISION_PROBE = {"onnx_int8": "int8_flops", "aoti_int8": "int8_flops", "aoti_bf16": "bf16_flops"}
+
+
+def probe_share(r: dict[str, Any], lim: dict[str, Any], dtype: str | None) -> str:
+    """A row's throughput as a percentage of the probe of the precision its variant computes in."""
+    peak = PRECISION_PROBE.get(r["variant"]) or ("fp32_flops" if dtype in (None, "float32") else "bf16_flops")
+    return f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim[peak]:.1f}" if lim.get(peak) else "-"
 
 
 def checked_text(r: dict[str, Any]) -> str:
@@ -178,20 +187,23 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
                   f"{results['config'].get('stability', 0):g} %) after {results['config']['warmup']} warm-up runs each. "
                   "Spread: how far apart those three block means are.", ""]
         probe = "flops_per_sample" in lim
-        peak = "fp32_flops" if results["export"].get("dtype") in (None, "float32") else "bf16_flops"
         acc = ip.get("accuracy")
         lines += table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "samples/s", "spread"]
-                       + ([f"% of {peak[:4]} matmul probe"] if probe else []) + (["held-out accuracy %"] if acc else []),
+                       + (["% of its precision's probe"] if probe else []) + (["held-out accuracy %"] if acc else []),
                         [[r["variant"], str(r["batch"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r.get("mean_ms")),
                           _f(r.get("images_per_s"), ".0f"), spread_text(r)]
-                         + ([f"{100 * r['images_per_s'] * lim['flops_per_sample'] / lim[peak]:.1f}"] if probe else [])
+                         + ([probe_share(r, lim, results["export"].get("dtype"))] if probe else [])
                          + ([_f(acc.get(r["variant"]))] if acc else [])
                          for r in ip["rows"] if r.get("n")])
         lines += [f"- {k}: {v}" for k, v in ip.get("notes", {}).items()] + [""]
         if probe:
+            int8 = (f", and oneDNN's INT8 quantized linear {lim['int8_flops'] / 1e9:.1f} GOP/s (u8 x s8, 2048 x 2048 x 2048)"
+                    if lim.get("int8_flops") else "")
             lines += [f"The model costs {lim['flops_per_sample'] / 1e9:.3f} GFLOP per sample (torch's FlopCounterMode); a "
                       f"matmul reached {lim['fp32_flops'] / 1e9:.1f} GFLOP/s fp32 and {lim['bf16_flops'] / 1e9:.1f} GFLOP/s "
-                      f"bf16 here ({results['config']['threads']} thread(s)).", ""]
+                      f"bf16 here ({results['config']['threads']} thread(s)){int8}. Each variant is read against the probe "
+                      "of the precision it computes in: INT8 against INT8, bf16 against bf16, the rest against the "
+                      "export's dtype.", ""]
     if served:
         lines += breakdown_lines(served)
         if "reconfigured" in served:

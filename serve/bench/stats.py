@@ -59,7 +59,8 @@ def flops_per_sample(model, inputs: list) -> float:
 
 
 def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, float]:
-    """Measured matmul throughput (FLOP/s) in fp32 and bf16: the roofline to read results against."""
+    """Measured matmul throughput (FLOP/s) in fp32 and bf16, and on a CPU oneDNN's u8 x s8 quantized linear
+    (ops/s, as int8_flops): the roofline each precision's results are read against."""
     import torch
 
     torch.set_num_threads(threads)
@@ -69,19 +70,40 @@ def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, fl
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a = torch.rand(n, n, device=device, dtype=dtype)
         b = torch.rand(n, n, device=device, dtype=dtype)
-        for _ in range(3):
-            a @ b
-        sync()
-        best = 0.0
-        for _ in range(5):  # best of five windows: the peak, not the average under noise
-            t0, k = time.perf_counter(), 0
-            while time.perf_counter() - t0 < seconds / 5:
-                a @ b
-                sync()  # each product waited for: a GPU queue holds many seconds of unstarted products
-                k += 1
-            best = max(best, 2 * n ** 3 * k / (time.perf_counter() - t0))
-        out[f"{name}_flops"] = best
+        out[f"{name}_flops"] = _best(lambda: a @ b, 2 * n ** 3, seconds, sync)
+    int8 = _int8_linear(2048) if device == "cpu" else None  # larger: the INT8 kernels reach their peak later
+    if int8:
+        out["int8_flops"] = _best(int8, 2 * 2048 ** 3, seconds)
     return out
+
+
+def _best(fn, ops: float, seconds: float, sync=lambda: None) -> float:
+    """Operations per second of ``fn``: the best of five windows (the peak, not the average under noise)."""
+    for _ in range(3):
+        fn()
+    sync()
+    best = 0.0
+    for _ in range(5):
+        t0, k = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds / 5:
+            fn()
+            sync()  # each product waited for: a GPU queue holds many seconds of unstarted products
+            k += 1
+        best = max(best, ops * k / (time.perf_counter() - t0))
+    return best
+
+
+def _int8_linear(n: int):
+    """An n x n x n quantized linear (u8 activations, s8 weights) on oneDNN, the library aoti_int8's kernels call;
+    None where this torch has no oneDNN quantized engine."""
+    import torch
+
+    if "onednn" not in torch.backends.quantized.supported_engines:
+        return None
+    torch.backends.quantized.engine = "onednn"
+    w = torch.ops.quantized.linear_prepack(torch.quantize_per_tensor(torch.randn(n, n), 0.02, 0, torch.qint8), None)
+    x = torch.quantize_per_tensor(torch.rand(n, n), 0.01, 0, torch.quint8)
+    return lambda: torch.ops.quantized.linear(x, w, 0.1, 0)
 
 
 def stats_of(client, model: str) -> dict[str, Any]:

@@ -50,9 +50,12 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
 
     goal = {"max-throughput": "the highest served throughput", "min-latency": "the lowest p50 with one request in flight",
             "p99-budget": f"the highest throughput with p99 <= {budget or 0:g} ms"}[kind]
-    out = {"strategy": strategy, "model": model, "format": format_of(model, manifest), "figures": figures(row),
+    fmt = format_of(model, manifest)
+    precision, gate = precision_of(manifest, fmt)
+    words = precision + (f", {gate_words(gate)}" if gate else "")
+    out = {"strategy": strategy, "model": model, "format": fmt, "precision": precision, "figures": figures(row),
            "row": {k: row[k] for k in ("concurrency", "requests_per_s", "p50_ms", "p99_ms")},
-           "why": f"{strategy}: {goal}: {model}, {figures(row)}"}
+           "why": f"{strategy}: {goal}: {model} ({words}), {figures(row)}", **({"gate": gate} if gate else {})}
     if rec and "error" not in rec:
         out["batching"] = {k: rec[k] for k in ("dynamic_batching", "max_batch_size", "max_queue_delay_microseconds")}
     if len(ranked) > 1:
@@ -62,16 +65,46 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
     return out
 
 
-def short_bench(export_dir: str | Path, repo: str | Path, out: Path, log=print) -> dict[str, Any]:
+def precision_of(manifest: dict[str, Any], fmt: str | None) -> tuple[str, dict[str, Any] | None]:
+    """(what the served model of ``fmt`` computes in, its accuracy gate's figures on the real samples or None
+    for a float32 artifact held to the rounding bound)."""
+    from torchship.manifest import verdicts
+
+    arts = [a for a in manifest["artifacts"] if a["format"] in (fmt, f"{fmt}_buckets")]
+    if not arts:
+        return manifest.get("dtype", "float32"), None
+    a = arts[0]
+    precision = a.get("dtype", manifest.get("dtype", "float32"))
+    if not a.get("gate"):
+        return precision, None
+    row = verdicts(manifest).get(a["name"], {}).get("sets", {}).get(manifest["reference"].get("samples") or "", {})
+    keys = ("accuracy", "eager_accuracy", "accuracy_drop", "top1_agreement", "sqnr_db")
+    return precision, {"max_accuracy_drop": a["gate"]["max_accuracy_drop"], **{k: row[k] for k in keys if k in row}}
+
+
+def gate_words(gate: dict[str, Any]) -> str:
+    """The accuracy gate's figures in a few words."""
+    if "accuracy_drop" in gate:
+        return (f"accuracy {gate['accuracy']:.2f} % beside float32's {gate['eager_accuracy']:.2f} % "
+                f"(allowed drop {gate['max_accuracy_drop']:g} points)")
+    if "top1_agreement" in gate:
+        return f"top-1 agreement with float32 {100 * gate['top1_agreement']:.1f} %"
+    return "passed its accuracy gate"
+
+
+def short_bench(export_dir, repo: str | Path, out: Path, log=print) -> dict[str, Any]:
     """A short served bench of ``repo``'s models (SHORT_BENCH's windows; no in-process part, no cross-check, no
-    batching-off sweep) on an embedded server of its own, for --strategy without --bench. Its results.json and
-    report.md go to ``out``."""
+    batching-off sweep) on an embedded server of its own, for --strategy without --bench. ``export_dir``: the
+    export (a directory, or an Export held already). Its results.json and report.md go to ``out``."""
+    from torchship.manifest import Export
+
     from .config import SHORT_BENCH, BenchConfig
     from .run import run_bench
 
-    cfg = BenchConfig(export_dir=str(export_dir), repo=str(repo), out=str(out), skip_in_process=True,
+    export = Export.of(export_dir)
+    cfg = BenchConfig(export_dir=str(export.dir), repo=str(repo), out=str(out), skip_in_process=True,
                       cross_check=False, plots=False, **SHORT_BENCH)
-    return run_bench(cfg, log=log)
+    return run_bench(cfg, log=log, export=export)
 
 
 def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, Any], only_winner: bool = False) -> Path:
@@ -105,7 +138,8 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
     readme = repo / "README.md"
     text = readme.read_text() if readme.exists() else ""
     text = text.split("\n## Served by strategy\n")[0].rstrip() + "\n\n## Served by strategy\n\n" + \
-        f"`{name}` serves `{winner['model']}` ({winner['format']}). Why: {winner['why']}.\n"
+        f"`{name}` serves `{winner['model']}` ({winner['format']}, {winner.get('precision', 'float32')}" + \
+        (f"; {gate_words(winner['gate'])}" if winner.get("gate") else "") + f"). Why: {winner['why']}.\n"
     atomic_write_text(readme, text)
     return dest
 

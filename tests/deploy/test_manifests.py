@@ -10,7 +10,7 @@ import yaml
 from serve.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, REPOSITORY_DIR, TRITON_IMAGE, RepoConfig
 from serve.repository import servable_formats
 from torchship.names import model_names
-from torchship.runtime import default_formats
+from export.config import default_formats
 from train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,8 +81,8 @@ def test_user_ci_workflow_is_valid_and_gates_on_verify_and_served_parity():
 
 
 # what the default export on a GPU machine (the one deploy/ serves) says of its artifacts: each exported and verified
-DEFAULT_EXPORT = {"artifacts": [{"format": f, "name": f} for f in default_formats("cuda")],
-                  "verification": {"artifacts": {f: {"pass": True} for f in default_formats("cuda")}}}
+DEFAULT_EXPORT = {"artifacts": [{"format": f, "name": f} for f in default_formats("cuda")[0]],
+                  "verification": {"artifacts": {f: {"pass": True} for f in default_formats("cuda")[0]}}}
 
 
 def triton_args(args):

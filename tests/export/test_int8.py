@@ -131,9 +131,11 @@ def test_constant_calibration_fails_the_gate_naming_the_artifact(zero_calibrated
 
 @pytest.mark.parametrize("fmt, args, says", [
     ("onnx_int8", ["--calibration", "nowhere.npz"], "--calibration nowhere.npz: no such file"),
-    ("onnx_int8", ["--dtype", "bfloat16"], "onnx_int8 quantizes the float32 model"),
-    ("aoti_int8", ["--dtype", "float16"], "aoti_int8 quantizes the float32 model"),
-    ("aoti_int8", ["--device", "cuda"], "aoti_int8 is quantized for x86 CPUs"),
+    ("onnx_int8", ["--dtype", "bfloat16"], "onnx_int8 reduces the float32 model's precision itself"),
+    ("aoti_int8", ["--dtype", "float16"], "aoti_int8 reduces the float32 model's precision itself"),
+    ("aoti_bf16", ["--dtype", "bfloat16"], "aoti_bf16 reduces the float32 model's precision itself"),
+    ("aoti_int8", ["--device", "cuda"], "aoti_int8 is compiled for x86 CPUs"),
+    ("aoti_bf16", ["--device", "cuda"], "aoti_bf16 is compiled for x86 CPUs"),
     ("onnx", ["--calibration", "nowhere.npz"], "--calibration calibrates onnx_int8 and aoti_int8; add one to --formats"),
 ])
 def test_bad_int8_input_is_refused_in_one_line(trained, tmp_path, capsys, fmt, args, says):

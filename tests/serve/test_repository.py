@@ -244,3 +244,23 @@ def test_a_tampered_model_is_not_served_by_a_real_triton(repo, tmp_path, monkeyp
         server.start()
     assert "model.onnx differs from the sha256 in provenance.json" in str(e.value)
     server.log_path.unlink()
+
+
+def test_a_models_two_configs_are_edited_together_or_not_at_all(repo, tmp_path):
+    """The one function every config edit goes through: both files or neither."""
+    from serve.model_config import CONFIG, edit_configs, read_config
+
+    mdir = tmp_path / "tiny_cnn_aoti"
+    shutil.copytree(repo / "tiny_cnn_aoti", mdir)
+    before = {n: (mdir / n).read_text() for n in (CONFIG, EMBEDDED_CONFIG)}
+
+    def fails_on_the_second(c, seen=[]):
+        seen.append(c.name)
+        if len(seen) == 2:
+            raise RuntimeError("planted: the second file's edit fails")
+        c.max_batch_size = 1
+    with pytest.raises(RuntimeError, match="planted"):
+        edit_configs(mdir, fails_on_the_second)
+    assert {n: (mdir / n).read_text() for n in before} == before and sorted(p.name for p in mdir.glob(".*")) == []
+    written = edit_configs(mdir, lambda c: setattr(c, "max_batch_size", 4))
+    assert sorted(p.name for p in written) == sorted(before) and all(read_config(p).max_batch_size == 4 for p in written)
