@@ -32,10 +32,16 @@ from .verify import verify_export
 
 
 def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
+    """export_model, returning the manifest."""
+    return export_model(cfg, log).manifest
+
+
+def export_model(cfg: ExportConfig, log=print) -> Export:
     """Export the model (``cfg.checkpoint``, or ``cfg.model`` with ``cfg.weights``) to every format in
     ``cfg.formats`` under ``cfg.out``; verify unless told not to.
 
-    Returns the manifest. Raises CheckpointError (bad checkpoint or weights), ConfigError (a bad
+    Returns the export as the next stage takes it: its manifest and reference arrays in memory, its files
+    hashed as they were written. Raises CheckpointError (bad checkpoint or weights), ConfigError (a bad
     signature), ArtifactError (existing output without --overwrite, or no format exported), DegenerateError
     (eager's outputs do not depend on the inputs) and ParityError (a format not in ``cfg.optional`` cannot be
     exported or fails verification; the export directory is still written, and serves the formats that
@@ -139,16 +145,16 @@ def run_export(cfg: ExportConfig, log=print) -> dict[str, Any]:
                             "the graph subtracts mean and divides by std itself"}
         write_manifest(tmp, manifest)
     log(f"manifest: {out / MANIFEST}")
+    export = Export(out, manifest, ref.arrays, files_checked=True)  # hashed as written; the reference in memory
     if cfg.verify:
         log("verify: each artifact in a fresh process against the reference ...")
-        # the files were hashed as they were written, and the reference is in memory: verification reads neither
-        verify_export(Export(out, manifest, ref.arrays, files_checked=True), device=device, threads=cfg.threads, log=log)
-        return manifest  # with its verification, as written into manifest.json
+        verify_export(export, device=device, threads=cfg.threads, log=log)  # writes its verdicts into the manifest
+        return export
     required = [f for f in failures if f["format"] not in cfg.optional]
     if required:
         raise ParityError([f"{f['format']}: cannot be exported: {f['error']}" for f in required],
                           what=f"export to {out}", hint=OPTIONAL_HINT)
-    return manifest
+    return export
 
 
 def _check_degenerate(outputs: list[str], allowed: bool, log) -> None:

@@ -62,22 +62,23 @@ def repo_into(ns: argparse.Namespace) -> int:
 
 
 def repo_build(ns: argparse.Namespace) -> int:
-    from torchship.manifest import read_manifest
+    from torchship.manifest import Export
 
     from .bench.strategy import pick, serve_by_strategy
     from .repository import build_repository, not_served_text
 
     cfg = build(RepoConfig, namespace_overrides(ns, RepoConfig))
-    manifest = read_manifest(ns.export_dir)
+    export = Export(ns.export_dir)
+    manifest = export.manifest
     results = read_bench(cfg.bench) if cfg.bench else None
     if results is not None:  # judged before anything is written
         pick(results, cfg.strategy, manifest)
-    res = build_repository(ns.export_dir, cfg, manifest=manifest)
+    res = build_repository(export, cfg)
     print(f"repository {res['path']}: " + ", ".join(f"{m} ({f})" for f, m in res["models"].items()))
     if res["not_served"]:
         print(f"not served: {not_served_text(ns.export_dir, res['not_served'])}")
     if cfg.strategy:
-        winner, dest = serve_by_strategy(ns.export_dir, res["path"], cfg.strategy, manifest, results, cfg.only_winner,
+        winner, dest = serve_by_strategy(export, res["path"], cfg.strategy, manifest, results, cfg.only_winner,
                                          log=lambda line: print(line, flush=True))
         print(f"served as {dest.name}: {winner['why']}")
     print(f"serve it: torchship serve {res['path']}   (official container: see {res['path']}/README.md)")

@@ -70,7 +70,7 @@ def precision_of(manifest: dict[str, Any], fmt: str | None) -> tuple[str, dict[s
     for a float32 artifact held to the rounding bound)."""
     from torchship.manifest import verdicts
 
-    arts = [a for a in manifest["artifacts"] if a["format"] in (fmt, f"{fmt}_buckets")]
+    arts = [a for a in manifest.get("artifacts", []) if a["format"] in (fmt, f"{fmt}_buckets")]
     if not arts:
         return manifest.get("dtype", "float32"), None
     a = arts[0]

@@ -37,6 +37,7 @@ def test_results_and_report_are_well_formed(bench_run):
     m = on_disk["machine"]
     assert m["cpu"] and m["cores"] and m["versions"]["torch"] and "git_revision" in m
     assert on_disk["limits"]["flops_per_sample"] > 0 and on_disk["limits"]["fp32_flops"] > 0
+    assert on_disk["limits"]["int8_flops"] > 0  # the INT8 probe: gone if torch drops its quantized tensors
     rows = on_disk["in_process"]["rows"]
     assert {(r["variant"], r["batch"]) for r in rows} == {(v, b) for v in SHORT["variants"] for b in SHORT["batch_sizes"]}
     for r in rows:

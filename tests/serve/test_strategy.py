@@ -57,8 +57,12 @@ def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_ex
     repo = tmp_path / "repo"
     assert run_cli("repo", int8_export, "--out", repo, "--strategy", "max-throughput", "--bench", bench) == 0
     out = capsys.readouterr().out
-    assert "served as tiny_cnn: max-throughput: the highest served throughput: tiny_cnn_onnx_int8, 900 req/s" in out
-    assert "## Served by strategy" in (repo / "README.md").read_text()
+    assert "served as tiny_cnn: max-throughput: the highest served throughput: tiny_cnn_onnx_int8 (int8, accuracy " in out
+    assert ", 900 req/s" in out
+    winner = json.loads((repo / "tiny_cnn" / "winner.json").read_text())  # the precision and its gate's figures
+    assert winner["precision"] == "int8" and winner["gate"]["max_accuracy_drop"] == 2.0 and "accuracy_drop" in winner["gate"]
+    readme = (repo / "README.md").read_text()
+    assert "## Served by strategy" in readme and "(onnx_int8, int8; accuracy " in readme
     assert 'string_value: "onnx_int8"' in (repo / "tiny_cnn" / "config.pbtxt").read_text()
     with TritonServer(ServeConfig(repo=str(repo))) as s:
         report = check_served(s.url, int8_export, models=["tiny_cnn"])

@@ -164,9 +164,8 @@ def stage_train(run: Run, t0: float) -> None:
 
 
 def stage_export(run: Run, t0: float) -> None:
-    from export.pipeline import run_export
+    from export.pipeline import export_model
     from torchship.errors import ParityError
-    from torchship.manifest import Export
 
     cfg = dataclasses.replace(run.cfg["export"], overwrite=True)
     with open(run.dirs["logs"] / "export.log", "w") as elog:
@@ -174,11 +173,11 @@ def stage_export(run: Run, t0: float) -> None:
             run.log(msg)
             elog.write(msg + "\n")
         try:
-            m = run_export(cfg, log=both)
+            run._export = export_model(cfg, log=both)  # handed on: its manifest and reference read once per run
         except ParityError as e:
             run.done("export", t0, error=str(e))
             run.gate("export", False, str(e))
-    run._export = Export(cfg.out, m, files_checked=True)  # the files were hashed as they were written
+    m = run._export.manifest
     failed = [n for n, e in m.get("verification", {}).get("artifacts", {}).items() if not e["pass"]]
     failed += [f["format"] for f in m["export_failures"]]
     run.done("export", t0, artifacts=[a["name"] for a in m["artifacts"]], failures=m["export_failures"],
