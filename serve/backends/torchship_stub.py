@@ -1,9 +1,25 @@
 """The python-backend host: Triton's stub process calls these TritonPythonModel classes (through each
-backend's model.py) and hands requests over through shared memory."""
+backend's model.py) and hands requests over through shared memory.
 
+Tensors cross between Triton and numpy through DLPack (by way of torch, which the serving environment has):
+zero-copy both ways, and right under numpy 2, where the stub's own numpy path (built with pybind11 2.10 in the
+wheel's python_backend) hands back empty arrays."""
+
+import torch
 import triton_python_backend_utils as pb_utils
+from torch.utils import dlpack
 
 from torchship_backend import MODELS
+
+
+def to_numpy(t):
+    """A Triton tensor as a numpy array over the same memory."""
+    return dlpack.from_dlpack(t.to_dlpack()).numpy()
+
+
+def to_triton(name, a):
+    """A contiguous numpy array as a Triton output tensor over the same memory."""
+    return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(torch.from_numpy(a)))
 
 
 class StubHost:
@@ -19,14 +35,14 @@ class StubHost:
             feeds = {}
             for name in self.inputs:
                 t = pb_utils.get_input_tensor_by_name(r, name)
-                feeds[name] = None if t is None else t.as_numpy()
+                feeds[name] = None if t is None else to_numpy(t)
             arrays.append(feeds)
         responses = []
         for res in self.run(arrays):
             if isinstance(res, str):
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(res)))
             else:
-                tensors = [pb_utils.Tensor(name, a) for name, a in zip(self.outputs, res)]
+                tensors = [to_triton(name, a) for name, a in zip(self.outputs, res)]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
 

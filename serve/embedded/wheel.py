@@ -20,11 +20,14 @@ BACKENDS = ("onnxruntime", "pytorch", "torchship")
 
 def triton_home() -> tuple[Path, Path]:
     """(pytriton/tritonserver directory, nvidia_pytriton.libs directory) from the installed wheel."""
-    try:
-        import pytriton
-    except ImportError:
-        raise ServerError("the embedded Triton server needs the nvidia-pytriton package: pip install nvidia-pytriton") from None
-    pkg = Path(pytriton.__file__).resolve().parent
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")  # located, not imported: its Python API and its dependencies are not used
+    if spec is None or not spec.origin:
+        raise ServerError("the embedded Triton server comes from the nvidia-pytriton wheel: pip install --no-deps "
+                          "nvidia-pytriton==0.7.0 (without its dependencies: its Python API, which torchship does not "
+                          "use, asks for numpy<2), or install requirements.lock")
+    pkg = Path(spec.origin).resolve().parent
     home, libs = pkg / "tritonserver", pkg.parent / "nvidia_pytriton.libs"
     if not (home / "bin" / "tritonserver").exists():
         raise ServerError(f"no tritonserver binary under {home}; reinstall nvidia-pytriton")
@@ -38,7 +41,7 @@ def backend_dir() -> Path:
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = home / "python_backend_stubs" / ver / "triton_python_backend_stub"
     if not stub.exists():
-        raise ServerError(f"the Triton Python stub has no build for Python {ver}; use Python 3.11 or 3.12")
+        raise ServerError(f"the Triton Python stub has no build for Python {ver}; use Python 3.11, 3.12 or 3.13")
     shared = [BACKENDS_SRC / "torchship_backend.py", BACKENDS_SRC / "torchship_stub.py", RUNTIME_SRC]
     files = shared + [BACKENDS_SRC / b / "model.py" for b in BACKENDS]
     h = hashlib.sha256(sys.version.encode())
@@ -83,11 +86,6 @@ def server_env() -> dict[str, str]:
     Python built apart from the system's, as pyenv's or conda's, keeps it where no loader looks); this
     environment's bin/ first on PATH, because the stub's embedded Python adopts the virtual environment
     found there (it ignores PYTHONPATH)."""
-    import numpy
-
-    if int(numpy.__version__.split(".")[0]) >= 2:
-        raise ServerError(f"numpy {numpy.__version__} is installed; the Triton Python stub needs numpy<2 "
-                          "(with numpy 2 every response comes back empty): pip install 'numpy<2'")
     _, libs = triton_home()
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), python_libdir(), env.get("LD_LIBRARY_PATH", "")) if p)

@@ -156,3 +156,16 @@ def hf_bert(vocab: int = 30522, classes: int = 4) -> nn.Module:
     cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                      max_position_embeddings=512, num_labels=classes)
     return BertForSequenceClassification(cfg).eval()
+
+
+class Dtypes(nn.Module):
+    """Every input dtype a signature allows, each answered in its own dtype, and a float32 output that depends on
+    all of them: what the served tensors' bytes must carry through Triton exactly."""
+
+    def forward(self, f16: torch.Tensor, i32: torch.Tensor, i64: torch.Tensor, flag: torch.Tensor, f32: torch.Tensor):
+        return {"f16_doubled": f16 * 2, "i32_plus_1": i32 + 1, "i64_tripled": i64 * 3, "flag_negated": ~flag,
+                "total": f32 + f16.float() + i32.float() + i64.float() + flag.float()}
+
+
+def dtypes() -> Dtypes:
+    return Dtypes()
