@@ -6,7 +6,9 @@ crash inside a runtime), Triton keeps reporting the model ready while every requ
 process ... is not healthy". A watcher thread compares each loaded model version's stub processes with those
 it saw before: a stub gone with no new one in its place, while Triton still calls that version ready, is a
 death. A model Triton logged loading or unloading in the last few seconds is being reloaded (its old stubs
-stop on their own), and a version Triton no longer calls ready was unloaded (a rollout): both are left alone."""
+stop on their own), a version that still has a stub for each instance its config asks for is ending a reload
+(the old stubs can outlive the settling time on a busy machine), and a version Triton no longer calls ready was
+unloaded (a rollout): all are left alone."""
 
 from __future__ import annotations
 
@@ -85,6 +87,9 @@ class Healer(threading.Thread):
             if not client.ready(model, version):  # unloaded on purpose
                 self.known.pop(key, None)
                 continue
+            if len(pids) >= instances(client, model, version):  # a reload's old stubs leaving late
+                self.known[key] = pids
+                continue
             self.heal(client, model, sorted(dead))
         for model in loaded - {m for m, _ in live} - {m for m, _ in self.known}:  # no stub at all: gone while settling
             if time.monotonic() - self.busy.get(model, -SETTLE_S) >= SETTLE_S and not self.halt.is_set() \
@@ -116,3 +121,9 @@ class Healer(threading.Thread):
         self.halt.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=5)
+
+
+def instances(client, model: str, version: str) -> int:
+    """How many backend processes the loaded config of ``model`` asks for (one per instance)."""
+    config = client.client.get_model_config(model, version, as_json=True)["config"]
+    return sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1

@@ -25,8 +25,9 @@ from .process import dying_with_parent, free_ports, listens_on, port_in_use, sta
 from .wheel import backend_dir, server_env, triton_home
 
 EXIT_TIMEOUT_S = 20  # Triton's own limit for draining and unloading after SIGTERM
-# Once SIGTERM's drain is over, Triton unloads every model and reports the ones still live once a second.
-UNLOAD_STALL_TICKS = 5
+# Once SIGTERM's drain is over, Triton unloads every model and reports the ones still live once a second; on a
+# busy machine Python stubs can take over 5 s to stop, so a stall is called at half of Triton's own limit.
+UNLOAD_STALL_TICKS = 10
 # A port picked free can be taken by another process before Triton binds it; start() then picks again.
 PORT_ATTEMPTS = 3
 PORT_TAKEN = re.compile(r"Socket '[^']*:(\d+)' already in use")
