@@ -106,6 +106,23 @@ class TritonClient:
             self._configs[model] = self._call(f"model {model}", self.client.get_model_config, model, as_json=True)["config"]
         return self._configs[model]
 
+    def wire_names(self, model: str) -> dict[str, str]:
+        """{manifest name: served name} for a model whose served config renames its tensors (the container's
+        torch_aoti models: ARGS[0], RESULT); empty where they are the same."""
+        from .model_config import manifest_names
+
+        return {m: w for w, m in manifest_names(self.config(model)).items()}
+
+    def to_wire(self, model: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``feeds`` by the names the served model takes."""
+        wire = self.wire_names(model)
+        return {wire.get(k, k): v for k, v in feeds.items()} if wire else feeds
+
+    def from_wire(self, model: str, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A served model's ``outputs`` by the manifest's names."""
+        back = {w: m for m, w in self.wire_names(model).items()}
+        return {back.get(k, k): v for k, v in outputs.items()} if back else outputs
+
     def max_batch(self, model: str) -> int:
         """0 for a model without batching (its dims include the batch of 1)."""
         return int(self.config(model).get("max_batch_size", 0))
@@ -117,22 +134,24 @@ class TritonClient:
         generated gRPC stub (no InferInput/InferResult objects and one copy of the payload less): as a
         unary call, or on ``stream`` (from open_stream())."""
 
-        cfg = self.config(model)
-        out = output or cfg["output"][0]["name"]
-        return decode(self._send(model, request(model, x, input_name or cfg["input"][0]["name"], out, version, top_k),
-                                 stream), out)
+        cfg, wire = self.config(model), self.wire_names(model)
+        out = wire.get(output, output) if output else cfg["output"][0]["name"]
+        name = wire.get(input_name, input_name) if input_name else cfg["input"][0]["name"]
+        return decode(self._send(model, request(model, x, name, out, version, top_k), stream), out)
 
     def infer_all(self, model: str, feeds: dict[str, np.ndarray], version: str = "",
                   stream: "InferStream | None" = None) -> dict[str, np.ndarray]:
-        """Send one batch of every input by name; returns every output by name."""
-        return decode_all(self._send(model, request_feeds(model, feeds, version=version), stream))
+        """Send one batch of every input by name; returns every output by name (the manifest's names, which
+        the served model's may differ from: to_wire)."""
+        return self.from_wire(model, decode_all(self._send(model, request_feeds(model, self.to_wire(model, feeds),
+                                                                               version=version), stream)))
 
     def classify(self, model: str, feeds: dict[str, np.ndarray], top_k: int, version: str = "",
                  stream: "InferStream | None" = None) -> np.ndarray:
         """The top_k classes of the model's first output per row, as Triton's classification extension
         gives them ('score:index:label' strings)."""
         out = self.config(model)["output"][0]["name"]
-        return decode(self._send(model, request_feeds(model, feeds, out, version, top_k), stream), out)
+        return decode(self._send(model, request_feeds(model, self.to_wire(model, feeds), out, version, top_k), stream), out)
 
     def _send(self, model: str, req, stream: "InferStream | None" = None):
         """One ModelInferRequest, unary or on ``stream``; its ModelInferResponse, or the refusal as an error."""
@@ -163,7 +182,8 @@ class TritonClient:
         row at a time for a model without batching, whose dims carry the leading 1); every output by name."""
         from torchship.runtime import in_chunks
 
-        names, outs = list(feeds), [o["name"] for o in self.config(model)["output"]]
+        back = {w: m for m, w in self.wire_names(model).items()}
+        names, outs = list(feeds), [back.get(o["name"], o["name"]) for o in self.config(model)["output"]]
 
         def run(xs):
             got = self.infer_all(model, dict(zip(names, xs)), version)

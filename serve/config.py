@@ -11,8 +11,8 @@ from torchship.config import opt
 from torchship.errors import ConfigError
 
 DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT = 8001, 8000, 8002
-# The official container the repository targets: 26.03+ serves torch_aoti; see deploy/README.md.
-TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.07-py3"
+# The official container the repository targets: 26.07+ batches torch_aoti models; see deploy/README.md.
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.11-py3"
 REPOSITORY_DIR = "model_repository"
 
 

@@ -74,6 +74,14 @@ def is_image_model(cfg: dict[str, Any]) -> bool:
     return len(ins) == 1 and ins[0].get("data_type") == "TYPE_FP32" and ins[0].get("format") == "FORMAT_NCHW"
 
 
+def input_names(cfg: dict[str, Any]) -> list[str]:
+    """A served model's inputs by the manifest's names (what .npz files and --heldout samples are keyed by)."""
+    from .model_config import manifest_names
+
+    back = manifest_names(cfg)
+    return [back.get(i["name"], i["name"]) for i in cfg["input"]]
+
+
 def _check_local_inputs(ns) -> dict | None:
     """Every FILE exists and is an image, .npy or .npz file, and --heldout is an export directory (its
     manifest is returned)."""
@@ -101,7 +109,7 @@ def _load(p: Path):
 
 def _npz_request(p: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
     """One request from an .npz keyed by input name; ShapeError naming a missing or unknown input."""
-    names = [i["name"] for i in cfg["input"]]
+    names = input_names(cfg)
     with _load(p) as z:
         feeds = {k: z[k] for k in z.files}
     missing, unknown = [n for n in names if n not in feeds], [k for k in feeds if k not in names]
@@ -125,7 +133,7 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
     image = is_image_model(cfg)
     dims = [int(d) for d in cfg["input"][0]["dims"]]
     chw = dims[1:] if int(cfg.get("max_batch_size", 0)) == 0 else dims
-    first = cfg["input"][0]["name"]
+    first = input_names(cfg)[0]
     out: list[tuple[str, dict[str, np.ndarray], Any]] = []
     for f in ns.files:
         p = Path(f)

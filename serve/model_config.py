@@ -3,6 +3,7 @@ server needs another, embedded.pbtxt; read, printed, and edited in one place."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -14,6 +15,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 CONFIG = "config.pbtxt"
 EMBEDDED_CONFIG = "embedded.pbtxt"  # the embedded server's config, where the container's cannot run there
 CONFIGS = (CONFIG, EMBEDDED_CONFIG)
+TENSOR_NAMES = "torchship_tensor_names"  # parameter: JSON {served name: manifest name}, where a config renames tensors
 
 
 def read_config(path: str | Path) -> mc.ModelConfig:
@@ -32,6 +34,13 @@ def repository_models(repo: str | Path) -> list[str]:
 def versions(model_dir: str | Path) -> list[int]:
     """The version folders of a model on disk, in order."""
     return sorted(int(p.name) for p in Path(model_dir).iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def manifest_names(config: dict) -> dict[str, str]:
+    """{served name: manifest name} for a model whose config renames its tensors (TENSOR_NAMES; ``config`` in
+    Triton's JSON form, as a server reports it); empty where the served names are the manifest's."""
+    p = (config.get("parameters") or {}).get(TENSOR_NAMES)
+    return json.loads(p["string_value"]) if p else {}
 
 
 def served_config_path(model_dir: str | Path) -> Path:

@@ -6,10 +6,11 @@ Layout (one model per format, versions in numbered folders):
   REPO/<name>_aoti/config.pbtxt (+ embedded.pbtxt)          1/model.pt2 [+ buckets.pt2]          torch_aoti
   REPO/<name>_onnx_int8/..., <name>_aoti_int8/..., <name>_aoti_bf16/... (reduced precisions, as _onnx and _aoti)
 
-The official container's torch_aoti support (26.03+) does not batch, so <name>_aoti/config.pbtxt is a
-batch-1 model over the dynamic-batch package. Triton 2.51 inside nvidia-pytriton does not know torch_aoti
-at all; the embedded server loads embedded.pbtxt instead (same tensors, batched over the static-batch
-models of the bucket archive, which share one copy of the weights).
+<name>_aoti/config.pbtxt is the official container's torch_aoti model (Triton 26.07 on batches it) over the
+dynamic-batch package, its tensors named as that backend names them (ARGS[i], RESULT). Triton 2.51 inside
+nvidia-pytriton does not know torch_aoti at all; the embedded server loads embedded.pbtxt instead (the
+manifest's tensor names, batched over the static-batch models of the bucket archive, which share one copy
+of the weights).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torchship.runtime import PROVENANCE
 
 from torchship.device import cuda_visible
 
-from .model_config import CONFIG, EMBEDDED_CONFIG, config_text
+from .model_config import CONFIG, EMBEDDED_CONFIG, TENSOR_NAMES, config_text
 from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig
 
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_FP64, "int64": mc.TYPE_INT64,
@@ -57,31 +58,44 @@ def _param(config: mc.ModelConfig, key: str, value: Any) -> None:
     config.parameters[key].string_value = str(value)
 
 
+def aoti_tensor_names(manifest: dict[str, Any]) -> dict[str, str]:
+    """The names the official container's PyTorch backend gives an AOTInductor package's tensors (26.05 on: read
+    from the package's call specification), by the manifest's: the forward's positional arguments ARGS[0],
+    ARGS[1], ...; its result RESULT, or RESULT[0], RESULT[1], ... for several outputs (returned as a tuple)."""
+    outs = manifest["outputs"]
+    return {**{t["name"]: f"ARGS[{i}]" for i, t in enumerate(manifest["inputs"])},
+            **{t["name"]: "RESULT" if len(outs) == 1 else f"RESULT[{i}]" for i, t in enumerate(outs)}}
+
+
 def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch: int, kind: int,
-                 batch_one: bool = False, warmup: dict[str, np.ndarray] | None = None) -> mc.ModelConfig:
-    """The config.pbtxt of one model, with instances of ``kind`` (_instance_kind). ``batch_one``: no
-    batching, explicit batch dimension of 1. ``warmup``: one sample per input, for Triton's warm-up."""
+                 container_aoti: bool = False, warmup: dict[str, np.ndarray] | None = None) -> mc.ModelConfig:
+    """The config.pbtxt of one model, with instances of ``kind`` (_instance_kind). ``container_aoti``: the
+    official container's torch_aoti model (Triton 26.07 on batches it), its tensors named as that backend names
+    them (aoti_tensor_names), the manifest's names recorded beside them for clients (TENSOR_NAMES).
+    ``warmup``: one sample per input, for Triton's warm-up."""
     names = model_names(manifest)
     c = mc.ModelConfig(name=names[fmt])
     c.version_policy.latest.num_versions = 1
     c.platform, c.default_model_filename = PLATFORMS[fmt]
-    c.max_batch_size = 0 if batch_one else max_batch
-    lead = [1] if batch_one else []
+    c.max_batch_size = max_batch
+    rename = aoti_tensor_names(manifest) if container_aoti else {}
+    if container_aoti:
+        c.backend = "pytorch"
+        _param(c, TENSOR_NAMES, json.dumps({v: k for k, v in rename.items()}))
     image = (manifest.get("preprocessing") or {}).get("layout") == "NCHW"
     for spec in manifest["inputs"]:
-        inp = c.input.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + config_dims(spec))
-        if image and not batch_one:  # Triton's image clients read the layout from here (dims must be [C, H, W])
+        inp = c.input.add(name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=config_dims(spec))
+        if image:  # Triton's image clients read the layout from here (dims must be [C, H, W])
             inp.format = mc.ModelInput.FORMAT_NCHW
     for i, spec in enumerate(manifest["outputs"]):
-        out = c.output.add(name=spec["name"], data_type=DTYPES[spec["dtype"]], dims=lead + config_dims(spec))
+        out = c.output.add(name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=config_dims(spec))
         if manifest.get("classes") and i == 0:  # Triton's classification extension, for classifiers
             out.label_filename = "labels.txt"
     if runs_tf32(manifest, fmt):
         _param(c, "tf32", "true")  # the stand-in backends run it with TF32 allowed, as it was compiled and verified
     if manifest.get("dims"):  # the stand-in backends refuse a dynamic dim outside its range
         _param(c, "dim_ranges", json.dumps(dim_ranges(manifest)))
-    if not batch_one:
-        c.dynamic_batching.max_queue_delay_microseconds = cfg.max_queue_delay_us
+    c.dynamic_batching.max_queue_delay_microseconds = cfg.max_queue_delay_us
     group = c.instance_group.add(kind=kind, count=cfg.instance_count)
     if kind == mc.ModelInstanceGroup.KIND_GPU:
         group.gpus.append(0)
@@ -102,9 +116,10 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
     if warmup:
         w = c.model_warmup.add(name="real_sample", batch_size=1)
         for inp in manifest["inputs"]:
-            w.inputs[inp["name"]].data_type = DTYPES[inp["dtype"]]
-            w.inputs[inp["name"]].dims.extend(lead + list(warmup[inp["name"]].shape[1:]))
-            w.inputs[inp["name"]].input_data_file = inp["name"]
+            sample = w.inputs[rename.get(inp["name"], inp["name"])]
+            sample.data_type = DTYPES[inp["dtype"]]
+            sample.dims.extend(list(warmup[inp["name"]].shape[1:]))
+            sample.input_data_file = inp["name"]
     return c
 
 
@@ -262,25 +277,25 @@ def _embedded(manifest, fmt: str, cfg: RepoConfig, max_batch: int, kind: int, wa
 
 def _write_aoti_package(d: Path, manifest, fmt: str, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
                         warm: dict[str, np.ndarray]) -> dict[str, str]:
-    """model.pt2, a dynamic-batch reduced-precision package (aoti_int8, aoti_bf16): batch 1 in the official
-    container (as _aoti), batched up to ``max_batch`` by the embedded server (embedded.pbtxt), which runs each
-    batch as it comes, without padding."""
+    """model.pt2, a dynamic-batch reduced-precision package (aoti_int8, aoti_bf16), batched up to ``max_batch``
+    in the official container (as _aoti) and by the embedded server (embedded.pbtxt), which runs each batch as
+    it comes, without padding."""
     files = copy_artifact(d, artifact(manifest, fmt), vdir, "model.pt2")
-    (mdir / CONFIG).write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, batch_one=True, warmup=warm)))
+    (mdir / CONFIG).write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, container_aoti=True, warmup=warm)))
     (mdir / EMBEDDED_CONFIG).write_text(config_text(_embedded(manifest, fmt, cfg, max_batch, kind, warm)))
     return files
 
 
 def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
                 warm: dict[str, np.ndarray], have: set[str]) -> dict[str, str]:
-    """model.pt2 (the dynamic-batch package, batch 1 in the official container) and, for the embedded server,
+    """model.pt2 (the dynamic-batch package, for the official container) and, for the embedded server,
     buckets.pt2 with embedded.pbtxt batching over its static-batch models up to ``max_batch``."""
     emb = _embedded(manifest, "aoti", cfg, max_batch, kind, warm)
     files: dict[str, str] = {}
     if "aoti" in have:
         files.update(copy_artifact(d, artifact(manifest, "aoti"), vdir, "model.pt2"))
         (mdir / CONFIG).write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind,
-                                                                    batch_one=True, warmup=warm)))
+                                                                    container_aoti=True, warmup=warm)))
     if "aoti_buckets" in have:
         b = artifact(manifest, "aoti_buckets")
         sizes = sorted(int(s) for s in b["buckets"] if int(s) <= max_batch)
@@ -326,6 +341,7 @@ def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti
         "the container's `torch_aoti` cannot load; export the `aoti` format too to serve this model there.")
     aoti = [f for f in formats if PLATFORMS[f][0] == "torch_aoti"]
     named = " and ".join(f"`{names[f]}/config.pbtxt`" for f in aoti) or f"`{manifest['name']}_aoti/config.pbtxt`"
+    wire = ", ".join(f"`{k}` is `{v}`" for k, v in aoti_tensor_names(manifest).items())
     packages = [f"`{names[f]}`" for f in ("aoti_int8", "aoti_bf16") if f in aoti]
     int8 = ("" if not packages else
             f" {' and '.join(packages)} {'is' if len(packages) == 1 else 'are'} batched the same way over "
@@ -350,8 +366,10 @@ docker run --rm --gpus all --shm-size=1g -p {DEFAULT_HTTP_PORT}:8000 -p {DEFAULT
   tritonserver --model-repository=/models
 ```
 
-26.03 or later is needed for `torch_aoti`; its PyTorch backend does not batch AOTInductor models yet, so
-{named} declare{"s" if len(aoti) < 2 else ""} a batch-1 model (`max_batch_size: 0`, dims `[1, ...]`).{buckets_only}
+26.07 or later is needed for {named}: Triton batches `torch_aoti` models from that release on. Their tensors
+carry the names the container's PyTorch backend gives an AOTInductor package's: {wire}. Clients of those models in
+the container send and read those names; `torchship infer` and `torchship bench` translate them from the
+`{TENSOR_NAMES}` parameter in the config.{buckets_only}
 
 {kind_note}
 

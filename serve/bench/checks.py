@@ -30,10 +30,11 @@ class ResponseCheck:
     against: str  # in words: "the reference", or "its own answers on the idle server"
     bounds: dict[str, dict[str, float]] = field(default_factory=dict)
     min_sqnr_db: Optional[float] = None
+    names: dict[str, str] = field(default_factory=dict)  # served output name -> the manifest's, where they differ
 
     def judge(self, i: int, response) -> Optional[str]:
         """Why the response to request ``i`` is wrong, or None."""
-        got = decode_all(response)
+        got = {self.names.get(k, k): v for k, v in decode_all(response).items()}
         rows = len(next(iter(self.expected.values())))
         for o, want in self.expected.items():
             g = got.get(o)
@@ -92,16 +93,17 @@ def response_check(client, model: str, manifest: dict[str, Any], fmt: Optional[s
     tf32 = runs_tf32(manifest, fmt)
     outputs = [o["name"] for o in manifest["outputs"]]
     tol = manifest["tolerances"]
+    names = {w: m for m, w in client.wire_names(model).items()}
     if art.get("gate") or expected is None:
         idle = [client.infer_all(model, singles[i]) for i in range(min(rows, len(singles)))]
         own = {o: np.concatenate([r[o] for r in idle]) for o in outputs}
         if art.get("gate"):
-            return ResponseCheck(model, own, "its own answers on the idle server",
+            return ResponseCheck(model, own, "its own answers on the idle server", names=names,
                                  min_sqnr_db=art["gate"].get("min_sqnr_db", parity.GATE["min_sqnr_db"]))
         bounds = {o: {k: 2 * v for k, v in parity.bound(tol, o, tf32).items() if k in ("atol", "rtol")} for o in outputs}
-        return ResponseCheck(model, own, "its own answers on the idle server", bounds)
+        return ResponseCheck(model, own, "its own answers on the idle server", bounds, names=names)
     return ResponseCheck(model, {o: expected[o] for o in outputs}, "the reference",
-                         {o: parity.bound(tol, o, tf32) for o in outputs})
+                         {o: parity.bound(tol, o, tf32) for o in outputs}, names=names)
 
 
 def wrong_in(served: dict[str, Any]) -> Optional[ParityError]:

@@ -99,6 +99,20 @@ def input_data_json(pool: dict[str, np.ndarray], count: int = 16) -> str:
     return json.dumps({"data": rows})
 
 
+def wired_data(data: Path, wire: dict[str, str], model: str) -> Path:
+    """``data`` (input_data_json) with its inputs renamed by ``wire`` (manifest name: served name), written
+    once beside it for ``model``; ``data`` itself where nothing is renamed."""
+    import json
+
+    if not wire:
+        return data
+    out = data.with_name(f"{model}-inputs.json")
+    if not out.exists():
+        rows = json.loads(data.read_text())["data"]
+        out.write_text(json.dumps({"data": [{wire.get(k, k): v for k, v in r.items()} for r in rows]}))
+    return out
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["install"]:
         print(install())

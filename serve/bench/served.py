@@ -149,6 +149,7 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
     Returns each model's rows, by level."""
     batch = len(next(iter(inputs[0].values())))
     per_window = -(-cfg.requests // LAST)
+    sent = {m: [client.to_wire(m, f) for f in inputs] for m in models}  # by the names each served model takes
     deltas: dict[tuple[str, int], list[dict]] = {}
     judged: dict[tuple[str, int], dict[str, Any]] = {}
 
@@ -156,19 +157,19 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
         def window() -> dict[str, Any]:
             warm = min(cfg.requests, max(4, c * 2))
             count = served_count(stats_of(client, model))
-            closed_loop(url, model, inputs, c, warm)
+            closed_loop(url, model, sent[model], c, warm)
             before = settled_stats(client, model, count + warm)
             check = (checks or {}).get(model)
             keep, kept = keeper()
             if gen.name == "perf_analyzer":
-                from .perf_analyzer import window as pa_window
+                from .perf_analyzer import window as pa_window, wired_data
 
-                side = _beside(lambda: closed_loop(url, model, inputs, 1, 1, cfg.window_s, keep) if check else None)
-                res = pa_window(gen.binary, url, model, c, gen.data, cfg.window_s)
+                side = _beside(lambda: closed_loop(url, model, sent[model], 1, 1, cfg.window_s, keep) if check else None)
+                res = pa_window(gen.binary, url, model, c, wired_data(gen.data, client.wire_names(model), model), cfg.window_s)
                 extra = side()
                 after = settled_stats(client, model, served_count(before) + 1 + (len(extra["latencies_s"]) if extra else 0))
             else:
-                res = closed_loop(url, model, inputs, c, per_window, cfg.window_s, keep if check else None)
+                res = closed_loop(url, model, sent[model], c, per_window, cfg.window_s, keep if check else None)
                 after = settled_stats(client, model, served_count(before) + len(res["latencies_s"]))
             tally(check, kept, judged.setdefault((model, c), {}))
             delta = stats_delta(before, after)
@@ -321,7 +322,8 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
         except TorchshipError as e:
             served["noop"] = {"error": str(e)}
     if cfg.rate:
-        served["open_loop"] = {m: open_loop(url, m, singles, cfg.rate, cfg.duration_s) for m in models}
+        served["open_loop"] = {m: open_loop(url, m, [client.to_wire(m, f) for f in singles], cfg.rate, cfg.duration_s)
+                               for m in models}
     if other is None:
         served["cross_check"] = {"skipped": why}
     else:  # the other client at concurrency 1 and the highest level, on the ONNX model where one is served

@@ -29,28 +29,29 @@ def test_layout_and_configs(repo, exported):
         c = cfg(repo / name / "config.pbtxt")
         assert c.name == name and c.platform == platform
         assert (repo / name / "1" / fname).exists()
-        assert [i.name for i in c.input] == [i["name"] for i in m["inputs"]]
-        assert [o.name for o in c.output] == [o["name"] for o in m["outputs"]]
+        # the container's PyTorch backend names an AOTInductor package's tensors by its call specification
+        ins, outs = (["ARGS[0]"], ["RESULT"]) if platform == "torch_aoti" else (["images"], ["logits"])
+        assert [i.name for i in c.input] == ins and [o.name for o in c.output] == outs
         assert c.output[0].label_filename == "labels.txt"
         assert (repo / name / "labels.txt").read_text().split() == m["classes"]
         assert c.version_policy.HasField("latest")
         assert c.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU and c.instance_group[0].count == 1
-        w = c.model_warmup[0].inputs["images"]
+        w = c.model_warmup[0].inputs[ins[0]]
         assert (repo / name / "warmup" / w.input_data_file).stat().st_size == 4 * int(np.prod(w.dims))
-        if platform == "torch_aoti":  # the official container does not batch AOTI models yet
-            assert c.max_batch_size == 0 and list(c.input[0].dims) == [1, 3, 32, 32]
+        assert c.max_batch_size == 8 and list(c.input[0].dims) == [3, 32, 32]  # the container batches torch_aoti
+        assert c.input[0].format == mc.ModelInput.FORMAT_NCHW  # image clients read the layout here
+        assert c.dynamic_batching.max_queue_delay_microseconds == 2000
+        if platform == "torch_aoti":
+            assert c.backend == "pytorch"
+            assert json.loads(c.parameters["torchship_tensor_names"].string_value) == {"ARGS[0]": "images", "RESULT": "logits"}
             emb = cfg(repo / name / EMBEDDED_CONFIG)
             assert emb.backend == "pytorch" and emb.max_batch_size == 8 and list(emb.input[0].dims) == [3, 32, 32]
+            assert [i.name for i in emb.input] == ["images"] and [o.name for o in emb.output] == ["logits"]
             assert emb.parameters["buckets"].string_value == "1,8" and emb.default_model_filename == "buckets.pt2"
             # the batcher takes what queued, up to max_batch_size; preferred sizes would cut it down
             assert emb.HasField("dynamic_batching") and not emb.dynamic_batching.preferred_batch_size
             assert sorted(p.name for p in (repo / name / "1").iterdir()) == ["buckets.pt2", "model.pt2", "provenance.json"]
             assert emb.input[0].format == mc.ModelInput.FORMAT_NCHW
-            assert c.input[0].format == mc.ModelInput.FORMAT_NONE  # Triton allows a layout only on [C, H, W] dims
-        else:
-            assert c.max_batch_size == 8 and list(c.input[0].dims) == [3, 32, 32]
-            assert c.input[0].format == mc.ModelInput.FORMAT_NCHW  # image clients read the layout here
-            assert c.dynamic_batching.max_queue_delay_microseconds == 2000
     readme = (repo / "README.md").read_text()
     assert "nvcr.io/nvidia/tritonserver:" in readme and "The models run on the CPU (`KIND_CPU` instances)" in readme
 
