@@ -267,7 +267,8 @@ class TritonServer:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs, or once every
-        request is answered and a model still will not unload (``stop_note`` then says which)."""
+        request is answered and a model still will not unload (``stop_note`` then says which, as it does when
+        Triton gives up at its own exit timeout)."""
         if self.healer is not None:  # stubs die on purpose from here on
             self.healer.stop()
             self.healer = None
@@ -291,13 +292,17 @@ class TritonServer:
                 shutdown_log += log.read()
                 stuck = unload_stalled(shutdown_log.decode(errors="replace"))
                 if stuck or time.monotonic() > deadline:
-                    if stuck:
-                        log.seek(0)
-                        self.stop_note = (stall_note(loaded_models(log.read().decode(errors="replace"))
-                                                     or [f"{stuck} model(s)"]) + f" (server log: {self.log_path})")
                     os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait(10)
                     break
+            shutdown_log += log.read()
+            text = shutdown_log.decode(errors="replace")
+            killed = unload_stalled(text)  # or Triton gave up at its own exit timeout with models still live:
+            stuck = killed or live_at_exit(text)
+            if stuck:
+                log.seek(0)
+                self.stop_note = (stall_note(loaded_models(log.read().decode(errors="replace"))
+                                             or [f"{stuck} model(s)"], bool(killed)) + f" (server log: {self.log_path})")
         # stub processes share the server's process group; make sure none outlives it
         gone = time.monotonic() + 10
         try:
@@ -307,7 +312,7 @@ class TritonServer:
                 time.sleep(0.05)
         except ProcessLookupError:
             pass
-        if self.proc.returncode == 0 and not self._keep_log:
+        if self.proc.returncode == 0 and not self._keep_log and not self.stop_note:
             self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
@@ -351,6 +356,13 @@ def unload_stalled(log: str) -> int:
     return live[-1]
 
 
+def live_at_exit(log: str) -> int:
+    """How many models Triton last reported live while unloading after SIGTERM (0 where it never did)."""
+    mark = log.find("All models are stopped, unloading models")
+    live = re.findall(r"Found (\d+) live models", log[mark:]) if mark >= 0 else []
+    return int(live[-1]) if live else 0
+
+
 def loaded_models(log: str) -> list[str]:
     """The models that the log shows loaded and not unloaded since."""
     state: dict[str, bool] = {}
@@ -359,12 +371,13 @@ def loaded_models(log: str) -> list[str]:
     return sorted(n for n, up in state.items() if up)
 
 
-def stall_note(models: list[str]) -> str:
-    return (f"{', '.join(models)} still loaded at {UNLOAD_STALL_TICKS} checks in a row (one a second) after every "
-            f"request was answered, so the server was killed rather than left to its {EXIT_TIMEOUT_S} s exit "
-            "timeout. Triton 2.51 keeps a model loaded for good once the first request of a gRPC stream was "
-            "refused for it (a wrong shape, dtype or input name); unary calls, and refusals later in a stream, do "
-            "not")
+def stall_note(models: list[str], killed: bool = True) -> str:
+    how = (f"at {UNLOAD_STALL_TICKS} checks in a row (one a second) after every request was answered, so the "
+           f"server was killed rather than left to its {EXIT_TIMEOUT_S} s exit timeout" if killed else
+           f"when Triton's {EXIT_TIMEOUT_S} s exit timeout ran out")
+    return (f"{', '.join(models)} still loaded {how}. Triton 2.51 keeps a model loaded for good once the first "
+            "request of a gRPC stream was refused for it (a wrong shape, dtype or input name); unary calls, and "
+            "refusals later in a stream, do not")
 
 
 def describe(server: TritonServer) -> dict:

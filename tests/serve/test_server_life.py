@@ -97,7 +97,7 @@ def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported):
 
 
 def test_unload_stall_is_read_from_the_log():
-    from serve.embedded.server import UNLOAD_STALL_TICKS, loaded_models, unload_stalled
+    from serve.embedded.server import UNLOAD_STALL_TICKS, live_at_exit, loaded_models, unload_stalled
 
     head = ("Signal (15) received.\n\"Timeout 20: Found 1 model versions that have in-flight inferences\"\n"
             "\"All models are stopped, unloading models\"\n")
@@ -105,9 +105,14 @@ def test_unload_stall_is_read_from_the_log():
     stalled = head + "".join(tick.format(20 - i, 1, 0) for i in range(UNLOAD_STALL_TICKS))
     assert unload_stalled(stalled) == 1
     assert unload_stalled(head + "".join(tick.format(20 - i, 1, 0) for i in range(UNLOAD_STALL_TICKS - 1))) == 0
-    assert unload_stalled(head + "".join(tick.format(20 - i, 1, 1) for i in range(9))) == 0  # still working
-    assert unload_stalled(head + "".join(tick.format(20 - i, 9 - i, 0) for i in range(9))) == 0  # progressing
+    n = UNLOAD_STALL_TICKS + 2
+    assert unload_stalled(head + "".join(tick.format(20 - i, 1, 1) for i in range(n))) == 0  # still working
+    assert unload_stalled(head + "".join(tick.format(20 - i, n - i, 0) for i in range(n))) == 0  # progressing
     assert unload_stalled(stalled.replace("All models are stopped", "Waiting")) == 0  # requests not drained
+    # Triton's own exit timeout ran out first (a long drain leaves fewer ticks): the last count says who is live
+    assert live_at_exit(head + "".join(tick.format(3 - i, 2, 0) for i in range(4))) == 2
+    assert live_at_exit(head + tick.format(20, 2, 0) + tick.format(19, 0, 0)) == 0
+    assert live_at_exit(stalled.replace("All models are stopped", "Waiting")) == 0
     log = "successfully loaded 'a'\nsuccessfully loaded 'b'\nsuccessfully unloaded 'a'\nsuccessfully loaded 'c'\n"
     assert loaded_models(log + "successfully unloaded 'c'\n") == ["b"]
 
