@@ -101,7 +101,10 @@ class TritonClient:
             raise ClientError(f"model {', '.join(missing)} is not served at {self.url} (served: {', '.join(ready) or 'none'})")
         return ready
 
-    def config(self, model: str) -> dict[str, Any]:
+    def config(self, model: str, version: str = "", fresh: bool = False) -> dict[str, Any]:
+        """The config Triton serves ``model`` with (read once per client unless ``fresh``, as after a reload)."""
+        if fresh or version:
+            return self._call(f"model {model}", self.client.get_model_config, model, str(version), as_json=True)["config"]
         if model not in self._configs:
             self._configs[model] = self._call(f"model {model}", self.client.get_model_config, model, as_json=True)["config"]
         return self._configs[model]

@@ -125,5 +125,5 @@ class Healer(threading.Thread):
 
 def instances(client, model: str, version: str) -> int:
     """How many backend processes the loaded config of ``model`` asks for (one per instance)."""
-    config = client.client.get_model_config(model, version, as_json=True)["config"]
+    config = client.config(model, version, fresh=True)
     return sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
