@@ -1,11 +1,19 @@
-"""resnet50 at 224 on a CUDA GPU: trained in fp32, fp16 and bf16, exported and verified on the device in fp32 and
-bf16, and timed in-process, every step the command a user runs. Prints a table at the end and writes
-OUT/gpu.json, OUT/gpu.log (each command's output) and the bench reports.
+"""resnet50 at 224 on a CUDA GPU, in the phases of the GPU plan, each the commands a user runs:
+
+    A  served on the GPU: the embedded Triton with KIND_GPU instances serving TorchScript (fp32) and AOTInductor
+       (bf16), infer --check over gRPC, then a concurrency sweep beside the in-process figures
+    B  verification on CUDA that can fail: fp32 TorchScript and AOTInductor verified strictly (TF32 off) in fresh
+       processes, and a TorchScript weight scaled by 1 + 1e-3 refused
+    C  training per precision (fp32, fp16, bf16 through --amp auto under torchrun), then bf16 channels-last
+    D  exports in fp32 and bf16 verified on the device, in-process speed, and bf16 with the batch resident on the
+       device against the bf16 matmul peak
 
     python -m tests.gpu.run --out runs/gpu                            # about 9 minutes on one H100/H200
     python -m tests.gpu.run --out runs/gpu --quick --device cpu       # the same steps, small, on any machine
 
-Phases run in order within --budget seconds; one that no longer fits is recorded as skipped, not started.
+Phases run in order within --budget seconds; one that no longer fits is recorded as skipped, not started. By
+default a run takes the phases that no record in --history (docs/benchmarks/gpu) has done yet. Prints a table at
+the end and writes OUT/gpu.json (after every step), OUT/gpu.log (each command's output) and the bench reports.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -177,18 +187,155 @@ def checkpoint_on_cpu(run: Run, train_dir: Path) -> dict[str, Any]:
             "param_device_in_file": "cpu (weights are saved from the unwrapped model, loaded with map_location)"}
 
 
-def exports(run: Run) -> dict[str, Any]:
-    """The fp32 exports (aoti_buckets apart, the longest compile) and the bf16 one, side by side: they compile
-    on the CPU cores. Each is verified on the device."""
+def export_argv(run: Run) -> list[str]:
+    """`torchship export` of the run's torchvision model with realistic weights (made once per work folder)."""
     sys.path.insert(0, str(ROOT))
     from tests.zoo import models as zoo
     from tests.zoo.run import weights_for
 
     image = ("--input", f"images:float32:B,3,{run.size},{run.size}")
-    weights = weights_for(zoo.Entry(run.arch, "torchvision_model", {"arch": run.arch}, image), run.work / "weights.pt")
-    common = [*TS, "export", "--model", "tests.zoo.models:torchvision_model", "--model-arg", f'arch="{run.arch}"',
-              "--weights", str(weights), *image, "--name", run.arch, "--device", run.a.device,
-              "--max-batch", str(run.max_batch), "--threads", str(max(1, (os.cpu_count() or 2) // 2)), "--overwrite"]
+    path = run.work / "weights.pt"
+    weights = path if path.exists() else weights_for(zoo.Entry(run.arch, "torchvision_model", {"arch": run.arch}, image), path)
+    return [*TS, "export", "--model", "tests.zoo.models:torchvision_model", "--model-arg", f'arch="{run.arch}"',
+            "--weights", str(weights), *image, "--name", run.arch, "--device", run.a.device,
+            "--max-batch", str(run.max_batch), "--threads", str(max(1, (os.cpu_count() or 2) // 2)), "--overwrite"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def served(run: Run) -> dict[str, Any]:
+    """Phase A: TorchScript fp32 and AOTInductor bf16, each exported and verified on the device, served by the
+    embedded Triton with KIND_GPU instances (`torchship repo --instance-kind gpu`, `torchship serve`), checked with
+    `torchship infer --check`, and swept at concurrency 1, 8, 32, 128 with the in-process figures beside."""
+    out: dict[str, Any] = {}
+    for key, flags in (("fp32 torchscript", ["--formats", "torchscript"]),
+                       ("bf16 aoti", ["--dtype", "bfloat16", "--formats", "aoti"])):
+        if run.left() < 90:
+            out[key] = {"skipped": f"{run.left():.0f} s left"}
+            continue
+        d = run.work / f"served_{key.split()[0]}"
+        r = run.cmd([*export_argv(run), *flags, "--out", str(d)], min(300, run.left() - 60))
+        rec: dict[str, Any] = {"export": {"code": r["code"], "seconds": r["seconds"], **export_record(d)}}
+        if r["code"] != 0:
+            rec["export"]["tail"] = r["output"][-2000:]
+        else:
+            rec.update(serve_and_sweep(run, d, key.split()[1]))
+        out[key] = rec
+        run.results["A_served"] = out
+        run.save()
+    return out
+
+
+def serve_and_sweep(run: Run, export: Path, fmt: str) -> dict[str, Any]:
+    from serve.client import TritonClient
+
+    gpu = run.a.device == "cuda"
+    repo = export.parent / f"{export.name}_repo"
+    r = run.cmd([*TS, "repo", str(export), "--out", str(repo), "--instance-kind", "gpu" if gpu else "cpu",
+                 "--overwrite"], 120)
+    rec: dict[str, Any] = {"repo": {"code": r["code"], "tail": r["output"][-600:]}}
+    if r["code"] != 0:
+        return rec
+    port, t0 = free_port(), time.monotonic()
+    server, part = run.start([*TS, "serve", str(repo), "--grpc-port", str(port)])
+    url = f"127.0.0.1:{port}"
+    try:
+        client, ready = TritonClient(url), []
+        while time.monotonic() - t0 < 240 and server.poll() is None and not ready:
+            try:
+                ready = client.ready_models()
+            except Exception:  # not up yet
+                time.sleep(1.0)
+        rec["server"] = {"ready_models": ready, "seconds_to_ready": round(time.monotonic() - t0, 1)}
+        if not ready:
+            return rec
+        config = client.config(ready[0])
+        rec["server"]["instance_group"] = config.get("instance_group")
+        c = run.cmd([*TS, "infer", "--url", url, "--check", str(export)], 180)
+        rec["infer_check"] = {"code": c["code"], "seconds": c["seconds"], "tail": c["output"][-1200:]}
+        levels = ["1", "8"] if run.a.quick else ["1", "8", "32", "128"]
+        bout = export.parent / f"{export.name}_bench"
+        b = run.cmd([*TS, "bench", str(export), "--url", url, "--out", str(bout), "--concurrency", *levels,
+                     "--variants", fmt, "--batch-sizes", *run.batches, "--iters", "20", "--blocks", "2",
+                     "--warmup", "3", "--window-s", "0.5", "--max-windows", "6", "--no-noop", "--no-cross-check",
+                     "--no-plots", "--no-progress"], min(300, run.left() - 20))
+        rec["bench"] = {"code": b["code"], "seconds": b["seconds"]}
+        if (bout / "results.json").exists():
+            shutil.copy(bout / "results.json", run.out / f"served_{export.name}.json")
+            rec["bench"].update(sweep_summary(json.loads((bout / "results.json").read_text())))
+        else:
+            rec["bench"]["tail"] = b["output"][-2000:]
+    finally:
+        server.send_signal(signal.SIGINT)  # torchship serve stops its server and stubs on Ctrl-C
+        rec["serve_exit"] = run.finish(server, part, 60, t0)["code"]
+    return rec
+
+
+def sweep_summary(res: dict[str, Any]) -> dict[str, Any]:
+    """Served rows (concurrency, req/s, p50/p99, the batch Triton formed, responses checked) and the in-process
+    images/s at the batch sizes measured: served over in-process at the top level, at the nearest batch."""
+    in_proc = {r["batch"]: r["images_per_s"] for r in res.get("in_process", {}).get("rows", []) if r.get("variant") != "eager"}
+    out: dict[str, Any] = {"in_process": in_proc, "models": {}, "errors": res.get("errors")}
+    for model, m in res.get("served", {}).get("models", {}).items():
+        rows = [{"concurrency": row.get("concurrency"), "req_per_s": row.get("requests_per_s"), "p50_ms": row.get("p50_ms"),
+                 "p99_ms": row.get("p99_ms"), "avg_batch": (row.get("server") or {}).get("avg_batch"),
+                 "failed": row.get("failed"), "checked": row.get("checked"), "wrong": row.get("wrong")}
+                for row in m.get("rows", [])]
+        top = max(rows, key=lambda row: row["concurrency"] or 0, default={})
+        near = min(in_proc, key=lambda b: abs(b - (top.get("avg_batch") or 1)), default=None)
+        ratio = top["req_per_s"] / in_proc[near] if top.get("req_per_s") and near else None
+        out["models"][model] = {"rows": rows, "served_over_in_process": ratio, "in_process_batch": near,
+                                "instance_group": m.get("instance_group")}
+    return out
+
+
+def strict(run: Run) -> dict[str, Any]:
+    """Phase B: fp32 TorchScript and AOTInductor exported and verified on the device in strict fp32 (each in a
+    fresh process, as a deployment loads it), then the TorchScript artifact with one weight scaled by 1 + 1e-3
+    (the manifest rehashed, as a faulty exporter writes it): `torchship verify` must refuse it (exit 3)."""
+    import torch
+
+    from torchship.io import sha256_file
+    from torchship.manifest import read_manifest, write_manifest
+
+    d = run.work / "strict_fp32"
+    r = run.cmd([*export_argv(run), "--formats", "torchscript", "aoti", "--optional", "aoti", "--out", str(d)],
+                min(300, run.left() - 45))
+    out: dict[str, Any] = {"export": {"code": r["code"], "seconds": r["seconds"], **export_record(d)}}
+    m = read_manifest(d) if (d / "manifest.json").exists() else None
+    ts = next((a for a in (m or {}).get("artifacts", []) if a["format"] == "torchscript"), None)
+    if ts is None:
+        out["export"]["tail"] = r["output"][-2000:]
+        return out
+    fault = run.work / "strict_fault"
+    shutil.rmtree(fault, ignore_errors=True)
+    shutil.copytree(d, fault)
+    path = fault / ts["file"]
+    module = torch.jit.load(str(path), map_location="cpu")
+    name, weight = max(module.named_parameters(), key=lambda kv: kv[1].numel())
+    with torch.no_grad():
+        weight.mul_(1 + 1e-3)
+    torch.jit.save(module, str(path))
+    fm = read_manifest(fault)
+    for a in fm["artifacts"]:
+        for rel in a["files"]:
+            a["files"][rel] = sha256_file(fault / rel)
+    write_manifest(fault, fm)
+    v = run.cmd([*TS, "verify", str(fault), "--only", "torchscript"], min(180, run.left() - 10))
+    caught = [ln for ln in v["output"].splitlines() if "torchscript" in ln][-3:]
+    out["planted_weight_fault"] = {"weight": name, "scale": 1 + 1e-3, "verify_exit": v["code"],
+                                   "caught": v["code"] == 3, "lines": caught}
+    return out
+
+
+def exports(run: Run) -> dict[str, Any]:
+    """The fp32 exports (aoti_buckets apart, the longest compile) and the bf16 one, side by side: they compile
+    on the CPU cores. Each is verified on the device."""
+    common = export_argv(run)
     core = [f for f in FP32_FORMATS if f != "aoti_buckets"]
     jobs = {"fp32": [*common, "--formats", *core, "--optional", *core, "--out", str(run.work / "export_fp32")],
             "buckets": [*common, "--formats", "aoti_buckets", "--buckets", *run.buckets,
@@ -306,6 +453,27 @@ def table(run: Run) -> str:
     peak = env.get("peak", {})
     if peak:
         lines.append(f"matmul peak: fp32 {peak.get('fp32_flops', 0) / 1e12:.1f} TFLOP/s, bf16 {peak.get('bf16_flops', 0) / 1e12:.1f} TFLOP/s")
+    for key, rec in (r.get("A_served") or {}).items() if isinstance(r.get("A_served"), dict) else ():
+        if not isinstance(rec, dict) or "skipped" in rec:
+            lines.append(f"served {key}: {rec}"[:300])
+            continue
+        srv = rec.get("server", {})
+        lines.append(f"served {key}: export exit {rec.get('export', {}).get('code')}, ready {srv.get('ready_models')} "
+                     f"in {srv.get('seconds_to_ready')} s, instances {srv.get('instance_group')}, "
+                     f"infer --check exit {rec.get('infer_check', {}).get('code')}")
+        for model, m in rec.get("bench", {}).get("models", {}).items():
+            for row in m["rows"]:
+                lines.append(f"  {model} c{row['concurrency']}: {row['req_per_s'] or 0:.0f} req/s, p50 {row['p50_ms'] or 0:.2f} ms, "
+                             f"p99 {row['p99_ms'] or 0:.2f} ms, batch {row['avg_batch'] or 0:.1f}, {row['wrong']} wrong of {row['checked']}")
+            if m.get("served_over_in_process"):
+                lines.append(f"  {model}: served {100 * m['served_over_in_process']:.0f} % of in-process at batch {m['in_process_batch']}")
+    b = r.get("B_strict") or {}
+    if isinstance(b, dict) and b.get("export"):
+        for name, a in (b["export"].get("artifacts") or {}).items():
+            lines.append(f"strict fp32 {name}: pass {a['pass']}, worst {a['worst']} vs bound {a['bound']}")
+        if b.get("planted_weight_fault"):
+            f = b["planted_weight_fault"]
+            lines.append(f"strict fp32: {f['weight']} x {f['scale']} -> verify exit {f['verify_exit']} (caught: {f['caught']})")
     for label, t in [*r.get("train", {}).items(), *r.get("train_channels_last", {}).items()]:
         if "images_per_s" in t:
             lines.append(f"train {label}: {t['images_per_s']:.0f} img/s (first epoch {t['first_epoch_images_per_s']:.0f}); "
@@ -333,9 +501,32 @@ def table(run: Run) -> str:
         lines.append(f"resident {row['model']} b{row['batch']}: {row['ms']:.2f} ms, {row['images_per_s']:.0f} img/s, "
                      f"{row['pct_bf16_peak'] or 0:.1f} % of bf16 peak")
     for k, v in r.items():
-        if isinstance(v, dict) and ("error" in v or "skipped" in v) and k not in ("exports",):
+        if isinstance(v, dict) and ("error" in v or "skipped" in v) and k not in ("exports", "A_served"):
             lines.append(f"{k}: {v.get('error') or v.get('skipped')}")
     return "\n".join(lines)
+
+
+PHASES = {
+    "A": [("A_served", 200, served)],
+    "B": [("B_strict", 120, strict)],
+    "C": [("train", 100, train), ("train_channels_last", 45, lambda r: train(r, channels_last=True))],
+    "D": [("exports", 200, exports), ("bench_fp32", 40, lambda r: bench(r, "fp32")),
+          ("bench_bf16", 40, lambda r: bench(r, "bf16")), ("resident", 15, resident),
+          ("bench_buckets", 40, lambda r: bench(r, "buckets"))],
+}
+
+
+def done_before(history: Path, quick: bool) -> set[str]:
+    """The phases an earlier full-size run recorded as done (in --history's gpu.json records)."""
+    done: set[str] = set()
+    for f in sorted(history.glob("*.json")) if history.is_dir() else ():
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and "--quick" not in rec.get("argv", []) and not quick:
+            done |= set(rec.get("phases_done", []))
+    return done
 
 
 def main() -> int:
@@ -345,16 +536,25 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="resnet18 at 64x64, small batches: the plumbing only")
     ap.add_argument("--budget", type=float, default=550, help="seconds for the whole run")
-    ap.add_argument("--reserve", type=float, default=150, help="seconds the exports leave for the benches")
-    ap.add_argument("--skip", nargs="*", default=[], help="phases to leave out")
+    ap.add_argument("--reserve", type=float, default=150, help="seconds phase D's exports leave for its benches")
+    ap.add_argument("--phases", nargs="*", choices=sorted(PHASES), default=None,
+                    help="phases to run, in order (default: those no record in --history has done)")
+    ap.add_argument("--history", default=str(ROOT / "docs" / "benchmarks" / "gpu"),
+                    help="folder of earlier runs' gpu.json records")
     a = ap.parse_args()
+    done = done_before(Path(a.history), a.quick)
+    phases = a.phases if a.phases is not None else [p for p in PHASES if p not in done] or list(PHASES)
+    a.skip = []
     run = Run(a)
-    for name, need, fn in (("environment", 10, environment), ("train", 100, train), ("exports", 200, exports),
-                           ("bench_fp32", 40, lambda r: bench(r, "fp32")), ("bench_bf16", 40, lambda r: bench(r, "bf16")),
-                           ("resident", 15, resident), ("bench_buckets", 40, lambda r: bench(r, "buckets")),
-                           ("train_channels_last", 45, lambda r: train(r, channels_last=True))):
-        if name not in a.skip:
+    run.results["phases"] = phases
+    run.results["phases_done"] = []
+    phase(run, "environment", 10, environment)
+    for letter in phases:
+        for name, need, fn in PHASES[letter]:
             phase(run, name, need, fn)
+        if all("error" not in run.results.get(n, {}) and "skipped" not in run.results.get(n, {}) for n, _, _ in PHASES[letter]):
+            run.results["phases_done"].append(letter)
+            run.save()
     text = table(run)
     (run.out / "table.txt").write_text(text + "\n")
     print("\n" + text)
