@@ -75,7 +75,8 @@ class Run:
         f = open(part, "w")
         f.write(f"$ {' '.join(argv)}\n")
         f.flush()
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # carried wheels too
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env), part
 
     def finish(self, proc: subprocess.Popen, part: Path, timeout: float, t0: float) -> dict[str, Any]:
@@ -286,7 +287,8 @@ def sweep_summary(res: dict[str, Any]) -> dict[str, Any]:
                  "failed": row.get("failed"), "checked": row.get("checked"), "wrong": row.get("wrong")}
                 for row in m.get("rows", [])]
         top = max(rows, key=lambda row: row["concurrency"] or 0, default={})
-        near = min(in_proc, key=lambda b: abs(b - (top.get("avg_batch") or 1)), default=None)
+        formed = top.get("avg_batch") or 1  # held against the in-process batch at or above it: the stricter ratio
+        near = min((b for b in in_proc if b >= formed), default=max(in_proc, default=None))
         ratio = top["req_per_s"] / in_proc[near] if top.get("req_per_s") and near else None
         out["models"][model] = {"rows": rows, "served_over_in_process": ratio, "in_process_batch": near,
                                 "instance_group": m.get("instance_group")}
@@ -316,7 +318,11 @@ def strict(run: Run) -> dict[str, Any]:
     shutil.copytree(d, fault)
     path = fault / ts["file"]
     module = torch.jit.load(str(path), map_location="cpu")
-    name, weight = max(module.named_parameters(), key=lambda kv: kv[1].numel())
+    # a frozen module holds its weights as constants of its graph: scale the largest one in place
+    tensors = [(n.output().debugName(), n.t("value")) for n in module.forward.graph.findAllNodes("prim::Constant")
+               if n.kindOf("value") == "t"] + list(module.named_parameters())
+    name, weight = max(tensors, key=lambda kv: kv[1].numel())
+    name = f"{name} {list(weight.shape)}"
     with torch.no_grad():
         weight.mul_(1 + 1e-3)
     torch.jit.save(module, str(path))
@@ -491,7 +497,9 @@ def table(run: Run) -> str:
             lines.append(f"  {name}: pass {a['pass']}, {(a['bytes'] or 0) / 1e6:.0f} MB, export {a['export_seconds']} s, "
                          f"worst {a['worst']} vs bound {a['bound']} ({a['x_eager_error']}x eager's own)")
     for k in ("bench_fp32", "bench_bf16", "bench_buckets"):
-        b = r.get(k, {})
+        if k not in r:
+            continue
+        b = r[k]
         for row in b.get("rows", []):
             lines.append(f"{k} {row['variant']} b{row['batch']}: p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, "
                          f"{row['images_per_s']:.0f} img/s")
