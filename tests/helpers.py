@@ -8,12 +8,24 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from torch import nn
 
 from serve.client import TritonClient
 from torchship import runtime
 from torchship.errors import ClientError
 from torchship.io import sha256_file
 from torchship.manifest import read_manifest, write_manifest
+
+
+class FlipChannels(nn.Module):
+    """RGB read as BGR: the channels reversed before the model."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, images):
+        return self.inner(images.flip(1))
 
 
 def copy_export(exported, tmp_path):

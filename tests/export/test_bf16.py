@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tests.conftest import run_cli
+from tests.helpers import FlipChannels
 from torchship.io import sha256_file
 from torchship.manifest import read_manifest, write_manifest
 from torchship.models import WithPreprocessing
@@ -46,15 +47,6 @@ def photos(n: int = 32) -> np.ndarray:
     rng = np.random.default_rng(1)
     base = COLORS[np.arange(n) % len(COLORS)][:, :, None, None]
     return np.clip(base + 0.02 * rng.standard_normal((n, 3, 24, 24)), 0, 1).astype(np.float32)
-
-
-class FlipChannels(nn.Module):
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, images):
-        return self.inner(images.flip(1))
 
 
 FAULTS = {"normalized_twice": lambda m: WithPreprocessing(m, MEAN, STD), "channels_swapped": FlipChannels}

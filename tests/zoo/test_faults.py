@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import FlipChannels
 from tests.zoo import models as zoo
 from torchship.errors import ParityError
 from torchship.io import sha256_file
@@ -22,17 +23,6 @@ from torchship.manifest import read_manifest, write_manifest
 pytestmark = pytest.mark.slow  # real servers, compiles or processes: the full run, not the fast tier
 
 SMALL = {"max_batch": 2, "odd_batch": 1, "formats": ("exported_program",)}
-
-
-class FlipChannels(nn.Module):
-    """RGB read as BGR: the channels reversed before the model."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, images):
-        return self.inner(images.flip(1))
 
 
 class SwapLastTwo(nn.Module):
