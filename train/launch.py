@@ -148,11 +148,6 @@ def rank_main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says where the run stopped
         return 130
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

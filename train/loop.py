@@ -133,21 +133,28 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
     resume_dir = resolve_checkpoint(resume, which="latest") if resume else None
     ck.seed_everything(cfg.seed)
     data = load_split(cfg)  # a data factory's mistakes too surface before anything is written
+    joining = not dist.is_initialized()
     d = init_distributed(device)
-    cfg.check_world(d.world)
-    if d.main:
-        out.mkdir(parents=True, exist_ok=True)
-        if cfg.overwrite and not resume:
-            for name in ("metrics.jsonl", "train.log"):
-                (out / name).unlink(missing_ok=True)
-    if d.initialized:
-        dist.barrier()
-    log = _Log(out, d.main)
     try:
-        return _train(cfg, data, d, device, out, resume_dir, log, on_step, t_start)
+        cfg.check_world(d.world)
+        if d.main:
+            out.mkdir(parents=True, exist_ok=True)
+            if cfg.overwrite and not resume:
+                for name in ("metrics.jsonl", "train.log"):
+                    (out / name).unlink(missing_ok=True)
+        if d.initialized:
+            dist.barrier()
+        log = _Log(out, d.main)
+        try:
+            return _train(cfg, data, d, device, out, resume_dir, log, on_step, t_start)
+        finally:
+            if log.file:
+                log.file.close()
     finally:
-        if log.file:
-            log.file.close()
+        # The group this call joined is left here, in whatever script called train(): one left to
+        # interpreter shutdown can abort a rank that has finished its work, and torchrun fails the job.
+        if joining and d.initialized:
+            dist.destroy_process_group()
 
 
 def load_split(cfg: TrainConfig) -> DataSplit:

@@ -1,4 +1,5 @@
-"""Run under torchrun by test_distributed: records each rank's sample indices and final weights.
+"""Run under torchrun by test_distributed: records each rank's sample indices, final weights, and the names of
+the threads still running once train() has returned (it must have left the process group it joined).
 With TORCHSHIP_PLANT_SAME_SHARD=1 every rank is handed rank 0's shard (a planted sampler fault)."""
 
 import json
@@ -34,3 +35,5 @@ train(cfg, on_step=on_step)
 rank = final["rank"]
 torch.save({k: v.detach().clone() for k, v in final["model"].state_dict().items()}, out / f"rank{rank}.pt")
 (out / f"rank{rank}.json").write_text(json.dumps(seen))
+threads = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+(out / f"threads{rank}.json").write_text(json.dumps(threads))

@@ -40,21 +40,11 @@ def test_two_ranks_get_disjoint_samples_and_identical_parameters(tmp_path):
     # only rank 0 wrote files: one log, one metrics file, one checkpoint index
     assert (tmp_path / "train" / "checkpoints" / "index.json").exists()
     assert len((tmp_path / "train" / "metrics.jsonl").read_text().splitlines()) == 1
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through Linux's /proc")
-def test_a_rank_frees_its_process_group_before_it_exits(tmp_path):
-    """After training, no Gloo thread may outlive destroy_process_group: a group freed only at interpreter
-    shutdown can abort a rank that has finished its work (SIGABRT, "terminate called without an active
-    exception"), and torchrun then reports the whole job failed."""
-    r = torchrun(str(HERE / "shutdown_worker.py"), str(tmp_path), "--arch", "tiny_cnn", "--data", "synthetic",
-                 "--synthetic-samples", "64", "--epochs", "1", "--batch-size", "16", "--no-progress",
-                 "--out", str(tmp_path / "train"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    # train() left the group it joined: a Gloo thread still running at interpreter shutdown can abort a
+    # rank that has finished its work (SIGABRT, "terminate called without an active exception")
     for rank in (0, 1):
         names = json.loads((tmp_path / f"threads{rank}.json").read_text())
-        assert not [n for n in names if "gloo" in n], f"rank {rank} still runs Gloo threads after training: {names}"
+        assert not [n for n in names if "gloo" in n], f"rank {rank} still runs Gloo threads after train(): {names}"
 
 
 @pytest.mark.slow
