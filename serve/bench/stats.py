@@ -25,17 +25,31 @@ def summarize(lat_s: list[float] | np.ndarray) -> dict[str, float]:
             "mean_ms": float(a.mean()), "std_ms": float(a.std()), "min_ms": float(a.min()), "max_ms": float(a.max())}
 
 
+# the report's software versions: module -> the distributions that install it, the first one installed wins
+VERSIONED = {"torch": ("torch",), "torchvision": ("torchvision",), "onnx": ("onnx",),
+             "onnxruntime": ("onnxruntime-gpu", "onnxruntime"), "tritonclient": ("tritonclient",), "numpy": ("numpy",),
+             "grpc": ("grpcio",)}
+
+
+def _installed(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 def machine_info() -> dict[str, Any]:
     """The machine, its accelerator and the software versions, for the report's first line."""
     import torch
 
     info: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
                             "python": sys.version.split()[0], "git_revision": git_revision(), "versions": {}}
-    for mod in ("torch", "torchvision", "onnx", "onnxruntime", "tritonclient", "numpy", "grpc"):
-        try:
-            info["versions"][mod] = __import__(mod).__version__
-        except Exception:
-            pass
+    for mod, dists in VERSIONED.items():  # one not imported yet is read from its metadata: importing torchvision takes seconds
+        found = getattr(sys.modules.get(mod), "__version__", None) or next((v for v in map(_installed, dists) if v), None)
+        if found:
+            info["versions"][mod] = found
     info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     if info["gpu"]:
         try:
