@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Tuple
 
@@ -32,6 +33,13 @@ def test_every_format_exported_and_verified(exported):
     onnx_entry = next(a for a in m["artifacts"] if a["format"] == "onnx")
     assert onnx_entry["opset"] >= 18 and not onnx_entry["external_data"]
     assert not list((exported / "onnx").glob("*.data")), "ONNX must be one self-contained file"
+    # a small model on a CPU: each bucket's library holds its own prepacked weights, none in the archive to share,
+    # and compiling the prepacked aoti package first in the same export left the buckets passing
+    buckets = next(a for a in m["artifacts"] if a["format"] == "aoti_buckets")
+    assert buckets["weights"] == "prepacked" and buckets["shared_constants"] == 0
+    with zipfile.ZipFile(exported / buckets["file"]) as z:
+        names = z.namelist()
+    assert not [n for n in names if "/weights/" in n] and sum(n.endswith(".so") for n in names) == len(buckets["buckets"])
 
 
 def load(exported, fmt):
