@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchship.device import torch_threads  # noqa: F401  (quantize and pipeline take it from here)
 from torchship.runtime import BUCKET_PREFIX
 from torchship.signature import BATCH, Signature
 
@@ -72,16 +73,6 @@ def exported_program(model: torch.nn.Module, ex: tuple, path: Path, sig: Signatu
 # compile in it (inductor registers its rewrite patterns once), so each compile runs in a fresh process.
 FREEZE = {"freezing": True}
 FREEZE_SHAREABLE = {"freezing": True, "cpp.weight_prepack": False}
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def aoti(model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int | None, threads: int) -> dict[str, Any]:

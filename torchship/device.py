@@ -3,6 +3,7 @@ that follows from them. Every stage asks here rather than deciding on its own.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from pathlib import Path
@@ -111,3 +112,16 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "?"
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to ``n`` for the block, put back after it."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

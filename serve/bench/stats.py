@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from torchship.device import cpu_name
+from torchship.device import cpu_name, torch_threads
 from torchship.io import git_revision
 
 
@@ -74,20 +75,26 @@ def flops_per_sample(model, inputs: list) -> float:
 
 def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, float]:
     """Measured matmul throughput (FLOP/s) in fp32 and bf16, and on a CPU oneDNN's u8 x s8 quantized linear
-    (ops/s, as int8_flops): the roofline each precision's results are read against."""
+    (ops/s, as int8_flops): the roofline each precision's results are read against. Measured once per process
+    for each device and thread count: a second bench in the same process reads the first one's figures."""
+    return dict(_device_peak(device, threads, seconds))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_peak(device: str, threads: int, seconds: float) -> dict[str, float]:
     import torch
 
-    torch.set_num_threads(threads)
     out = {}
     n = 8192 if device.startswith("cuda") else 1024
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a = torch.rand(n, n, device=device, dtype=dtype)
-        b = torch.rand(n, n, device=device, dtype=dtype)
-        out[f"{name}_flops"] = _best(lambda: a @ b, 2 * n ** 3, seconds, sync)
-    int8 = _int8_linear(2048) if device == "cpu" else None  # larger: the INT8 kernels reach their peak later
-    if int8:
-        out["int8_flops"] = _best(int8, 2 * 2048 ** 3, seconds)
+    with torch_threads(threads):
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            a = torch.rand(n, n, device=device, dtype=dtype)
+            b = torch.rand(n, n, device=device, dtype=dtype)
+            out[f"{name}_flops"] = _best(lambda: a @ b, 2 * n ** 3, seconds, sync)
+        int8 = _int8_linear(2048) if device == "cpu" else None  # larger: the INT8 kernels reach their peak later
+        if int8:
+            out["int8_flops"] = _best(int8, 2 * 2048 ** 3, seconds)
     return out
 
 

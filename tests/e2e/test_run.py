@@ -78,7 +78,8 @@ def test_a_run_from_a_later_stage_reads_each_hand_over_once(run_dir, tmp_path, m
         "manifest", counts["manifest"] + (Path(p).name == "manifest.json")) or parse(p, *a, **k))
     monkeypatch.setattr(torchship.manifest, "_load_npz", lambda p: counts.__setitem__(
         "reference", counts["reference"] + (Path(p).name == "reference.npz")) or load(p))
-    assert run_cli("run", "--out", d, "--config", CONFIG, "--from", "repo") == 0
+    assert run_cli("run", "--out", d, "--config", CONFIG, "--from", "repo", "--set", 'repo.formats=["onnx"]',
+                   "--set", 'bench.variants=["onnx"]') == 0
     assert counts == {"manifest": 1, "reference": 1}, counts
 
 
