@@ -200,7 +200,7 @@ def test_default_buckets_are_the_powers_of_two_up_to_the_max_batch():
     assert build(ExportConfig, {"checkpoint": "c", "buckets": [8, 1, 32]}).buckets == (1, 8, 32)
 
 
-@pytest.mark.parametrize("fmt", ["aoti_buckets", "torchscript"])
+@pytest.mark.parametrize("fmt", [pytest.param("aoti_buckets", marks=pytest.mark.slow), "torchscript"])
 def test_a_torch_artifact_runs_with_its_thread_count_on_any_thread(exported, fmt):
     """Triton runs a model on its instance thread, not on the thread that loaded it. torch.set_num_threads
     sets OpenMP's thread count for the calling thread only, and AOTInductor's code reads the running

@@ -46,6 +46,7 @@ def test_a_tf32_bound_is_derived_beside_the_strict_one():
     assert parity.bound(strict, "y", tf32=True) == strict["outputs"]["y"]  # none derived: the strict bound
 
 
+@pytest.mark.slow
 def test_an_artifact_compiled_with_tf32_is_held_to_its_tf32_bound_and_reported(exported, tmp_path):
     """Planted: a strict bound no artifact can meet, a TF32 bound of the recorded size, and aoti_buckets marked
     as compiled with TF32. It passes on its TF32 bound, with the strict bound beside it; onnx, strict, fails."""

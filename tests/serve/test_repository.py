@@ -56,6 +56,7 @@ def test_layout_and_configs(repo, exported):
     assert "nvcr.io/nvidia/tritonserver:" in readme and "The models run on the CPU (`KIND_CPU` instances)" in readme
 
 
+@pytest.mark.slow
 def test_without_the_aoti_package_the_aoti_model_serves_the_buckets_and_the_readme_says_so(exported, tmp_path, backend):
     """The official container's torch_aoti reads one package, not the bucket archive: where the export has no
     verified aoti package, the embedded config is the model's only config, and the README says why."""
