@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchship.device import torch_threads  # noqa: F401  (quantize and pipeline take it from here)
+from torchship.device import torch_threads
 from torchship.runtime import BUCKET_PREFIX
 from torchship.signature import BATCH, Signature
 

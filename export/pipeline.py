@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import torchship
-from torchship.device import resolve_device, usable_cpus
+from torchship.device import resolve_device, torch_threads, usable_cpus
 from torchship import parity
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ConfigError, DegenerateError, ParityError, first_line
 from torchship.io import check_out_dir, sha256_file, staging_dir
@@ -87,7 +87,7 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
 
         def pace() -> None:  # a running compile holds a core: this process takes what is left (OpenMP slows badly
             torch.set_num_threads(max(1, usable_cpus() - compiler.busy()))  # when oversubscribed), more once done
-        stack.enter_context(exporters.torch_threads(torch.get_num_threads()))  # put back afterwards
+        stack.enter_context(torch_threads(torch.get_num_threads()))  # put back afterwards
         pace()
         t0 = time.perf_counter()
         inputs, info = input_sets(sig, src.samples, src.sample_set, cfg.odd_batch, cfg.max_batch, cfg.seed)

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from torchship.device import NATIVE_INT8_FLAGS, cpu_flags
+from torchship.device import NATIVE_INT8_FLAGS, cpu_flags, torch_threads
 from torchship.errors import ConfigError
 
 CALIBRATION_LIMIT = 512  # samples: min/max calibration settles long before this; more only costs time
@@ -151,7 +151,7 @@ def aoti_int8(model, ex: tuple, path: Path, sig, max_batch: int, threads: int, c
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 
-    from .exporters import compile_package, dynamic_shapes, quiet, torch_threads
+    from .exporters import compile_package, dynamic_shapes, quiet
 
     if calibration is None:
         raise ConfigError("aoti_int8 needs calibration inputs")

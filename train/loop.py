@@ -135,6 +135,7 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
     data = load_split(cfg)  # a data factory's mistakes too surface before anything is written
     joining = not dist.is_initialized()
     d = init_distributed(device)
+    log = None
     try:
         cfg.check_world(d.world)
         if d.main:
@@ -145,12 +146,10 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
         if d.initialized:
             dist.barrier()
         log = _Log(out, d.main)
-        try:
-            return _train(cfg, data, d, device, out, resume_dir, log, on_step, t_start)
-        finally:
-            if log.file:
-                log.file.close()
+        return _train(cfg, data, d, device, out, resume_dir, log, on_step, t_start)
     finally:
+        if log is not None and log.file:
+            log.file.close()
         # The group this call joined is left here, in whatever script called train(): one left to
         # interpreter shutdown can abort a rank that has finished its work, and torchrun fails the job.
         if joining and d.initialized:

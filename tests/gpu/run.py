@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -202,12 +201,6 @@ def export_argv(run: Run) -> list[str]:
             "--max-batch", str(run.max_batch), "--threads", str(max(1, (os.cpu_count() or 2) // 2)), "--overwrite"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def served(run: Run) -> dict[str, Any]:
     """Phase A: TorchScript fp32 and AOTInductor bf16, each exported and verified on the device, served by the
     embedded Triton with KIND_GPU instances (`torchship repo --instance-kind gpu`, `torchship serve`), checked with
@@ -233,6 +226,7 @@ def served(run: Run) -> dict[str, Any]:
 
 def serve_and_sweep(run: Run, export: Path, fmt: str) -> dict[str, Any]:
     from serve.client import TritonClient
+    from serve.embedded.process import free_ports
 
     gpu = run.a.device == "cuda"
     repo = export.parent / f"{export.name}_repo"
@@ -241,7 +235,7 @@ def serve_and_sweep(run: Run, export: Path, fmt: str) -> dict[str, Any]:
     rec: dict[str, Any] = {"repo": {"code": r["code"], "tail": r["output"][-600:]}}
     if r["code"] != 0:
         return rec
-    port, t0 = free_port(), time.monotonic()
+    port, t0 = free_ports()[0], time.monotonic()
     server, part = run.start([*TS, "serve", str(repo), "--grpc-port", str(port)])
     url = f"127.0.0.1:{port}"
     try:
