@@ -11,7 +11,8 @@ from pathlib import Path
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
 from torchship.errors import ConfigError
 
-from .config import InferConfig, RepoConfig, ServeConfig
+from .access import access_from_arguments, add_access_arguments
+from .config import InferConfig, RepoConfig, ServeConfig, check_url
 
 
 def add_repo_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,6 +105,8 @@ def main_serve(ns: argparse.Namespace) -> int:
         print(f"models: {', '.join(info['models'])}")
         kept = "" if cfg.log else ", removed after a clean stop: --log FILE keeps one"
         print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained{kept})")
+        print(f"control key: {info['key_file']}   (model load/unload, logging, shared memory and trace answer only "
+              "to it; torchship's commands on this machine find it there)")
         print(f"try: torchship infer --url {info['grpc']} --check EXPORT_DIR   (served outputs against eager)", flush=True)
         while not stop.wait(0.5):
             if server.proc.poll() is not None:
@@ -125,12 +128,15 @@ def add_infer_arguments(p: argparse.ArgumentParser) -> None:
                                             "for an image model; for any model, .npz files keyed by input name, one "
                                             "request each (arrays with the batch first)")
     add_dataclass_arguments(p, InferConfig)
+    add_access_arguments(p)
 
 
 def main_infer(ns: argparse.Namespace) -> int:
     from .infer import run_infer
 
-    return run_infer(build(InferConfig, namespace_overrides(ns, InferConfig), {"files": ns.files}))
+    cfg = build(InferConfig, namespace_overrides(ns, InferConfig), {"files": ns.files})
+    access_from_arguments(ns, cfg.url)
+    return run_infer(cfg)
 
 
 def read_bench(path: str) -> dict:
@@ -155,6 +161,7 @@ def add_rollout_arguments(p: argparse.ArgumentParser, rollback: bool = False) ->
                                                               "other than the live one to switch to)")
     if rollback:
         p.add_argument("--to", type=int, default=None, help="version to go back to (default: the one before the live one)")
+    add_access_arguments(p)
 
 
 def add_rollback_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,6 +174,8 @@ def main_rollout(ns: argparse.Namespace) -> int:
     from .versions import live_version
 
     repo = Path(ns.repo)
+    check_url(ns.url)
+    access_from_arguments(ns, ns.url)
     if not repo.is_dir():
         raise ConfigError(f"{repo}: no such repository")
     back = ns.command == "rollback"

@@ -7,22 +7,30 @@ from typing import Any
 
 import numpy as np
 
-from torchship.errors import ClientError, ServerError, ShapeError
+from torchship.errors import AccessError, ClientError, ServerError, ShapeError
 
+from .access import Access, access_for, refusal_hint
 
 
 class TritonClient:
-    """gRPC client for one Triton server. Errors become ClientError (request refused) or
-    ServerError (server unreachable), each with the server's own message."""
+    """gRPC client for one Triton server. Errors become ClientError (request refused), AccessError (a control
+    call refused for want of the key) or ServerError (server unreachable), each with the server's own message.
+    ``access``: the key and TLS files to present (default: access_for(url))."""
 
-    def __init__(self, url: str, timeout_s: float = 60.0):
+    def __init__(self, url: str, timeout_s: float = 60.0, access: Access | None = None):
         import tritonclient.grpc as grpcclient
 
         self.url = url
         self.timeout_s = timeout_s
-        self.client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_OPTIONS)
+        self.access = access if access is not None else access_for(url)
+        self.client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_OPTIONS, creds=self.access.credentials())
         self._configs: dict[str, dict[str, Any]] = {}
-        self._channel, self._model_infer = infer_channel(url)
+        self._channel, self._model_infer = infer_channel(url, self.access)
+
+    @property
+    def control_headers(self) -> dict[str, str] | None:
+        """The metadata of a control call (model load and unload, repository index, logging): the key."""
+        return self.access.grpc_headers()
 
     def _call(self, what: str, fn, *args, **kwargs):
         from tritonclient.utils import InferenceServerException
@@ -30,9 +38,11 @@ class TritonClient:
         try:
             return fn(*args, **kwargs)
         except InferenceServerException as e:
-            status = str(e.status() or "")
-            unreachable = "UNAVAILABLE" in status or "failed to connect" in e.message().lower() or "connect" in status.lower()
-            raise self._refused(what, unreachable, e.message().strip()) from None
+            status, msg = str(e.status() or ""), e.message().strip()
+            if "protocol is restricted" in msg:
+                raise AccessError(f"{what}: {refusal_hint(self.url, self.access)}") from None
+            unreachable = "UNAVAILABLE" in status or "failed to connect" in msg.lower() or "connect" in status.lower()
+            raise self._refused(what, unreachable, msg) from None
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Wait until the server says it is ready. A URL where something answers but not as a gRPC server
@@ -78,20 +88,21 @@ class TritonClient:
         repository's. Bounded by ``timeout_s`` where given. ClientError carrying Triton's message if it fails."""
         from google.protobuf import json_format
 
-        self._call(f"load {model}", self.client.load_model, model,
+        self._call(f"load {model}", self.client.load_model, model, headers=self.control_headers,
                    config=json_format.MessageToJson(config) if config is not None else None, client_timeout=timeout_s)
 
     def unload(self, model: str) -> None:
         """Unload every version of ``model`` (requests in flight complete first)."""
-        self._call(f"unload {model}", self.client.unload_model, model)
+        self._call(f"unload {model}", self.client.unload_model, model, headers=self.control_headers)
 
     def ready(self, model: str, version: str = "") -> bool:
         """Whether ``model`` (one version of it, where given) is ready for requests."""
         return bool(self._call(f"model {model}", self.client.is_model_ready, model, str(version)))
 
     def ready_models(self) -> list[str]:
-        index = self._call("repository index", self.client.get_model_repository_index, as_json=True)
-        return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
+        """The models loaded and ready, read from the statistics, which answer without the control key."""
+        stats = self._call("statistics", self.client.get_inference_statistics, as_json=True)
+        return sorted({m["name"] for m in stats.get("model_stats", [])})
 
     def require_models(self, wanted=()) -> list[str]:
         """The ready models; ClientError naming each of ``wanted`` that is not among them, and what is served."""
@@ -209,12 +220,14 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_rec
                    ("grpc.initial_reconnect_backoff_ms", 100)]
 
 
-def infer_channel(url: str):
-    """(channel, ModelInfer) on tritonclient's generated gRPC stub, with tritonclient's message limits."""
+def infer_channel(url: str, access: Access | None = None):
+    """(channel, ModelInfer) on tritonclient's generated gRPC stub, with tritonclient's message limits; a TLS
+    channel where ``access`` has TLS files."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
-    channel = grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
+    creds = access.credentials() if access is not None else None
+    channel = grpc.secure_channel(url, creds, options=CHANNEL_OPTIONS) if creds else grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
     return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
 
 

@@ -104,3 +104,56 @@ def refused_then_served(stream, exported) -> None:
     x = np.random.default_rng(9).random((1, 3, 32, 32), dtype=np.float32)
     np.testing.assert_allclose(decode(stream(request("tiny_cnn_onnx", x, "images")), "logits"),
                                in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+
+
+EVIL_CONFIG = {"name": "evil", "backend": "python", "max_batch_size": 0,
+               "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
+               "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [1]}]}
+EVIL_CODE = ("import pathlib\npathlib.Path({marker!r}).write_text('code from a load request ran in the server')\n"
+             "class TritonPythonModel:\n    def execute(self, requests):\n        return []\n")
+
+
+def plant_attacks(grpc_url: str, http_url: str, marker, log_file, victim: str, grpc_headers=None,
+                  http_headers=None) -> dict[str, str]:
+    """The control-plane attacks a process with network access to the server tries, over gRPC and HTTP: load a
+    python model whose code writes ``marker``, unload the ``victim`` model, turn on verbose logging, and send the
+    server's log to ``log_file``. What the server answered to each, by name: "accepted", "restricted" (refused for
+    want of the key) or its message. ``*_headers`` are the headers sent with each (none: an attacker without the
+    key). What was accepted is undone with the same headers."""
+    import json
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    files = {"file:1/model.py": EVIL_CODE.format(marker=str(marker)).encode()}
+    g, h = grpcclient.InferenceServerClient(grpc_url), httpclient.InferenceServerClient(http_url)
+    calls = {}
+    for proto, c, headers in (("grpc", g, grpc_headers), ("http", h, http_headers)):
+        calls.update({
+            f"{proto} load with code": lambda c=c, hd=headers: c.load_model("evil", config=json.dumps(EVIL_CONFIG),
+                                                                            files=files, headers=hd),
+            f"{proto} unload": lambda c=c, hd=headers: c.unload_model(victim, headers=hd),
+            f"{proto} verbose log": lambda c=c, hd=headers: c.update_log_settings({"log_verbose_level": 1}, headers=hd),
+            f"{proto} log redirect": lambda c=c, hd=headers: c.update_log_settings({"log_file": str(log_file)}, headers=hd),
+        })
+    answers = {}
+    try:
+        for name, call in calls.items():
+            try:
+                call()
+                answers[name] = "accepted"
+            except InferenceServerException as e:
+                msg = e.message() or ""
+                answers[name] = "restricted" if "restricted" in msg else msg
+            if answers[name] == "accepted":
+                if "unload" in name:
+                    g.load_model(victim, headers=grpc_headers)
+                elif "load with code" in name:
+                    g.unload_model("evil", headers=grpc_headers)
+                elif "verbose" in name:
+                    g.update_log_settings({"log_verbose_level": 0}, headers=grpc_headers)
+    finally:
+        g.close()
+        h.close()
+    return answers

@@ -63,6 +63,11 @@ class ClientError(TorchshipError):
     """A request to a served model failed."""
 
 
+class AccessError(ClientError):
+    """A server refused a call for want of its control key, or a TLS connection could not be made; the
+    message says what to give."""
+
+
 class BenchError(TorchshipError):
     """A benchmark could not run or its inputs are unusable (partial results are kept)."""
 

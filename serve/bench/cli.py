@@ -6,6 +6,7 @@ import argparse
 
 from torchship.config import add_dataclass_arguments, build, namespace_overrides
 
+from ..access import access_from_arguments, add_access_arguments
 from ..config import ServeConfig
 from .config import BenchConfig
 
@@ -24,6 +25,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     add_dataclass_arguments(p, BenchConfig)
     exclude = tuple(f for f in ServeConfig.__dataclass_fields__ if f not in SERVE_OPTIONS)
     add_dataclass_arguments(p, ServeConfig, exclude=exclude)
+    add_access_arguments(p)
 
 
 def main_bench(ns: argparse.Namespace) -> int:
@@ -49,5 +51,6 @@ def main_bench(ns: argparse.Namespace) -> int:
         return 1 if regressions else 0
     serve = {k: v for k, v in namespace_overrides(ns, ServeConfig).items() if k in SERVE_OPTIONS}
     cfg = build(BenchConfig, namespace_overrides(ns, BenchConfig), {"export_dir": ns.export_dir, "serve": serve})
+    access_from_arguments(ns, cfg.url)
     run_bench(cfg)
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,10 +20,12 @@ from torchship.device import cuda_visible
 from torchship.errors import ServerError, TorchshipError
 from torchship.runtime import version_file_problems
 
+from ..access import Access, forget, remember, restricted_flags, write_key
 from ..config import ServeConfig
 from ..model_config import EMBEDDED_CONFIG, read_config, repository_models, served_config_path, versions
+from .hidden import hide
 from .process import dying_with_parent, free_ports, listens_on, port_in_use, start_child
-from .wheel import backend_dir, server_env, triton_home
+from .wheel import backend_dir, private_dir, server_env, triton_home
 
 EXIT_TIMEOUT_S = 20  # Triton's own limit for draining and unloading after SIGTERM
 # Once SIGTERM's drain is over, Triton unloads every model and reports the ones still live once a second; on a
@@ -72,6 +75,11 @@ class TritonServer:
         self.stop_note: Optional[str] = None  # set by stop() when it had to cut the shutdown short
         self._log_start = 0  # where this start's lines begin in the log
         self.healer = None  # heal.Healer while the server runs with cfg.heal
+        # Model control (load, unload, the repository index), shared memory, logging and trace answer only to this
+        # key, new at each start; torchship's own calls present it, and key_file gives it to other clients.
+        self.key: Optional[str] = None
+        self.key_file: Optional[Path] = None
+        self._hidden_args: Optional[Path] = None  # the key's way into tritonserver, removed once read
 
     @property
     def grpc_port(self) -> int:
@@ -93,7 +101,13 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.cfg.host}:{self.metrics_port}/metrics"
 
+    @property
+    def access(self) -> Access:
+        """What torchship's own calls present to this server."""
+        return Access(key=self.key, key_source=str(self.key_file or "this server's start"))
+
     def command(self) -> list[str]:
+        """tritonserver's command line; the control key is not on it (_start_once hands it over)."""
         home, _ = triton_home()
         cmd = [str(home / "bin" / "tritonserver"), f"--model-repository={self.repo}",
                *[f"--model-repository={r}" for r in self.extra_repos],
@@ -167,6 +181,7 @@ class TritonServer:
 
     def repick(self, flag: str) -> None:
         """A new port for ``flag``, away from this server's others; the failed start's temp log goes."""
+        self._drop_key()
         self.ports[flag] = free_ports(self.cfg.host, 1, avoid=list(self.ports.values()))[0]
         if not self.cfg.log:
             self.log_path.unlink(missing_ok=True)
@@ -177,14 +192,19 @@ class TritonServer:
         env = server_env()
         if self.log_path is None:
             self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.key = secrets.token_urlsafe(32)
+        shown, self._hidden_args = hide(restricted_flags(self.key), private_dir(), env)
+        self.key_file = write_key(self.url, self.key)
+        remember(self.url, self.access)
         log = open(self.log_path, "ab")
         self._log_start = log.seek(0, os.SEEK_END)  # a given log may hold earlier runs' lines
         try:  # a session of its own: a Ctrl-C at the terminal reaches torchship, which stops the server
-            self.proc = start_child(dying_with_parent(self.command()), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            self.proc = start_child(dying_with_parent(self.command() + shown), stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
         except BaseException:
             if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
                 self.log_path.unlink(missing_ok=True)
+            self._drop_key()
             raise
         finally:
             log.close()
@@ -260,10 +280,18 @@ class TritonServer:
             self.loaded.append(name)
 
     def client(self):
-        """A TritonClient of this server."""
+        """A TritonClient of this server, presenting its key."""
         from ..client import TritonClient
 
-        return TritonClient(self.url)
+        return TritonClient(self.url, access=self.access)
+
+    def _drop_key(self) -> None:
+        """The key's files go with the server that answered to it."""
+        for path in (self.key_file, self._hidden_args):
+            if path is not None:
+                path.unlink(missing_ok=True)
+        forget(self.url)
+        self.key_file = self._hidden_args = None
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the group if it hangs, or once every
@@ -273,6 +301,7 @@ class TritonServer:
             self.healer.stop()
             self.healer = None
         if self.proc is None or self.proc.poll() is not None:
+            self._drop_key()
             return None if self.proc is None else self.proc.returncode
         try:
             log = open(self.log_path, "rb")
@@ -312,6 +341,7 @@ class TritonServer:
                 time.sleep(0.05)
         except ProcessLookupError:
             pass
+        self._drop_key()
         if self.proc.returncode == 0 and not self._keep_log and not self.stop_note:
             self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
@@ -382,4 +412,5 @@ def stall_note(models: list[str], killed: bool = True) -> str:
 
 def describe(server: TritonServer) -> dict:
     return {"grpc": server.url, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
-            "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None}
+            "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None,
+            "key_file": str(server.key_file) if server.key_file else None}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -47,10 +48,9 @@ def backend_dir() -> Path:
     h = hashlib.sha256(sys.version.encode())
     for f in files + [stub]:
         h.update(f.read_bytes())
-    root = Path(tempfile.gettempdir()) / f"torchship-backends-{os.getuid()}" / h.hexdigest()[:16]
+    root = private_dir() / h.hexdigest()[:16]
     if (root / ".complete").exists():
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root.parent))
     try:
         (tmp / "python").mkdir()
@@ -71,6 +71,23 @@ def backend_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # another process built it first, or the build failed
     return root
+
+
+def private_dir() -> Path:
+    """This user's folder for what the server runs (the backends, the helper of hidden.py), under the temp
+    folder: created mode 700, and refused unless it is this user's alone, since code put there runs inside the
+    server."""
+    d = Path(tempfile.gettempdir()) / f"torchship-backends-{os.getuid()}"
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = d.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o022:
+        raise ServerError(f"{d} holds the code the server runs, and it is not this user's alone (owner uid "
+                          f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}); remove it, or set TMPDIR to a private "
+                          "folder")
+    return d
 
 
 def python_libdir() -> str:

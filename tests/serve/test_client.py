@@ -194,12 +194,12 @@ def test_infer_over_one_stream_prints_what_unary_calls_print(server, exported, t
     admin = TritonClient(server.url)
     for flags in ((), ("--stream",)):
         start = server.log_path.stat().st_size
-        admin.client.update_log_settings({"log_verbose_level": 1})
+        admin.client.update_log_settings({"log_verbose_level": 1}, headers=admin.control_headers)
         try:
             assert run_cli(*args, *flags) == 0
             results[flags] = json.loads(capsys.readouterr().out)["results"]
         finally:
-            admin.client.update_log_settings({"log_verbose_level": 0})
+            admin.client.update_log_settings({"log_verbose_level": 0}, headers=admin.control_headers)
         log = server.log_path.read_bytes()[start:].decode(errors="replace")
         handlers[flags] = {h for h in ("ModelInferHandler", "ModelStreamInferHandler") if f"Process for {h}," in log}
     assert handlers == {(): {"ModelInferHandler"}, ("--stream",): {"ModelStreamInferHandler"}}, handlers

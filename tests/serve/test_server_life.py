@@ -21,7 +21,7 @@ from torchship.errors import ClientError, ServerError
 
 def test_explicit_model_control_unload_and_load(server, exported):
     client = TritonClient(server.url)
-    client.client.unload_model("tiny_cnn_torchscript")
+    client.unload("tiny_cnn_torchscript")
     deadline = time.time() + 30
     while client.client.is_model_ready("tiny_cnn_torchscript") and time.time() < deadline:
         time.sleep(0.1)

@@ -16,6 +16,7 @@ from ..config import build, flag_name, load_config_file, opt
 from ..errors import ConfigError, GateError, Interrupted
 from ..io import atomic_write_json, atomic_write_text, read_json
 from .summary import RssSampler, outcome_line, summarize
+from serve.access import access_from_arguments, add_access_arguments
 
 SECTIONS = ("train", "export", "repo", "serve", "bench", "run")
 ALIASES = {"serve": "check", "verify": "export"}
@@ -363,6 +364,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                                                                  "switched to once served parity passes) instead of serving "
                                                                  "a repository of the run's own")
     p.add_argument("--url", default=None, metavar="HOST:PORT", help="with --into: the running server's gRPC address")
+    add_access_arguments(p)
     p.add_argument("--arch", default=None, help="shortcut for --set train.arch=...")
     p.add_argument("--data", default=None, help="shortcut for --set train.data=... (digits, synthetic, an ImageFolder path or package.module:factory)")
     p.add_argument("--epochs", type=int, default=None, help="shortcut for --set train.epochs=...")
@@ -385,6 +387,7 @@ def main_run(ns: argparse.Namespace) -> int:
     else:
         run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     configs = stage_configs(settings, layout(run_dir))  # every section checked before any work starts
+    access_from_arguments(ns, ns.url)
     train_cfg = configs["train"]
     if ns.start == "train":  # and where training would run (fp16 needs CUDA), before the run folder is made
         from train.loop import resolve_device

@@ -1,0 +1,195 @@
+"""Who may do what on a Triton server: the key that Triton's control plane (model load and unload, repository
+index, shared memory, logging, trace) answers to, where a client finds it, and the TLS a client speaks."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+from torchship.errors import ConfigError, ServerError
+
+# The protocols a key guards, by Triton's names (the same for --grpc-restricted-protocol and
+# --http-restricted-api). Inference, health, metadata, model config and statistics stay open: Triton's own
+# clients read the model config, and the bench reads statistics; none of them changes the server.
+RESTRICTED = ("model-repository", "shared-memory", "logging", "trace")
+KEY_HEADER = "admin-key"  # the HTTP header; over gRPC Triton expects it as metadata with its own prefix
+GRPC_KEY_HEADER = f"triton-grpc-protocol-{KEY_HEADER}"
+KEY_ENV, KEY_FILE_ENV = "TORCHSHIP_TRITON_KEY", "TORCHSHIP_TRITON_KEY_FILE"
+
+
+def restricted_flags(key: str) -> list[str]:
+    """The tritonserver options that put ``RESTRICTED`` behind ``key`` on gRPC and HTTP."""
+    spec = f"{','.join(RESTRICTED)}:{KEY_HEADER}={key}"
+    return [f"--grpc-restricted-protocol={spec}", f"--http-restricted-api={spec}"]
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a client presents to one server: the control key (None: control calls go without one), and TLS
+    files (PEM paths): ``tls_ca`` verifies the server, ``tls_cert``/``tls_key`` are the client's own for mutual
+    TLS. ``key_source`` says where the key came from, for an error message (never the key itself)."""
+
+    key: Optional[str] = None
+    tls_ca: Optional[str] = None
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    key_source: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert)
+
+    def grpc_headers(self) -> Optional[dict[str, str]]:
+        """The metadata a control call carries (None without a key)."""
+        return {GRPC_KEY_HEADER: self.key} if self.key else None
+
+    def credentials(self):
+        """grpc channel credentials for TLS, or None for a plaintext channel."""
+        if not self.tls:
+            return None
+        import grpc
+
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.tls_ca, "--tls-ca"),
+                                            private_key=_read(self.tls_key, "--tls-key"),
+                                            certificate_chain=_read(self.tls_cert, "--tls-cert"))
+
+    def __repr__(self) -> str:  # never print the key
+        return (f"Access(key={'set' if self.key else None}, key_source={self.key_source!r}, tls_ca={self.tls_ca!r}, "
+                f"tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r})")
+
+
+def _read(path: Optional[str], flag: str) -> Optional[bytes]:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+
+
+_given: dict[str, Access] = {}  # url -> what this process was told to present there (flags, a server it started)
+
+
+def remember(url: str, access: Access) -> None:
+    """Present ``access`` to the server at ``url`` from now on in this process (the CLI's flags, or a server
+    this process started)."""
+    _given[url] = access
+
+
+def forget(url: str) -> None:
+    _given.pop(url, None)
+
+
+def access_for(url: str) -> Access:
+    """What a client of ``url`` presents: what this process was given for it, else a key from
+    $TORCHSHIP_TRITON_KEY or the file $TORCHSHIP_TRITON_KEY_FILE names, else the key file that a torchship
+    serve on this machine keeps for that address, else nothing."""
+    if url in _given:
+        return _given[url]
+    if os.environ.get(KEY_ENV):
+        return Access(key=os.environ[KEY_ENV].strip(), key_source=f"${KEY_ENV}")
+    if os.environ.get(KEY_FILE_ENV):
+        return Access(key=read_key(os.environ[KEY_FILE_ENV]), key_source=os.environ[KEY_FILE_ENV])
+    path = key_path(url)
+    if path.exists():
+        return Access(key=read_key(path), key_source=str(path))
+    return Access()
+
+
+def with_flags(url: str, key_file: Optional[str] = None, tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
+               tls_key: Optional[str] = None) -> Access:
+    """The access a client command's flags ask for at ``url``, remembered for this process: --key-file over
+    the defaults of access_for(), and the TLS files. ConfigError naming the flag when one is unusable."""
+    if bool(tls_cert) != bool(tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together (a client certificate and its private key)")
+    base = access_for(url)
+    if key_file:
+        base = Access(key=read_key(key_file, "--key-file"), key_source=key_file)
+    access = replace(base, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+    for flag, path in (("--tls-ca", tls_ca), ("--tls-cert", tls_cert), ("--tls-key", tls_key)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
+    remember(url, access)
+    return access
+
+
+def read_key(path: str | Path, flag: str = "the key file") -> str:
+    """The key in ``path`` (its first line); ConfigError naming ``flag`` when it cannot be read or is empty."""
+    try:
+        key = Path(path).read_text().strip().splitlines()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    if not key or not key[0].strip():
+        raise ConfigError(f"{flag} {path}: it is empty")
+    return key[0].strip()
+
+
+def key_dir() -> Path:
+    """Where torchship serve keeps each server's key: a folder only this user can open."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or str(Path.home() / ".cache")
+    return Path(base) / "torchship" / "keys"
+
+
+def key_path(url: str) -> Path:
+    """The key file of the server at ``url`` (HOST:PORT)."""
+    return key_dir() / (url.replace("[", "").replace("]", "").replace(":", "_") + ".key")
+
+
+def write_key(url: str, key: str) -> Path:
+    """Write ``key`` for the server at ``url`` into a file only this user can read (written whole, then renamed
+    into place); ServerError when the folder is not this user's alone."""
+    d = key_dir()
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = d.stat()
+    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise ServerError(f"{d} holds the servers' control keys and must belong to this user alone (mode 700); "
+                          f"it is mode {stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}: fix it, or set "
+                          "XDG_RUNTIME_DIR to a private folder")
+    path = key_path(url)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def refusal_hint(url: str, access: Access) -> str:
+    """What to do when the server at ``url`` refused a control call for want of its key."""
+    if access.key:
+        return (f"the server at {url} refused the key from {access.key_source}: it is not this server's (a torchship "
+                "serve makes a new key at each start); give the current one with --key-file FILE or "
+                f"${KEY_ENV}")
+    return (f"the server at {url} answers model control only to its key; give it with --key-file FILE or ${KEY_ENV} "
+            f"(torchship serve keeps it in {key_dir()}, one file per address)")
+
+
+ACCESS_FLAGS = ("key_file", "tls_ca", "tls_cert", "tls_key")
+
+
+def add_access_arguments(p) -> None:
+    """--key-file and the client's TLS files, for a command that talks to the server at --url."""
+    g = p.add_argument_group("access to the server at --url")
+    g.add_argument("--key-file", default=None, metavar="FILE",
+                   help=f"file holding the server's control key, for model load and unload (default: ${KEY_ENV}, "
+                        f"${KEY_FILE_ENV}, else the key torchship serve keeps for that address on this machine)")
+    g.add_argument("--tls-ca", default=None, metavar="PEM", help="speak TLS, verifying the server's certificate "
+                                                                 "against this CA (a server started with --tls-cert)")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="with --tls-key: this client's certificate, for a "
+                                                                   "server that asks for one (--tls-client-ca)")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="with --tls-cert: its private key")
+
+
+def access_from_arguments(ns, url: Optional[str]) -> Optional[Access]:
+    """What the parsed flags of add_access_arguments() ask to present at ``url``, remembered for this process;
+    ConfigError where they are given without a --url to present them to."""
+    given = [f"--{f.replace('_', '-')}" for f in ACCESS_FLAGS if getattr(ns, f, None)]
+    if url is None:
+        if given:
+            raise ConfigError(f"{' and '.join(given)} go with --url (a running server); a server this command starts "
+                              "itself needs neither")
+        return None
+    return with_flags(url, *(getattr(ns, f, None) for f in ACCESS_FLAGS))

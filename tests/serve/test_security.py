@@ -1,0 +1,117 @@
+"""The control plane behind a key: the planted attacks refused without it, torchship's own control paths with
+it, and the key out of sight (process list, log, files other users can read)."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from serve.access import GRPC_KEY_HEADER, KEY_ENV, KEY_HEADER, Access, key_path
+from serve.client import TritonClient
+from serve.config import ServeConfig
+from serve.embedded import TritonServer, describe
+from tests.conftest import ROOT, run_cli
+from tests.helpers import plant_attacks
+from torchship.errors import AccessError
+
+VICTIM = "tiny_cnn_onnx"
+
+
+# Triton 2.51 itself refuses a new log file over the network, with the key or without it
+NO_NETWORK_LOG_FILE = "log file location can not be updated through network protocol"
+
+
+def attack(server, tmp_path, grpc_headers=None, http_headers=None) -> tuple[dict[str, str], bool, bool]:
+    """(the server's answer to each attack, whether the planted code ran, whether a log file was written where the
+    attacker said)."""
+    marker, log_file = tmp_path / "marker", tmp_path / "redirected.log"
+    accepted = plant_attacks(server.url, f"{server.cfg.host}:{server.http_port}", marker, log_file, VICTIM,
+                             grpc_headers, http_headers)
+    return accepted, marker.exists(), log_file.exists()
+
+
+def test_without_the_key_every_planted_control_call_is_refused(server, tmp_path):
+    answers, ran, redirected = attack(server, tmp_path)
+    assert len(answers) == 8 and set(answers.values()) == {"restricted"}, answers
+    assert not ran and not redirected
+    assert TritonClient(server.url).ready(VICTIM)  # the production model still serves
+    wrong = {GRPC_KEY_HEADER: "not-the-key"}
+    answers, ran, _ = attack(server, tmp_path, wrong, {KEY_HEADER: "not-the-key"})
+    assert set(answers.values()) == {"restricted"} and not ran, answers
+
+
+def test_with_the_key_the_same_calls_are_accepted(server, tmp_path):
+    """The key opens what it guards: the planted code runs (so the marker check above can see it) and the
+    victim is unloaded, then loaded again."""
+    answers, ran, redirected = attack(server, tmp_path, {GRPC_KEY_HEADER: server.key}, {KEY_HEADER: server.key})
+    assert ran and not redirected, answers
+    assert answers == {**{k: "accepted" for k in answers}, **{f"{p} log redirect": NO_NETWORK_LOG_FILE
+                                                              for p in ("grpc", "http")}}, answers
+    assert TritonClient(server.url).ready(VICTIM)
+
+
+def test_an_open_control_plane_lets_the_attack_through(repo, tmp_path, monkeypatch):
+    """The planted fault: a server started without the restriction takes every call, code and unload included."""
+    import serve.embedded.server as embedded
+
+    monkeypatch.setattr(embedded, "restricted_flags", lambda key: [])
+    with TritonServer(ServeConfig(repo=str(repo), models=(VICTIM,), heal=False)).start() as s:
+        answers, ran, _ = attack(s, tmp_path)
+    assert ran and "restricted" not in answers.values(), answers
+    assert sum(a == "accepted" for a in answers.values()) == 6, answers
+
+
+def test_the_key_stays_out_of_sight(server):
+    pids = [server.proc.pid] + [int(p) for p in (open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children")
+                                                 .read().split())]
+    for pid in pids:  # what every user of the machine can read
+        assert server.key.encode() not in open(f"/proc/{pid}/cmdline", "rb").read(), pid
+    info = os.stat(server.key_file)
+    assert stat.S_IMODE(info.st_mode) == 0o600 and stat.S_IMODE(os.stat(server.key_file.parent).st_mode) == 0o700
+    assert server.key_file == key_path(server.url) and server.key_file.read_text().strip() == server.key
+    assert server._hidden_args is not None and not server._hidden_args.exists()  # read by the server, then removed
+    admin = TritonClient(server.url)
+    admin.client.update_log_settings({"log_verbose_level": 1}, headers=admin.control_headers)
+    try:  # a control call while the log is verbose
+        admin.client.get_model_repository_index(headers=admin.control_headers)
+    finally:
+        admin.client.update_log_settings({"log_verbose_level": 0}, headers=admin.control_headers)
+    assert server.key not in server.log_path.read_text(errors="replace")
+    assert server.key not in json.dumps(describe(server)) and server.key not in repr(server.access)
+
+
+def test_a_client_finds_the_key_of_a_server_on_this_machine_or_is_told_what_to_give(server, tmp_path):
+    code = ("import sys; from serve.client import TritonClient; c = TritonClient(sys.argv[1]); "
+            "c.client.get_model_repository_index(headers=c.control_headers); print(c.access.key_source)")
+    env = {k: v for k, v in os.environ.items() if k not in (KEY_ENV, "TORCHSHIP_TRITON_KEY_FILE")}
+    r = subprocess.run([sys.executable, "-c", code, server.url], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == str(server.key_file), r.stderr[-2000:]
+    with pytest.raises(AccessError, match="--key-file FILE or \\$TORCHSHIP_TRITON_KEY"):
+        TritonClient(server.url, access=Access()).unload(VICTIM)
+    wrong = tmp_path / "wrong.key"
+    wrong.write_text("not-the-key\n")
+    with pytest.raises(AccessError, match="refused the key from .*wrong.key"):
+        TritonClient(server.url, access=Access(key="not-the-key", key_source=str(wrong))).unload(VICTIM)
+    assert TritonClient(server.url).ready(VICTIM)
+
+
+def test_a_key_file_flag_is_read_at_the_boundary(server, tmp_path, capsys):
+    from serve.access import remember, with_flags
+
+    assert run_cli("rollback", tmp_path, "--url", server.url, "--key-file", tmp_path / "absent.key") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--key-file" in err and "cannot read it" in err, err
+    assert run_cli("bench", tmp_path, "--key-file", tmp_path / "absent.key") == 2
+    assert "--key-file go with --url" in capsys.readouterr().err
+    wrong = tmp_path / "wrong.key"
+    wrong.write_text("not-the-key\n")
+    try:
+        assert with_flags(server.url, key_file=str(wrong)).key == "not-the-key"
+        with pytest.raises(AccessError, match="wrong.key"):
+            TritonClient(server.url).unload(VICTIM)
+    finally:
+        remember(server.url, server.access)
+    assert TritonClient(server.url).ready(VICTIM)
