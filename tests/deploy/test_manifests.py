@@ -33,7 +33,7 @@ def k8s(kind, name=None):
 
 def tool(name):
     path = BIN / name if (BIN / name).exists() else shutil.which(name)
-    assert path, f"{name} is not installed (pip install -e '.[test]')"
+    assert path, f"{name} is not installed (pip install --no-deps -r requirements-test.lock -e ., or the test and scan extras)"
     return str(path)
 
 
@@ -173,8 +173,11 @@ def kserve_problems(isvc: dict) -> list[str]:
         problems.append("rollout needs --model-control-mode=explicit")
     if sorted(loads) != sorted(model_names({"name": TrainConfig().arch}, servable_formats(DEFAULT_EXPORT)).values()):
         problems.append(f"loads {loads}, not the repository's models")
-    unknown = set(pred) - {"canaryTrafficPercent", "minReplicas", "maxReplicas", "model", "scaleMetric", "scaleTarget"}
-    unknown |= set(model) - {"modelFormat", "protocolVersion", "runtimeVersion", "storageUri", "args", "ports", "resources", "env"}
+    # the predictor takes the pod's fields, and its model the container's (KServe's PredictorSpec)
+    unknown = set(pred) - {"canaryTrafficPercent", "minReplicas", "maxReplicas", "model", "scaleMetric", "scaleTarget",
+                           "automountServiceAccountToken", "securityContext", "volumes"}
+    unknown |= set(model) - {"modelFormat", "protocolVersion", "runtimeVersion", "storageUri", "args", "ports", "resources",
+                             "env", "securityContext", "volumeMounts"}
     problems += [f"unknown field {f}" for f in sorted(unknown)]
     return problems
 
