@@ -148,6 +148,7 @@ def write_key(url: str, key: str) -> Path:
         raise ServerError(f"{d} holds the servers' control keys and must belong to this user alone (mode 700); "
                           f"it is mode {stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}: fix it, or set "
                           "XDG_RUNTIME_DIR to a private folder")
+    prune_keys(d)
     path = key_path(url)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -155,6 +156,22 @@ def write_key(url: str, key: str) -> Path:
         f.write(key + "\n")
     os.replace(tmp, path)
     return path
+
+
+def prune_keys(folder: Path) -> None:
+    """Remove the key files of loopback servers that are gone (a server killed with its torchship process leaves
+    its file behind): nothing listens on their port any more."""
+    import socket
+
+    for path in folder.glob("127.*.key"):
+        host, _, port = path.stem.rpartition("_")
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.5):
+                continue
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+        except (OSError, ValueError):
+            continue
 
 
 def refusal_hint(url: str, access: Access) -> str:

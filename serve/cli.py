@@ -101,13 +101,17 @@ def main_serve(ns: argparse.Namespace) -> int:
     try:
         server.start()
         info = describe(server)
-        print(f"Triton ready: gRPC {info['grpc']}  HTTP {info['http']}  metrics {info['metrics']}")
+        tls = " (TLS, mutual)" if info["mutual_tls"] else " (TLS)" if info["tls"] else ""
+        print(f"Triton ready: gRPC {info['grpc']}{tls}  HTTP {info['http']}  metrics {info['metrics']}")
         print(f"models: {', '.join(info['models'])}")
         kept = "" if cfg.log else ", removed after a clean stop: --log FILE keeps one"
         print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained{kept})")
         print(f"control key: {info['key_file']}   (model load/unload, logging, shared memory and trace answer only "
               "to it; torchship's commands on this machine find it there)")
-        print(f"try: torchship infer --url {info['grpc']} --check EXPORT_DIR   (served outputs against eager)", flush=True)
+        tls_flags = f" --tls-ca {cfg.tls_ca or cfg.tls_cert}" if info["tls"] else ""
+        tls_flags += " --tls-cert CERT --tls-key KEY" if info["mutual_tls"] else ""
+        print(f"try: torchship infer --url {info['grpc']}{tls_flags} --check EXPORT_DIR   (served outputs against eager)",
+              flush=True)
         while not stop.wait(0.5):
             if server.proc.poll() is not None:
                 print(f"tritonserver exited with code {server.proc.returncode}:\n{server.log_tail()}", file=sys.stderr)

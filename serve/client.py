@@ -60,8 +60,20 @@ class TritonClient:
                 silent, hung_up = False, 0
             except InferenceServerException as e:
                 said = f"{e.status()} {e.message()}"
+                if "handshake failed" in said.lower():  # TLS: the certificates do not fit, and waiting will not help
+                    why = said[said.lower().index("handshake failed"):].split(",")[0].strip()
+                    raise AccessError(f"no TLS connection to {self.url} ({why}): check that --tls-ca is the CA that "
+                                      "signed the server's certificate, and give --tls-cert and --tls-key if the server "
+                                      "asks for a client certificate") from None
                 hung_up = hung_up + 1 if "Socket closed" in said else 0
-                if hung_up == 2:  # twice, so that a gRPC server closing one connection is not taken for it
+                if hung_up == 2 and self.access.tls:  # twice, so that a gRPC server closing one connection is not taken for it
+                    raise AccessError(f"no TLS connection to {self.url}: check that --tls-ca is the CA that signed the "
+                                      "server's certificate (whose subjectAltName must name the --url host), and give "
+                                      "--tls-cert and --tls-key if the server asks for a client certificate") from None
+                if hung_up == 2 and speaks_tls(self.url):
+                    raise AccessError(f"{self.url} serves gRPC over TLS: give --tls-ca with the CA that signed its "
+                                      "certificate (and --tls-cert and --tls-key if it asks for a client certificate)") from None
+                if hung_up == 2:
                     raise ServerError(f"{self.url} is not a gRPC endpoint: something there accepts connections "
                                       "but hangs up on gRPC (Triton's HTTP or metrics port, or a TLS endpoint?); "
                                       "--url takes Triton's gRPC port (8001 in the official container, printed "
@@ -210,6 +222,23 @@ class TritonClient:
     def close(self) -> None:
         self._channel.close()
         self.client.close()
+
+
+def speaks_tls(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the server at ``url`` completes a TLS handshake (its certificate unchecked: this only tells a
+    TLS endpoint from one that is not)."""
+    import socket
+    import ssl
+
+    host, _, port = url.rpartition(":")
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+            with ctx.wrap_socket(sock):
+                return True
+    except (OSError, ValueError):
+        return False
 
 
 MAX_MESSAGE = 2**31 - 1  # what tritonclient's own channel allows; the server enforces its limit

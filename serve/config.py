@@ -4,6 +4,7 @@ what a client sends it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Optional
 
 from torchship.names import SERVED_FORMATS
@@ -115,11 +116,43 @@ class ServeConfig:
     triton_args: tuple[str, ...] = opt((), "extra tritonserver arguments, passed on as they are (repeatable: "
                                            "--triton-arg=--host-policy=cpu,cpu-cores=1-1 --triton-arg=--log-verbose=1)",
                                        flag="--triton-arg", append=True)
+    tls_cert: Optional[str] = opt(None, "serve gRPC over TLS with this certificate (PEM; for a client at 127.0.0.1 its "
+                                        "subjectAltName must name IP:127.0.0.1); with --tls-key", metavar="PEM")
+    tls_key: Optional[str] = opt(None, "the private key of --tls-cert (PEM)", metavar="PEM")
+    tls_client_ca: Optional[str] = opt(None, "with --tls-cert: mutual TLS, accepting only clients whose certificate this "
+                                             "CA signed (PEM)", metavar="PEM")
+    tls_ca: Optional[str] = opt(None, "with --tls-cert: the CA that signed it, for torchship's own calls to the server "
+                                      "(default: --tls-cert itself, as for a self-signed certificate)", metavar="PEM")
+    tls_own_cert: Optional[str] = opt(None, "with --tls-client-ca: a client certificate that CA signed, which torchship's "
+                                            "own calls present (start-up checks, model loads, healing); with "
+                                            "--tls-own-key", metavar="PEM")
+    tls_own_key: Optional[str] = opt(None, "the private key of --tls-own-cert (PEM)", metavar="PEM")
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a port number")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together (the server's certificate and its private key)")
+        if (self.tls_client_ca or self.tls_ca) and not self.tls_cert:
+            raise ConfigError("--tls-client-ca and --tls-ca go with --tls-cert and --tls-key")
+        if bool(self.tls_client_ca) != bool(self.tls_own_cert and self.tls_own_key):
+            raise ConfigError("mutual TLS needs --tls-client-ca with --tls-own-cert and --tls-own-key (a certificate "
+                              "that CA signed, for torchship's own calls to the server), and these need it")
+        for flag in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_own_cert", "tls_own_key"):
+            path = getattr(self, flag)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"--{flag.replace('_', '-')} {path}: no such file")
+
+    def tls_flags(self) -> list[str]:
+        """tritonserver's options for gRPC over TLS (none without --tls-cert). Triton's HTTP endpoint has no TLS."""
+        if not self.tls_cert:
+            return []
+        flags = ["--grpc-use-ssl=true", f"--grpc-server-cert={Path(self.tls_cert).resolve()}",
+                 f"--grpc-server-key={Path(self.tls_key).resolve()}"]
+        if self.tls_client_ca:
+            flags += ["--grpc-use-ssl-mutual=true", f"--grpc-root-cert={Path(self.tls_client_ca).resolve()}"]
+        return flags
 
 
 @dataclass

@@ -157,3 +157,24 @@ def plant_attacks(grpc_url: str, http_url: str, marker, log_file, victim: str, g
         g.close()
         h.close()
     return answers
+
+
+def make_certs(folder) -> dict[str, str]:
+    """A CA and, signed by it, a server certificate for 127.0.0.1 and localhost and a client certificate, made
+    with the openssl command: {"ca", "server_cert", "server_key", "client_cert", "client_key"}: PEM paths."""
+    import subprocess
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+        "-subj", "/CN=torchship test CA", "-keyout", "ca.key", "-out", "ca.pem")
+    for who, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+                     ("client", "extendedKeyUsage=clientAuth")):
+        (folder / f"{who}.ext").write_text(ext + "\n")
+        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", f"/CN=torchship {who}",
+            "-keyout", f"{who}.key", "-out", f"{who}.csr")
+        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+            "-extfile", f"{who}.ext", "-out", f"{who}.pem")
+    return {"ca": str(folder / "ca.pem"), "server_cert": str(folder / "server.pem"), "server_key": str(folder / "server.key"),
+            "client_cert": str(folder / "client.pem"), "client_key": str(folder / "client.key")}

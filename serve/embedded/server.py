@@ -104,7 +104,10 @@ class TritonServer:
     @property
     def access(self) -> Access:
         """What torchship's own calls present to this server."""
-        return Access(key=self.key, key_source=str(self.key_file or "this server's start"))
+        cfg = self.cfg
+        return Access(key=self.key, key_source=str(self.key_file or "this server's start"),
+                      tls_ca=(cfg.tls_ca or cfg.tls_cert) if cfg.tls_cert else None, tls_cert=cfg.tls_own_cert,
+                      tls_key=cfg.tls_own_key)
 
     def command(self) -> list[str]:
         """tritonserver's command line; the control key is not on it (_start_once hands it over)."""
@@ -119,7 +122,7 @@ class TritonServer:
                f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0", f"--cache-directory={home / 'caches'}"]
         if not cuda_visible():
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
-        return cmd + list(self.cfg.triton_args)
+        return cmd + self.cfg.tls_flags() + list(self.cfg.triton_args)
 
     def log_tail(self, lines: int = 25) -> str:
         """The end of the server log, for an error message: the log is then kept, and its path ends the tail."""
@@ -413,4 +416,5 @@ def stall_note(models: list[str], killed: bool = True) -> str:
 def describe(server: TritonServer) -> dict:
     return {"grpc": server.url, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
             "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None,
-            "key_file": str(server.key_file) if server.key_file else None}
+            "key_file": str(server.key_file) if server.key_file else None, "tls": bool(server.cfg.tls_cert),
+            "mutual_tls": bool(server.cfg.tls_client_ca)}

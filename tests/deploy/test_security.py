@@ -99,6 +99,18 @@ def k8s_flags(args: list[str], env: list[dict]) -> list[str]:
     return [a.replace("$(TRITON_ADMIN_KEY)", TEST_KEY) for a in args if "restricted" in a]
 
 
+def tritonserver_args(argv: list[str], tmp_path: Path) -> list[str]:
+    """The arguments ``argv`` (a shell that ends by exec'ing tritonserver) gives tritonserver: run with a
+    stand-in tritonserver first on PATH that prints them."""
+    fake = tmp_path / "bin" / "tritonserver"
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\"\n")
+    fake.chmod(0o755)
+    out = subprocess.run(argv, capture_output=True, check=True,
+                         env={**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}).stdout.decode()
+    return out.split("\0")[:-1]
+
+
 def compose_flags(tmp_path: Path) -> list[str]:
     """The restricted-protocol flags compose's entrypoint gives tritonserver: the entrypoint run by a real sh
     (compose's $$ unescaped), its secret file holding TEST_KEY and tritonserver a stand-in that prints its
@@ -108,14 +120,8 @@ def compose_flags(tmp_path: Path) -> list[str]:
     assert svc["user"] != "0" and "no-new-privileges:true" in svc["security_opt"]
     secret = tmp_path / "triton_admin_key"
     secret.write_text(TEST_KEY + "\n")
-    fake = tmp_path / "bin" / "tritonserver"
-    fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\"\n")
-    fake.chmod(0o755)
     entry = [a.replace("$$", "$").replace("/run/secrets/triton_admin_key", str(secret)) for a in svc["entrypoint"]]
-    out = subprocess.run([*entry, *svc["command"]], capture_output=True, check=True,
-                         env={**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}).stdout.decode()
-    args = out.split("\0")[:-1]
+    args = tritonserver_args([*entry, *svc["command"]], tmp_path)
     assert args[:len(svc["command"])] == svc["command"]
     return [a for a in args if "restricted" in a]
 
@@ -131,6 +137,24 @@ def test_every_deployment_gives_triton_the_same_key_flags_as_torchship_serve(tmp
         assert got == restricted_flags(TEST_KEY), where
     assert all(f",{p}" in flags["kubernetes"][0] or f"={p}" in flags["kubernetes"][0] for p in RESTRICTED)
     assert f":{KEY_HEADER}=" in flags["kubernetes"][0]
+
+
+def test_the_repository_readmes_docker_command_restricts_the_control_plane(repo, tmp_path):
+    """The docker run command in the README torchship repo writes, its sh -c script run by a real sh with the key
+    file it reads holding TEST_KEY: Triton gets torchship serve's key flags."""
+    import re
+
+    from serve.access import restricted_flags
+
+    readme = (repo / "README.md").read_text()
+    (script,) = re.findall(r"sh -c '([^']*)'", readme)
+    assert "--user 1000:1000 --read-only" in readme and "--cap-drop ALL" in readme
+    secret = tmp_path / "key"
+    secret.write_text(TEST_KEY + "\n")
+    script = script.replace("\\\n", " ").replace("/run/secrets/triton_admin_key", str(secret))
+    args = tritonserver_args(["sh", "-c", script], tmp_path)
+    assert [a for a in args if "restricted" in a] == restricted_flags(TEST_KEY)
+    assert "--model-control-mode=explicit" in args
 
 
 def test_the_deployments_key_flags_refuse_the_attack_on_a_real_triton(repo, tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from tests.helpers import alter_onnx_weight, rehash_version, scale
 from torchship.io import sha256_file
 
 CONFIG = Path(__file__).with_name("tiny.toml")
+RUN_KEY = "the-run-servers-key-7c1f0a9e"  # the key the run's server answers to, known here to look for it
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,9 @@ def counted_run(tmp_path_factory):
         mp.setattr(torchship.manifest, "_load_npz", counted_load)
         mp.setattr(torchship.manifest, "sha256_file", counted_hash)
         mp.setattr(torchship.pipeline.run, "stage_configs", counted_configs)
+        import serve.embedded.server
+
+        mp.setattr(serve.embedded.server.secrets, "token_urlsafe", lambda n: RUN_KEY)
         assert run_cli("run", "--out", d, "--config", CONFIG) == 0
     return d, reads
 
@@ -81,6 +85,14 @@ def test_a_run_from_a_later_stage_reads_each_hand_over_once(run_dir, tmp_path, m
     assert run_cli("run", "--out", d, "--config", CONFIG, "--from", "repo", "--set", 'repo.formats=["onnx"]',
                    "--set", 'bench.variants=["onnx"]') == 0
     assert counts == {"manifest": 1, "reference": 1}, counts
+
+
+def test_the_servers_key_stays_out_of_the_run_folder(run_dir):
+    """The run's server answered model control only to its key (the winner's load used it), and no file of the
+    run folder, its logs, run.json and summary.md included, holds it."""
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "tritonserver.log" for p in files) and any(p.name == "summary.md" for p in files)
+    assert [p for p in files if RUN_KEY.encode() in p.read_bytes()] == []
 
 
 def test_every_stage_output_exists_and_is_consistent(run_dir):

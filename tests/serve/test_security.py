@@ -115,3 +115,56 @@ def test_a_key_file_flag_is_read_at_the_boundary(server, tmp_path, capsys):
     finally:
         remember(server.url, server.access)
     assert TritonClient(server.url).ready(VICTIM)
+
+
+@pytest.fixture(scope="module")
+def tls_server(repo, tmp_path_factory):
+    """The tiny CNN served over mutual TLS: a CA made here signed the server's and the client's certificates."""
+    from tests.helpers import make_certs
+
+    certs = make_certs(tmp_path_factory.mktemp("certs"))
+    cfg = ServeConfig(repo=str(repo), models=(VICTIM,), heal=False, tls_cert=certs["server_cert"],
+                      tls_key=certs["server_key"], tls_ca=certs["ca"], tls_client_ca=certs["ca"],
+                      tls_own_cert=certs["client_cert"], tls_own_key=certs["client_key"])
+    with TritonServer(cfg).start() as s:
+        yield s, certs
+
+
+def test_infer_check_passes_over_mutual_tls(tls_server, exported, capsys):
+    s, certs = tls_server
+    assert describe(s)["mutual_tls"] and "--grpc-use-ssl-mutual=true" in s.command()
+    tls = ["--tls-ca", certs["ca"], "--tls-cert", certs["client_cert"], "--tls-key", certs["client_key"]]
+    assert run_cli("infer", "--url", s.url, *tls, "--check", exported, "--model", VICTIM) == 0
+    assert "served parity: PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("client", ["plaintext", "no client certificate", "wrong CA"])
+def test_a_tls_server_refuses_a_client_without_the_right_certificates(tls_server, client, tmp_path):
+    s, certs = tls_server
+    access = {"plaintext": Access(), "no client certificate": Access(tls_ca=certs["ca"]),
+              "wrong CA": Access(tls_ca=certs["client_cert"], tls_cert=certs["client_cert"], tls_key=certs["client_key"])}
+    with pytest.raises(AccessError, match="TLS"):
+        TritonClient(s.url, access=access[client]).wait_ready(10)
+
+
+def test_over_tls_control_still_needs_the_key(tls_server):
+    s, certs = tls_server
+    tls = Access(tls_ca=certs["ca"], tls_cert=certs["client_cert"], tls_key=certs["client_key"])
+    with pytest.raises(AccessError, match="answers model control only to its key"):
+        TritonClient(s.url, access=tls).unload(VICTIM)
+    assert TritonClient(s.url, access=tls).ready(VICTIM)
+
+
+def test_tls_options_are_checked_at_the_boundary(tmp_path):
+    from torchship.errors import ConfigError
+
+    pem = tmp_path / "x.pem"
+    pem.write_text("x")
+    for kwargs, says in (({"tls_cert": str(pem)}, "--tls-cert and --tls-key go together"),
+                         ({"tls_client_ca": str(pem)}, "go with --tls-cert"),
+                         ({"tls_cert": str(pem), "tls_key": str(pem), "tls_client_ca": str(pem)}, "--tls-own-cert"),
+                         ({"tls_cert": str(tmp_path / "absent.pem"), "tls_key": str(pem)}, "no such file")):
+        with pytest.raises(ConfigError, match=says):
+            ServeConfig(**kwargs)
+    assert ServeConfig(tls_cert=str(pem), tls_key=str(pem)).tls_flags()[0] == "--grpc-use-ssl=true"
+    assert ServeConfig().tls_flags() == []
