@@ -168,3 +168,44 @@ def test_tls_options_are_checked_at_the_boundary(tmp_path):
             ServeConfig(**kwargs)
     assert ServeConfig(tls_cert=str(pem), tls_key=str(pem)).tls_flags()[0] == "--grpc-use-ssl=true"
     assert ServeConfig().tls_flags() == []
+
+
+def test_without_a_compiler_the_key_goes_on_the_command_line_with_a_warning(tmp_path, monkeypatch, capsys):
+    """Both branches of hide(): the helper built by cc takes the arguments off the command line; with no
+    compiler found they stay on it, and one line says what that exposes."""
+    from serve.embedded import hidden
+
+    env: dict[str, str] = {}
+    shown, path = hidden.hide(["--secret=1"], tmp_path, env)
+    assert shown == [] and path.read_text() == "--secret=1\n" and oct(path.stat().st_mode)[-3:] == "600"
+    assert env[hidden.ARGS_ENV] == str(path) and env["LD_PRELOAD"].endswith(".so")
+    monkeypatch.setattr(hidden.shutil, "which", lambda name: None)
+    (tmp_path / "no-cc").mkdir()
+    env = {}
+    shown, path = hidden.hide(["--secret=1"], tmp_path / "no-cc", env)
+    assert shown == ["--secret=1"] and path is None and env == {}
+    assert "other users of this machine can read it" in capsys.readouterr().err
+
+
+def test_a_backend_folder_others_can_write_is_refused(tmp_path, monkeypatch):
+    """The server runs the code in that folder (and preloads the helper from it): one that another user made
+    or can write to is refused, naming it."""
+    from serve.embedded import wheel
+    from torchship.errors import ServerError
+
+    monkeypatch.setattr(wheel.tempfile, "gettempdir", lambda: str(tmp_path))
+    d = wheel.private_dir()
+    assert oct(d.stat().st_mode)[-3:] == "700"
+    d.chmod(0o777)
+    with pytest.raises(ServerError, match="not this user's alone"):
+        wheel.private_dir()
+
+
+def test_the_key_files_of_servers_that_are_gone_are_removed(tmp_path, monkeypatch):
+    import serve.access as access
+    from serve.embedded.process import free_ports
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    gone = access.write_key(f"127.0.0.1:{free_ports()[0]}", "old")
+    access.write_key("127.0.0.1:1", "new")  # a start prunes what nothing listens for any more
+    assert not gone.exists() and access.key_path("127.0.0.1:1").read_text() == "new\n"
