@@ -181,3 +181,26 @@ def test_the_deployments_key_flags_refuse_the_attack_on_a_real_triton(repo, tmp_
 def test_the_compose_secret_file_is_ignored_by_git():
     r = subprocess.run(["git", "check-ignore", "-q", str(DEPLOY / "triton-admin-key")], cwd=DEPLOY.parent)
     assert r.returncode == 0
+
+
+def test_the_deployments_tls_variant_is_a_valid_manifest(tmp_path):
+    """The commented TLS lines of the Deployment, uncommented, make a valid Deployment serving gRPC over TLS with
+    the certificate mounted from its Secret."""
+    import re
+
+    from tests.deploy.test_manifests import K8S_VERSION
+
+    text = (DEPLOY / "k8s" / "triton-deployment.yaml").read_text()
+    tls = re.sub(r"(?m)^(\s*)# (- --grpc-.*|- \{name: tls.*|- name: tls|  secret: \{secretName: torchship-triton-tls.*)$",
+                 r"\1\2", text)
+    assert tls.count("\n") == text.count("\n") and tls != text
+    (tmp_path / "tls.yaml").write_text(tls)
+    r = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, str(tmp_path / "tls.yaml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    dep = next(d for d in yaml.safe_load_all(tls) if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    c = dep["containers"][0]
+    assert "--grpc-use-ssl=true" in c["args"]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+    assert all(a.split("=", 1)[1].startswith(mount["mountPath"] + "/") for a in c["args"] if a.startswith("--grpc-server-"))
+    assert next(v for v in dep["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "torchship-triton-tls"

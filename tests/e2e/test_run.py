@@ -48,8 +48,22 @@ def counted_run(tmp_path_factory):
         mp.setattr(torchship.manifest, "sha256_file", counted_hash)
         mp.setattr(torchship.pipeline.run, "stage_configs", counted_configs)
         import serve.embedded.server
+        import serve.parity
 
         mp.setattr(serve.embedded.server.secrets, "token_urlsafe", lambda n: RUN_KEY)
+        servers, check = [], serve.parity.check_served
+        start = serve.embedded.server.TritonServer.start
+        mp.setattr(serve.embedded.server.TritonServer, "start", lambda self: servers.append(self) or start(self))
+
+        def attacked_then_checked(url, *a, **k):  # the run's server, attacked while it serves the check stage
+            from tests.helpers import plant_attacks
+
+            s = servers[-1]
+            reads["attacks"] = plant_attacks(url, f"{s.cfg.host}:{s.http_port}", d.parent / "marker", d.parent / "log",
+                                             sorted(s.loaded)[0])
+            reads["marker written"] = (d.parent / "marker").exists()
+            return check(url, *a, **k)
+        mp.setattr(serve.parity, "check_served", attacked_then_checked)
         assert run_cli("run", "--out", d, "--config", CONFIG) == 0
     return d, reads
 
@@ -63,6 +77,7 @@ def test_one_run_reads_each_hand_over_once(counted_run):
     """The export stage hands its manifest and reference on in memory; the repo, check and bench stages read
     neither again, and the stage configs are built once, for the checks before the run and the run itself."""
     _, reads = counted_run
+    reads = {k: v for k, v in reads.items() if k not in ("attacks", "marker written")}
     assert reads == {"manifest.json": 0, "reference.npz loaded": 0, "reference.npz hashed": 0, "stage configs": 1}, reads
 
 
@@ -85,6 +100,12 @@ def test_a_run_from_a_later_stage_reads_each_hand_over_once(run_dir, tmp_path, m
     assert run_cli("run", "--out", d, "--config", CONFIG, "--from", "repo", "--set", 'repo.formats=["onnx"]',
                    "--set", 'bench.variants=["onnx"]') == 0
     assert counts == {"manifest": 1, "reference": 1}, counts
+
+
+def test_the_runs_server_refuses_the_planted_control_plane_attacks(counted_run):
+    _, reads = counted_run
+    assert len(reads["attacks"]) == 8 and set(reads["attacks"].values()) == {"restricted"}, reads["attacks"]
+    assert not reads["marker written"]
 
 
 def test_the_servers_key_stays_out_of_the_run_folder(run_dir):

@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -209,3 +210,36 @@ def test_the_key_files_of_servers_that_are_gone_are_removed(tmp_path, monkeypatc
     gone = access.write_key(f"127.0.0.1:{free_ports()[0]}", "old")
     access.write_key("127.0.0.1:1", "new")  # a start prunes what nothing listens for any more
     assert not gone.exists() and access.key_path("127.0.0.1:1").read_text() == "new\n"
+
+
+def test_torchship_serve_refuses_the_attack_and_removes_its_key_when_it_stops(repo, tmp_path):
+    """torchship serve as a user starts it, in a process of its own: the planted attacks are refused, the key file
+    it prints is its user's alone, and it is gone once the server stops."""
+    import signal
+    import time
+
+    from serve.embedded.process import free_ports
+
+    grpc, http = free_ports(n=2)
+    proc = subprocess.Popen([sys.executable, "-m", "torchship.pipeline.cli", "serve", str(repo), "--models", VICTIM,
+                             "--grpc-port", str(grpc), "--http-port", str(http)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines, deadline = [], time.monotonic() + 120
+        while not any(line.startswith("control key:") for line in lines) and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        key_file = Path(next(line for line in lines if line.startswith("control key:")).split()[2])
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        marker = tmp_path / "marker"
+        answers = plant_attacks(f"127.0.0.1:{grpc}", f"127.0.0.1:{http}", marker, tmp_path / "log", VICTIM)
+        assert set(answers.values()) == {"restricted"} and not marker.exists(), answers
+        key = key_file.read_text().strip()
+        assert key.encode() not in open(f"/proc/{proc.pid}/cmdline", "rb").read()
+        assert all(key not in line for line in lines)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "server stopped (exit code 0)" in out, out
+    assert not key_file.exists()
