@@ -97,7 +97,7 @@ def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported):
 
 
 def test_unload_stall_is_read_from_the_log():
-    from serve.embedded.server import UNLOAD_STALL_TICKS, live_at_exit, loaded_models, unload_stalled
+    from serve.embedded.shutdown import UNLOAD_STALL_TICKS, live_at_exit, loaded_models, unload_stalled
 
     head = ("Signal (15) received.\n\"Timeout 20: Found 1 model versions that have in-flight inferences\"\n"
             "\"All models are stopped, unloading models\"\n")
