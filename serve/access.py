@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from torchship.errors import ConfigError, ServerError
+from torchship.io import atomic_write_text
 
 # The protocols a key guards, by Triton's names (the same for --grpc-restricted-protocol and
 # --http-restricted-api). Inference, health, metadata, model config and statistics stay open: Triton's own
@@ -108,12 +109,17 @@ def with_flags(url: str, key_file: Optional[str] = None, tls_ca: Optional[str] =
     base = access_for(url)
     if key_file:
         base = Access(key=read_key(key_file, "--key-file"), key_source=key_file)
+    check_files({"--tls-ca": tls_ca, "--tls-cert": tls_cert, "--tls-key": tls_key})
     access = replace(base, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
-    for flag, path in (("--tls-ca", tls_ca), ("--tls-cert", tls_cert), ("--tls-key", tls_key)):
-        if path and not Path(path).is_file():
-            raise ConfigError(f"{flag} {path}: no such file")
     remember(url, access)
     return access
+
+
+def check_files(paths: dict[str, Optional[str]]) -> None:
+    """ConfigError naming the flag of the first given path (flag -> path) that is not a file."""
+    for flag, path in paths.items():
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
 
 
 def read_key(path: str | Path, flag: str = "the key file") -> str:
@@ -149,13 +155,7 @@ def write_key(url: str, key: str) -> Path:
                           f"it is mode {stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}: fix it, or set "
                           "XDG_RUNTIME_DIR to a private folder")
     prune_keys(d)
-    path = key_path(url)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(key_path(url), key + "\n", mode=0o600)
 
 
 def prune_keys(folder: Path) -> None:

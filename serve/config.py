@@ -11,6 +11,8 @@ from torchship.names import SERVED_FORMATS
 from torchship.config import opt
 from torchship.errors import ConfigError
 
+from .access import check_files
+
 DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT = 8001, 8000, 8002
 # The official container the repository targets: 26.07+ batches torch_aoti models; see deploy/README.md.
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.11-py3"
@@ -139,10 +141,8 @@ class ServeConfig:
         if bool(self.tls_client_ca) != bool(self.tls_own_cert and self.tls_own_key):
             raise ConfigError("mutual TLS needs --tls-client-ca with --tls-own-cert and --tls-own-key (a certificate "
                               "that CA signed, for torchship's own calls to the server), and these need it")
-        for flag in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_own_cert", "tls_own_key"):
-            path = getattr(self, flag)
-            if path and not Path(path).is_file():
-                raise ConfigError(f"--{flag.replace('_', '-')} {path}: no such file")
+        check_files({f"--{f.replace('_', '-')}": getattr(self, f) for f in ("tls_cert", "tls_key", "tls_client_ca",
+                                                                              "tls_ca", "tls_own_cert", "tls_own_key")})
 
     def tls_flags(self) -> list[str]:
         """tritonserver's options for gRPC over TLS (none without --tls-cert). Triton's HTTP endpoint has no TLS."""

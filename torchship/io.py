@@ -26,8 +26,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` then rename the result onto ``path``.
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], mode: int = 0o644) -> Path:
+    """Call ``write(tmp_path)`` then rename the result onto ``path``, with permissions ``mode`` (the
+    temporary file is readable by this user alone until then).
 
     A crash (or exception) inside ``write`` leaves any previous file at ``path`` untouched
     and removes the temporary file.
@@ -38,7 +39,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -50,12 +51,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+def atomic_write_text(path: str | os.PathLike, text: str, mode: int = 0o644) -> Path:
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
 
-    return atomic_write(path, write)
+    return atomic_write(path, write, mode)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
