@@ -63,8 +63,11 @@ class RepoConfig:
     max_queue_delay_us: int = opt(0, "dynamic batching: longest a request waits for others, in microseconds (0: batch only "
                                      "what queued while the model was busy; measured best here at low and high load)")
     instance_kind: Literal["auto", "cpu", "gpu"] = opt("auto", "instance_group kind: KIND_GPU when serving on GPU (auto: if CUDA is visible)")
-    instance_count: int = opt(1, "model instances per device")
-    threads: Optional[int] = opt(None, "intra-op threads per instance (default: the thread count the AOTInductor packages were compiled for, else 1)")
+    cores: Optional[int] = opt(None, "CPU cores the served models may use (default: those this process may run on, "
+                                     "its CPU affinity)")
+    instance_count: Optional[int] = opt(None, "model instances per device (default: 1; with --threads, as many as "
+                                              "the cores hold)")
+    threads: Optional[int] = opt(None, "intra-op threads per instance (default: the cores shared out among the instances)")
     version: int = opt(1, "version folder to write the artifacts into")
     ort_accelerator: Literal["none", "cuda", "tensorrt"] = opt("none", "ONNX Runtime GPU execution accelerator to configure")
     trt_fp16: Optional[bool] = opt(None, "with --ort-accelerator tensorrt: allow FP16 engines (default: allowed)")
@@ -89,18 +92,46 @@ class RepoConfig:
             raise ConfigError(f"--formats: {', '.join(bad)} cannot be served; choose from {', '.join(SERVED_FORMATS)}")
         if self.max_queue_delay_us < 0:
             raise ConfigError("--max-queue-delay-us must be 0 or more")
-        if self.instance_count < 1 or (self.threads is not None and self.threads < 1):
-            raise ConfigError("--instance-count and --threads must be at least 1")
+        if any(v is not None and v < 1 for v in (self.cores, self.instance_count, self.threads)):
+            raise ConfigError("--cores, --instance-count and --threads must be at least 1")
         if self.version < 1:
             raise ConfigError("--version must be at least 1")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError("--max-batch must be at least 1 (leave it out for the export's max batch)")
+        if self.cores is not None and self.instance_count is not None and self.threads is not None:
+            placement(self.cores, self.instance_count, self.threads)
         trt = [flag for flag, v in ((f"--{'' if self.trt_fp16 else 'no-'}trt-fp16", self.trt_fp16),
                                     ("--trt-cache", self.trt_cache)) if v is not None]
         if trt and self.ort_accelerator != "tensorrt":
             one = len(trt) == 1
             raise ConfigError(f"{' and '.join(trt)} {'applies' if one else 'apply'} to TensorRT engines only; add "
                               f"--ort-accelerator tensorrt, or leave {'it' if one else 'them'} out")
+
+    def search_cores(self) -> Optional[int]:
+        """The cores --strategy searches the winner's instances x threads within: --cores or this machine's, or
+        None where --instance-count or --threads fixed them, or --cores names more cores than this machine has
+        (a repository built for a larger one cannot be measured here)."""
+        from torchship.device import usable_cpus
+
+        if self.instance_count is not None or self.threads is not None:
+            return None
+        here = usable_cpus()
+        return None if self.cores and self.cores > here else (self.cores or here)
+
+
+def placement(cores: int, instances: Optional[int] = None, threads: Optional[int] = None,
+              flags: str = "--instance-count and --threads") -> tuple[int, int]:
+    """(instances, intra-op threads per instance) for CPU instances on ``cores`` cores: what is given, the rest
+    filled in so that together they use every core (one instance with every core when neither is given).
+    ConfigError where the instances' threads together exceed the cores: they would take turns on them."""
+    if instances is None:
+        instances = max(1, cores // threads) if threads else 1
+    if threads is None:
+        threads = max(1, cores // instances)
+    if instances * threads > cores:
+        raise ConfigError(f"{flags}: {instances} instance(s) x {threads} thread(s) = {instances * threads} threads on "
+                          f"{cores} core(s) would take turns on the cores; give fewer, or --cores N for a larger machine")
+    return instances, threads
 
 
 @dataclass

@@ -32,11 +32,12 @@ from torchship.markdown import table
 from torchship.names import SERVED_FORMATS, model_names
 from torchship.runtime import PROVENANCE
 
-from torchship.device import cuda_visible
+from torchship.device import cuda_visible, usable_cpus
 
 from .access import restricted_flags
 from .model_config import CONFIG, EMBEDDED_CONFIG, TENSOR_NAMES, config_text
-from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig
+from .config import (DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig,
+                     placement)
 
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_FP64, "int64": mc.TYPE_INT64,
           "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
@@ -118,13 +119,24 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
         _param(c, "INTER_OP_THREAD_COUNT", 1)
         _param(c, "DISABLE_OPTIMIZED_EXECUTION", "false")
     if warmup:
-        w = c.model_warmup.add(name="real_sample", batch_size=1)
+        warm_batches(c, manifest, warmup, sorted({1, max_batch}), rename)
+    return c
+
+
+def warm_batches(c: mc.ModelConfig, manifest: dict[str, Any], warmup: dict[str, np.ndarray], sizes: Sequence[int],
+                 rename: dict[str, str] | None = None) -> None:
+    """Triton's warm-up, run on every instance at load before it is ready: the real sample (``warmup``) repeated to each of
+    ``sizes``, so that the first requests that batch that large do not meet a cold runtime (ONNX Runtime sizes its
+    buffers, oneDNN and AOTInductor their kernels, on the first run at a shape)."""
+    c.ClearField("model_warmup")
+    rename = rename or {}
+    for b in sizes:
+        w = c.model_warmup.add(name=f"real_sample_batch_{b}", batch_size=b)
         for inp in manifest["inputs"]:
             sample = w.inputs[rename.get(inp["name"], inp["name"])]
             sample.data_type = DTYPES[inp["dtype"]]
             sample.dims.extend(list(warmup[inp["name"]].shape[1:]))
             sample.input_data_file = inp["name"]
-    return c
 
 
 def dim_ranges(manifest: dict[str, Any]) -> dict[str, list]:
@@ -228,11 +240,8 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
     max_batch = cfg.max_batch or manifest["max_batch"]
     if max_batch > manifest["max_batch"]:
         raise ArtifactError(f"--max-batch {max_batch} exceeds the export's max batch {manifest['max_batch']}")
-    threads = cfg.threads
-    if threads is None:
-        compiled = {a.get("compile_threads") for a in manifest["artifacts"] if a.get("compile_threads")}
-        threads = compiled.pop() if len(compiled) == 1 else 1
-    cfg = dataclasses.replace(cfg, threads=threads)  # a copy: the caller's config is left as it was
+    instances, threads = placement(cfg.cores or usable_cpus(), cfg.instance_count, cfg.threads)
+    cfg = dataclasses.replace(cfg, instance_count=instances, threads=threads)  # a copy: the caller's is left as it was
     warm = warmup_sample(manifest, export.reference())
     origin = provenance(d, manifest)
     names = model_names(manifest)
@@ -311,6 +320,7 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, m
         # no preferred batch sizes: with them the batcher cut what had queued down to the largest preferred size
         # that fit, and served fewer, smaller batches (measured in the commit that made this choice)
         _param(emb, "buckets", ",".join(map(str, sizes)))
+        warm_batches(emb, manifest, warm, sizes)  # each bucket is a model of its own, cold until it first runs
     if "aoti" not in have:  # the embedded server only: the container's torch_aoti cannot read a bucket archive
         (mdir / CONFIG).write_text(config_text(emb))
     else:
@@ -352,8 +362,10 @@ def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti
             f"{'its' if len(packages) == 1 else 'their'} one dynamic-batch package, without padding.")
     kind_note = ("The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
                  "`torchship repo --instance-kind cpu` builds the same repository for a machine without one." if gpu else
-                 "The models run on the CPU (`KIND_CPU` instances), in the container too; `torchship repo --instance-kind "
-                 "gpu` builds the same repository with the models on GPU 0.")
+                 f"The models run on the CPU (`KIND_CPU` instances), in the container too: {cfg.instance_count} instance(s) "
+                 f"of {cfg.threads} intra-op thread(s) each, {cfg.instance_count * cfg.threads} core(s) in all (`torchship "
+                 "repo --cores N` builds it for a machine of N cores). `torchship repo --instance-kind gpu` builds the same "
+                 "repository with the models on GPU 0.")
     return f"""# Triton model repository: {manifest['name']}
 
 Generated by `torchship repo` from an export manifest ({manifest['created']}, torch {manifest['torch_version']}).

@@ -141,16 +141,21 @@ def padded_call(fns: dict[int, Callable[[list[np.ndarray]], list[np.ndarray]]], 
 
 def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], device: str = "cpu",
          threads: int = 1, buckets: Sequence[int] | None = None, ort_providers: Sequence[str] | None = None,
-         tf32: bool = False) -> Runner:
+         tf32: bool = False, spin: bool = True) -> Runner:
     """Load the artifact file ``path``; for aoti_buckets, ``buckets`` picks which of its batch sizes to run
     (default: all). On CUDA, float32 runs in IEEE float32 unless ``tf32`` (an artifact compiled with TF32
-    allowed): for torch formats this process's TF32 settings are set, for ONNX Runtime its CUDA provider's."""
+    allowed): for torch formats this process's TF32 settings are set, for ONNX Runtime its CUDA provider's.
+    ``spin`` False: ONNX Runtime's idle intra-op threads sleep instead of spinning, so that processes sharing
+    the cores (several instances of a served model) do not burn each other's time."""
     if fmt in ("onnx", "onnx_int8"):
         import onnxruntime as ort
 
         so = ort.SessionOptions()
         so.intra_op_num_threads = max(1, threads)
         so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        if not spin:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
         providers = list(ort_providers or ([("CUDAExecutionProvider", ort_cuda_options(device, tf32)), "CPUExecutionProvider"]
@@ -192,6 +197,30 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
         fns = {b: torch_fn(r, device, threads) for b, r in runners.items() if not buckets or b in buckets}
         return Runner(lambda xs: padded_call(fns, xs), inputs, outputs)
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def threads_in_use(runner: Runner) -> dict[str, Any]:
+    """What ``runner`` runs with, as its runtime reports it: intra- and inter-op threads (for torch formats, the
+    calling thread's setting, which is the one a call from this thread uses), whether ONNX Runtime's idle
+    threads spin, and how many threads this process has."""
+    sess = getattr(runner, "session", None)
+    if sess is not None:
+        so = sess.get_session_options()
+        try:
+            spin = so.get_session_config_entry("session.intra_op.allow_spinning")
+        except RuntimeError:  # not set: ONNX Runtime's default, spinning
+            spin = "1"
+        out = {"runtime": "onnxruntime", "intra_op": so.intra_op_num_threads, "inter_op": so.inter_op_num_threads,
+               "spinning": spin != "0"}
+    else:
+        import torch
+
+        out = {"runtime": "torch", "intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
+    try:
+        out["process_threads"] = len(os.listdir("/proc/self/task"))
+    except OSError:
+        pass
+    return out
 
 
 def ort_cuda_options(device: str, tf32: bool = False) -> dict[str, Any]:

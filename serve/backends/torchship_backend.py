@@ -60,8 +60,11 @@ class BackendModel:
         fmt = self.runner_format(path, params)
         buckets = [int(b) for b in params["buckets"].split(",")] if fmt == "aoti_buckets" else None
         tf32 = params.get("tf32", "false").lower() == "true"  # an AOTInductor package compiled with TF32 allowed
+        instances = sum(int(g.get("count", 1)) for g in cfg.get("instance_group", []) if g.get("kind") != "KIND_GPU")
+        self.instance = args.get("model_instance_name", self.name)
         self.runner = rt.load(fmt, path, self.inputs, self.outputs, device=device, threads=threads, buckets=buckets,
-                              ort_providers=self.ort_providers(cfg, device), tf32=tf32)
+                              ort_providers=self.ort_providers(cfg, device), tf32=tf32, spin=instances <= 1)
+        self.reported = False
         self.log(f"{self.name}: {fmt} from {path} on {device}, {threads} intra-op thread(s)")
 
     def check_files(self, version_dir, filename):
@@ -131,6 +134,11 @@ class BackendModel:
             for i in owners:
                 results[i] = self.error(f"inference failed: {type(e).__name__}: {e}")
             return
+        if not self.reported:  # read back in the thread that runs the model, once it has run
+            self.reported = True
+            use = rt.threads_in_use(self.runner)
+            self.log(f"instance {self.instance} (pid {os.getpid()}) runs with " +
+                     ", ".join(f"{k}={str(v).lower()}" for k, v in use.items()))
         start = 0
         for feeds, i in zip(batch, owners):
             n = feeds[self.inputs[0]].shape[0]

@@ -151,7 +151,8 @@ def test_a_gpu_instance_runs_on_cuda_where_there_is_one_and_on_the_cpu_elsewhere
                       "model_repository": str(mdir), "model_version": "1", "model_instance_kind": "GPU",
                       "model_instance_device_id": "0"})
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    assert said[-1].endswith(f"on {device}, 1 intra-op thread(s)"), said
+    threads = cfg(mdir / "config.pbtxt").parameters["INTRA_OP_THREAD_COUNT"].string_value
+    assert said[-1].endswith(f"on {device}, {threads} intra-op thread(s)"), said
     m = read_manifest(exported)
     ref, tol = read_reference(exported, m), m["tolerances"]["outputs"]["logits"]
     (out,) = model.run([{"images": ref["input/random_b5/images"]}])

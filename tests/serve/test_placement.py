@@ -1,0 +1,95 @@
+"""How a served model uses the cores: the repository's default configs share out the cores torchship is given
+(--cores, else the process's CPU affinity), what oversubscribes them is refused, and each instance Triton starts
+runs with the threads its config gives, as its runtime reports them from inside the instance."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from serve.bench.placement import candidates, placement_edit, placement_of
+from serve.config import RepoConfig, ServeConfig
+from serve.embedded import TritonServer
+from serve.embedded.process import stub_processes
+from serve.model_config import CONFIGS, edit_configs, read_config, repository_models
+from serve.repository import build_repository
+from torchship.errors import ConfigError
+
+
+def placements(repo):
+    """{(model, config file): (instances, threads)} over every config of the repository."""
+    return {(m, name): placement_of(read_config(repo / m / name))
+            for m in repository_models(repo) for name in CONFIGS if (repo / m / name).exists()}
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({"cores": 4}, (1, 4)),
+    ({"cores": 4, "instance_count": 2}, (2, 2)),
+    ({"cores": 4, "threads": 1}, (4, 1)),
+    ({"cores": 3, "instance_count": 2}, (2, 1)),
+])
+def test_the_default_configs_share_out_the_cores_given(exported, tmp_path, given, expected):
+    build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), **given))
+    found = placements(tmp_path / "repo")
+    assert len(found) >= 4 and set(found.values()) == {expected}, found  # every format, both configs where two
+    readme = (tmp_path / "repo" / "README.md").read_text()
+    assert f"{expected[0]} instance(s) of {expected[1]} intra-op thread(s) each" in readme
+
+
+def test_more_threads_than_cores_are_refused_before_anything_is_written(exported, tmp_path):
+    with pytest.raises(ConfigError, match=r"2 instance\(s\) x 2 thread\(s\) = 4 threads on 2 core\(s\) would take turns"):
+        build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), cores=2, instance_count=2, threads=2))
+    assert not (tmp_path / "repo").exists()
+
+
+def test_without_cores_the_configs_use_the_cpus_this_process_may_run_on(exported, tmp_path):
+    """The CPU affinity (a container's cpuset, taskset), not the host's count: one CPU allowed, one thread."""
+    code = ("import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from serve.config import RepoConfig; from serve.repository import build_repository; "
+            f"build_repository({str(exported)!r}, RepoConfig(out={str(tmp_path / 'one')!r}))")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())
+    assert set(placements(tmp_path / "one").values()) == {(1, 1)}
+    build_repository(exported, RepoConfig(out=str(tmp_path / "all")))
+    assert set(placements(tmp_path / "all").values()) == {(1, len(os.sched_getaffinity(0)))}
+
+
+def test_the_grid_uses_every_core_without_oversubscribing():
+    assert candidates(1) == [(1, 1)]
+    assert candidates(2) == [(1, 2), (2, 1)]
+    assert candidates(6) == [(1, 6), (2, 3), (3, 2), (6, 1)]
+    assert RepoConfig(instance_count=2).search_cores() is None and RepoConfig(threads=1).search_cores() is None
+    assert RepoConfig(cores=10_000).search_cores() is None  # built for a larger machine: not measured here
+    assert RepoConfig().search_cores() == len(os.sched_getaffinity(0))
+
+
+RUNS_WITH = re.compile(r'instance (\S+) \(pid (\d+)\) runs with runtime=(\w+), intra_op=(\d+), inter_op=(\d+)'
+                       r'(?:, spinning=(\w+))?')
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("fmt, instances, threads", [("onnx", 2, 1), pytest.param("onnx", 1, 2, marks=SLOW),
+                                                     pytest.param("torchscript", 2, 1, marks=SLOW),
+                                                     ("torchscript", 1, 2), pytest.param("aoti", 2, 1, marks=SLOW)])
+def test_each_instance_runs_with_the_threads_its_config_gives(exported, tmp_path, fmt, instances, threads):
+    """Read back from inside each instance, after it ran (Triton's warm-up runs every instance once at load):
+    the runtime's own intra- and inter-op thread counts, one report per instance from a distinct backend
+    process of the server, and ONNX Runtime's idle threads sleeping where instances share the cores."""
+    repo = tmp_path / "repo"
+    build_repository(exported, RepoConfig(out=str(repo), formats=(fmt,), cores=2))
+    (model,) = repository_models(repo)
+    edit_configs(repo / model, placement_edit(instances, threads))
+    log = tmp_path / "triton.log"
+    with TritonServer(ServeConfig(repo=str(repo), log=str(log))) as s:
+        stubs = {p for (m, _), pids in stub_processes(s.proc.pid).items() if m == model for p in pids}
+    said = [m.groups() for m in RUNS_WITH.finditer(log.read_text())]
+    assert len(said) == instances, log.read_text()[-3000:]
+    assert {name for name, *_ in said} == {f"{model}_0_{i}" for i in range(instances)}
+    assert {int(pid) for _, pid, *_ in said} == stubs and len(stubs) == instances
+    for _, _, runtime, intra, inter, spinning in said:
+        assert (runtime, int(intra), int(inter)) == ("onnxruntime" if fmt == "onnx" else "torch", threads, 1)
+        if fmt == "onnx":
+            assert spinning == ("true" if instances == 1 else "false")
