@@ -80,7 +80,7 @@ def repo_build(ns: argparse.Namespace) -> int:
         print(f"not served: {not_served_text(ns.export_dir, res['not_served'])}")
     if cfg.strategy:
         winner, dest = serve_by_strategy(export, res["path"], cfg.strategy, manifest, results, cfg.only_winner,
-                                         log=lambda line: print(line, flush=True))
+                                         log=lambda line: print(line, flush=True), cores=cfg.search_cores())
         print(f"served as {dest.name}: {winner['why']}")
     print(f"serve it: torchship serve {res['path']}   (official container: see {res['path']}/README.md)")
     return 0

@@ -27,16 +27,9 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
                           f"{', '.join(served) or 'none'}); bench this export's repository first")
     ranked = []
     for model, m in mine.items():
-        rows = [r for r in m["rows"] if r.get("n") and not r.get("failed")]
-        if kind == "min-latency":
-            rows = [min(rows, key=lambda r: r["concurrency"])] if rows else []
-            score = (lambda r: -r["p50_ms"])
-        else:
-            rows = [r for r in rows if budget is None or r["p99_ms"] <= budget]
-            score = (lambda r: r["requests_per_s"])
-        if rows:
-            best = max(rows, key=score)
-            ranked.append((score(best), model, best))
+        best = best_row(m["rows"], kind, budget)
+        if best:
+            ranked.append((best[0], model, best[1]))
     if not ranked:
         lowest = min((r["p99_ms"] for m in mine.values() for r in m["rows"] if r.get("n")), default=float("nan"))
         raise ConfigError(f"no served model meets p99 <= {budget:g} ms (the lowest p99 measured was {lowest:.2f} ms)")
@@ -63,6 +56,23 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
         out["runner_up"] = {"model": second, "figures": figures(r2)}
         out["why"] += f"; runner-up {second}, {figures(r2)}"
     return out
+
+
+def best_row(rows: list[dict[str, Any]], kind: str, budget: float | None) -> tuple[float, dict[str, Any]] | None:
+    """(score, row): the row of a served sweep that a strategy of ``kind`` (parse_strategy) prefers, higher
+    scores better: min-latency the lowest p50 at the fewest in flight, the others the highest throughput
+    (p99-budget: of the rows within ``budget``). None where no row qualifies."""
+    rows = [r for r in rows if r.get("n") and not r.get("failed")]
+    if kind == "min-latency":
+        rows = [min(rows, key=lambda r: r["concurrency"])] if rows else []
+        score = (lambda r: -r["p50_ms"])
+    else:
+        rows = [r for r in rows if budget is None or r["p99_ms"] <= budget]
+        score = (lambda r: r["requests_per_s"])
+    if not rows:
+        return None
+    best = max(rows, key=score)
+    return score(best), best
 
 
 def precision_of(manifest: dict[str, Any], fmt: str | None) -> tuple[str, dict[str, Any] | None]:
@@ -140,15 +150,21 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
     text = text.split("\n## Served by strategy\n")[0].rstrip() + "\n\n## Served by strategy\n\n" + \
         f"`{name}` serves `{winner['model']}` ({winner['format']}, {winner.get('precision', 'float32')}" + \
         (f"; {gate_words(winner['gate'])}" if winner.get("gate") else "") + f"). Why: {winner['why']}.\n"
+    if winner.get("placement"):
+        from .placement import grid_table
+
+        text += "\n" + "\n".join(grid_table(winner["placement"]))
     atomic_write_text(readme, text)
     return dest
 
 
-def serve_by_strategy(export_dir: str | Path, repo: str | Path, strategy: str, manifest: dict[str, Any],
-                      results: dict[str, Any] | None = None, only_winner: bool = False, log=print
-                      ) -> tuple[dict[str, Any], Path]:
+def serve_by_strategy(export_dir, repo: str | Path, strategy: str, manifest: dict[str, Any],
+                      results: dict[str, Any] | None = None, only_winner: bool = False, log=print,
+                      cores: int | None = None, server=None) -> tuple[dict[str, Any], Path]:
     """Pick the winner of ``strategy`` from ``results`` (a bench's results.json) or, without them, from a short
-    served bench of ``repo`` written beside it as REPO-bench, and serve it under the export's plain name.
+    served bench of ``repo`` written beside it as REPO-bench; with ``cores``, search its instances x threads
+    within them (placement.search, on ``server`` where given, else on an embedded server of its own); and serve
+    it under the export's plain name. ``export_dir``: the export (a directory, or an Export held already).
     Returns (the winner, its model folder)."""
     if results is None:
         out = Path(repo).with_name(Path(repo).name + "-bench")
@@ -158,4 +174,24 @@ def serve_by_strategy(export_dir: str | Path, repo: str | Path, strategy: str, m
     if not (Path(repo) / winner["model"]).is_dir():
         raise ConfigError(f"the winner {winner['model']} is not in this repository (it serves "
                           f"{', '.join(repository_models(repo))})")
+    if cores:
+        winner["placement"] = search_placement(export_dir, repo, winner["model"], strategy, cores, server, log)
+        if "why" in winner["placement"]:
+            winner["why"] += f"; runs as {winner['placement']['why']}"
     return winner, serve_winner(repo, winner, manifest, only_winner)
+
+
+def search_placement(export_dir, repo: str | Path, model: str, strategy: str, cores: int, server=None,
+                     log=print) -> dict[str, Any]:
+    """placement.search for ``model`` on ``server``, or on an embedded server of its own that loads it alone."""
+    from torchship.manifest import Export
+
+    from ..config import ServeConfig
+    from ..embedded import TritonServer
+    from .placement import search
+
+    export = Export.of(export_dir)
+    if server is not None:
+        return search(server, model, export, strategy, cores, log=log)
+    with TritonServer(ServeConfig(repo=str(repo), models=(model,))).start() as own:
+        return search(own, model, export, strategy, cores, log=log)

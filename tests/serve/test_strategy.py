@@ -2,9 +2,12 @@
 served under the export's plain name by the real Triton, held to the same parity as under its own name."""
 
 import json
+import os
 
 import pytest
 
+from serve.bench.placement import candidates, placement_of
+from serve.model_config import read_config
 from serve.config import ServeConfig
 from serve.embedded import TritonServer
 from serve.parity import check_served
@@ -87,6 +90,18 @@ def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_pa
     best = max(served, key=lambda m: max(r["requests_per_s"] for r in served[m]["rows"]))
     winner = json.loads((repo / "tiny_cnn" / "winner.json").read_text())
     assert winner["model"] == best and f"served as tiny_cnn: max-throughput: the highest served throughput: {best}" in out
+    # instances x threads searched within this machine's cores, every response checked, the best one written
+    placement = winner["placement"]
+    grid = {(g["instances"], g["threads"]): g for g in placement["grid"]}
+    assert sorted(grid) == sorted(candidates(len(os.sched_getaffinity(0))))
+    for g in grid.values():
+        assert [r["concurrency"] for r in g["rows"]] == [1, 16]
+        assert all(r["checked"] > 0 and r["wrong"] == 0 for r in g["rows"])
+    top = max(grid.values(), key=lambda g: max(r["requests_per_s"] for r in g["rows"]))
+    chosen = (placement["chosen"]["instances"], placement["chosen"]["threads"])
+    assert chosen == (top["instances"], top["threads"])
+    assert {placement_of(read_config(p)) for p in (repo / "tiny_cnn").glob("*.pbtxt")} == {chosen}
+    assert "Instances x intra-op threads on" in (repo / "README.md").read_text()
 
 
 @pytest.mark.parametrize("args, says", [

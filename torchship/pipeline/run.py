@@ -240,9 +240,10 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
     from serve.parity import check_served
 
     export = run.export()
-    winner, dest = serve_by_strategy(export, run.dirs["repo"], run.cfg["repo"].strategy or DEFAULT_STRATEGY,
-                                     export.manifest, results, run.cfg["repo"].only_winner, log=run.log)
     server = run.served()
+    winner, dest = serve_by_strategy(export, run.dirs["repo"], run.cfg["repo"].strategy or DEFAULT_STRATEGY,
+                                     export.manifest, results, run.cfg["repo"].only_winner, log=run.log,
+                                     cores=run.cfg["repo"].search_cores(), server=server)
     server.load(dest.name)
     check_served(server.url, export, models=[dest.name])
     run.log(f"serving {winner['model']} as {dest.name}: {winner['why']} (served parity PASS under {dest.name})")

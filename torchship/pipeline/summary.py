@@ -119,6 +119,10 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
             winner = record["stages"]["bench"].get("winner")
             if winner:
                 lines += [f"Served as `{winner['served_as']}`: `{winner['model']}`. Why: {winner['why']}.", ""]
+                if winner.get("placement"):
+                    from serve.bench.placement import grid_table
+
+                    lines += grid_table(winner["placement"])
             rec = b.get("recommendation", {})
             if "model" in rec:
                 lines += [f"Recommendation: `{rec['model']}` with max_batch_size {rec['max_batch_size']}: "
