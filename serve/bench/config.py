@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from torchship.config import opt
+from torchship.device import usable_cpus
 from torchship.errors import ConfigError
 
 from ..config import ServeConfig, check_url
@@ -14,6 +15,7 @@ from ..config import ServeConfig, check_url
 # (torchship bench alone: one second), one request in flight and many (the batching gain is their ratio), and none
 # of the sweeps only an investigation reads (batching off, the no-op)
 SHORT_BENCH = {"window_s": 0.5, "concurrency": (1, 16), "batching_compare": (), "noop": False}
+SOAK_BOUND_KIB = 64.0  # growth per 1000 requests past which the soak fails (see bench_soak)
 IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx", "onnx_int8", "aoti_int8", "aoti_bf16")
 
 
@@ -29,7 +31,9 @@ class BenchConfig:
     iters: int = opt(60, "timed runs per in-process variant and batch size (split into interleaved blocks)")
     blocks: int = opt(6, "interleaved blocks: each variant runs iters/blocks times per block, in turn")
     warmup: int = opt(5, "untimed runs per variant and batch size before timing")
-    threads: int = opt(1, "intra-op threads for in-process runs (match the served instances)")
+    cores: Optional[int] = opt(None, "CPU cores the bench's own repository gives its models, and the in-process runs' "
+                                     "threads (default: those this process may run on, its CPU affinity)")
+    threads: Optional[int] = opt(None, "intra-op threads for in-process runs (default: the cores, as the served models get)")
     models: tuple[str, ...] = opt((), "served models to sweep (default: every served model of the export)")
     concurrency: tuple[int, ...] = opt((1, 4, 16), "closed-loop concurrency levels (batch-1 requests in flight)")
     requests: int = opt(150, "the fewest requests a concurrency level's figures rest on (its last three windows together)")
@@ -50,6 +54,10 @@ class BenchConfig:
     perf_analyzer: Optional[str] = opt(None, "path to perf_analyzer (default: $TORCHSHIP_PERF_ANALYZER, the torchship cache, then PATH)")
     shape: tuple[str, ...] = opt((), "NAME=SIZE for a dynamic dim of the inputs, e.g. S=64: the size the bench runs at "
                                      "(default: the real samples' own; repeatable)", flag="--shape", append=True)
+    soak: Optional[str] = opt(None, "instead of the sweeps: hold each served model at the highest --concurrency for this "
+                                    "long (120s, 2m, 1h), every response checked, sampling the resident memory of the "
+                                    "server and of each backend process; fails past --soak-bound-kib", metavar="DURATION")
+    soak_bound_kib: float = opt(SOAK_BOUND_KIB, "the soak's bound: KiB a process may grow per 1000 requests")
     skip_in_process: bool = opt(False, "skip the in-process part")
     skip_served: bool = opt(False, "skip the served part")
     plots: bool = opt(True, "draw the matplotlib plots")
@@ -76,6 +84,18 @@ class BenchConfig:
             raise ConfigError("--rate must be positive")
         if self.url is not None:
             check_url(self.url)
+        if self.soak is not None:
+            from .soak import parse_duration
+
+            parse_duration(self.soak)
+            if self.soak_bound_kib <= 0:
+                raise ConfigError("--soak-bound-kib must be positive")
+            if self.skip_served:
+                raise ConfigError("--soak measures the served models; drop --skip-served")
+        if any(v is not None and v < 1 for v in (self.cores, self.threads)):
+            raise ConfigError("--cores and --threads must be at least 1")
+        if self.threads is None:  # in-process on the cores the served models share
+            self.threads = self.cores or usable_cpus()
         self.shape_values()
 
     def shape_values(self) -> dict[str, int]:

@@ -82,6 +82,28 @@ def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concu
             "cpu_s": time.process_time() - cpu0}
 
 
+def paced(url: str, model: str, inputs: list[dict[str, np.ndarray]], n: int, span_s: float, keep) -> dict[str, Any]:
+    """``n`` requests one at a time, spread evenly over ``span_s`` seconds, each answer handed to ``keep(i,
+    response)``: the few known requests that check another load generator's window without adding a second
+    stream of load to it (a closed loop beside perf_analyzer at concurrency 1 doubled what was in flight)."""
+    import grpc
+
+    prepared = [request_feeds(model, feeds) for feeds in inputs]
+    channel, call = infer_channel(url)
+    errors: list[str] = []
+    t_start = time.perf_counter()
+    for i in range(n):
+        wait = t_start + i * span_s / n - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        try:
+            keep(i % len(prepared), call(prepared[i % len(prepared)], timeout=60))
+        except grpc.RpcError as e:
+            errors.append(e.details() or str(e.code()))
+    channel.close()
+    return {"sent": n, "errors": errors}
+
+
 def open_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], rate: float, duration: float) -> dict:
     """Poisson arrivals at ``rate`` requests/s for ``duration`` seconds (latency includes queueing)."""
     channel, call = infer_channel(url)

@@ -57,21 +57,25 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
     def save() -> None:
         atomic_write_json(out / "results.json", results)
 
+    in_process = not (cfg.skip_in_process or cfg.soak)  # a soak measures the served models alone
     # the in-process rows are read against these; without that part the probe's seconds buy nothing
-    results["limits"] = {} if cfg.skip_in_process else limits(inputs, device, cfg.threads)
+    results["limits"] = limits(inputs, device, cfg.threads) if in_process else {}
     save()
-    runners, notes = ({}, {}) if cfg.skip_in_process else load_variants(cfg, inputs, device)
+    runners, notes = load_variants(cfg, inputs, device) if in_process else ({}, {})
     bar = None
     if cfg.progress:
         from tqdm import tqdm
 
-        total = in_process_runs(cfg, runners, manifest)
+        from .soak import soak_windows
+
+        total = in_process_runs(cfg, runners, manifest) if in_process else 0
         if plan is not None and plan.error is None:
-            total += served.served_runs(cfg, manifest, plan.models, plan.embedded, plan.noop)
+            total += soak_windows(cfg, plan.models) if cfg.soak else \
+                served.served_runs(cfg, manifest, plan.models, plan.embedded, plan.noop)
         bar = tqdm(total=total, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
     failure: TorchshipError | None = None
     try:
-        if not cfg.skip_in_process:
+        if in_process:
             log("in-process: " + (", ".join(runners) or "nothing to run") + f" at batch {', '.join(map(str, cfg.batch_sizes))}")
             results["in_process"] = bench_in_process(cfg, inputs, runners, notes, device, bar)
             save()
@@ -84,7 +88,12 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
                     server = served.start_own_server(cfg, export, out)
                 url = server.url if server is not None else cfg.url
                 log(f"served: {url}")
-                served.bench_served(cfg, inputs, plan, url, server, bar, results, save)
+                if cfg.soak:
+                    from .soak import bench_soak
+
+                    bench_soak(cfg, inputs, plan, url, server, bar, results, save, log)
+                else:
+                    served.bench_served(cfg, inputs, plan, url, server, bar, results, save)
             finally:
                 if own and server is not None:
                     server.stop()
@@ -98,8 +107,10 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
         if bar:
             bar.close()
     rec = recommend(results, cfg.p99_budget_ms, manifest["max_batch"]) if "served" in results else {"error": "no served results"}
+    if cfg.soak:
+        rec = {}  # a soak holds one level: nothing to recommend from
     results["recommendation"] = rec
-    if cfg.write_config and "error" not in rec:
+    if cfg.write_config and rec and "error" not in rec:
         rec["written"] = write_recommendation(Path(cfg.repo) if cfg.repo else out / "repo", rec)
     save()
     write_report(results, out, plots=cfg.plots)
@@ -107,6 +118,11 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
     wrong = wrong_in(results.get("served", {}))
     if wrong is not None:  # a wrong answer outweighs every figure measured
         raise wrong
+    from .soak import soak_failure
+
+    soaked = [e for e in map(soak_failure, results.get("soak", {}).values()) if e]
+    if soaked:
+        raise BenchError("; ".join(map(str, soaked)) + f" (results kept in {out / 'results.json'})")
     if failure is not None:
         raise type(failure)(f"{failure} (partial results kept in {out / 'results.json'})")
     if "error" in rec and cfg.p99_budget_ms is not None:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from torchship.device import usable_cpus
 from torchship.errors import BenchError, TorchshipError
 from torchship.names import format_of, model_names, models_of
 
@@ -21,12 +22,14 @@ from ..repository import DTYPES, config_dims, servable_formats
 from .checks import ResponseCheck, keeper, response_check, tally
 from .config import BenchConfig
 from .inputs import BenchInputs, single_rows
-from .load import closed_loop, level_row, open_loop
+from .load import closed_loop, level_row, open_loop, paced
+from .placement import served_placement
 from .stats import merge_deltas, served_count, settled_stats, stats_delta, stats_of
 from .windows import LAST, settle_rounds, ticker
 
 NOOP_MODEL = "_torchship_noop"
-READY_WAIT_S = 15.0  # how long the bench waits for the server at --url to say it is ready
+READY_WAIT_S = 15.0
+PACED_CHECKS = 12  # known requests spread over each perf_analyzer window, whose answers are checked  # how long the bench waits for the server at --url to say it is ready
 
 
 def noop_repo(out: Path, manifest: dict) -> Path:
@@ -66,7 +69,7 @@ def start_own_server(cfg: BenchConfig, export, out: Path):
 
     repo = Path(cfg.repo) if cfg.repo else out / "repo"
     if not cfg.repo:
-        build_repository(export, RepoConfig(out=str(repo), overwrite=True, threads=cfg.threads))
+        build_repository(export, RepoConfig(out=str(repo), overwrite=True, cores=cfg.cores))
     server = bench_server(dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")),
                           export.manifest, out)
     return server.start()
@@ -144,7 +147,7 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
     --max-windows). A cell's windows are thus spread over the whole sweep, so a machine that speeds up or
     slows down meanwhile shows as spread instead of as a difference between runs. A level's figures come
     from its last three windows; its failures from every window. Every response of a window (perf_analyzer's
-    windows: those of a Python client sending known requests one at a time beside it) is checked against
+    windows: PACED_CHECKS known requests spread over it, one at a time) is checked against
     ``checks[model]`` once the window is over (checks.py), and counted in the level's checked and wrong.
     Returns each model's rows, by level."""
     batch = len(next(iter(inputs[0].values())))
@@ -154,20 +157,25 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
     judged: dict[tuple[str, int], dict[str, Any]] = {}
 
     def cell(model: str, c: int) -> Callable[[], dict[str, Any]]:
+        first = [True]
+
         def window() -> dict[str, Any]:
             warm = min(cfg.requests, max(4, c * 2))
             count = served_count(stats_of(client, model))
-            closed_loop(url, model, sent[model], c, warm)
-            before = settled_stats(client, model, count + warm)
+            # untimed before each window; before a cell's first, for a whole window: the level's batch sizes, the
+            # server's threads and the client's channel all run once before anything is measured
+            warmed = closed_loop(url, model, sent[model], c, warm, cfg.window_s if first[0] else 0.0)
+            first[0] = False
+            before = settled_stats(client, model, count + len(warmed["latencies_s"]))
             check = (checks or {}).get(model)
             keep, kept = keeper()
             if gen.name == "perf_analyzer":
                 from .perf_analyzer import window as pa_window, wired_data
 
-                side = _beside(lambda: closed_loop(url, model, sent[model], 1, 1, cfg.window_s, keep) if check else None)
+                side = _beside(lambda: paced(url, model, sent[model], PACED_CHECKS, cfg.window_s, keep) if check else None)
                 res = pa_window(gen.binary, url, model, c, wired_data(gen.data, client.wire_names(model), model), cfg.window_s)
                 extra = side()
-                after = settled_stats(client, model, served_count(before) + 1 + (len(extra["latencies_s"]) if extra else 0))
+                after = settled_stats(client, model, served_count(before) + 1 + (extra["sent"] if extra else 0))
             else:
                 res = closed_loop(url, model, sent[model], c, per_window, cfg.window_s, keep if check else None)
                 after = settled_stats(client, model, served_count(before) + len(res["latencies_s"]))
@@ -261,7 +269,8 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
     client = TritonClient(url)
     client.wait_ready(15)
     client.require_models(models)
-    served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {}}
+    served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {},
+                              "client_cores": usable_cpus()}
     results["served"] = served
     singles = single_rows(inputs.pool, 64)  # batch-1 requests
     data = Path(tempfile.mkdtemp(prefix="torchship-bench-")) / "input.json"
@@ -277,7 +286,9 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
     for model in models:
         cfgm = client.config(model)
         buckets = cfgm.get("parameters", {}).get("buckets", {}).get("string_value", "")
+        instances, threads = served_placement(cfgm)
         served["models"][model] = {"max_batch_size": client.max_batch(model), "dynamic_batching": "dynamic_batching" in cfgm,
+                                   "instances": instances, "threads": threads,
                                    "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
                                    **({"buckets": [int(b) for b in buckets.split(",")]} if buckets else {})}
     for model, rows in run(models).items():

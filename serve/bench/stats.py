@@ -8,7 +8,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -73,29 +73,66 @@ def flops_per_sample(model, inputs: list) -> float:
     return fc.get_total_flops() / len(inputs[0])
 
 
-def device_peak(device: str, threads: int, seconds: float = 1.0) -> dict[str, float]:
-    """Measured matmul throughput (FLOP/s) in fp32 and bf16, and on a CPU oneDNN's u8 x s8 quantized linear
-    (ops/s, as int8_flops): the roofline each precision's results are read against. Measured once per process
-    for each device and thread count: a second bench in the same process reads the first one's figures."""
+def device_peak(device: str, threads: int, seconds: float = 0.5) -> dict[str, Any]:
+    """The roofline each precision's results are read against: per precision, the fastest of the matrix-multiply
+    kernels at hand on this device (``fp32_flops``, ``bf16_flops``, and on a CPU ``int8_flops`` in ops/s), and
+    which kernel that was (``fp32_kernel``...). On a CPU the candidates are torch's (oneDNN/MKL) and ONNX Runtime's
+    (MLAS) at two sizes, so that neither runtime's formats read against the other's slower kernel. Measured once per
+    process for each device and thread count: a second bench in the same process reads the first one's figures."""
     return dict(_device_peak(device, threads, seconds))
 
 
 @functools.lru_cache(maxsize=None)
-def _device_peak(device: str, threads: int, seconds: float) -> dict[str, float]:
+def _device_peak(device: str, threads: int, seconds: float) -> dict[str, Any]:
     import torch
 
-    out = {}
-    n = 8192 if device.startswith("cuda") else 1024
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    candidates: dict[str, list[tuple[str, Callable[[], Any] | None, int]]] = {"fp32": [], "bf16": [], "int8": []}
     with torch_threads(threads):
-        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            a = torch.rand(n, n, device=device, dtype=dtype)
-            b = torch.rand(n, n, device=device, dtype=dtype)
-            out[f"{name}_flops"] = _best(lambda: a @ b, 2 * n ** 3, seconds, sync)
-        int8 = _int8_linear(2048) if device == "cpu" else None  # larger: the INT8 kernels reach their peak later
-        if int8:
-            out["int8_flops"] = _best(int8, 2 * 2048 ** 3, seconds)
+        for n in ((8192,) if cuda else (1024, 2048)):
+            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                a, b = (torch.rand(n, n, device=device, dtype=dtype) for _ in range(2))
+                candidates[name].append((f"torch matmul {n}^3", lambda a=a, b=b: a @ b, n))
+        if not cuda:
+            for n in (1024, 2048):
+                candidates["fp32"].append((f"onnxruntime MatMul {n}^3", _ort_matmul(n, threads, False), n))
+            candidates["int8"].append(("oneDNN quantized linear u8 x s8 2048^3", _int8_linear(2048), 2048))
+            candidates["int8"].append(("onnxruntime MatMulInteger u8 x s8 2048^3", _ort_matmul(2048, threads, True), 2048))
+        out: dict[str, Any] = {}
+        for name, kernels in candidates.items():
+            measured = [(_best(fn, 2 * n ** 3, seconds, sync), label) for label, fn, n in kernels if fn is not None]
+            if measured:
+                out[f"{name}_flops"], out[f"{name}_kernel"] = max(measured)
     return out
+
+
+def _ort_matmul(n: int, threads: int, int8: bool) -> Callable[[], Any] | None:
+    """An n x n x n matrix product on ONNX Runtime's CPU kernels (MLAS): float32 MatMul, or MatMulInteger over u8
+    activations and s8 weights (the kernel its INT8 models' convolutions and matmuls reach). None without
+    onnxruntime."""
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+    except ImportError:
+        return None
+    rng = np.random.default_rng(0)
+    if int8:
+        x, w, op, a_type, w_type, c_type = (rng.integers(0, 255, (n, n), dtype=np.uint8),
+                                            rng.integers(-127, 127, (n, n), dtype=np.int8), "MatMulInteger",
+                                            TensorProto.UINT8, TensorProto.INT8, TensorProto.INT32)
+    else:
+        x, w, op, a_type, w_type, c_type = (rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32),
+                                            "MatMul", TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.FLOAT)
+    graph = helper.make_graph([helper.make_node(op, ["A", "B"], ["C"])], "probe",
+                              [helper.make_tensor_value_info("A", a_type, [n, n])],
+                              [helper.make_tensor_value_info("C", c_type, [n, n])],
+                              [helper.make_tensor("B", w_type, [n, n], w.tobytes(), raw=True)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = max(1, threads), 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return lambda: sess.run(None, {"A": x})
 
 
 def _best(fn, ops: float, seconds: float, sync=lambda: None) -> float:

@@ -169,11 +169,12 @@ def instance_memory(server_pid: int, models: Sequence[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for (model, _), pids in stub_processes(server_pid).items():
         if model in models:
-            out[model] = out.get(model, 0) + sum(_rss(pid) for pid in pids)
+            out[model] = out.get(model, 0) + sum(resident_bytes(pid) for pid in pids)
     return out
 
 
-def _rss(pid: int) -> int:
+def resident_bytes(pid: int) -> int:
+    """A process's resident memory in bytes (0 if it is gone)."""
     try:
         with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

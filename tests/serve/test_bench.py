@@ -1,6 +1,7 @@
 """Benchmark stage: well-formed results and report, ordered percentiles, --compare, and bad input."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -37,7 +38,8 @@ def test_results_and_report_are_well_formed(bench_run):
     m = on_disk["machine"]
     assert m["cpu"] and m["cores"] and m["versions"]["torch"] and "git_revision" in m
     assert on_disk["limits"]["flops_per_sample"] > 0 and on_disk["limits"]["fp32_flops"] > 0
-    assert on_disk["limits"]["int8_flops"] > 0  # the INT8 probe: gone if torch drops its quantized tensors
+    assert on_disk["limits"]["int8_flops"] > 0  # the INT8 probe: gone if neither runtime has an INT8 matmul
+    assert {on_disk["limits"][f"{p}_kernel"].split()[0] for p in ("fp32", "bf16", "int8")} <= {"torch", "onnxruntime", "oneDNN"}
     rows = on_disk["in_process"]["rows"]
     assert {(r["variant"], r["batch"]) for r in rows} == {(v, b) for v in SHORT["variants"] for b in SHORT["batch_sizes"]}
     for r in rows:
@@ -45,6 +47,9 @@ def test_results_and_report_are_well_formed(bench_run):
         assert 3 <= r["windows"] <= SHORT["max_windows"] and r["spread"] >= 0 and r["stable"] in (True, False)
     served = on_disk["served"]
     assert set(served["models"]) == {"tiny_cnn_onnx", "tiny_cnn_torchscript", "tiny_cnn_aoti"}
+    cores = len(os.sched_getaffinity(0))  # the bench's own repository gives each model the cores, in-process too
+    assert {(mm["instances"], mm["threads"]) for mm in served["models"].values()} == {(1, cores)}
+    assert on_disk["in_process"]["threads"] == cores
     for section in ("models", "batching_off"):
         for model, mm in served[section].items():
             assert [r["concurrency"] for r in mm["rows"]] == SHORT["concurrency"]
@@ -373,3 +378,29 @@ def test_a_backend_that_corrupts_one_row_of_a_batch_is_caught_under_load(exporte
     assert c1["checked"] >= SHORT["requests"] and c1["wrong"] == 0
     assert c16["wrong"] >= 1 and c16["server"]["avg_batch"] > 1
     assert "WRONG" in (out / "report.md").read_text()
+
+
+def test_no_variant_reads_above_its_roof_and_the_report_says_what_set_it():
+    from serve.bench.report import probe_share, roofs
+
+    lim = {"flops_per_sample": 1e9, "fp32_flops": 100e9, "fp32_kernel": "torch matmul 2048^3", "int8_flops": 400e9,
+           "int8_kernel": "onnxruntime MatMulInteger u8 x s8 2048^3"}
+    rows = [{"variant": "onnx", "batch": 32, "images_per_s": 150.0},  # 150 GFLOP/s: faster than the fp32 probe
+            {"variant": "torchscript", "batch": 32, "images_per_s": 75.0},
+            {"variant": "onnx_int8", "batch": 32, "images_per_s": 200.0}]
+    roof = roofs(rows, lim, "float32")
+    assert roof["fp32_flops"] == (150e9, "onnx itself at batch 32, faster than the probe's kernels")
+    assert roof["int8_flops"] == (400e9, "onnxruntime MatMulInteger u8 x s8 2048^3")
+    assert [probe_share(r, lim, "float32", roof) for r in rows] == ["100.0", "50.0", "50.0"]
+
+
+def test_a_load_generator_that_takes_the_servers_cores_is_named_beside_the_figures():
+    from serve.bench.report import client_share_lines
+
+    def served(us):
+        return {"client_cores": 2, "models": {"m": {"rows": [{"concurrency": 1, "requests_per_s": 500, "client_cpu_us": us},
+                                                            {"concurrency": 16, "requests_per_s": 2000, "client_cpu_us": us}]}}}
+    (line,) = client_share_lines(served(150), "python")
+    assert line.startswith("- m: the load generator took 15 % of the 2 cores at concurrency 16 (150 µs a request)")
+    assert "python -m serve.bench.perf_analyzer install" in line
+    assert client_share_lines(served(50), "python") == []  # 5 %: within what the server can spare
