@@ -158,14 +158,21 @@ def write_key(url: str, key: str) -> Path:
     return atomic_write_text(key_path(url), key + "\n", mode=0o600)
 
 
+PRUNE_AFTER_S = 600.0  # a key file younger than this may be a server still starting, whose port is not open yet
+
+
 def prune_keys(folder: Path) -> None:
     """Remove the key files of loopback servers that are gone (a server killed with its torchship process leaves
-    its file behind): nothing listens on their port any more."""
+    its file behind): nothing listens on their port any more, and the file is older than PRUNE_AFTER_S (a server
+    started a moment ago writes its key before it listens)."""
     import socket
+    import time
 
     for path in folder.glob("127.*.key"):
         host, _, port = path.stem.rpartition("_")
         try:
+            if time.time() - path.stat().st_mtime < PRUNE_AFTER_S:
+                continue
             with socket.create_connection((host, int(port)), timeout=0.5):
                 continue
         except ConnectionRefusedError:

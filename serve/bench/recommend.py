@@ -55,6 +55,18 @@ def batching_edit(rec: dict[str, Any]):
         if c.max_batch_size == 0:
             return
         c.max_batch_size = max(1, min(c.max_batch_size, rec["max_batch_size"] or c.max_batch_size))
+        # warm-ups above the new max batch fail the load (and a load over the API with one crashed Triton 2.51)
+        sizes = sorted({min(w.batch_size, c.max_batch_size) for w in c.model_warmup})
+        if sizes and sizes != sorted(w.batch_size for w in c.model_warmup):
+            keep = {min(w.batch_size, c.max_batch_size): w for w in c.model_warmup}
+            warm = []
+            for b in sizes:
+                w = type(keep[b])()
+                w.CopyFrom(keep[b])
+                w.batch_size, w.name = b, f"real_sample_batch_{b}"
+                warm.append(w)
+            c.ClearField("model_warmup")
+            c.model_warmup.extend(warm)
         if rec["dynamic_batching"]:
             c.dynamic_batching.max_queue_delay_microseconds = rec["max_queue_delay_microseconds"]
         else:

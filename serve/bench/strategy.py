@@ -13,7 +13,7 @@ from torchship.io import atomic_write_text
 from torchship.names import FORMAT_PARAMETER, format_of
 
 from ..config import parse_strategy
-from ..model_config import edit_configs, repository_models
+from ..model_config import edit_configs, read_config, repository_models, served_config_path
 from .recommend import batching_edit, recommend
 
 def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def serve_by_strategy(export_dir, repo: str | Path, strategy: str, manifest: dic
                       cores: int | None = None, server=None) -> tuple[dict[str, Any], Path]:
     """Pick the winner of ``strategy`` from ``results`` (a bench's results.json) or, without them, from a short
     served bench of ``repo`` written beside it as REPO-bench; with ``cores``, search its instances x threads
-    within them (placement.search, on ``server`` where given, else on an embedded server of its own); and serve
+    within them (search, on ``server`` where given, else on an embedded server of its own); and serve
     it under the export's plain name. ``export_dir``: the export (a directory, or an Export held already).
     Returns (the winner, its model folder)."""
     if results is None:
@@ -183,15 +183,67 @@ def serve_by_strategy(export_dir, repo: str | Path, strategy: str, manifest: dic
 
 def search_placement(export_dir, repo: str | Path, model: str, strategy: str, cores: int, server=None,
                      log=print) -> dict[str, Any]:
-    """placement.search for ``model`` on ``server``, or on an embedded server of its own that loads it alone."""
+    """search for ``model`` on ``server``, or on an embedded server of its own that loads it alone."""
     from torchship.manifest import Export
 
     from ..config import ServeConfig
     from ..embedded import TritonServer
-    from .placement import search
 
     export = Export.of(export_dir)
     if server is not None:
         return search(server, model, export, strategy, cores, log=log)
     with TritonServer(ServeConfig(repo=str(repo), models=(model,))).start() as own:
         return search(own, model, export, strategy, cores, log=log)
+
+
+def search(server, model: str, export, strategy: str, cores: int, log=print) -> dict[str, Any]:
+    """Measure ``model`` (served by ``server``, an embedded TritonServer) at each of candidates(``cores``) with
+    SHORT_BENCH's levels, every response checked, and keep the one ``strategy`` prefers: it is written into the
+    model's configs and loaded. Returns {"grid": [{instances, threads, rows}], "chosen": {...}, "why": words}.
+    A GPU model is left as it is (one instance per GPU). ParityError if a response was wrong."""
+    from torchship.errors import ParityError
+
+    from .checks import response_check
+    from .config import SHORT_BENCH, BenchConfig
+    from .inputs import load_inputs, single_rows
+    from .placement import candidates, on_gpu, placement_edit, placement_of, why
+    from .served import LoadGenerator, sweep
+
+    path = served_config_path(server.repo / model)
+    base = read_config(path)
+    if on_gpu(base):
+        return {"skipped": "GPU instances: one per GPU, the threads only for operators on the CPU"}
+    kind, budget = parse_strategy(strategy)
+    cfg = BenchConfig(export_dir=str(export.dir), **{**SHORT_BENCH, "concurrency": (1, 16)}, cross_check=False,
+                      progress=False, plots=False)
+    inputs = load_inputs(export, None)
+    singles = single_rows(inputs.pool, 64)
+    client = server.client()
+    check = response_check(client, model, export.manifest, format_of(model, export.manifest, client.config(model)),
+                           inputs.expected, singles, len(next(iter(inputs.pool.values()))))
+    grid = []
+    try:
+        for instances, threads in candidates(cores):
+            c = read_config(path)
+            placement_edit(instances, threads)(c)
+            server.load(model, client=client, override=c)
+            rows = sweep(server.url, [model], singles, cfg, cfg.concurrency, None, client, LoadGenerator("python"),
+                         {model: check})[model]
+            wrong = sum(r.get("wrong", 0) for r in rows)
+            if wrong:
+                raise ParityError(f"{model} at {instances} instance(s) x {threads} thread(s): {wrong} wrong responses "
+                                  "under load")
+            best = best_row(rows, kind, budget)
+            grid.append({"instances": instances, "threads": threads, "rows": rows,
+                         "score": best[0] if best else None, "at": best[1]["concurrency"] if best else None})
+            log(f"placement {model}: {instances} instance(s) x {threads} thread(s): " + ", ".join(
+                f"{r['requests_per_s']:.0f} req/s p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight" for r in rows))
+        fit = [g for g in grid if g["score"] is not None]
+        chosen = max(fit, key=lambda g: g["score"]) if fit else \
+            next(g for g in grid if (g["instances"], g["threads"]) == placement_of(base))
+        edit_configs(server.repo / model, placement_edit(chosen["instances"], chosen["threads"]))
+        server.load(model, client=client, override=read_config(path))
+    finally:
+        client.close()
+    return {"cores": cores, "grid": grid, "chosen": {"instances": chosen["instances"], "threads": chosen["threads"]},
+            "why": why(grid, chosen, strategy, fit)}

@@ -10,12 +10,12 @@ from serve.bench.compare import compare
 from serve.bench.config import BenchConfig
 from serve.bench.run import run_bench
 from serve.bench.perf_analyzer import locate
-from serve.bench.served import served_runs
+from serve.bench.served import PACED_CHECKS, served_runs
 from tests.conftest import run_cli
 from torchship.config import build
 from torchship.errors import BenchError, ServerError
 
-SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "iters": 8, "blocks": 2, "warmup": 1,
+SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "iters": 8, "blocks": 2, "warmup": 1, "threads": 1,
          "concurrency": [1, 4], "requests": 16, "progress": False, "load_generator": "python",
          "cross_check": False, "window_s": 0.1, "max_windows": 4}
 
@@ -47,9 +47,9 @@ def test_results_and_report_are_well_formed(bench_run):
         assert 3 <= r["windows"] <= SHORT["max_windows"] and r["spread"] >= 0 and r["stable"] in (True, False)
     served = on_disk["served"]
     assert set(served["models"]) == {"tiny_cnn_onnx", "tiny_cnn_torchscript", "tiny_cnn_aoti"}
-    cores = len(os.sched_getaffinity(0))  # the bench's own repository gives each model the cores, in-process too
+    cores = len(os.sched_getaffinity(0))  # the bench's own repository gives each model the cores
     assert {(mm["instances"], mm["threads"]) for mm in served["models"].values()} == {(1, cores)}
-    assert on_disk["in_process"]["threads"] == cores
+    assert on_disk["in_process"]["threads"] == 1  # as --threads says
     for section in ("models", "batching_off"):
         for model, mm in served[section].items():
             assert [r["concurrency"] for r in mm["rows"]] == SHORT["concurrency"]
@@ -169,6 +169,8 @@ def test_perf_analyzer_sends_the_sweep_and_the_python_client_cross_checks(export
         # three windows of at least 0.1 s each at the measured rate: Triton saw at least that many requests
         assert r["ok"] == r["server"]["requests"] >= 0.9 * r["requests_per_s"] * 3 * 0.1
         assert r["mean_ms"] == pytest.approx(r["client_side_us"] / 1e3 + r["server"]["server_us"] / 1e3)
+        # its windows are checked by a few known requests spread over each, not by a second stream of load
+        assert r["checked"] == PACED_CHECKS * r["windows"] and r["wrong"] == 0
     cc = served["cross_check"]
     assert cc["load_generator"] == "python" and [r["concurrency"] for r in cc["rows"]] == [1, 4]
     assert all(r["load_generator"] == "python" and r["ok"] >= SHORT["requests"] for r in cc["rows"])
@@ -404,3 +406,8 @@ def test_a_load_generator_that_takes_the_servers_cores_is_named_beside_the_figur
     assert line.startswith("- m: the load generator took 15 % of the 2 cores at concurrency 16 (150 µs a request)")
     assert "python -m serve.bench.perf_analyzer install" in line
     assert client_share_lines(served(50), "python") == []  # 5 %: within what the server can spare
+
+
+def test_in_process_runs_on_the_cores_the_served_models_get_unless_told():
+    assert BenchConfig().threads == len(os.sched_getaffinity(0))
+    assert BenchConfig(cores=1).threads == 1 and BenchConfig(cores=2, threads=1).threads == 1

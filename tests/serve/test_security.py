@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -208,8 +209,13 @@ def test_the_key_files_of_servers_that_are_gone_are_removed(tmp_path, monkeypatc
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     gone = access.write_key(f"127.0.0.1:{free_ports()[0]}", "old")
+    starting = access.write_key(f"127.0.0.1:{free_ports()[0]}", "starting")
+    old = time.time() - access.PRUNE_AFTER_S - 1
+    os.utime(gone, (old, old))
     access.write_key("127.0.0.1:1", "new")  # a start prunes what nothing listens for any more
     assert not gone.exists() and access.key_path("127.0.0.1:1").read_text() == "new\n"
+    # a file written a moment ago may be a server still starting, not listening yet: kept
+    assert starting.read_text() == "starting\n"
 
 
 def test_torchship_serve_refuses_the_attack_and_removes_its_key_when_it_stops(repo, tmp_path):

@@ -115,3 +115,19 @@ def test_bad_strategy_input_is_refused_and_writes_nothing(exported, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and says in err[0], err
     assert not (tmp_path / "repo").exists()
+
+
+def test_a_smaller_max_batch_takes_the_warm_up_down_with_it(exported, tmp_path):
+    """A warm-up above max_batch_size fails the load (and over the load API crashed Triton 2.51): the batching edit
+    brings each warm-up within the new max batch."""
+    from serve.bench.recommend import batching_edit
+    from serve.config import RepoConfig
+    from serve.repository import build_repository
+
+    build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), formats=("onnx",)))
+    c = read_config(tmp_path / "repo" / "tiny_cnn_onnx" / "config.pbtxt")
+    assert [w.batch_size for w in c.model_warmup] == [1, 8]
+    batching_edit({"max_batch_size": 4, "dynamic_batching": True, "max_queue_delay_microseconds": 0})(c)
+    assert c.max_batch_size == 4 and [(w.name, w.batch_size) for w in c.model_warmup] == [
+        ("real_sample_batch_1", 1), ("real_sample_batch_4", 4)]
+    assert all(w.inputs["images"].input_data_file == "images" for w in c.model_warmup)
