@@ -29,6 +29,7 @@ from .windows import LAST, settle_rounds, ticker
 
 NOOP_MODEL = "_torchship_noop"
 READY_WAIT_S = 15.0
+PA_MAX_REQUEST_BYTES = 64 << 10  # auto sends larger requests with the Python client (load_generators)
 PACED_CHECKS = 12  # known requests spread over each perf_analyzer window, whose answers are checked  # how long the bench waits for the server at --url to say it is ready
 
 
@@ -157,7 +158,7 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
     judged: dict[tuple[str, int], dict[str, Any]] = {}
 
     def cell(model: str, c: int) -> Callable[[], dict[str, Any]]:
-        first = [True]
+        first, rate = [True], [0.0]
 
         def window() -> dict[str, Any]:
             warm = min(cfg.requests, max(4, c * 2))
@@ -165,6 +166,8 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
             # untimed before each window; before a cell's first, for a whole window: the level's batch sizes, the
             # server's threads and the client's channel all run once before anything is measured
             warmed = closed_loop(url, model, sent[model], c, warm, cfg.window_s if first[0] else 0.0)
+            if first[0] and warmed["wall_s"]:  # the level's rate: perf_analyzer's windows must hold per_window requests
+                rate[0] = len(warmed["latencies_s"]) / warmed["wall_s"]
             first[0] = False
             before = settled_stats(client, model, count + len(warmed["latencies_s"]))
             check = (checks or {}).get(model)
@@ -172,8 +175,9 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
             if gen.name == "perf_analyzer":
                 from .perf_analyzer import window as pa_window, wired_data
 
-                side = _beside(lambda: paced(url, model, sent[model], PACED_CHECKS, cfg.window_s, keep) if check else None)
-                res = pa_window(gen.binary, url, model, c, wired_data(gen.data, client.wire_names(model), model), cfg.window_s)
+                span = max(cfg.window_s, per_window / rate[0] if rate[0] else 0.0)
+                side = _beside(lambda: paced(url, model, sent[model], PACED_CHECKS, span, keep) if check else None)
+                res = pa_window(gen.binary, url, model, c, wired_data(gen.data, client.wire_names(model), model), span)
                 extra = side()
                 done = served_count(before) + 1 + (extra["sent"] if extra else 0)
                 if res["errors"] and "stable measurement" in res["errors"][0]:  # not a failed request: its windows
@@ -364,9 +368,11 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
 
 def load_generators(cfg: BenchConfig, pool: dict[str, np.ndarray], data: Path
                     ) -> tuple[LoadGenerator, Optional[LoadGenerator], str]:
-    """The sweeps' load generator, the cross-check's (None: none), and why. --load-generator auto:
-    perf_analyzer where it is installed (it takes the client's cost off the server's cores less than a
-    Python client does, and users of Triton trust it), torchship's Python client otherwise."""
+    """The sweeps' load generator, the cross-check's (None: none), and why. --load-generator auto: the one that
+    costs the server's cores least. perf_analyzer where it is installed, for small requests (a sixth to a half
+    of the Python client's CPU a request on resnet18 at 32x32); for requests above PA_MAX_REQUEST_BYTES the
+    Python client (perf_analyzer spent 4,462 us a request on resnet50's 588 KiB images, the Python client 1,123).
+    torchship's Python client where perf_analyzer is not installed."""
     from .perf_analyzer import input_data_json, locate
 
     binary = locate(cfg.perf_analyzer)
@@ -375,6 +381,11 @@ def load_generators(cfg: BenchConfig, pool: dict[str, np.ndarray], data: Path
         return python, None, "perf_analyzer not found (python -m serve.bench.perf_analyzer install fetches it)"
     data.write_text(input_data_json(pool))
     pa = LoadGenerator("perf_analyzer", binary, data)
-    first, second = (python, pa) if cfg.load_generator == "python" else (pa, python)
+    size = sum(v[0].nbytes for v in pool.values())
+    big = cfg.load_generator == "auto" and size > PA_MAX_REQUEST_BYTES
+    first, second = (python, pa) if cfg.load_generator == "python" or big else (pa, python)
     why = f"--load-generator {cfg.load_generator}" + (", perf_analyzer installed" if cfg.load_generator == "auto" else "")
+    if big:
+        why += (f"; requests of {size / 1024:.0f} KiB, above {PA_MAX_REQUEST_BYTES // 1024} KiB, where perf_analyzer "
+                "costs more CPU a request than the Python client")
     return first, (second if cfg.cross_check else None), why if cfg.cross_check else why + "; cross-check off"

@@ -411,3 +411,24 @@ def test_a_load_generator_that_takes_the_servers_cores_is_named_beside_the_figur
 def test_in_process_runs_on_the_cores_the_served_models_get_unless_told():
     assert BenchConfig().threads == len(os.sched_getaffinity(0))
     assert BenchConfig(cores=1).threads == 1 and BenchConfig(cores=2, threads=1).threads == 1
+
+
+def test_auto_sends_large_requests_with_the_cheaper_python_client(tmp_path):
+    """perf_analyzer cost 4x the Python client's CPU a request on resnet50's 588 KiB images: auto keeps it for
+    small requests only, and says why."""
+    from serve.bench.served import PA_MAX_REQUEST_BYTES, load_generators
+
+    fake = tmp_path / "perf_analyzer"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    cfg = BenchConfig(perf_analyzer=str(fake))
+    small = {"images": np.zeros((4, 3, 32, 32), np.float32)}
+    large = {"images": np.zeros((4, 3, 224, 224), np.float32)}
+    assert small["images"][0].nbytes < PA_MAX_REQUEST_BYTES < large["images"][0].nbytes
+    first, other, why = load_generators(cfg, small, tmp_path / "a.json")
+    assert (first.name, other.name) == ("perf_analyzer", "python")
+    first, other, why = load_generators(cfg, large, tmp_path / "b.json")
+    assert (first.name, other.name) == ("python", "perf_analyzer") and "requests of 588 KiB, above 64 KiB" in why
+    first, _, _ = load_generators(BenchConfig(perf_analyzer=str(fake), load_generator="perf_analyzer"), large,
+                                  tmp_path / "c.json")
+    assert first.name == "perf_analyzer"  # asked for by name: sent by it
