@@ -206,7 +206,7 @@ def search(server, model: str, export, strategy: str, cores: int, log=print) -> 
     from .checks import response_check
     from .config import SHORT_BENCH, BenchConfig
     from .inputs import load_inputs, single_rows
-    from .placement import candidates, on_gpu, placement_edit, placement_of, why
+    from .placement import candidates, choose, on_gpu, placement_edit, placement_of, why
     from .served import LoadGenerator, sweep
 
     path = served_config_path(server.repo / model)
@@ -239,7 +239,7 @@ def search(server, model: str, export, strategy: str, cores: int, log=print) -> 
             log(f"placement {model}: {instances} instance(s) x {threads} thread(s): " + ", ".join(
                 f"{r['requests_per_s']:.0f} req/s p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight" for r in rows))
         fit = [g for g in grid if g["score"] is not None]
-        chosen = max(fit, key=lambda g: g["score"]) if fit else \
+        chosen = choose(fit) if fit else \
             next(g for g in grid if (g["instances"], g["threads"]) == placement_of(base))
         edit_configs(server.repo / model, placement_edit(chosen["instances"], chosen["threads"]))
         server.load(model, client=client, override=read_config(path))
