@@ -173,14 +173,14 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
             check = (checks or {}).get(model)
             keep, kept = keeper()
             if gen.name == "perf_analyzer":
-                from .perf_analyzer import window as pa_window, wired_data
+                from .perf_analyzer import too_short, window as pa_window, wired_data
 
                 span = max(cfg.window_s, per_window / rate[0] if rate[0] else 0.0)
                 side = _beside(lambda: paced(url, model, sent[model], PACED_CHECKS, span, keep) if check else None)
                 res = pa_window(gen.binary, url, model, c, wired_data(gen.data, client.wire_names(model), model), span)
                 extra = side()
                 done = served_count(before) + 1 + (extra["sent"] if extra else 0)
-                if res["errors"] and "stable measurement" in res["errors"][0]:  # not a failed request: its windows
+                if res["errors"] and too_short(res["errors"][0]):  # not a failed request: its window
                     py = closed_loop(url, model, sent[model], c, per_window, cfg.window_s, keep if check else None)
                     res, done = python_window(py, res["errors"][0]), done + len(py["latencies_s"])
                 after = settled_stats(client, model, done)

@@ -304,7 +304,7 @@ def test_a_short_bench_of_each_model(which, served, request, tmp_path):
     assert res["export"]["samples"].startswith(said), res["export"]["samples"]
     assert set(res["served"]["models"]) == {f"{name}_onnx", f"{name}_torchscript"} | ({f"{name}_aoti"} if which == "text" else set())
     rows = res["served"]["models"][f"{name}_onnx"]["rows"]
-    assert [r["concurrency"] for r in rows] == [1, 4] and all(r["failed"] == 0 and r["ok"] >= 20 for r in rows)
+    assert [r["concurrency"] for r in rows] == [1, 4] and all(r["failed"] == 0 and r["ok"] >= 20 for r in rows), rows
     assert {r["variant"] for r in res["in_process"]["rows"]} >= {"eager", "onnx", "torchscript"}
     assert res["limits"]["flops_per_sample"] > 0
 

@@ -432,3 +432,19 @@ def test_auto_sends_large_requests_with_the_cheaper_python_client(tmp_path):
     first, _, _ = load_generators(BenchConfig(perf_analyzer=str(fake), load_generator="perf_analyzer"), large,
                                   tmp_path / "c.json")
     assert first.name == "perf_analyzer"  # asked for by name: sent by it
+
+
+def test_a_perf_analyzer_window_too_short_is_measured_again_not_counted_as_failed_requests():
+    """On a busy machine perf_analyzer's window can hold no completed request, or three windows that disagree past
+    any bound: retried longer, then measured by the Python client, never counted as a failed request."""
+    from serve.bench.perf_analyzer import too_short
+    from serve.bench.served import python_window
+
+    assert too_short("perf_analyzer exited 3: No valid requests recorded within time interval. Please use a larger "
+                     "time window.")
+    assert too_short("perf_analyzer exited 2: Failed to obtain stable measurement within 3 measurement windows")
+    assert not too_short("perf_analyzer exited 99: Failed to retrieve results from inference request.")
+    w = python_window({"latencies_s": [0.001] * 99 + [0.01], "errors": [], "wall_s": 0.5, "cpu_s": 0.02,
+                       "completed": 100}, "No valid requests recorded")
+    assert w["requests_per_s"] == 200 and w["p50_ms"] == pytest.approx(1.0) and w["p99_ms"] == pytest.approx(10.0)
+    assert w["errors"] == [] and w["python_instead"] == "No valid requests recorded"
