@@ -57,7 +57,9 @@ class BenchConfig:
     soak: Optional[str] = opt(None, "instead of the sweeps: hold each served model at the highest --concurrency for this "
                                     "long (120s, 2m, 1h), every response checked, sampling the resident memory of the "
                                     "server and of each backend process; fails past --soak-bound-kib", metavar="DURATION")
-    soak_bound_kib: float = opt(SOAK_BOUND_KIB, "the soak's bound: KiB a process may grow per 1000 requests")
+    soak_bound_kib: float = opt(SOAK_BOUND_KIB, "the soak's bound: KiB a process may grow per 1000 requests, after the "
+                                                "first quarter of them (meant for soaks of minutes: a soak of seconds "
+                                                "can still be filling the runtimes' arenas)")
     skip_in_process: bool = opt(False, "skip the in-process part")
     skip_served: bool = opt(False, "skip the served part")
     plots: bool = opt(True, "draw the matplotlib plots")

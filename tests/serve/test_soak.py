@@ -87,7 +87,10 @@ def test_a_soak_checks_every_response_and_catches_a_planted_leak(exported, tmp_p
     out = tmp_path / "healthy"
     repo = tmp_path / "repo"
     build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
-    assert run_cli("bench", exported, "--repo", repo, "--soak", "4s", "--concurrency", "8", "--out", out,
+    # four seconds hold a few thousand requests, some still filling the arenas: a bound of 1 MiB per 1000 requests
+    # (the default 64 KiB is for soaks of minutes) passes a healthy backend and fails one that keeps 32 KiB each
+    bound = ("--soak-bound-kib", "1024")
+    assert run_cli("bench", exported, "--repo", repo, "--soak", "4s", "--concurrency", "8", "--out", out, *bound,
                    "--no-progress", "--load-generator", "python", "--no-cross-check") == 0
     res = json.loads((out / "results.json").read_text())["soak"]["tiny_cnn_onnx"]
     assert res["sent"] > 100 and res["checked"] == res["sent"] and res["wrong"] == 0 and res["failed"] == 0
@@ -99,10 +102,10 @@ def test_a_soak_checks_every_response_and_catches_a_planted_leak(exported, tmp_p
 
     leaky = leaky_repo(exported, tmp_path)
     assert run_cli("bench", exported, "--repo", leaky, "--soak", "4s", "--concurrency", "8", "--out", tmp_path / "leak",
-                   "--no-progress", "--load-generator", "python", "--no-cross-check") == 2
+                   *bound, "--no-progress", "--load-generator", "python", "--no-cross-check") == 2
     err = capsys.readouterr().err
     assert "soak of tiny_cnn_onnx at 8 in flight" in err and "tiny_cnn_onnx backend (pid " in err, err
-    assert "KiB per 1000 requests (bound 64 KiB" in err and "tritonserver" not in err.split("grew")[0]
+    assert "KiB per 1000 requests (bound 1024 KiB" in err and "tritonserver" not in err.split("grew")[0]
     res = json.loads((tmp_path / "leak" / "results.json").read_text())["soak"]["tiny_cnn_onnx"]
     assert res["checked"] == res["sent"] and res["wrong"] == 0  # it answered right all along: only memory failed it
     shutil.rmtree(leaky)
