@@ -68,7 +68,7 @@ def why(grid: list[dict[str, Any]], chosen: dict[str, Any], strategy: str, fit: 
                                                           f"p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight"
                                                           if r else "outside the budget"))
     best = max(fit, key=lambda g: g["score"]) if fit else None
-    head = (f"no point met {strategy}; the repository's {chosen['instances']}x{chosen['threads']} kept" if not fit else
+    head = (f"no point met {strategy}; the repository's {chosen['instances']} x {chosen['threads']} kept" if not fit else
             f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s), best under {strategy}" if best is chosen else
             f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s): within {100 * MIN_GAIN:.0f} % of the best "
             f"under {strategy} with fewer instances (each holds its own runtime and weights)")

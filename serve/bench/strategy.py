@@ -229,18 +229,19 @@ def search(server, model: str, export, strategy: str, cores: int, log=print) -> 
             server.load(model, client=client, override=c)
             rows = sweep(server.url, [model], singles, cfg, cfg.concurrency, None, client, LoadGenerator("python"),
                          {model: check})[model]
-            wrong = sum(r.get("wrong", 0) for r in rows)
+            wrong = [f"{model} at {instances} instance(s) x {threads} thread(s), {r['concurrency']} in flight: "
+                     f"{r['wrong']} of {r['checked']} checked responses wrong (first: {r.get('first_wrong')})"
+                     for r in rows if r.get("wrong")]
             if wrong:
-                raise ParityError(f"{model} at {instances} instance(s) x {threads} thread(s): {wrong} wrong responses "
-                                  "under load")
+                raise ParityError(wrong, what="served outputs under load, in the instances x threads search")
             best = best_row(rows, kind, budget)
             grid.append({"instances": instances, "threads": threads, "rows": rows,
                          "score": best[0] if best else None, "at": best[1]["concurrency"] if best else None})
             log(f"placement {model}: {instances} instance(s) x {threads} thread(s): " + ", ".join(
                 f"{r['requests_per_s']:.0f} req/s p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight" for r in rows))
         fit = [g for g in grid if g["score"] is not None]
-        chosen = choose(fit) if fit else \
-            next(g for g in grid if (g["instances"], g["threads"]) == placement_of(base))
+        kept = dict(zip(("instances", "threads"), placement_of(base)))
+        chosen = choose(fit) if fit else kept  # nothing within the strategy: the repository's own stays
         edit_configs(server.repo / model, placement_edit(chosen["instances"], chosen["threads"]))
         server.load(model, client=client, override=read_config(path))
     finally:

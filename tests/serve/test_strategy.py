@@ -53,6 +53,10 @@ def test_more_instances_win_only_by_more_than_the_noise():
     assert choose([g(1, 1715.0), g(2, 1738.0)])["instances"] == 1  # 1 % more for a second process: no
     assert choose([g(1, 1500.0), g(2, 1738.0)])["instances"] == 2  # 16 % more: yes
     assert choose([g(1, -2.21), g(2, -2.45)])["instances"] == 1  # min-latency scores (-p50): the same rule
+    from serve.bench.placement import why
+    grid = [{**g(1, None), "at": None, "rows": []}, {**g(2, None), "at": None, "rows": []}]
+    assert why(grid, {"instances": 1, "threads": 2}, "p99-budget=1", []).startswith(
+        "no point met p99-budget=1; the repository's 1 x 2 kept (1x2: outside the budget; 2x1: outside the budget)")
 
 
 def test_a_budget_nothing_meets_and_a_bad_strategy_are_refused():
