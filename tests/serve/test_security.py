@@ -45,14 +45,16 @@ def test_without_the_key_every_planted_control_call_is_refused(server, tmp_path)
     assert set(answers.values()) == {"restricted"} and not ran, answers
 
 
-def test_with_the_key_the_same_calls_are_accepted(server, tmp_path):
+def test_with_the_key_the_same_calls_are_accepted(repo, tmp_path):
     """The key opens what it guards: the planted code runs (so the marker check above can see it) and the
-    victim is unloaded, then loaded again."""
-    answers, ran, redirected = attack(server, tmp_path, {GRPC_KEY_HEADER: server.key}, {KEY_HEADER: server.key})
+    victim is unloaded, then loaded again. On a server of its own: Triton 2.51 can count the model loaded with
+    code as live after its unload, and then holds the shutdown until its exit timeout."""
+    with TritonServer(ServeConfig(repo=str(repo), models=(VICTIM,), heal=False)).start() as server:
+        answers, ran, redirected = attack(server, tmp_path, {GRPC_KEY_HEADER: server.key}, {KEY_HEADER: server.key})
+        assert TritonClient(server.url).ready(VICTIM)
     assert ran and not redirected, answers
     assert answers == {**{k: "accepted" for k in answers}, **{f"{p} log redirect": NO_NETWORK_LOG_FILE
                                                               for p in ("grpc", "http")}}, answers
-    assert TritonClient(server.url).ready(VICTIM)
 
 
 def test_an_open_control_plane_lets_the_attack_through(repo, tmp_path, monkeypatch):
