@@ -134,7 +134,10 @@ def repo(exported, tmp_path_factory) -> Path:
     from serve.repository import build_repository
 
     out = tmp_path_factory.mktemp("repo") / "model_repository"
-    build_repository(exported, RepoConfig(out=str(out), max_queue_delay_us=2000))
+    # one core per model: the shared server's models serve beside the other workers' servers on the same cores, and
+    # stubs of two spinning threads each took over ten seconds to stop there (tests/serve/test_placement.py covers
+    # the default, every core)
+    build_repository(exported, RepoConfig(out=str(out), max_queue_delay_us=2000, cores=1))
     return out
 
 

@@ -7,8 +7,9 @@ import re
 
 EXIT_TIMEOUT_S = 20  # Triton's own limit for draining and unloading after SIGTERM
 # Once SIGTERM's drain is over, Triton unloads every model and reports the ones still live once a second; on a
-# busy machine Python stubs can take over 5 s to stop, so a stall is called at half of Triton's own limit.
-UNLOAD_STALL_TICKS = 10
+# busy machine Python stubs took over 5 s, and with two threads each beside other servers over 10 s, to stop; a stall is
+# called at three quarters of Triton's own limit.
+UNLOAD_STALL_TICKS = 15
 
 
 def unload_stalled(log: str) -> int:
