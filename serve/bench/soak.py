@@ -15,7 +15,7 @@ from torchship.errors import BenchError, ConfigError
 
 from .checks import ResponseCheck, keeper, tally
 from .load import closed_loop
-from .stats import served_count, stats_of
+from .stats import served_count, stats_of, summarize
 
 SOAK_WINDOW_S = 5.0  # the load is sent in windows this long; each window's responses are checked at its end
 SAMPLE_S = 0.5  # how often resident memory is read
@@ -93,11 +93,11 @@ def soak(url: str, model: str, sent: list, client, check: ResponseCheck | None, 
         procs[name] = {"first_bytes": pts[0][1], "last_bytes": pts[-1][1], "peak_bytes": max(p[1] for p in pts),
                        "growth_bytes_per_1000": g, "within_bound": g <= bound_bytes,
                        "samples": [[round(t, 2), int(d), by.get(name, 0)] for t, d, by in samples]}
-    lat = np.asarray(latencies) * 1e3
+    lat = summarize(latencies)
     out = {"model": model, "concurrency": concurrency, "duration_s": round(wall, 1), "sent": sent_n,
            "requests_per_s": sent_n / wall if wall else 0.0, "failed": failed, "bound_bytes_per_1000": bound_bytes,
            "settle": SETTLE, "processes": procs, **judged,
-           **({"p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99))} if len(lat) else {})}
+           **({k: lat[k] for k in ("p50_ms", "p99_ms")} if lat["n"] else {})}
     if first_error:
         out["first_error"] = first_error
     return out

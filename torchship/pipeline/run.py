@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -15,10 +14,10 @@ from typing import Any, Callable
 from ..config import build, flag_name, load_config_file, opt
 from ..errors import ConfigError, GateError, Interrupted
 from ..io import atomic_write_json, atomic_write_text, read_json
+from .settings import SECTIONS, resolve_settings
 from .summary import RssSampler, outcome_line, summarize
 from serve.access import access_from_arguments, add_access_arguments
 
-SECTIONS = ("train", "export", "repo", "serve", "bench", "run")
 ALIASES = {"serve": "check", "verify": "export"}
 
 
@@ -35,30 +34,6 @@ def layout(run_dir: Path) -> dict[str, Path]:
 def has_checkpoints(run_dir: Path) -> bool:
     """Whether training in ``run_dir`` has written checkpoints, which a run from its first stage replaces."""
     return (layout(run_dir)["train"] / "checkpoints").exists()
-
-
-def resolve_settings(file_cfg: dict[str, Any], sets: list[str], shortcuts: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each stage config's own defaults < config file < --set SECTION.KEY=VALUE < shortcut flags."""
-    out: dict[str, dict[str, Any]] = {k: {} for k in SECTIONS}
-    for section, values in file_cfg.items():
-        if section not in out:
-            raise ConfigError(f"--config: unknown section [{section}]; use {', '.join(out)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"--config: [{section}] must be a table of options")
-        out[section].update(values)
-    for item in sets:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"--set {item!r} must look like SECTION.KEY=VALUE (e.g. train.epochs=3)")
-        key, value = item.split("=", 1)
-        section, name = key.split(".", 1)
-        if section not in out:
-            raise ConfigError(f"--set {item}: unknown section {section!r}; use {', '.join(out)}")
-        try:
-            out[section][name.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            out[section][name.replace("-", "_")] = value
-    out["train"].update({k: v for k, v in shortcuts.items() if v is not None})
-    return out
 
 
 DEFAULT_STRATEGY = "max-throughput"  # what torchship run serves under the plain name, unless repo.strategy says
