@@ -8,10 +8,12 @@ from typing import Any
 
 from torchship.io import atomic_write_text
 from torchship.markdown import table
+from torchship.names import format_of
 
-# the in-process variant each served format runs: the embedded server serves _aoti from the bucket packages
-SERVED_VARIANT = {"onnx": "onnx", "onnx_int8": "onnx_int8", "torchscript": "torchscript", "aoti": "aoti_buckets",
-                  "aoti_int8": "aoti_int8", "aoti_bf16": "aoti_bf16"}
+
+def served_artifact_of(model: str, mm: dict[str, Any]) -> str | None:
+    """The artifact a served model ran, as the bench recorded it (results from before it did: its name's format)."""
+    return mm.get("artifact") or format_of(model)
 
 
 GENERATORS = {"python": "torchship's Python client", "perf_analyzer": "perf_analyzer"}
@@ -21,20 +23,33 @@ def _f(v, spec=".2f", dash="-"):
     return format(v, spec) if isinstance(v, (int, float)) else dash
 
 
-def spread_text(r: dict[str, Any]) -> str:
-    """A row's spread across its last three windows ("±3%"), marked where the windows never agreed."""
+def moved(r: dict[str, Any], stability: float) -> bool:
+    """Whether a settled level's windows, all of them, are further apart than ``stability`` (%): it moved between
+    states over the sweep and its last three caught one of them, so another run may read the other."""
+    return bool(r.get("stable")) and r.get("drift", 0.0) * 100 > stability
+
+
+def spread_text(r: dict[str, Any], stability: float = float("inf")) -> str:
+    """A row's spread across its last three windows ("±3%"), marked where the windows never agreed, or where
+    they agreed only at the end (see moved)."""
     if "spread" not in r:
         return "-"
-    return f"±{100 * r['spread']:.0f}%" + ("" if r.get("stable") else f" UNSTABLE after {r['windows']} windows")
+    if not r.get("stable"):
+        return f"±{100 * r['spread']:.0f}% UNSTABLE after {r['windows']} windows"
+    return f"±{100 * r['spread']:.0f}%" + (f" MOVED ±{100 * r['drift']:.0f}% over {r['windows']} windows"
+                                           if moved(r, stability) else "")
 
 
 def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     """p50, p99 and throughput per model and concurrency, with their spread, then the batching gain per model."""
+    stability = cfg.get("stability", 0)
     rows = [[model, str(r["concurrency"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r["requests_per_s"], ".0f"),
-             spread_text(r), _f(r["server"]["avg_batch"]), _f(r.get("client_cpu_us"), ".0f"), f"{r['ok']}/{r['sent']}",
+             spread_text(r, stability), _f(r["server"]["avg_batch"]), _f(r.get("client_cpu_us"), ".0f"), f"{r['ok']}/{r['sent']}",
              checked_text(r)]
             for model, mm in served.get("models", {}).items() for r in mm["rows"]]
-    unstable = sum(not r.get("stable", True) for mm in served.get("models", {}).values() for r in mm["rows"])
+    every = [r for mm in served.get("models", {}).values() for r in mm["rows"]]
+    unstable = sum(not r.get("stable", True) for r in every)
+    shifted = sum(moved(r, stability) for r in every)
     gen = served.get("load_generator", {"name": "python"})
     lines = ["## Served over gRPC", "",
              f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}); load generator "
@@ -49,7 +64,10 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
              "outputs of their inputs under the model's bound (a reduced-precision model: with its own answers on "
              "the idle server, under its gate's SQNR floor); one wrong response fails the bench." + (
                  " perf_analyzer's percentiles are the mean of its three windows' own." if gen["name"] == "perf_analyzer" else "")
-             + (f" **{unstable} level(s) never settled**: read them as rough." if unstable else ""), ""]
+             + (f" **{unstable} level(s) never settled**: read them as rough." if unstable else "")
+             + (f" **{shifted} level(s) MOVED**: their three last windows agree, but all their windows lie further "
+                f"apart than {stability:g} %; the level ran in two states over the sweep, and another run may read "
+                "the other: read them as rough." if shifted else ""), ""]
     lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "spread", "avg batch", "client CPU µs/req",
                     "measured/sent", "checked"], rows) + [""]
     for model, mm in served.get("models", {}).items():
@@ -70,10 +88,21 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
         gains = [f"{r['concurrency']}: {on[r['concurrency']]['requests_per_s'] / r['requests_per_s']:.2f}x"
                  for r in off["rows"] if r["requests_per_s"] and r["concurrency"] in on]
         lines.append(f"- {model}: dynamic batching on over off, by concurrency: {', '.join(gains)}")
-    noop = (served.get("noop", {}).get("rows") or [{}])[0]
-    if noop.get("n"):
-        lines.append(f"- No-op round trip (same tensors, no model): p50 {noop['p50_ms']:.2f} ms, p99 {noop['p99_ms']:.2f} ms")
+    rows = served.get("noop", {}).get("rows") or [{}]
+    if rows[0].get("n"):
+        line = (f"- No-op round trip (same tensors, no model): p50 {rows[0]['p50_ms']:.2f} ms, p99 {rows[0]['p99_ms']:.2f} ms "
+                f"at concurrency {rows[0]['concurrency']}")
+        if len(rows) > 1:
+            line += (f"; {rows[-1]['requests_per_s']:.0f} req/s at concurrency {rows[-1]['concurrency']}, the most the "
+                     "server, its backend and the load generator carry on these cores with no model to run")
+        lines.append(line)
     return lines + [""]
+
+
+def noop_ceiling(results: dict[str, Any]) -> dict[str, Any]:
+    """The no-op model's row at the highest concurrency it was measured at (empty if it was not)."""
+    rows = [r for r in results.get("served", {}).get("noop", {}).get("rows") or [] if r.get("n")]
+    return max(rows, key=lambda r: r["concurrency"]) if len(rows) > 1 else {}
 
 
 CLIENT_SHARE = 0.10  # past this share of the cores, the load generator is named as a limit beside the figures
@@ -154,10 +183,9 @@ def side_by_side(results: dict[str, Any]) -> list[str]:
     """Each served model beside its artifact run in this process: batch-1 latency, and best throughput."""
     ip = results.get("in_process", {}).get("rows", [])
     served = results.get("served", {}).get("models", {})
-    name = results["export"]["name"]
     rows = []
     for model, mm in served.items():
-        variant = SERVED_VARIANT.get(model[len(name) + 1:])
+        variant = served_artifact_of(model, mm)
         mine = [r for r in ip if r["variant"] == variant and r.get("n")]
         if not mine or not mm["rows"]:
             continue
@@ -173,11 +201,18 @@ def side_by_side(results: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     threads = results.get("in_process", {}).get("threads")
-    return ["## In-process beside served", "",
-            f"In-process on {threads} intra-op thread(s); served by each model's instances x intra-op threads "
-            f"(on the same {threads} core(s) where the repository was built for them), the load generator on the same cores.",
-            ""] + table(["model", "artifact", "in-process p50 ms (batch 1)", "served p50 ms (concurrency 1)",
-                         "in-process samples/s", "served samples/s (instances x threads)", "served / in-process"], rows) + [""]
+    lines = ["## In-process beside served", "",
+             f"In-process on {threads} intra-op thread(s); served by each model's instances x intra-op threads "
+             f"(on the same {threads} core(s) where the repository was built for them), the load generator on the same cores.",
+             ""] + table(["model", "artifact", "in-process p50 ms (batch 1)", "served p50 ms (concurrency 1)",
+                          "in-process samples/s", "served samples/s (instances x threads)", "served / in-process"], rows)
+    ceiling = noop_ceiling(results)
+    if ceiling:
+        lines += ["", f"Ceiling: with no model to run, the server carried {ceiling['requests_per_s']:.0f} requests/s at "
+                      f"concurrency {ceiling['concurrency']} on these cores (gRPC, the backend's round trip and the load "
+                      "generator alone); a model whose in-process throughput is near or above that is held by the "
+                      "round trip, not by its own speed."]
+    return lines + [""]
 
 
 def breakdown_lines(served: dict[str, Any]) -> list[str]:
@@ -307,7 +342,7 @@ def cross_check_lines(served: dict[str, Any], results: dict[str, Any]) -> list[s
 def ratio_lines(model: str, rows: list[dict[str, Any] | None], results: dict[str, Any]) -> list[str]:
     """Served throughput at the highest concurrency over the same artifact's best in-process throughput
     (same thread count), with each load generator's row."""
-    variant = SERVED_VARIANT.get(model[len(results["export"]["name"]) + 1:])
+    variant = served_artifact_of(model, results.get("served", {}).get("models", {}).get(model, {}))
     ip = [r for r in results.get("in_process", {}).get("rows", []) if r["variant"] == variant and r.get("n")]
     rows = [r for r in rows if r]
     if not ip or not rows:

@@ -209,7 +209,7 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
         errors = [e for w in windows for e in w["errors"]]
         measured = sum(w["completed"] for w in last)
         row.update(sent=sum(w["completed"] for w in windows), failed=len(errors), windows=how["windows"],
-                   spread=how["spread"], stable=how["stable"], load_generator=gen.name,
+                   spread=how["spread"], drift=how["drift"], stable=how["stable"], load_generator=gen.name,
                    window_requests_per_s=[round(window_figures(w)[0], 2) for w in windows],
                    client_cpu_us=1e6 * sum(w["cpu_s"] for w in last) / max(1, measured))
         if errors:
@@ -279,7 +279,12 @@ def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: b
     from .perf_analyzer import locate
 
     n += LAST * len({1, max(cfg.concurrency)}) if cfg.cross_check and locate(cfg.perf_analyzer) else 0
-    return n + noop * LAST
+    return n + noop * LAST * len(noop_levels(cfg))
+
+
+def noop_levels(cfg: BenchConfig) -> tuple[int, ...]:
+    """The no-op model's levels: its round trip at concurrency 1, and the most it carries at the highest level."""
+    return tuple(sorted({1, max(cfg.concurrency)}))
 
 
 def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: str, server, bar, results: dict,
@@ -308,7 +313,9 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
         cfgm = client.config(model)
         buckets = cfgm.get("parameters", {}).get("buckets", {}).get("string_value", "")
         instances, threads = served_placement(cfgm)
-        served["models"][model] = {"max_batch_size": client.max_batch(model), "dynamic_batching": "dynamic_batching" in cfgm,
+        fmt = format_of(model, manifest, cfgm)
+        served["models"][model] = {"format": fmt, "artifact": "aoti_buckets" if buckets else fmt,  # as its config reads
+                                   "max_batch_size": client.max_batch(model), "dynamic_batching": "dynamic_batching" in cfgm,
                                    "instances": instances, "threads": threads,
                                    "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
                                    **({"buckets": [int(b) for b in buckets.split(",")]} if buckets else {})}
@@ -350,7 +357,7 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
         try:
             if embedded:
                 server.load(NOOP_MODEL)
-            served["noop"] = {"rows": run([NOOP_MODEL], (1,))[NOOP_MODEL]}
+            served["noop"] = {"rows": run([NOOP_MODEL], noop_levels(cfg))[NOOP_MODEL]}
         except TorchshipError as e:
             served["noop"] = {"error": str(e)}
     if cfg.rate:

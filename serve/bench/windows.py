@@ -1,6 +1,7 @@
 """Measuring in windows until the figures hold still, as perf_analyzer does: a level is measured window
 after window until the last three agree within the stability threshold, or until a cap, when the level
-is reported unstable. A figure's spread is how far apart those last three windows are."""
+is reported unstable. A figure's spread is how far apart those last three windows are; its drift, how far apart
+all of them are but the first (a level that moved between two states over the sweep can settle in either)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def settle_rounds(cells: dict[K, Callable[[], dict[str, Any]]], figures: Callabl
     (a fraction). A cell stops at ``max_windows`` regardless. Because a cell's windows are a round apart,
     its spread also covers the machine drifting over the rounds, not only over a few seconds.
     Returns, per cell, its windows and {"windows": n, "spreads": each figure's spread over the last LAST,
-    "spread": the largest, "stable": bool}."""
+    "spread": the largest, "drift": the largest spread over all its windows after the first, "stable": bool}."""
     windows: dict[K, list[dict[str, Any]]] = {k: [] for k in cells}
     done: dict[K, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
     while len(done) < len(cells):
@@ -63,5 +64,7 @@ def settle_rounds(cells: dict[K, Callable[[], dict[str, Any]]], figures: Callabl
             worst = max(spreads, default=0.0)
             stable = len(last) == LAST and worst <= stability
             if (stable and len(ws) >= min_windows) or len(ws) >= max_windows:
-                done[key] = ws, {"windows": len(ws), "spreads": spreads, "spread": worst, "stable": stable}
+                warmed = ws[1:] if len(ws) > LAST else ws  # a level's first window may still be warming
+                drift = max((spread(column) for column in zip(*map(figures, warmed))), default=0.0)
+                done[key] = ws, {"windows": len(ws), "spreads": spreads, "spread": worst, "drift": drift, "stable": stable}
     return {k: done[k] for k in cells}

@@ -147,12 +147,13 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     # in-process: what the summary sets beside each served model, and no sweep the summary does not report
     assert {r["variant"] for r in bench["in_process"]["rows"]} == set(served_artifacts(m).values())
     served = bench["served"]
-    assert served["embedded"] and "noop" not in served and not served["batching_off"]
+    assert served["embedded"] and not served["batching_off"]
+    assert [r["concurrency"] for r in served["noop"]["rows"]] == [1, 4]  # the ceiling the summary sets beside them
     assert all(r["checked"] >= r["ok"] and r["wrong"] == 0 for mm in served["models"].values() for r in mm["rows"])
     assert (run_dir / "bench/report.md").exists() and (run_dir / "logs/tritonserver.log").exists()
     summary = (run_dir / "summary.md").read_text()
     for needle in ("all gates passed", "validation accuracy", "Parity against the float64 reference", "## Served over gRPC", "peak RSS",
-                   "batching gain", "Recommendation: `tiny_cnn_", "## In-process beside served",
+                   "batching gain", "Recommendation: `tiny_cnn_", "## In-process beside served", "Ceiling: with no model to run",
                    f"Served as `tiny_cnn`: `{winner['model']}`. Why: max-throughput: the highest served throughput: "):
         assert needle in summary
 

@@ -63,7 +63,8 @@ def test_results_and_report_are_well_formed(bench_run):
                 assert r["server"]["compute_infer_us"] > 0
                 assert r["checked"] >= r["ok"] and r["wrong"] == 0, (model, r)  # every response, held to the bound
     assert served["batching_off"]["tiny_cnn_onnx"]["rows"][0]["server"]["avg_batch"] == 1.0
-    assert served["noop"]["rows"][0]["ok"] >= SHORT["requests"]
+    noop = served["noop"]["rows"]  # its round trip at concurrency 1, and the most it carries at the top level
+    assert [r["concurrency"] for r in noop] == [1, max(SHORT["concurrency"])] and all(r["ok"] >= SHORT["requests"] for r in noop)
     assert all(v["errors"] == 0 and v["sent"] > 0 for v in served["open_loop"].values())
     assert "model" in on_disk["recommendation"]
     report = (out / "report.md").read_text()
@@ -73,6 +74,7 @@ def test_results_and_report_are_well_formed(bench_run):
     heads = [line for line in report.splitlines() if line.startswith("## ")]
     assert heads[:3] == ["## Served over gRPC", "## Recommendation", "## In-process beside served"], heads
     assert "No-op round trip" in report and "## Triton's server-side breakdown" in report
+    assert f"Ceiling: with no model to run, the server carried {noop[-1]['requests_per_s']:.0f} requests/s" in report
     for model in served["models"]:
         assert f"- {model}: batching gain " in report
 
@@ -104,6 +106,38 @@ def test_in_process_beside_served_pairs_each_model_with_its_own_artifact(bench_r
     assert {r[0].lstrip("| "): r[1] for r in rows} == {"tiny_cnn_onnx": "onnx", "tiny_cnn_aoti": "aoti_buckets"}
     onnx = next(r for r in results["in_process"]["rows"] if r["variant"] == "onnx" and r["batch"] == 1)
     assert f"| tiny_cnn_onnx | onnx | {onnx['p50_ms']:.2f} |" in "\n".join(side_by_side(results))
+
+
+@pytest.mark.slow
+def test_a_model_served_from_the_plain_aoti_package_appears_in_every_table(exported, tmp_path):
+    """Where only the dynamic aoti package verified (no bucket archive), the server runs model.pt2: the bench records
+    that artifact, and the report sets the model beside aoti in-process, as it does in every other table."""
+    import shutil
+
+    from serve.bench.report import side_by_side
+    from torchship.manifest import read_manifest, write_manifest
+
+    d = tmp_path / "export"
+    shutil.copytree(exported, d)
+    m = read_manifest(d)
+    m["artifacts"] = [a for a in m["artifacts"] if a["format"] != "aoti_buckets"]
+    write_manifest(d, m)
+    cfg = build(BenchConfig, {**SHORT, "variants": ["aoti"], "batch_sizes": [1], "concurrency": [1], "noop": False,
+                              "batching_compare": [], "plots": False},
+                {"export_dir": str(d), "out": str(tmp_path / "bench"), "models": ["tiny_cnn_aoti"]})
+    results = run_bench(cfg, log=lambda *a: None)
+    mm = results["served"]["models"]["tiny_cnn_aoti"]
+    assert (mm["format"], mm["artifact"]) == ("aoti", "aoti")
+    report = (tmp_path / "bench" / "report.md").read_text()
+    tables: dict[str, list[str]] = {}
+    head = ""
+    for line in report.splitlines():
+        head = line if line.startswith("## ") else head
+        if line.startswith("| tiny_cnn_aoti |"):
+            tables.setdefault(head, []).append(line)
+    assert {"## Served over gRPC", "## In-process beside served", "## Triton's server-side breakdown"} <= set(tables), tables
+    assert tables["## In-process beside served"][0].startswith("| tiny_cnn_aoti | aoti |")
+    assert any(line.startswith("| tiny_cnn_aoti | aoti |") for line in side_by_side(results))
 
 
 def test_one_run_reads_the_reference_once_and_rebuilds_eager_once(exported, server, tmp_path):

@@ -70,6 +70,22 @@ def test_rounds_visit_every_unsettled_cell_in_turn():
                         lambda w: [w["rate"]], 0.10, max_windows=9)
     assert calls == ["a", "b"] * 3 + ["b"] * 3  # a settled after round 3; b went on alone
     assert out["a"][1]["windows"] == 3 and out["b"][1]["windows"] == 6 and out["b"][1]["stable"]
+    assert out["a"][1]["drift"] == 0 and out["b"][1]["drift"] == pytest.approx(70 / (530 / 5))  # b's after its first: 80..150
+
+
+def test_a_level_that_settles_in_one_of_two_states_is_marked_moved():
+    # the last three windows agree, but the level ran at 1300 before settling at 1140: another run may settle at either
+    from serve.bench.report import served_lines
+
+    it = iter([900, 1300, 1290, 1140, 1300, 1145, 1150, 1138])  # the first window, still warming, is not held against it
+    windows, how = settle(lambda: {"rate": next(it)}, lambda w: [w["rate"]], 0.10)
+    assert how["stable"] and how["windows"] == 8 and how["spread"] < 0.02 and 0.10 < how["drift"] < 0.15
+    steady = {**how, "drift": how["spread"]}
+    row = {"concurrency": 4, "requests_per_s": 1145, "server": {"avg_batch": 1.0}, "ok": 10, "sent": 20}
+    served = {"url": "u", "embedded": True, "models": {"m": {"rows": [{**row, **how}, {**row, **steady, "concurrency": 1}]}}}
+    report = "\n".join(served_lines(served, {"stability": 10, "window_s": 1}))
+    assert "MOVED ±13% over 8 windows" in report and "**1 level(s) MOVED**" in report
+    assert report.count("MOVED ±") == 1  # the steady level is not marked
 
 
 def test_a_machine_that_slows_down_over_the_rounds_is_caught():

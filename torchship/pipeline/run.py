@@ -53,7 +53,7 @@ def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) ->
                                                                         "checkpoint": str(dirs["train"])}),
             "repo": _build_section("repo", RepoConfig, settings, {"out": str(dirs["repo"])}),
             "serve": serve,
-            "bench": _build_section("bench", BenchConfig, {**settings, "bench": {**SHORT_BENCH, **settings.get("bench", {})}},
+            "bench": _build_section("bench", BenchConfig, {**settings, "bench": {**SHORT_BENCH, "noop": True, **settings.get("bench", {})}},
                                     {"out": str(dirs["bench"]), "repo": str(dirs["repo"]),
                                                                      "export_dir": str(dirs["export"]), "serve": serve}),
             "run": _build_section("run", RunConfig, settings, {})}
