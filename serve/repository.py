@@ -28,7 +28,7 @@ from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import Export, artifact, file_problem, passed_formats, reference_inputs, runs_tf32
 from torchship.markdown import table
-from torchship.names import model_names
+from torchship.names import FORMATS, model_names
 from torchship.runtime import PROVENANCE
 
 from torchship.device import cuda_visible, usable_cpus
@@ -41,10 +41,6 @@ from .config import (DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT,
 
 DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_FP64, "int64": mc.TYPE_INT64,
           "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
-# format -> (Triton platform, file name in the version folder), as the official container expects them
-PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "torchscript": ("pytorch_libtorch", "model.pt"),
-             "aoti": ("torch_aoti", "model.pt2"), "onnx_int8": ("onnxruntime_onnx", "model.onnx"), "aoti_int8": ("torch_aoti", "model.pt2"),
-             "aoti_bf16": ("torch_aoti", "model.pt2")}
 
 
 KEY_PLACEHOLDER = "KEY"  # where the README's docker command puts the key it reads
@@ -81,7 +77,7 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
     names = model_names(manifest)
     c = mc.ModelConfig(name=names[fmt])
     c.version_policy.latest.num_versions = 1
-    c.platform, c.default_model_filename = PLATFORMS[fmt]
+    c.platform, c.default_model_filename = FORMATS[fmt].platform, FORMATS[fmt].file
     c.max_batch_size = max_batch
     rename = aoti_tensor_names(manifest) if container_aoti else {}
     if container_aoti:
@@ -181,8 +177,10 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
     """
     export = Export.of(export_dir)
     d, manifest = export.dir, export.manifest
-    formats = servable_formats(manifest, cfg.formats)
-    reasons = not_served(manifest, cfg.formats)
+    kind = _instance_kind(cfg)
+    device = "cuda" if kind == mc.ModelInstanceGroup.KIND_GPU else "cpu"
+    formats = servable_formats(manifest, cfg.formats, device)
+    reasons = not_served(manifest, cfg.formats, device)
     if not formats:
         why = not_served_text(d, reasons) or f"it has none of the formats {', '.join(cfg.formats)}"
         raise ArtifactError(f"{d}: nothing to serve: {why}")
@@ -194,7 +192,6 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
         raise ArtifactError(f"{d}: " + "; ".join(problems) + "; export again (verification ran on the files the "
                             "manifest lists)")
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
-    kind = _instance_kind(cfg)
     if cfg.ort_accelerator != "none" and kind != mc.ModelInstanceGroup.KIND_GPU:
         why = "--instance-kind cpu" if cfg.instance_kind == "cpu" else "--instance-kind auto, and no CUDA GPU is visible here"
         raise ConfigError(f"--ort-accelerator {cfg.ort_accelerator} configures ONNX Runtime on a GPU, and these instances "
@@ -223,7 +220,7 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
                 files = _write_aoti_package(d, manifest, fmt, cfg, max_batch, kind, mdir, vdir, warm)
             else:
                 a = artifact(manifest, fmt)
-                files = copy_artifact(d, a, vdir, PLATFORMS[fmt][1])
+                files = copy_artifact(d, a, vdir, FORMATS[fmt].file)
                 (mdir / CONFIG).write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
             # where the version came from (torchship repo REPO --history) and the sha256 of each of its files,
             # which the embedded server's backends and torchship serve check before loading them
@@ -236,7 +233,7 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
 
 def _sources(fmt: str, have: set[str]) -> set[str]:
     """The artifact formats a served format's model is built from."""
-    return ({"aoti", "aoti_buckets"} & have) if fmt == "aoti" else {fmt}
+    return set(FORMATS[fmt].artifacts) & have
 
 
 BUCKETS_FILE = "buckets.pt2"
@@ -311,11 +308,11 @@ def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti
                 (", with class labels for Triton's classification extension" if manifest.get("classes") and i == 0 else "")
                 + "." for i, t in enumerate(manifest["outputs"])]
     tensors += [f"Dim `{k}`: {v['min']}..{v['max']} (`-1` in the configs)." for k, v in dims.items()]
-    rows = "\n".join(table(["model", "format", "platform"], [[f"`{names[f]}`", f, f"`{PLATFORMS[f][0]}`"] for f in formats]))
+    rows = "\n".join(table(["model", "format", "platform"], [[f"`{names[f]}`", f, f"`{FORMATS[f].platform}`"] for f in formats]))
     buckets_only = "" if container_aoti else (
         f"\n\n**`{names['aoti']}` holds only the bucket archive** (the export has no verified `aoti` package), which "
         "the container's `torch_aoti` cannot load; export the `aoti` format too to serve this model there.")
-    aoti = [f for f in formats if PLATFORMS[f][0] == "torch_aoti"]
+    aoti = [f for f in formats if FORMATS[f].platform == "torch_aoti"]
     named = " and ".join(f"`{names[f]}/config.pbtxt`" for f in aoti) or f"`{manifest['name']}_aoti/config.pbtxt`"
     wire = ", ".join(f"`{k}` is `{v}`" for k, v in aoti_tensor_names(manifest).items())
     packages = [f"`{names[f]}`" for f in ("aoti_int8", "aoti_bf16") if f in aoti]

@@ -232,7 +232,10 @@ def why_not_passed(manifest: dict[str, Any], fmt: str) -> str:
 def runs_tf32(manifest: dict[str, Any], fmt: str | None) -> bool:
     """Whether the served model of ``fmt`` runs an AOTInductor package compiled with TF32 allowed (its own, or
     the bucket archive the embedded server runs for it), and so is held to the TF32 bound."""
-    return any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in (fmt, f"{fmt}_buckets"))
+    from .names import FORMATS
+
+    sources = FORMATS[fmt].artifacts if fmt in FORMATS else (fmt,)
+    return any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in sources)
 
 
 def artifact(manifest: dict[str, Any], name: str) -> dict[str, Any]:

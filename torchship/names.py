@@ -3,9 +3,35 @@ the format it serves (``<export name>_<format>``); the rule read backwards finds
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-SERVED_FORMATS = ("onnx", "torchscript", "aoti", "onnx_int8", "aoti_int8", "aoti_bf16")  # one Triton model each
+
+@dataclass(frozen=True)
+class ServedFormat:
+    """How one served format reaches Triton. ``platform`` and ``file``: what the official container loads, from
+    which file of the version folder. ``artifacts``: the export's artifacts that can serve it, the one the
+    embedded server prefers first (it batches the static-batch ``aoti_buckets`` archive; the container reads only
+    the dynamic ``aoti`` package). ``precision``: what it computes in ("model": the export's own dtype).
+    ``made_for``: what binds the artifact to the device it was exported on ("" where it runs on any)."""
+
+    platform: str
+    file: str
+    artifacts: tuple[str, ...]
+    precision: str = "model"
+    made_for: str = ""
+
+
+COMPILED, QUANTIZED = "compiled", "quantized"
+FORMATS = {  # the one table of served formats: one Triton model each, in this order
+    "onnx": ServedFormat("onnxruntime_onnx", "model.onnx", ("onnx",)),
+    "torchscript": ServedFormat("pytorch_libtorch", "model.pt", ("torchscript",)),
+    "aoti": ServedFormat("torch_aoti", "model.pt2", ("aoti_buckets", "aoti"), made_for=COMPILED),
+    "onnx_int8": ServedFormat("onnxruntime_onnx", "model.onnx", ("onnx_int8",), "int8", made_for=QUANTIZED),
+    "aoti_int8": ServedFormat("torch_aoti", "model.pt2", ("aoti_int8",), "int8", made_for=COMPILED),
+    "aoti_bf16": ServedFormat("torch_aoti", "model.pt2", ("aoti_bf16",), "bf16", made_for=COMPILED),
+}
+SERVED_FORMATS = tuple(FORMATS)
 FORMAT_PARAMETER = "torchship_format"  # a model served under the export's plain name records its format in this parameter
 
 
@@ -47,3 +73,10 @@ def format_of(model: str, manifest: Optional[dict[str, Any]] = None, config: Any
 def models_of(manifest: dict[str, Any], served: Iterable[str]) -> list[str]:
     """The served models that belong to this export, in the order given."""
     return [m for m in served if format_of(m, manifest)]
+
+
+def served_artifact(passed: Iterable[str], fmt: str) -> Optional[str]:
+    """The artifact the embedded server runs for ``fmt``, of the artifact formats that ``passed`` verification;
+    None where none of them can serve it."""
+    have = set(passed)
+    return next((a for a in FORMATS[fmt].artifacts if a in have), None)

@@ -8,6 +8,7 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.device import usable_cpus
 from torchship.errors import ConfigError
+from torchship.runtime import FORMATS
 
 from ..config import ServeConfig, check_url
 
@@ -16,7 +17,7 @@ from ..config import ServeConfig, check_url
 # of the sweeps only an investigation reads (batching off, the no-op)
 SHORT_BENCH = {"window_s": 0.5, "concurrency": (1, 16), "batching_compare": (), "noop": False}
 SOAK_BOUND_KIB = 64.0  # growth per 1000 requests past which the soak fails (see bench_soak)
-IN_PROCESS = ("eager", "torchscript", "exported_program", "aoti", "aoti_buckets", "onnx", "onnx_int8", "aoti_int8", "aoti_bf16")
+IN_PROCESS = ("eager", *FORMATS)
 
 
 @dataclass

@@ -119,8 +119,8 @@ def config_json(config):
 def test_gpu_repository_configs_and_the_providers_the_backend_builds_from_them(gpu_repo, backend):
     OnnxRuntimeModel = backend.OnnxRuntimeModel
     configs = {p.parent.name + "/" + p.name: cfg(p) for p in sorted(gpu_repo.glob("*/*.pbtxt"))}
-    assert sorted(configs) == ["tiny_cnn_aoti/config.pbtxt", "tiny_cnn_aoti/embedded.pbtxt",
-                               "tiny_cnn_onnx/config.pbtxt", "tiny_cnn_torchscript/config.pbtxt"]
+    # the AOTInductor package, compiled for this CPU, is left out of a repository for a GPU
+    assert sorted(configs) == ["tiny_cnn_onnx/config.pbtxt", "tiny_cnn_torchscript/config.pbtxt"]
     for name, c in configs.items():
         (group,) = c.instance_group
         assert group.kind == mc.ModelInstanceGroup.KIND_GPU and list(group.gpus) == [0], name
@@ -183,6 +183,27 @@ def test_a_gpu_instance_runs_on_cuda_only_where_its_runtime_can(backend, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for model in (PyTorchModel(), OnnxRuntimeModel()):
         assert model.device_for(gpu) == ("cpu", "torch sees no CUDA device")
+
+
+def test_a_repository_serves_on_a_device_only_the_artifacts_made_for_it(int8_export, tmp_path, capsys):
+    """AOTInductor packages are compiled for the device they were exported on, INT8 models quantized for its CPU:
+    a GPU repository from a CPU export leaves them out, and says so in one line; the float ONNX model serves."""
+    from serve.servable import not_served
+    from torchship.manifest import read_manifest
+
+    out = tmp_path / "repo"
+    assert run_cli("repo", int8_export, "--out", out, "--instance-kind", "gpu") == 0
+    said = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["tiny_cnn_onnx"]
+    line = next(x for x in said.splitlines() if x.startswith("not served: "))
+    assert line == ("not served: onnx_int8: quantized for the CPU it was exported on, not for a GPU (export them on a "
+                    "machine with the device they are to serve on); aoti_int8: compiled for the CPU it was exported on, "
+                    "not for a GPU (export them on a machine with the device they are to serve on)"), line
+    m = read_manifest(int8_export)
+    assert not_served(m, device="cpu") == not_served(m) == {}  # on the CPU it was made for, all of it serves
+    for a in m["artifacts"]:
+        a["device"] = "cuda:0"  # as a GPU machine's export records them
+    assert set(not_served(m, device="cuda")) == set() and set(not_served(m, device="cpu")) == {"onnx_int8", "aoti_int8"}
 
 
 def test_serving_a_gpu_repository_without_a_gpu_is_refused_before_the_server_starts(gpu_repo, capsys):
