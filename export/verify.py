@@ -19,8 +19,6 @@ from torchship import parity
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ParityError
 from torchship.device import usable_cpus
 from torchship.io import atomic_write_text
-from torchship.parity import check_output
-from torchship.signature import looks_like_mask
 from torchship.manifest import (FAILED, PARITY_MD, REFERENCE, STALE, UNVERIFIED, Export, verdict_state, verdicts,
                                 write_manifest)
 from torchship.markdown import size, table
@@ -156,35 +154,12 @@ def _judge(a: dict, res: dict, manifest: dict, ref, tol: dict, in_names: list[st
     tf32 = bool(a.get("tf32"))
     if tf32:
         entry["tf32"] = True
-    for key, batch in manifest["reference"]["sets"].items():
-        for o in out_names:
-            row, failure = check_output(res["outputs"].get(f"{key}/{o}"), ref[f"expected/{key}/{o}"],
-                                        parity.bound(tol, o, tf32), f"{name}: {key} output {o!r}", batch,
-                                        top1=key == "heldout" and o == out_names[0])
-            if tf32 and "max_abs" in row:  # the strict float32 bound beside the TF32 one it is held to
-                row["strict_bound"] = parity.bound(tol, o)["atol"]
-            entry["sets"][f"{key}/{o}"] = {**row, "output": o}
-            if failure:
-                fail(failure + _empty_mask_hint(manifest, ref, key, res["outputs"].get(f"{key}/{o}"),
-                                                ref[f"expected/{key}/{o}"], parity.bound(tol, o, tf32)))
+    for key, o, row, failure in parity.check_float_sets(manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"),
+                                                        tol, name, tf32):
+        entry["sets"][f"{key}/{o}"] = {**row, "output": o}
+        if failure:
+            fail(failure)
     return entry
-
-
-def _empty_mask_hint(manifest: dict, ref, key: str, got, want, tol: dict) -> str:
-    """Where an artifact differs from eager only on rows whose mask-named input holds no 1 at all (a row no
-    tokenizer sends, which attention has no defined answer for), the words that say so; else ""."""
-    if got is None or got.shape != want.shape or not got.ndim:
-        return ""
-    err = np.abs(got.astype(np.float64) - want).reshape(len(want), -1).max(1)
-    bad = err > tol["atol"] + tol.get("rtol", 0.0) * np.abs(want).reshape(len(want), -1).max(1)
-    for t in manifest["inputs"]:
-        if not looks_like_mask(t["name"]) or t.get("values") == "mask" or t["dtype"].startswith("float"):
-            continue
-        empty = ~ref[f"input/{key}/{t['name']}"].reshape(len(want), -1).any(1)
-        if bad.any() and not (bad & ~empty).any():
-            return (f" (only on rows whose {t['name']} holds no 1: no tokenizer sends such a row; --input-range "
-                    f"{t['name']}=mask draws masks as a tokenizer makes them)")
-    return ""
 
 
 def stale_names(manifest: dict, entries: dict[str, dict]) -> set[str]:

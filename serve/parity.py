@@ -9,8 +9,7 @@ from torchship.errors import ClientError, ParityError, ShapeError
 from torchship.manifest import Export, reference_inputs, runs_tf32
 from torchship.markdown import table
 from torchship.names import format_of, models_of
-from torchship import parity
-from torchship.parity import check_output, check_quantized_sets
+from torchship.parity import check_float_sets, check_quantized_sets
 
 from .client import TritonClient
 
@@ -42,19 +41,17 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
         quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("gate")), None)
         tf32 = runs_tf32(manifest, fmt)
         answers = {}
+        answered = {}
         for key, batch in manifest["reference"]["sets"].items():
             try:
-                got = answers[key] = client.infer_batches(model, reference_inputs(ref, manifest, key), version)
+                answers[key] = client.infer_batches(model, reference_inputs(ref, manifest, key), version)
+                answered[key] = batch
             except (ClientError, ShapeError) as e:
                 failures.append(f"{model}: {key}: {e}")
                 rows[key] = {"batch": batch, "pass": False, "error": str(e)}
-                continue
-            if quantized:
-                continue
-            for o in outputs:
-                what = f"{model}: {key}" + (f" output {o!r}" if len(outputs) > 1 else "")
-                row, failure = check_output(got.get(o), ref[f"expected/{key}/{o}"], parity.bound(tol, o, tf32), what, batch,
-                                            top1=key == "heldout" and o == outputs[0])
+        if not quantized:
+            for key, o, row, failure in check_float_sets(manifest, ref, lambda key, o: answers[key].get(o), tol, model,
+                                                         tf32, answered):
                 rows[key if len(outputs) == 1 else f"{key}/{o}"] = row
                 if failure:
                     failures.append(failure)

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from .signature import looks_like_mask
+
 MULTIPLE = 10.0  # an artifact may round this many times as much as eager itself
 FLOOR_EPS = 8.0  # the bound never drops below this many machine epsilons of the output's largest value
 EPS = {"float32": float(np.finfo(np.float32).eps), "float16": float(np.finfo(np.float16).eps), "bfloat16": 2.0 ** -7}
@@ -222,3 +224,39 @@ def check_quantized_sets(manifest: dict[str, Any], ref, got, gate: dict[str, flo
         rows[key] = {**row, "output": outputs[0]}
         failures += problems
     return failures
+
+
+def check_float_sets(manifest: dict[str, Any], ref, got, tol: dict[str, Any], name: str, tf32: bool = False,
+                     sets: dict[str, int] | None = None) -> list[tuple[str, str, dict[str, Any], str | None]]:
+    """A float artifact's outputs (``got(set, output)``) on each reference set (``sets``, default all of them)
+    under the manifest's bounds (the TF32 one for a package compiled with TF32, the strict bound kept beside it),
+    top-1 agreement on the held-out set. Returns (set, output, row, failure or None) for each; a failure only on
+    rows with an empty attention mask says so."""
+    outputs = [o["name"] for o in manifest["outputs"]]
+    out = []
+    for key, batch in (manifest["reference"]["sets"] if sets is None else sets).items():
+        for o in outputs:
+            have, want, b = got(key, o), ref[f"expected/{key}/{o}"], bound(tol, o, tf32)
+            row, failure = check_output(have, want, b, f"{name}: {key} output {o!r}", batch,
+                                        top1=key == "heldout" and o == outputs[0])
+            if tf32 and "max_abs" in row:  # the strict float32 bound beside the TF32 one it is held to
+                row["strict_bound"] = bound(tol, o)["atol"]
+            out.append((key, o, row, failure and failure + empty_mask_hint(manifest, ref, key, have, want, b)))
+    return out
+
+
+def empty_mask_hint(manifest: dict[str, Any], ref, key: str, got, want, tol: dict) -> str:
+    """Where an artifact differs from eager only on rows whose mask-named input holds no 1 at all (a row no
+    tokenizer sends, which attention has no defined answer for), the words that say so; else ""."""
+    if got is None or got.shape != want.shape or not got.ndim:
+        return ""
+    err = np.abs(got.astype(np.float64) - want).reshape(len(want), -1).max(1)
+    bad = err > tol["atol"] + tol.get("rtol", 0.0) * np.abs(want).reshape(len(want), -1).max(1)
+    for t in manifest["inputs"]:
+        if not looks_like_mask(t["name"]) or t.get("values") == "mask" or t["dtype"].startswith("float"):
+            continue
+        empty = ~ref[f"input/{key}/{t['name']}"].reshape(len(want), -1).any(1)
+        if bad.any() and not (bad & ~empty).any():
+            return (f" (only on rows whose {t['name']} holds no 1: no tokenizer sends such a row; --input-range "
+                    f"{t['name']}=mask draws masks as a tokenizer makes them)")
+    return ""
