@@ -223,6 +223,12 @@ class TritonClient:
         self._channel.close()
         self.client.close()
 
+    def __enter__(self) -> "TritonClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def speaks_tls(url: str, timeout_s: float = 2.0) -> bool:
     """Whether the server at ``url`` completes a TLS handshake (its certificate unchecked: this only tells a

@@ -43,10 +43,16 @@ def manifest_names(config: dict) -> dict[str, str]:
     return json.loads(p["string_value"]) if p else {}
 
 
-def served_config_path(model_dir: str | Path) -> Path:
-    """The config the embedded server loads a model with: its embedded.pbtxt where it has one, else its config.pbtxt."""
+def served_config_path(model_dir: str | Path, live: Optional[dict] = None) -> Path:
+    """The config a server loads a model with: the embedded server its embedded.pbtxt where it has one, else its
+    config.pbtxt. ``live``: the model's config as a running server reports it (JSON), for a server that may be
+    either: one that runs config.pbtxt's platform (the official container's torch_aoti, which the embedded server
+    has not) is handed config.pbtxt."""
     d = Path(model_dir)
-    return d / EMBEDDED_CONFIG if (d / EMBEDDED_CONFIG).exists() else d / CONFIG
+    if not (d / EMBEDDED_CONFIG).exists():
+        return d / CONFIG
+    platform = read_config(d / CONFIG).platform
+    return d / CONFIG if live is not None and platform and live.get("platform") == platform else d / EMBEDDED_CONFIG
 
 
 def edit_configs(model_dir: str | Path, edit: Callable[[mc.ModelConfig], None], into: Optional[str | Path] = None

@@ -40,7 +40,7 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
     reference (an export directory) if given, then reload ``model`` with ``target`` alone and record it in the
     config. On a failure before the switch, the candidate is unloaded and removed and RolloutError raised: the
     live version never stopped. One line per step, with its time."""
-    repo, d = Path(repo), Path(repo) / model
+    d = Path(repo) / model
     on_disk = versions(d)
     live = live_version(d)
     target = on_disk[-1] if target is None else target
@@ -52,61 +52,79 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
     problems = version_file_problems(d / str(target))
     if problems:
         raise RolloutError(f"{model}: version {target} refused: " + "; ".join(problems) + f"; version {live} still serves")
-    client = TritonClient(url)
-    client.wait_ready(30)
-    cand = candidate(model)
-    cdir = repo / cand
-    steps: dict[str, float] = {}
+    steps = Steps(model, log)
+    with TritonClient(url) as client:
+        client.wait_ready(30)
+        live_config = client.config(model)  # what the server at url loaded: the embedded stand-in's or the container's
+        cdir = Path(repo) / candidate(model)
+        try:
+            steps.run(f"version {target} loaded as {cdir.name} beside live version {live}",
+                      lambda: load_candidate(client, d, target, live_config))
+            if check is not None:
+                steps.run(f"served parity of version {target} PASS", lambda: check_served(url, check, models=[cdir.name]))
+        except BaseException as e:
+            _drop_candidate(client, cdir.name, cdir)
+            what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+            raise RolloutError(f"{model}: version {target} refused ({what}); version {live} still serves") from None
+        _drop_candidate(client, cdir.name, cdir)
+        base = read_config(served_config_path(d, live_config))
+        try:
+            steps.run(f"switched to version {target}; version {live} unloaded after its requests in flight",
+                      lambda: both_then_one(client, model, base, live, target))
+        except KeyboardInterrupt:  # the server finishes the switch or not on its own: wait for one version to be left
+            serving = _settle(client, model, (live, target))
+            set_live(d, serving)
+            raise RolloutError(f"{model}: interrupted during the switch; version {serving} serves") from None
+        except TorchshipError as e:
+            raise ServerError(f"{model}: the switch to version {target} failed ({e}); ask the server which version is "
+                              "ready") from None
+    set_live(d, target)
+    return {"model": model, "live": target, "was": live, "changed": True, "steps": steps.seconds}
 
-    def step(what: str, fn) -> Any:
+
+class Steps:
+    """A rollout's steps, each timed and logged as one line once done."""
+
+    def __init__(self, model: str, log) -> None:
+        self.model, self.log, self.seconds = model, log, {}
+
+    def run(self, what: str, fn) -> Any:
         t0 = time.perf_counter()
         out = fn()
-        steps[what] = round(time.perf_counter() - t0, 3)
-        log(f"{model}: {what} ({steps[what]:.2f} s)")
+        self.seconds[what] = round(time.perf_counter() - t0, 3)
+        self.log(f"{self.model}: {what} ({self.seconds[what]:.2f} s)")
         return out
 
-    base = read_config(served_config_path(d))
-    try:
-        def stage_candidate() -> None:
-            shutil.rmtree(cdir, ignore_errors=True)
-            cdir.mkdir()
-            (cdir / str(target)).symlink_to(Path("..") / model / str(target), target_is_directory=True)
-            for extra in ("labels.txt", "warmup"):
-                if (d / extra).exists():
-                    (cdir / extra).symlink_to(Path("..") / model / extra)
-            fmt = format_of(model, config=read_config(d / CONFIG)) or ""
 
-            def as_candidate(c) -> None:
-                c.name = cand
-                c.version_policy.specific.versions[:] = [target]
-                c.parameters[FORMAT_PARAMETER].string_value = fmt
-            edit_configs(d, as_candidate, into=cdir)
-            client.load(cand, read_config(served_config_path(cdir)))
-        step(f"version {target} loaded as {cand} beside live version {live}", stage_candidate)
-        if check is not None:
-            step(f"served parity of version {target} PASS", lambda: check_served(url, check, models=[cand]))
-    except BaseException as e:
-        _drop_candidate(client, cand, cdir)
-        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
-        raise RolloutError(f"{model}: version {target} refused ({what}); version {live} still serves") from None
-    _drop_candidate(client, cand, cdir)
+def load_candidate(client: TritonClient, d: Path, target: int, live_config: dict[str, Any]) -> None:
+    """Load version ``target`` of the model in ``d`` as its candidate: a folder beside it pointing at that version,
+    with the model's configs renamed and pinned to it, in the kind the server at hand loads (``live_config``)."""
+    model = d.name
+    cand = candidate(model)
+    cdir = d.parent / cand
+    shutil.rmtree(cdir, ignore_errors=True)
+    cdir.mkdir()
+    (cdir / str(target)).symlink_to(Path("..") / model / str(target), target_is_directory=True)
+    for extra in ("labels.txt", "warmup"):
+        if (d / extra).exists():
+            (cdir / extra).symlink_to(Path("..") / model / extra)
+    fmt = format_of(model, config=read_config(d / CONFIG)) or ""
 
-    def both_then_one() -> None:  # never a moment without a ready version: a reload that changes versions has one
-        base.version_policy.specific.versions[:] = sorted({live, target})
-        client.load(model, base)
-        base.version_policy.specific.versions[:] = [target]
-        client.load(model, base)
-    try:
-        step(f"switched to version {target}; version {live} unloaded after its requests in flight", both_then_one)
-    except KeyboardInterrupt:  # the server finishes the switch or not on its own: wait for one version to be left
-        serving = _settle(client, model, (live, target))
-        set_live(d, serving)
-        raise RolloutError(f"{model}: interrupted during the switch; version {serving} serves") from None
-    except TorchshipError as e:
-        raise ServerError(f"{model}: the switch to version {target} failed ({e}); ask the server which version is ready") from None
-    set_live(d, target)
-    client.close()
-    return {"model": model, "live": target, "was": live, "changed": True, "steps": steps}
+    def as_candidate(c) -> None:
+        c.name = cand
+        c.version_policy.specific.versions[:] = [target]
+        c.parameters[FORMAT_PARAMETER].string_value = fmt
+    edit_configs(d, as_candidate, into=cdir)
+    client.load(cand, read_config(served_config_path(cdir, live_config)))
+
+
+def both_then_one(client: TritonClient, model: str, base, live: int, target: int) -> None:
+    """Reload ``model`` with both versions, then with ``target`` alone: never a moment without a ready version (a
+    reload that changes versions keeps the old ones until the new are ready)."""
+    base.version_policy.specific.versions[:] = sorted({live, target})
+    client.load(model, base)
+    base.version_policy.specific.versions[:] = [target]
+    client.load(model, base)
 
 
 def _settle(client: TritonClient, model: str, candidates: tuple[int, int], timeout_s: float = 60.0) -> int:

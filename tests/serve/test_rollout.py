@@ -177,8 +177,8 @@ def test_ctrl_c_during_a_rollout_leaves_one_version_serving_and_says_which(two_v
         with pytest.raises(RolloutError, match=r"version 2 refused \(interrupted\); version 1 still serves"):
             switch(s.url, repo, MODEL, None, retrained)
         client = TritonClient(s.url)
-        assert client.ready_models() == [MODEL] and client.client.is_model_ready(MODEL, "1")
-        assert not client.client.is_model_ready(MODEL, "2")
+        assert client.ready_models() == [MODEL] and client.ready(MODEL, "1")
+        assert not client.ready(MODEL, "2")
         assert check_served(s.url, exported, models=[MODEL], version="1")["pass"]  # infer --check --version
         with pytest.raises(ParityError, match="tiny_cnn_onnx: heldout: .*version 2"):
             check_served(s.url, exported, models=[MODEL], version="2")
@@ -193,3 +193,20 @@ def test_a_tampered_candidate_is_refused_before_it_is_loaded(two_versions, expor
     with pytest.raises(RolloutError, match=r"version 2 refused: model.onnx differs from the sha256 .*version 1 still serves"):
         switch("127.0.0.1:1", two_versions, MODEL, None, exported)  # refused before any server is asked
     assert live_version(two_versions / MODEL) == 1
+
+
+def test_a_rollout_hands_each_server_the_config_it_runs(exported, tmp_path):
+    """An AOTInductor model has two configs: config.pbtxt (torch_aoti, the official container's) and embedded.pbtxt
+    (the embedded server's stand-in). The rollout loads the candidate and the switch with the one the server at
+    --url runs, read from the config it reports for the live model."""
+    from serve.model_config import CONFIG, EMBEDDED_CONFIG, served_config_path
+
+    build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), formats=("aoti",)))
+    d = tmp_path / "repo" / "tiny_cnn_aoti"
+    assert (d / EMBEDDED_CONFIG).exists()
+    assert served_config_path(d, {"platform": "torch_aoti", "name": d.name}) == d / CONFIG  # the official container
+    assert served_config_path(d, {"platform": "", "backend": "pytorch"}) == d / EMBEDDED_CONFIG  # the embedded server
+    assert served_config_path(d) == d / EMBEDDED_CONFIG  # the embedded server torchship starts itself
+    onnx = tmp_path / "onnx"
+    build_repository(exported, RepoConfig(out=str(onnx), formats=("onnx",)))
+    assert served_config_path(onnx / MODEL, {"platform": "onnxruntime_onnx"}) == onnx / MODEL / CONFIG

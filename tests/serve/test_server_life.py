@@ -23,7 +23,7 @@ def test_explicit_model_control_unload_and_load(server, exported):
     client = TritonClient(server.url)
     client.unload("tiny_cnn_torchscript")
     deadline = time.time() + 30
-    while client.client.is_model_ready("tiny_cnn_torchscript") and time.time() < deadline:
+    while client.ready("tiny_cnn_torchscript") and time.time() < deadline:
         time.sleep(0.1)
     with pytest.raises(ClientError):
         client.infer("tiny_cnn_torchscript", np.zeros((1, 3, 32, 32), np.float32))
