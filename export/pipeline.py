@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import shutil
 import sys
 import time
@@ -15,12 +14,12 @@ import numpy as np
 import torch
 
 import torchship
-from torchship.device import resolve_device, torch_threads, usable_cpus
 from torchship import parity
+from torchship.device import resolve_device, torch_threads, usable_cpus
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ConfigError, DegenerateError, ParityError, first_line
 from torchship.io import check_out_dir, sha256_file, staging_dir
-from torchship.markdown import size
 from torchship.manifest import FORMAT, MANIFEST, REFERENCE, Export, write_manifest
+from torchship.markdown import size
 from torchship.signature import Signature
 
 from . import exporters, quantize
@@ -58,22 +57,6 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
     model = artifact_model(src, cfg.dtype, device)
     name = cfg.name or src.name
     ex = exporters.example(sig, 2, device)
-    artifacts: list[dict[str, Any]] = []
-    failures: list[dict[str, str]] = []
-
-    def record(fmt: str, files: list[str], extra: dict[str, Any], secs: float) -> None:
-        entry = {"name": fmt, "format": fmt, "file": files[0], "files": {f: sha256_file(tmp / f) for f in files},
-                 "bytes": sum((tmp / f).stat().st_size for f in files), "dtype": cfg.dtype,
-                 "device": device, "torch_version": torch.__version__, "export_seconds": round(secs, 2),
-                 "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
-        artifacts.append(entry)
-        log(f"  {fmt}: {', '.join(files)} ({size(entry['bytes'])}, {secs:.1f}s)")
-
-    def fail(fmt: str, reason: str) -> None:
-        shutil.rmtree(tmp / fmt, ignore_errors=True)
-        failures.append({"format": fmt, "error": reason})
-        log(f"  {fmt} FAILED: {reason} (other formats continue)")
-
     nbytes = _nbytes(model)
     if "aoti_buckets" in cfg.formats:
         choice, why = bucket_weights(cfg.bucket_weights, device, nbytes, cfg.buckets)
@@ -83,6 +66,7 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             Compiler(cfg, device, workers_for(nbytes), tmp / ".compile") as compiler, ExitStack() as stack:
         for fmt in cfg.formats:
             (tmp / fmt).mkdir()
+        arts = Artifacts(tmp, cfg, device, log)
         background = _start_compiles(compiler, cfg, tmp, log)  # they run while the reference is computed
 
         def pace() -> None:  # a running compile holds a core: this process takes what is left (OpenMP slows badly
@@ -91,8 +75,20 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
         pace()
         t0 = time.perf_counter()
         inputs, info = input_sets(sig, src.samples, src.sample_set, cfg.odd_batch, cfg.max_batch, cfg.seed)
-        ref = build_reference(eager, model, sig, inputs, info, cfg.dtype, cfg.max_batch, device, src.labels, src.sample_set,
-                              tf32="tf32" in tf32_field(cfg, device), pace=pace)
+        ref = build_reference(
+            eager,
+            model,
+            sig,
+            inputs,
+            info,
+            cfg.dtype,
+            cfg.max_batch,
+            device,
+            src.labels,
+            src.sample_set,
+            tf32="tf32" in tf32_field(cfg, device),
+            pace=pace,
+        )
         _check_degenerate(ref.degenerate, cfg.allow_degenerate, log)
         tolerances = ref.tolerances if cfg.atol is None and cfg.rtol is None else \
             parity.given([t.name for t in sig.outputs], cfg.atol, cfg.rtol, ref.tolerances)
@@ -108,41 +104,30 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             try:
                 files, extra = _export_one(fmt, model, ex, tmp, cfg, sig, src.samples, log)
             except Exception as e:  # one format failing must not lose the others
-                fail(fmt, first_line(e))
+                arts.fail(fmt, first_line(e))
                 continue
-            record(fmt, files, extra, time.perf_counter() - t0)
+            arts.record(fmt, files, extra, time.perf_counter() - t0)
         for fmt, jobs in background.items():
             log(f"export {fmt}: waiting for its compile ...")
             results = {b: job.get() for b, job in jobs.items()}
             error = next((r["error"] for r in results.values() if "error" in r), None)
             if error:
-                fail(fmt, error)
+                arts.fail(fmt, error)
                 continue
-            record(fmt, [f"{fmt}/model.pt2"], _compiled(fmt, results, tmp, cfg, device), sum(r["seconds"] for r in results.values()))
+            arts.record(
+                fmt,
+                [f"{fmt}/model.pt2"],
+                _compiled(fmt, results, tmp, cfg, device),
+                sum(r["seconds"] for r in results.values()),
+            )
             if fmt == "aoti_int8":
-                log(quantize.log_line(fmt, artifacts[-1]))
-        artifacts.sort(key=lambda a: cfg.formats.index(a["format"]))
-        if not artifacts:
-            raise ArtifactError("no format could be exported: " + "; ".join(f"{f['format']}: {f['error']}" for f in failures))
-        manifest = {
-            "format": FORMAT, "name": name, "torchship_version": torchship.__version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": device, "dtype": cfg.dtype,
-            "python": sys.version.split()[0], "torch_version": torch.__version__,
-            "source": src.description, **sig.to_manifest(),
-            "classes": src.classes, "max_batch": cfg.max_batch, "tolerances": tolerances,
-            "reference": {"file": REFERENCE, "sha256": sha256_file(tmp / REFERENCE), "samples": src.sample_set if src.samples else None,
-                          "sets": {k: v["batch"] for k, v in info.items()},
-                          "dims": {k: v["dims"] for k, v in info.items() if v["dims"]},
-                          "degenerate": ref.degenerate},
-            "formats": list(cfg.formats), "optional": list(cfg.optional),
-            "artifacts": artifacts, "export_failures": failures,
-        }
-        if src.preprocessing:
-            pre, shape = src.preprocessing, sig.inputs[0].shape[1:]
-            manifest["preprocessing"] = {
-                **pre, "normalization": "in_graph",
-                "contract": f"float32 NCHW images in [0, 1] at {shape[1]}x{shape[2]}, {shape[0]} channels; "
-                            "the graph subtracts mean and divides by std itself"}
+                log(quantize.log_line(fmt, arts.artifacts[-1]))
+        arts.artifacts.sort(key=lambda a: cfg.formats.index(a["format"]))
+        if not arts.artifacts:
+            raise ArtifactError(
+                "no format could be exported: " + "; ".join(f"{f['format']}: {f['error']}" for f in arts.failures)
+            )
+        manifest = build_manifest(name, cfg, device, src, tolerances, ref, info, arts, sha256_file(tmp / REFERENCE))
         write_manifest(tmp, manifest)
     log(f"manifest: {out / MANIFEST}")
     export = Export(out, manifest, ref.arrays, files_checked=True)  # hashed as written; the reference in memory
@@ -150,11 +135,73 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
         log("verify: each artifact in a fresh process against the reference ...")
         verify_export(export, device=device, threads=cfg.threads, log=log)  # writes its verdicts into the manifest
         return export
-    required = [f for f in failures if f["format"] not in cfg.optional]
+    required = [f for f in manifest["export_failures"] if f["format"] not in cfg.optional]
     if required:
         raise ParityError([f"{f['format']}: cannot be exported: {f['error']}" for f in required],
                           what=f"export to {out}", hint=OPTIONAL_HINT)
     return export
+
+
+class Artifacts:
+    """The artifacts written into the staging folder ``tmp`` and the formats that failed, each logged as it lands."""
+
+    def __init__(self, tmp: Path, cfg: ExportConfig, device: str, log) -> None:
+        self.tmp, self.cfg, self.device, self.log = tmp, cfg, device, log
+        self.artifacts: list[dict[str, Any]] = []
+        self.failures: list[dict[str, str]] = []
+
+    def record(self, fmt: str, files: list[str], extra: dict[str, Any], secs: float) -> None:
+        entry = {"name": fmt, "format": fmt, "file": files[0], "files": {f: sha256_file(self.tmp / f) for f in files},
+                 "bytes": sum((self.tmp / f).stat().st_size for f in files), "dtype": self.cfg.dtype,
+                 "device": self.device, "torch_version": torch.__version__, "export_seconds": round(secs, 2),
+                 "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
+        self.artifacts.append(entry)
+        self.log(f"  {fmt}: {', '.join(files)} ({size(entry['bytes'])}, {secs:.1f}s)")
+
+    def fail(self, fmt: str, reason: str) -> None:
+        shutil.rmtree(self.tmp / fmt, ignore_errors=True)
+        self.failures.append({"format": fmt, "error": reason})
+        self.log(f"  {fmt} FAILED: {reason} (other formats continue)")
+
+
+def build_manifest(name: str, cfg: ExportConfig, device: str, src, tolerances: dict[str, Any], ref, info: dict,
+                   arts: Artifacts, reference_sha256: str) -> dict[str, Any]:
+    """manifest.json's contents: what was exported from what, its signature, the reference and its bounds, and
+    each artifact (or why its format failed)."""
+    manifest = {
+        "format": FORMAT,
+        "name": name,
+        "torchship_version": torchship.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": device,
+        "dtype": cfg.dtype,
+        "python": sys.version.split()[0],
+        "torch_version": torch.__version__,
+        "source": src.description,
+        **src.signature.to_manifest(),
+        "classes": src.classes,
+        "max_batch": cfg.max_batch,
+        "tolerances": tolerances,
+        "reference": {
+            "file": REFERENCE,
+            "sha256": reference_sha256,
+            "samples": src.sample_set if src.samples else None,
+            "sets": {k: v["batch"] for k, v in info.items()},
+            "dims": {k: v["dims"] for k, v in info.items() if v["dims"]},
+            "degenerate": ref.degenerate,
+        },
+        "formats": list(cfg.formats),
+        "optional": list(cfg.optional),
+        "artifacts": arts.artifacts,
+        "export_failures": arts.failures,
+    }
+    if src.preprocessing:
+        pre, shape = src.preprocessing, src.signature.inputs[0].shape[1:]
+        manifest["preprocessing"] = {
+            **pre, "normalization": "in_graph",
+            "contract": f"float32 NCHW images in [0, 1] at {shape[1]}x{shape[2]}, {shape[0]} channels; "
+                        "the graph subtracts mean and divides by std itself"}
+    return manifest
 
 
 def _check_degenerate(outputs: list[str], allowed: bool, log) -> None:
@@ -186,7 +233,9 @@ def _start_compiles(compiler: Compiler, cfg: ExportConfig, tmp: Path, log) -> di
     return jobs
 
 
-def _compiled(fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: ExportConfig, device: str) -> dict[str, Any]:
+def _compiled(
+    fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: ExportConfig, device: str
+) -> dict[str, Any]:
     """The manifest's extra fields of a compiled format; packages the aoti_buckets archive first."""
     if fmt == "aoti":
         return {**results[0]["extra"], "batch": {"min": 1, "max": cfg.max_batch}}
@@ -230,7 +279,10 @@ def _onnx_int8(model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples:
     finally:
         shutil.rmtree(tmp / "onnx_int8" / "fp32", ignore_errors=True)
     log(quantize.log_line("onnx_int8", extra))
-    files = ["onnx_int8/model.onnx", *(f"onnx_int8/{f.name}" for f in (tmp / "onnx_int8").iterdir() if f.name != "model.onnx")]
+    files = [
+        "onnx_int8/model.onnx",
+        *(f"onnx_int8/{f.name}" for f in (tmp / "onnx_int8").iterdir() if f.name != "model.onnx"),
+    ]
     return files, {**extra, **_gated(cfg, "int8")}
 
 

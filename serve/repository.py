@@ -18,29 +18,46 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from torchship.device import cuda_visible, usable_cpus
 from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import Export, artifact, file_problem, passed_formats, reference_inputs, runs_tf32
 from torchship.markdown import table
 from torchship.names import FORMATS, model_names
+from torchship.parity import gate_words
 from torchship.runtime import PROVENANCE
 
-from torchship.device import cuda_visible, usable_cpus
-
 from .access import restricted_flags
-from .servable import not_served, not_served_text, servable_formats, served_artifacts  # noqa: F401 (re-exported)
+from .config import (
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_METRICS_PORT,
+    TRITON_IMAGE,
+    TRT_CACHE,
+    RepoConfig,
+    placement,
+)
 from .model_config import CONFIG, EMBEDDED_CONFIG, TENSOR_NAMES, config_text
-from .config import (DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, TRT_CACHE, RepoConfig,
-                     placement)
+from .servable import not_served, not_served_text, servable_formats, served_artifacts  # noqa: F401 (re-exported)
 
-DTYPES = {"float32": mc.TYPE_FP32, "float16": mc.TYPE_FP16, "float64": mc.TYPE_FP64, "int64": mc.TYPE_INT64,
-          "int32": mc.TYPE_INT32, "int16": mc.TYPE_INT16, "int8": mc.TYPE_INT8, "uint8": mc.TYPE_UINT8, "bool": mc.TYPE_BOOL}
+DTYPES = {
+    "float32": mc.TYPE_FP32,
+    "float16": mc.TYPE_FP16,
+    "float64": mc.TYPE_FP64,
+    "int64": mc.TYPE_INT64,
+    "int32": mc.TYPE_INT32,
+    "int16": mc.TYPE_INT16,
+    "int8": mc.TYPE_INT8,
+    "uint8": mc.TYPE_UINT8,
+    "bool": mc.TYPE_BOOL,
+}
 
 
 KEY_PLACEHOLDER = "KEY"  # where the README's docker command puts the key it reads
@@ -85,11 +102,15 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
         _param(c, TENSOR_NAMES, json.dumps({v: k for k, v in rename.items()}))
     image = (manifest.get("preprocessing") or {}).get("layout") == "NCHW"
     for spec in manifest["inputs"]:
-        inp = c.input.add(name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=config_dims(spec))
+        inp = c.input.add(
+            name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=config_dims(spec)
+        )
         if image:  # Triton's image clients read the layout from here (dims must be [C, H, W])
             inp.format = mc.ModelInput.FORMAT_NCHW
     for i, spec in enumerate(manifest["outputs"]):
-        out = c.output.add(name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=config_dims(spec))
+        out = c.output.add(
+            name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=config_dims(spec)
+        )
         if manifest.get("classes") and i == 0:  # Triton's classification extension, for classifiers
             out.label_filename = "labels.txt"
     if runs_tf32(manifest, fmt):
@@ -121,8 +142,8 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
 
 def warm_batches(c: mc.ModelConfig, manifest: dict[str, Any], warmup: dict[str, np.ndarray], sizes: Sequence[int],
                  rename: dict[str, str] | None = None) -> None:
-    """Triton's warm-up, run on every instance at load before it is ready: the real sample (``warmup``) repeated to each of
-    ``sizes``, so that the first requests that batch that large do not meet a cold runtime (ONNX Runtime sizes its
+    """Triton's warm-up, run on every instance at load before it is ready: the real sample (``warmup``) repeated to each
+    of ``sizes``, so that the first requests that batch that large do not meet a cold runtime (ONNX Runtime sizes its
     buffers, oneDNN and AOTInductor their kernels, on the first run at a shape)."""
     c.ClearField("model_warmup")
     rename = rename or {}
@@ -154,8 +175,6 @@ def warmup_sample(manifest: dict[str, Any], ref: dict[str, np.ndarray]) -> dict[
 
 def provenance(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Where a version comes from: the export (its manifest's sha256) and the checkpoint's weights."""
-    import time
-
     from torchship.io import sha256_file
     from torchship.manifest import MANIFEST
 
@@ -193,9 +212,15 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
                             "manifest lists)")
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     if cfg.ort_accelerator != "none" and kind != mc.ModelInstanceGroup.KIND_GPU:
-        why = "--instance-kind cpu" if cfg.instance_kind == "cpu" else "--instance-kind auto, and no CUDA GPU is visible here"
-        raise ConfigError(f"--ort-accelerator {cfg.ort_accelerator} configures ONNX Runtime on a GPU, and these instances "
-                          f"are KIND_CPU ({why}); add --instance-kind gpu to build a repository for a GPU server")
+        why = (
+            "--instance-kind cpu"
+            if cfg.instance_kind == "cpu"
+            else "--instance-kind auto, and no CUDA GPU is visible here"
+        )
+        raise ConfigError(
+            f"--ort-accelerator {cfg.ort_accelerator} configures ONNX Runtime on a GPU, and these instances "
+            f"are KIND_CPU ({why}); add --instance-kind gpu to build a repository for a GPU server"
+        )
     max_batch = cfg.max_batch or manifest["max_batch"]
     if max_batch > manifest["max_batch"]:
         raise ArtifactError(f"--max-batch {max_batch} exceeds the export's max batch {manifest['max_batch']}")
@@ -253,7 +278,9 @@ def _write_aoti_package(d: Path, manifest, fmt: str, cfg: RepoConfig, max_batch:
     in the official container (as _aoti) and by the embedded server (embedded.pbtxt), which runs each batch as
     it comes, without padding."""
     files = copy_artifact(d, artifact(manifest, fmt), vdir, "model.pt2")
-    (mdir / CONFIG).write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, container_aoti=True, warmup=warm)))
+    (mdir / CONFIG).write_text(
+        config_text(build_config(manifest, fmt, cfg, max_batch, kind, container_aoti=True, warmup=warm))
+    )
     (mdir / EMBEDDED_CONFIG).write_text(config_text(_embedded(manifest, fmt, cfg, max_batch, kind, warm)))
     return files
 
@@ -272,7 +299,9 @@ def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, m
         b = artifact(manifest, "aoti_buckets")
         sizes = sorted(int(s) for s in b["buckets"] if int(s) <= max_batch)
         if 1 not in sizes:
-            raise ArtifactError(f"{d}: aoti_buckets has no batch-1 bucket (it has {b['buckets']}); export it with --buckets 1,...")
+            raise ArtifactError(
+                f"{d}: aoti_buckets has no batch-1 bucket (it has {b['buckets']}); export it with --buckets 1,..."
+            )
         files.update(copy_artifact(d, b, vdir, BUCKETS_FILE))
         emb.default_model_filename = BUCKETS_FILE
         emb.max_batch_size = max(sizes)
@@ -299,16 +328,36 @@ def copy_artifact(d: Path, a: dict[str, Any], vdir: Path, filename: str) -> dict
     return files
 
 
+WINNER_HEADING = "## Served by strategy"
+
+
+def readme_with_winner(text: str, name: str, winner: dict[str, Any]) -> str:
+    """The repository README ``text`` with its section on the model served under the export's plain name (from
+    that model's winner.json) written, or written again in place of an earlier one."""
+    section = (f"`{name}` serves `{winner['model']}` ({winner['format']}, {winner.get('precision', 'float32')}"
+               + (f"; {gate_words(winner['gate'])}" if winner.get("gate") else "") + f"). Why: {winner['why']}.\n")
+    if winner.get("placement"):
+        from .bench.placement import grid_table
+
+        section += "\n" + "\n".join(grid_table(winner["placement"]))
+    return text.split(f"\n{WINNER_HEADING}\n")[0].rstrip() + f"\n\n{WINNER_HEADING}\n\n" + section
+
+
 def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True) -> str:
     pre = manifest.get("preprocessing")
     dims = manifest.get("dims", {})
     tensors = [f"Input `{t['name']}`: {t['dtype']} {t['shape']}" + (f" — {pre['contract']}" if pre else "") + "."
                for t in manifest["inputs"]]
-    tensors += [f"Output `{t['name']}`: {t['dtype']} {t['shape']}" +
-                (", with class labels for Triton's classification extension" if manifest.get("classes") and i == 0 else "")
-                + "." for i, t in enumerate(manifest["outputs"])]
+    tensors += [
+        f"Output `{t['name']}`: {t['dtype']} {t['shape']}"
+        + (", with class labels for Triton's classification extension" if manifest.get("classes") and i == 0 else "")
+        + "."
+        for i, t in enumerate(manifest["outputs"])
+    ]
     tensors += [f"Dim `{k}`: {v['min']}..{v['max']} (`-1` in the configs)." for k, v in dims.items()]
-    rows = "\n".join(table(["model", "format", "platform"], [[f"`{names[f]}`", f, f"`{FORMATS[f].platform}`"] for f in formats]))
+    rows = "\n".join(
+        table(["model", "format", "platform"], [[f"`{names[f]}`", f, f"`{FORMATS[f].platform}`"] for f in formats])
+    )
     buckets_only = "" if container_aoti else (
         f"\n\n**`{names['aoti']}` holds only the bucket archive** (the export has no verified `aoti` package), which "
         "the container's `torch_aoti` cannot load; export the `aoti` format too to serve this model there.")
@@ -319,15 +368,20 @@ def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti
     int8 = ("" if not packages else
             f" {' and '.join(packages)} {'is' if len(packages) == 1 else 'are'} batched the same way over "
             f"{'its' if len(packages) == 1 else 'their'} one dynamic-batch package, without padding.")
-    kind_note = ("The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
-                 "`torchship repo --instance-kind cpu` builds the same repository for a machine without one." if gpu else
-                 f"The models run on the CPU (`KIND_CPU` instances), in the container too: {cfg.instance_count} instance(s) "
-                 f"of {cfg.threads} intra-op thread(s) each, {cfg.instance_count * cfg.threads} core(s) in all (`torchship "
-                 "repo --cores N` builds it for a machine of N cores). `torchship repo --instance-kind gpu` builds the same "
-                 "repository with the models on GPU 0.")
-    return f"""# Triton model repository: {manifest['name']}
+    kind_note = (
+        "The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
+        "`torchship repo --instance-kind cpu` builds the same repository for a machine without one."
+        if gpu
+        else f"The models run on the CPU (`KIND_CPU` instances), in the container too: {cfg.instance_count} "
+             "instance(s) "
+        f"of {cfg.threads} intra-op thread(s) each, {cfg.instance_count * cfg.threads} core(s) in all (`torchship "
+        "repo --cores N` builds it for a machine of N cores). `torchship repo --instance-kind gpu` builds the same "
+        "repository with the models on GPU 0."
+    )
+    flags = " ".join(f.replace(KEY_PLACEHOLDER, "$K") for f in restricted_flags(KEY_PLACEHOLDER))
+    return f"""# Triton model repository: {manifest["name"]}
 
-Generated by `torchship repo` from an export manifest ({manifest['created']}, torch {manifest['torch_version']}).
+Generated by `torchship repo` from an export manifest ({manifest["created"]}, torch {manifest["torch_version"]}).
 
 {rows}
 
@@ -338,10 +392,11 @@ Generated by `torchship repo` from an export manifest ({manifest['created']}, to
 ```bash
 (umask 077; openssl rand -base64 32 > ../triton-admin-key)  # the key model control answers to; outside the repository
 docker run --rm --gpus all --shm-size=1g --user 1000:1000 --read-only --tmpfs /tmp --cap-drop ALL \\
-  --security-opt no-new-privileges -p {DEFAULT_HTTP_PORT}:8000 -p {DEFAULT_GRPC_PORT}:8001 -p {DEFAULT_METRICS_PORT}:8002 \\
+  --security-opt no-new-privileges \\
+  -p {DEFAULT_HTTP_PORT}:8000 -p {DEFAULT_GRPC_PORT}:8001 -p {DEFAULT_METRICS_PORT}:8002 \\
   -v "$PWD:/models:ro" -v "$PWD/../triton-admin-key:/run/secrets/triton_admin_key:ro" {TRITON_IMAGE} \\
   sh -c 'K=$(cat /run/secrets/triton_admin_key); exec tritonserver --model-repository=/models \\
-    --model-control-mode=explicit --load-model=* {' '.join(f.replace(KEY_PLACEHOLDER, '$K') for f in restricted_flags(KEY_PLACEHOLDER))}'
+    --model-control-mode=explicit --load-model=* {flags}'
 ```
 
 Model load and unload, logging, shared memory and trace then answer only to that key (`torchship rollout

@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from torchship.manifest import PARITY_MD, passed_formats, why_not_passed
+from torchship.manifest import PARITY_MD, artifact_of, passed_formats, why_not_passed
 from torchship.names import FORMATS, SERVED_FORMATS, served_artifact
 
 
-def servable_formats(manifest: dict[str, Any], formats: Sequence[str] = SERVED_FORMATS, device: str | None = None) -> list[str]:
+def servable_formats(
+    manifest: dict[str, Any], formats: Sequence[str] = SERVED_FORMATS, device: str | None = None
+) -> list[str]:
     """Those of ``formats`` a repository built from this export serves: the ones with an artifact exported with a
     passing verdict recorded (``aoti`` also from the ``aoti_buckets`` archive alone). An artifact that failed
     verification, or was never verified, is not served. ``device`` ("cpu" or "cuda"): where the repository's
@@ -22,13 +24,15 @@ def made_elsewhere(manifest: dict[str, Any], fmt: str, device: str | None) -> st
     """Why the artifact that serves ``fmt`` cannot run on ``device`` ("cpu" or "cuda"; None: any), in a few words
     ("compiled for the CPU"), or "" where it can."""
     made_for = FORMATS[fmt].made_for
-    a = next((a for a in manifest["artifacts"] if a["format"] == served_artifact(passed_formats(manifest), fmt)), None)
+    source = served_artifact(passed_formats(manifest), fmt)
+    a = artifact_of(manifest, source) if source else None
     if device is None or not made_for or a is None:
         return ""
     made_on = "cuda" if str(a.get("device", "cpu")).startswith("cuda") else "cpu"
     if made_on == device:
         return ""
-    return f"{made_for} for the {'GPU' if made_on == 'cuda' else 'CPU'} it was exported on, not for a {'GPU' if device == 'cuda' else 'CPU'}"
+    name = {"cuda": "GPU", "cpu": "CPU"}
+    return f"{made_for} for the {name[made_on]} it was exported on, not for a {name[device]}"
 
 
 def served_artifacts(manifest: dict[str, Any]) -> dict[str, str]:
@@ -37,7 +41,9 @@ def served_artifacts(manifest: dict[str, Any]) -> dict[str, str]:
     return {f: served_artifact(have, f) for f in servable_formats(manifest)}
 
 
-def not_served(manifest: dict[str, Any], formats: Sequence[str] = SERVED_FORMATS, device: str | None = None) -> dict[str, str]:
+def not_served(
+    manifest: dict[str, Any], formats: Sequence[str] = SERVED_FORMATS, device: str | None = None
+) -> dict[str, str]:
     """format -> why a repository built from this export (for ``device``) leaves it out ("failed verification",
     "not verified", "not exported", "compiled for the CPU ...", ...), for each of ``formats`` that the export was
     asked for or has."""
@@ -58,7 +64,10 @@ def not_served_text(export_dir: str | Path, reasons: dict[str, str]) -> str:
     groups: dict[str, list[str]] = {}
     for f, why in reasons.items():
         groups.setdefault(why, []).append(f)
-    fix = {"failed verification": f"see {Path(export_dir) / PARITY_MD}", "not verified": f"torchship verify {export_dir}"}
+    fix = {
+        "failed verification": f"see {Path(export_dir) / PARITY_MD}",
+        "not verified": f"torchship verify {export_dir}",
+    }
     for why in groups:
         if "exported on" in why:
             fix[why] = "export them on a machine with the device they are to serve on"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import numpy as np
 
@@ -17,7 +19,49 @@ PARITY_MD = "parity.md"
 FORMAT = "torchship.export/2"  # 2: a float64 reference and a bound per output
 
 
-def read_manifest(export_dir: str | Path) -> dict[str, Any]:
+class Artifact(TypedDict, total=False):
+    """One exported artifact as manifest.json lists it (the fields every stage after export reads)."""
+
+    name: str
+    format: str  # the artifact format: onnx, aoti_buckets, aoti_int8, ...
+    file: str  # its main file, relative to the export directory
+    files: dict[str, str]  # every file it is made of -> sha256
+    bytes: int
+    dtype: str
+    device: str  # what it was exported on: cpu, cuda
+    gate: dict[str, Any]  # a reduced precision's accuracy gate
+    tf32: bool  # an AOTInductor package compiled with TF32 allowed
+    buckets: list[int]
+
+
+class Manifest(TypedDict, total=False):
+    """manifest.json's top level: the JSON on disk, typed for its readers (read_manifest checks the fields they
+    all need)."""
+
+    name: str
+    device: str
+    dtype: str
+    inputs: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+    dims: dict[str, dict[str, int]]
+    max_batch: int
+    tolerances: dict[str, Any]
+    reference: dict[str, Any]
+    formats: list[str]
+    optional: list[str]
+    artifacts: list[Artifact]
+    export_failures: list[dict[str, str]]
+    verification: dict[str, Any]
+    preprocessing: dict[str, Any]
+    classes: list[str]
+
+
+def artifact_of(manifest: Manifest | dict[str, Any], fmt: str) -> Artifact | None:
+    """The manifest's artifact of format ``fmt`` (None where it has none)."""
+    return next((a for a in manifest["artifacts"] if a["format"] == fmt), None)
+
+
+def read_manifest(export_dir: str | Path) -> Manifest:
     """Load and sanity-check an export directory's manifest; ArtifactError if unusable."""
     d = Path(export_dir)
     if not d.is_dir():
@@ -107,7 +151,9 @@ class Export:
     def reference(self) -> dict[str, np.ndarray]:
         """The reference arrays (read_reference; without hashing it again where files_checked), read on first use."""
         if self._reference is None:
-            self._reference = _load_npz(self.dir / REFERENCE) if self.files_checked else read_reference(self.dir, self.manifest)
+            self._reference = (
+                _load_npz(self.dir / REFERENCE) if self.files_checked else read_reference(self.dir, self.manifest)
+            )
         return self._reference
 
     def check_files(self) -> None:
@@ -123,13 +169,16 @@ def read_reference(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str
     """The export's reference arrays (reference.npz: inputs, eager outputs, held-out labels), once its
     sha256 matches the manifest's; ArtifactError naming the file if it is missing or altered."""
     d = Path(export_dir)
-    problem = file_problem(d, REFERENCE, manifest["reference"].get("sha256"))
-    if problem:
-        raise ArtifactError(f"{d}: {problem}; export again")
-    return _load_npz(d / REFERENCE)
+    if not (d / REFERENCE).is_file():
+        raise ArtifactError(f"{d}: {REFERENCE} is missing; export again")
+    data = (d / REFERENCE).read_bytes()  # one read serves the hash and the arrays
+    if hashlib.sha256(data).hexdigest() != manifest["reference"].get("sha256"):
+        raise ArtifactError(f"{d}: {REFERENCE} was altered or truncated (sha256 differs from the manifest); "
+                            "export again")
+    return _load_npz(io.BytesIO(data))
 
 
-def _load_npz(path: Path) -> dict[str, np.ndarray]:
+def _load_npz(path: Path | io.BytesIO) -> dict[str, np.ndarray]:
     with np.load(path) as z:
         return {k: z[k] for k in z.files}
 
@@ -141,7 +190,9 @@ def sample_set(manifest: dict[str, Any]) -> str:
     return manifest["reference"].get("samples") or max(sets, key=lambda k: (sets[k], k == f"random_b{sets[k]}"))
 
 
-def reference_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any], key: str | None = None) -> dict[str, np.ndarray]:
+def reference_inputs(
+    ref: dict[str, np.ndarray], manifest: dict[str, Any], key: str | None = None
+) -> dict[str, np.ndarray]:
     """The inputs of one reference set (default: sample_set), by input name."""
     key = key or sample_set(manifest)
     return {t["name"]: ref[f"input/{key}/{t['name']}"] for t in manifest["inputs"]}
@@ -155,7 +206,9 @@ def check_shape(manifest: dict[str, Any], shape: dict[str, int]) -> None:
             has = f"its dynamic dims are {', '.join(dims)}" if dims else "its inputs have no dynamic dims"
             raise ConfigError(f"--shape {name}={size}: the export has no dim {name!r} ({has})")
         if not dims[name]["min"] <= size <= dims[name]["max"]:
-            raise ConfigError(f"--shape {name}={size} is outside the export's range {dims[name]['min']}..{dims[name]['max']}")
+            raise ConfigError(
+                f"--shape {name}={size} is outside the export's range {dims[name]['min']}..{dims[name]['max']}"
+            )
 
 
 def bench_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any],
@@ -209,7 +262,9 @@ def verdict_state(manifest: dict[str, Any], a: dict[str, Any]) -> str:
     if e is None:
         return UNVERIFIED
     made_on = e.get("made_on")
-    if made_on and (made_on.get("reference") != manifest["reference"].get("sha256") or made_on.get("files") != a["files"]):
+    if made_on and (
+        made_on.get("reference") != manifest["reference"].get("sha256") or made_on.get("files") != a["files"]
+    ):
         return STALE
     return PASSED if e.get("pass") else FAILED
 
@@ -222,7 +277,7 @@ def passed_formats(manifest: dict[str, Any]) -> set[str]:
 
 def why_not_passed(manifest: dict[str, Any], fmt: str) -> str:
     """Why ``fmt`` has no passing verdict, in a few words: failed verification, not verified, not exported, ..."""
-    a = next((a for a in manifest["artifacts"] if a["format"] == fmt), None)
+    a = artifact_of(manifest, fmt)
     if a is None:
         failed = any(f["format"] == fmt for f in manifest.get("export_failures", []))
         return "could not be exported" if failed else "not exported"
@@ -242,4 +297,6 @@ def artifact(manifest: dict[str, Any], name: str) -> dict[str, Any]:
     for a in manifest["artifacts"]:
         if a["name"] == name:
             return a
-    raise ArtifactError(f"the manifest has no artifact {name!r}; it has {', '.join(a['name'] for a in manifest['artifacts'])}")
+    raise ArtifactError(
+        f"the manifest has no artifact {name!r}; it has {', '.join(a['name'] for a in manifest['artifacts'])}"
+    )

@@ -18,3 +18,8 @@ def size(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.{1 if unit == 'MB' else 2 if unit == 'GB' else 0}f} {unit}"
     return f"{int(n)} B"
+
+
+def cell(v: Any, spec: str = ".2f", dash: str = "-") -> str:
+    """A number as a table cell in ``spec``; ``dash`` where there is none."""
+    return format(v, spec) if isinstance(v, (int, float)) else dash

@@ -47,7 +47,9 @@ def derive(reference: dict[str, list[np.ndarray]], eager: dict[str, list[np.ndar
     return {**rule, "dtype": dtype, "outputs": outputs}
 
 
-def given(outputs: Iterable[str], atol: Optional[float], rtol: Optional[float], base: dict[str, Any] | None = None) -> dict[str, Any]:
+def given(
+    outputs: Iterable[str], atol: Optional[float], rtol: Optional[float], base: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Tolerances from --atol/--rtol (a flag left out counts as 0), in place of the derived bound."""
     a, r = float(atol or 0.0), float(rtol or 0.0)
     return {**(base or {}), "rule": "given", "outputs": {o: {"atol": a, "rtol": r} for o in outputs}}
@@ -79,7 +81,8 @@ def describe(tolerances: dict[str, Any]) -> str:
     if rule == "scale":
         return (f"Reference: eager in float32, because {tolerances.get('why') or 'the model cannot run in float64'}. "
                 f"Bound per output: {tolerances['fraction']:g} of the output's largest value.")
-    return "Reference: eager in float64 where the model runs in it. Bound: |artifact - reference| <= atol + rtol * |reference|, as given."
+    return ("Reference: eager in float64 where the model runs in it. Bound: |artifact - reference| <= atol + rtol * "
+            "|reference|, as given.")
 
 
 def degenerate_outputs(outputs: dict[str, list[np.ndarray]]) -> list[str]:
@@ -99,7 +102,11 @@ def compare(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float) -> dict[
     diff = np.abs(out.astype(np.float64) - ref64)
     rel = diff / np.maximum(np.abs(ref64), max(atol, np.finfo(np.float64).tiny))
     ok = bool(np.all(diff <= atol + rtol * np.abs(ref64))) and bool(np.all(np.isfinite(out)))
-    return {"max_abs": float(diff.max()) if diff.size else 0.0, "max_rel": float(rel.max()) if rel.size else 0.0, "pass": ok}
+    return {
+        "max_abs": float(diff.max()) if diff.size else 0.0,
+        "max_rel": float(rel.max()) if rel.size else 0.0,
+        "pass": ok,
+    }
 
 
 def top1_agreement(got: np.ndarray, want: np.ndarray, atol: float) -> np.ndarray:
@@ -119,7 +126,11 @@ def check_output(got: Optional[np.ndarray], want: np.ndarray, tol: dict[str, flo
     if got is None:
         return {**row, "pass": False}, f"{what}: no such output"
     if got.shape != want.shape:
-        return {**row, "pass": False, "shape": list(got.shape)}, f"{what} has shape {list(got.shape)}, eager {list(want.shape)}"
+        return {
+            **row,
+            "pass": False,
+            "shape": list(got.shape),
+        }, f"{what} has shape {list(got.shape)}, eager {list(want.shape)}"
     row.update(compare(got, want, tol["atol"], tol["rtol"]))
     if top1 and got.ndim >= 2 and np.issubdtype(want.dtype, np.floating):
         agree = top1_agreement(got, want, tol["atol"] + tol["rtol"] * float(np.abs(want).max()))
@@ -219,8 +230,15 @@ def check_quantized_sets(manifest: dict[str, Any], ref, got, gate: dict[str, flo
     failures = [] if real else [f"{name}: a quantized artifact is gated on real samples, and this export has none "
                                 "(give --example-inputs)"]
     for key, batch in manifest["reference"]["sets"].items():
-        row, problems = check_quantized({o: got(key, o) for o in outputs}, {o: ref[f"expected/{key}/{o}"] for o in outputs},
-                                               labels if key == real else None, gate, f"{name}: {key}", batch, key == real)
+        row, problems = check_quantized(
+            {o: got(key, o) for o in outputs},
+            {o: ref[f"expected/{key}/{o}"] for o in outputs},
+            labels if key == real else None,
+            gate,
+            f"{name}: {key}",
+            batch,
+            key == real,
+        )
         rows[key] = {**row, "output": outputs[0]}
         failures += problems
     return failures
@@ -260,3 +278,13 @@ def empty_mask_hint(manifest: dict[str, Any], ref, key: str, got, want, tol: dic
             return (f" (only on rows whose {t['name']} holds no 1: no tokenizer sends such a row; --input-range "
                     f"{t['name']}=mask draws masks as a tokenizer makes them)")
     return ""
+
+
+def gate_words(gate: dict[str, Any]) -> str:
+    """The accuracy gate's figures in a few words."""
+    if "accuracy_drop" in gate:
+        return (f"accuracy {gate['accuracy']:.2f} % beside float32's {gate['eager_accuracy']:.2f} % "
+                f"(allowed drop {gate['max_accuracy_drop']:g} points)")
+    if "top1_agreement" in gate:
+        return f"top-1 agreement with float32 {100 * gate['top1_agreement']:.1f} %"
+    return "passed its accuracy gate"

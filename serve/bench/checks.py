@@ -12,7 +12,7 @@ import numpy as np
 
 from torchship import parity
 from torchship.errors import ParityError
-from torchship.manifest import runs_tf32
+from torchship.manifest import artifact_of, runs_tf32
 
 from ..client import decode_all
 
@@ -40,7 +40,9 @@ class ResponseCheck:
             g = got.get(o)
             w = want[i % rows][None]
             if g is None or g.shape != w.shape:
-                return f"output {o!r} " + ("missing" if g is None else f"has shape {list(g.shape)}, expected {list(w.shape)}")
+                return f"output {o!r} " + (
+                    "missing" if g is None else f"has shape {list(g.shape)}, expected {list(w.shape)}"
+                )
             if self.min_sqnr_db is not None:
                 if np.issubdtype(w.dtype, np.floating) and parity.sqnr_db(g, w) < self.min_sqnr_db:
                     return (f"output {o!r} at SQNR {parity.sqnr_db(g, w):.1f} dB against {self.against}, below "
@@ -49,7 +51,8 @@ class ResponseCheck:
             b = self.bounds[o]
             verdict = parity.compare(g, w, b["atol"], b.get("rtol", 0.0))
             if not verdict["pass"]:
-                return f"output {o!r} max abs error {verdict['max_abs']:.3g} against {self.against}, beyond {b['atol']:.3g}"
+                return (f"output {o!r} max abs error {verdict['max_abs']:.3g} against {self.against}, "
+                        f"beyond {b['atol']:.3g}")
         return None
 
 
@@ -80,8 +83,15 @@ def keeper(limit: int = KEEP_BYTES):
     return keep, kept
 
 
-def response_check(client, model: str, manifest: dict[str, Any], fmt: Optional[str], expected: Optional[dict[str, np.ndarray]],
-                   singles: list[dict[str, np.ndarray]], rows: int) -> ResponseCheck:
+def response_check(
+    client,
+    model: str,
+    manifest: dict[str, Any],
+    fmt: Optional[str],
+    expected: Optional[dict[str, np.ndarray]],
+    singles: list[dict[str, np.ndarray]],
+    rows: int,
+) -> ResponseCheck:
     """The check of ``model``'s responses. An fp32 model is held to the bound its export recorded (its TF32
     bound where it was compiled so) against the reference outputs of the bench's inputs (``expected``, by
     output). A quantized model, whose error against eager is quantization and varies by sample, is held to its
@@ -89,7 +99,7 @@ def response_check(client, model: str, manifest: dict[str, Any], fmt: Optional[s
     gate's SQNR under load. ``singles`` are the bench's requests, request ``i`` being row ``i % rows`` of the
     pool they were drawn from. Where the bench's inputs have no reference (--shape at a size no reference set has),
     an fp32 model too is held to its idle answers, within twice its bound (two runs each within it)."""
-    art = next((a for a in manifest["artifacts"] if a["format"] == fmt), {})
+    art = artifact_of(manifest, fmt) or {}
     tf32 = runs_tf32(manifest, fmt)
     outputs = [o["name"] for o in manifest["outputs"]]
     tol = manifest["tolerances"]
@@ -100,7 +110,9 @@ def response_check(client, model: str, manifest: dict[str, Any], fmt: Optional[s
         if art.get("gate"):
             return ResponseCheck(model, own, "its own answers on the idle server", names=names,
                                  min_sqnr_db=art["gate"].get("min_sqnr_db", parity.GATE["min_sqnr_db"]))
-        bounds = {o: {k: 2 * v for k, v in parity.bound(tol, o, tf32).items() if k in ("atol", "rtol")} for o in outputs}
+        bounds = {
+            o: {k: 2 * v for k, v in parity.bound(tol, o, tf32).items() if k in ("atol", "rtol")} for o in outputs
+        }
         return ResponseCheck(model, own, "its own answers on the idle server", bounds, names=names)
     return ResponseCheck(model, {o: expected[o] for o in outputs}, "the reference",
                          {o: parity.bound(tol, o, tf32) for o in outputs}, names=names)
@@ -113,8 +125,13 @@ def wrong_in(served: dict[str, Any]) -> Optional[ParityError]:
     sweeps += [(" with batching off", m, mm["rows"]) for m, mm in served.get("batching_off", {}).items()]
     sweeps += [(f" at a queue delay of {d} us", m, dd["rows"]) for m, by in served.get("delays", {}).items()
                for d, dd in by.items()]
-    failures = [f"{model} at concurrency {r['concurrency']}{how}: {r['wrong']} of {r['checked']} checked responses wrong "
-                f"(first: {r.get('first_wrong')})" for how, model, rows in sweeps for r in rows if r.get("wrong")]
+    failures = [
+        f"{model} at concurrency {r['concurrency']}{how}: {r['wrong']} of {r['checked']} checked responses wrong "
+        f"(first: {r.get('first_wrong')})"
+        for how, model, rows in sweeps
+        for r in rows
+        if r.get("wrong")
+    ]
     return ParityError(failures, what="served outputs under load", hint="the same inputs pass on an idle server only "
                        "if infer --check passes; batching, padding to a bucket or concurrency changed the answers"
                        ) if failures else None

@@ -19,8 +19,6 @@ def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concu
     Requests are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1 one
     at a time in this thread, so no callback thread is in the measured path. ``keep(i, response)`` is
     handed each answer to ``inputs[i]``, to be checked once the window is over."""
-    import grpc
-
     prepared = [request_feeds(model, feeds) for feeds in inputs]
     lat: list[float] = []
     errors: list[str] = []
@@ -31,20 +29,36 @@ def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concu
         return sent < n or time.perf_counter() - t_start < min_s
 
     if concurrency == 1:
-        sent = 0
-        while more(sent):
-            t0 = time.perf_counter()
-            try:
-                response = call(prepared[sent % len(prepared)], timeout=60)
-                lat.append(time.perf_counter() - t0)
-                if keep is not None:
-                    keep(sent % len(prepared), response)
-            except grpc.RpcError as e:
-                errors.append(e.details() or str(e.code()))
-            sent += 1
-        channel.close()
-        return {"latencies_s": lat, "errors": errors, "wall_s": time.perf_counter() - t_start, "completed": sent,
-                "cpu_s": time.process_time() - cpu0}
+        completed = _one_at_a_time(call, prepared, more, lat, errors, keep)
+    else:
+        completed = _in_flight(call, prepared, more, lat, errors, keep, concurrency, max(60.0, n * 2.0, min_s + 60.0))
+    wall = time.perf_counter() - t_start
+    channel.close()
+    return {"latencies_s": lat, "errors": errors, "wall_s": wall, "completed": completed,
+            "cpu_s": time.process_time() - cpu0}
+
+
+def _one_at_a_time(call, prepared: list, more, lat: list[float], errors: list[str], keep) -> int:
+    """closed_loop at concurrency 1: each request sent from this thread once the last has answered."""
+    import grpc
+
+    sent = 0
+    while more(sent):
+        t0 = time.perf_counter()
+        try:
+            response = call(prepared[sent % len(prepared)], timeout=60)
+            lat.append(time.perf_counter() - t0)
+            if keep is not None:
+                keep(sent % len(prepared), response)
+        except grpc.RpcError as e:
+            errors.append(e.details() or str(e.code()))
+        sent += 1
+    return sent
+
+
+def _in_flight(call, prepared: list, more, lat: list[float], errors: list[str], keep, concurrency: int,
+               timeout_s: float) -> int:
+    """closed_loop above concurrency 1: ``concurrency`` futures in flight, each answer sending the next."""
     lock = threading.Lock()
     done = threading.Event()
     issued, finished = [0], [0]
@@ -75,11 +89,8 @@ def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concu
 
     for _ in range(concurrency):
         issue()
-    done.wait(timeout=max(60.0, n * 2.0, min_s + 60.0))
-    wall = time.perf_counter() - t_start
-    channel.close()
-    return {"latencies_s": lat, "errors": errors, "wall_s": wall, "completed": finished[0],
-            "cpu_s": time.process_time() - cpu0}
+    done.wait(timeout=timeout_s)
+    return finished[0]
 
 
 def paced(url: str, model: str, inputs: list[dict[str, np.ndarray]], n: int, span_s: float, keep) -> dict[str, Any]:
@@ -135,9 +146,16 @@ def open_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], rate: f
 def level_row(res: dict, delta: dict, concurrency: int, batch: int) -> dict[str, Any]:
     """One concurrency level of a sweep: the client's percentiles and throughput beside Triton's breakdown."""
     s = summarize(res["latencies_s"])
-    row = {"concurrency": concurrency, "sent": res["completed"], "ok": len(res["latencies_s"]), "failed": len(res["errors"]),
-           **s, "requests_per_s": len(res["latencies_s"]) / res["wall_s"] if res["wall_s"] else 0.0,
-           "images_per_s": batch * len(res["latencies_s"]) / res["wall_s"] if res["wall_s"] else 0.0, "server": delta}
+    row = {
+        "concurrency": concurrency,
+        "sent": res["completed"],
+        "ok": len(res["latencies_s"]),
+        "failed": len(res["errors"]),
+        **s,
+        "requests_per_s": len(res["latencies_s"]) / res["wall_s"] if res["wall_s"] else 0.0,
+        "images_per_s": batch * len(res["latencies_s"]) / res["wall_s"] if res["wall_s"] else 0.0,
+        "server": delta,
+    }
     if s.get("n"):
         row["client_side_us"] = s["mean_ms"] * 1e3 - delta.get("server_us", 0.0)
     if res["errors"]:

@@ -9,6 +9,7 @@ nvidia-pytriton wheel under their plain names.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import resource
 import shutil
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchship" / "perf_analyzer"
 NEEDED = {"libb64.so.0d": "libb64-", "libcudart.so.12": "libcudart-"}
@@ -71,9 +71,26 @@ def window(binary: str, url: str, model: str, concurrency: int, data: Path, wind
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     for stretch in (1, 3):  # a window too short for a slow model can hold no completed request: once more, longer
         interval = max(100, int(stretch * window_s * 1000 / 3))
-        cmd = [binary, "-m", model, "-u", url, "-i", "grpc", "-b", "1", f"--concurrency-range={concurrency}:{concurrency}",
-               "--measurement-mode=time_windows", f"--measurement-interval={interval}", "--stability-percentage=1000",
-               "--max-trials=3", "-f", str(report), f"--input-data={data}", "--percentile=99"]
+        cmd = [
+            binary,
+            "-m",
+            model,
+            "-u",
+            url,
+            "-i",
+            "grpc",
+            "-b",
+            "1",
+            f"--concurrency-range={concurrency}:{concurrency}",
+            "--measurement-mode=time_windows",
+            f"--measurement-interval={interval}",
+            "--stability-percentage=1000",
+            "--max-trials=3",
+            "-f",
+            str(report),
+            f"--input-data={data}",
+            "--percentile=99",
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120 + 10 * stretch * window_s)
         if p.returncode == 0 or not too_short(p.stderr + p.stdout):
             break
@@ -86,8 +103,14 @@ def window(binary: str, url: str, model: str, concurrency: int, data: Path, wind
     report.unlink()
     parts = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input", "Server Compute Infer",
              "Server Compute Output", "Client Recv")
-    return {"errors": [], "requests_per_s": float(row["Inferences/Second"]), "mean_s": sum(float(row[k]) for k in parts) / 1e6,
-            **{f"p{q}_ms": float(row[f"p{q} latency"]) / 1e3 for q in (50, 90, 95, 99)}, "cpu_s": cpu, "wall_s": wall}
+    return {
+        "errors": [],
+        "requests_per_s": float(row["Inferences/Second"]),
+        "mean_s": sum(float(row[k]) for k in parts) / 1e6,
+        **{f"p{q}_ms": float(row[f"p{q} latency"]) / 1e3 for q in (50, 90, 95, 99)},
+        "cpu_s": cpu,
+        "wall_s": wall,
+    }
 
 
 TOO_SHORT = ("stable measurement", "larger time window")  # what perf_analyzer says of a window too short to measure
@@ -102,8 +125,6 @@ def too_short(message: str) -> bool:
 def input_data_json(pool: dict[str, np.ndarray], count: int = 16) -> str:
     """The bench's samples of every input (``pool``, by input name) in perf_analyzer's JSON input format
     (random bytes would include NaNs, and integers out of range)."""
-    import json
-
     n = min(count, len(next(iter(pool.values()))))
 
     def content(x):
@@ -115,8 +136,6 @@ def input_data_json(pool: dict[str, np.ndarray], count: int = 16) -> str:
 def wired_data(data: Path, wire: dict[str, str], model: str) -> Path:
     """``data`` (input_data_json) with its inputs renamed by ``wire`` (manifest name: served name), written
     once beside it for ``model``; ``data`` itself where nothing is renamed."""
-    import json
-
     if not wire:
         return data
     out = data.with_name(f"{model}-inputs.json")
@@ -131,3 +150,34 @@ if __name__ == "__main__":
         print(install())
     else:
         print(locate() or "perf_analyzer not installed; run: python -m serve.bench.perf_analyzer install")
+
+
+def python_window(res: dict[str, Any], why: str) -> dict[str, Any]:
+    """A Python client's window in perf_analyzer's figures, for a window perf_analyzer could not measure (on a
+    loaded machine its three short windows can disagree past any stability bound)."""
+    lat = sorted(res["latencies_s"])
+    q = {p: 1e3 * lat[min(len(lat) - 1, int(p / 100 * len(lat)))] if lat else 0.0 for p in (50, 90, 95, 99)}
+    return {
+        "errors": res["errors"],
+        "requests_per_s": len(lat) / res["wall_s"] if res["wall_s"] else 0.0,
+        "mean_s": sum(lat) / len(lat) if lat else 0.0,
+        **{f"p{p}_ms": v for p, v in q.items()},
+        "cpu_s": res["cpu_s"],
+        "wall_s": res["wall_s"],
+        "completed": res["completed"],
+        "python_instead": why[:200],
+    }
+
+
+def window_row(last: list[dict[str, Any]], delta: dict, concurrency: int, batch: int) -> dict[str, Any]:
+    """A level's row from perf_analyzer windows: throughput, mean latency and each percentile averaged over
+    the windows (perf_analyzer reports percentiles per run, not the latencies behind them)."""
+    def mean(key: str) -> float:
+        return sum(w.get(key, 0.0) for w in last) / len(last)
+
+    rps = mean("requests_per_s")
+    row = {"concurrency": concurrency, "ok": sum(w["completed"] for w in last), "requests_per_s": rps,
+           "images_per_s": batch * rps, "mean_ms": 1e3 * mean("mean_s"), "n": sum(w["completed"] for w in last),
+           **{f"p{q}_ms": mean(f"p{q}_ms") for q in (50, 90, 95, 99)}, "server": delta}
+    row["client_side_us"] = row["mean_ms"] * 1e3 - delta.get("server_us", 0.0)
+    return row

@@ -7,20 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from torchship.io import atomic_write_text
+from torchship.markdown import cell as _f
 from torchship.markdown import table
-from torchship.names import format_of
 
-
-def served_artifact_of(model: str, mm: dict[str, Any]) -> str | None:
-    """The artifact a served model ran, as the bench recorded it (results from before it did: its name's format)."""
-    return mm.get("artifact") or format_of(model)
-
-
-GENERATORS = {"python": "torchship's Python client", "perf_analyzer": "perf_analyzer"}
-
-
-def _f(v, spec=".2f", dash="-"):
-    return format(v, spec) if isinstance(v, (int, float)) else dash
+from .beside import GENERATORS, cross_check_lines, side_by_side
+from .plots import draw_plots
 
 
 def moved(r: dict[str, Any], stability: float) -> bool:
@@ -43,31 +34,55 @@ def spread_text(r: dict[str, Any], stability: float = float("inf")) -> str:
 def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     """p50, p99 and throughput per model and concurrency, with their spread, then the batching gain per model."""
     stability = cfg.get("stability", 0)
-    rows = [[model, str(r["concurrency"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r["requests_per_s"], ".0f"),
-             spread_text(r, stability), _f(r["server"]["avg_batch"]), _f(r.get("client_cpu_us"), ".0f"), f"{r['ok']}/{r['sent']}",
-             checked_text(r)]
-            for model, mm in served.get("models", {}).items() for r in mm["rows"]]
+    rows = [
+        [
+            model,
+            str(r["concurrency"]),
+            _f(r.get("p50_ms")),
+            _f(r.get("p99_ms")),
+            _f(r["requests_per_s"], ".0f"),
+            spread_text(r, stability),
+            _f(r["server"]["avg_batch"]),
+            _f(r.get("client_cpu_us"), ".0f"),
+            f"{r['ok']}/{r['sent']}",
+            checked_text(r),
+        ]
+        for model, mm in served.get("models", {}).items()
+        for r in mm["rows"]
+    ]
     every = [r for mm in served.get("models", {}).values() for r in mm["rows"]]
     unstable = sum(not r.get("stable", True) for r in every)
     shifted = sum(moved(r, stability) for r in every)
     gen = served.get("load_generator", {"name": "python"})
-    lines = ["## Served over gRPC", "",
-             f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}); load generator "
-             f"{GENERATORS[gen['name']]}{' (' + gen['why'] + ')' if gen.get('why') else ''}. Closed loop: each level "
-             "keeps that many batch-1 requests in flight; dynamic batching as configured. The levels are measured "
-             f"in rounds, one window of at least {cfg.get('window_s', 0):g} s per level per round, until a level's "
-             f"last three windows agree within {cfg.get('stability', 0):g} % (throughput and mean latency); its "
-             "figures come from those three. A level's windows are a round apart, so the machine's drift over "
-             "the sweep shows in its spread: how far apart the three windows' throughputs and mean latencies are. "
-             "Client CPU: the load generator's own CPU time per request. Measured/sent: requests in the last "
-             "three windows, and in all of the level's windows. Checked: responses compared with the reference "
-             "outputs of their inputs under the model's bound (a reduced-precision model: with its own answers on "
-             "the idle server, under its gate's SQNR floor); one wrong response fails the bench." + (
-                 " perf_analyzer's percentiles are the mean of its three windows' own." if gen["name"] == "perf_analyzer" else "")
-             + (f" **{unstable} level(s) never settled**: read them as rough." if unstable else "")
-             + (f" **{shifted} level(s) MOVED**: their three last windows agree, but all their windows lie further "
-                f"apart than {stability:g} %; the level ran in two states over the sweep, and another run may read "
-                "the other: read them as rough." if shifted else ""), ""]
+    lines = [
+        "## Served over gRPC",
+        "",
+        f"Server {served['url']} ({'embedded' if served['embedded'] else 'external'}); load generator "
+        f"{GENERATORS[gen['name']]}{' (' + gen['why'] + ')' if gen.get('why') else ''}. Closed loop: each level "
+        "keeps that many batch-1 requests in flight; dynamic batching as configured. The levels are measured "
+        f"in rounds, one window of at least {cfg.get('window_s', 0):g} s per level per round, until a level's "
+        f"last three windows agree within {cfg.get('stability', 0):g} % (throughput and mean latency); its "
+        "figures come from those three. A level's windows are a round apart, so the machine's drift over "
+        "the sweep shows in its spread: how far apart the three windows' throughputs and mean latencies are. "
+        "Client CPU: the load generator's own CPU time per request. Measured/sent: requests in the last "
+        "three windows, and in all of the level's windows. Checked: responses compared with the reference "
+        "outputs of their inputs under the model's bound (a reduced-precision model: with its own answers on "
+        "the idle server, under its gate's SQNR floor); one wrong response fails the bench."
+        + (
+            " perf_analyzer's percentiles are the mean of its three windows' own."
+            if gen["name"] == "perf_analyzer"
+            else ""
+        )
+        + (f" **{unstable} level(s) never settled**: read them as rough." if unstable else "")
+        + (
+            f" **{shifted} level(s) MOVED**: their three last windows agree, but all their windows lie further "
+            f"apart than {stability:g} %; the level ran in two states over the sweep, and another run may read "
+            "the other: read them as rough."
+            if shifted
+            else ""
+        ),
+        "",
+    ]
     lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "spread", "avg batch", "client CPU µs/req",
                     "measured/sent", "checked"], rows) + [""]
     for model, mm in served.get("models", {}).items():
@@ -90,19 +105,16 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
         lines.append(f"- {model}: dynamic batching on over off, by concurrency: {', '.join(gains)}")
     rows = served.get("noop", {}).get("rows") or [{}]
     if rows[0].get("n"):
-        line = (f"- No-op round trip (same tensors, no model): p50 {rows[0]['p50_ms']:.2f} ms, p99 {rows[0]['p99_ms']:.2f} ms "
-                f"at concurrency {rows[0]['concurrency']}")
+        line = (
+            f"- No-op round trip (same tensors, no model): p50 {rows[0]['p50_ms']:.2f} ms, p99 "
+            f"{rows[0]['p99_ms']:.2f} ms "
+            f"at concurrency {rows[0]['concurrency']}"
+        )
         if len(rows) > 1:
             line += (f"; {rows[-1]['requests_per_s']:.0f} req/s at concurrency {rows[-1]['concurrency']}, the most the "
                      "server, its backend and the load generator carry on these cores with no model to run")
         lines.append(line)
     return lines + [""]
-
-
-def noop_ceiling(results: dict[str, Any]) -> dict[str, Any]:
-    """The no-op model's row at the highest concurrency it was measured at (empty if it was not)."""
-    rows = [r for r in results.get("served", {}).get("noop", {}).get("rows") or [] if r.get("n")]
-    return max(rows, key=lambda r: r["concurrency"]) if len(rows) > 1 else {}
 
 
 CLIENT_SHARE = 0.10  # past this share of the cores, the load generator is named as a limit beside the figures
@@ -119,10 +131,15 @@ def client_share_lines(served: dict[str, Any], gen: str) -> list[str]:
             continue
         share = r["client_cpu_us"] * r["requests_per_s"] / 1e6 / cores
         if share > CLIENT_SHARE:
-            cheaper = ("; perf_analyzer costs less a request: python -m serve.bench.perf_analyzer install" if gen == "python"
-                       else "")
-            out.append(f"- {model}: the load generator took {100 * share:.0f} % of the {cores} cores at concurrency "
-                       f"{r['concurrency']} ({r['client_cpu_us']:.0f} µs a request), time the server could not use{cheaper}")
+            cheaper = (
+                "; perf_analyzer costs less a request: python -m serve.bench.perf_analyzer install"
+                if gen == "python"
+                else ""
+            )
+            out.append(
+                f"- {model}: the load generator took {100 * share:.0f} % of the {cores} cores at concurrency "
+                f"{r['concurrency']} ({r['client_cpu_us']:.0f} µs a request), time the server could not use{cheaper}"
+            )
     return out
 
 
@@ -167,52 +184,20 @@ def computed_per_request(buckets: list[int], executions: dict[str, int]) -> floa
 
     largest = max(buckets)
     sent = sum(int(b) * n for b, n in executions.items())
-    computed = sum(n * ((int(b) // largest) * largest + (bucket_for(int(b) % largest, buckets) if int(b) % largest else 0))
-                   for b, n in executions.items())
+    computed = sum(
+        n * ((int(b) // largest) * largest + (bucket_for(int(b) % largest, buckets) if int(b) % largest else 0))
+        for b, n in executions.items()
+    )
     return computed / sent if sent else None
 
 
 def padding_line(model: str, buckets: list[int], rows: list[dict[str, Any]]) -> str:
-    ratios = [(r["concurrency"], computed_per_request(buckets, r.get("server", {}).get("batch_executions", {}))) for r in rows]
+    ratios = [
+        (r["concurrency"], computed_per_request(buckets, r.get("server", {}).get("batch_executions", {}))) for r in rows
+    ]
     shown = ", ".join(f"{c}: {x:.2f}" for c, x in ratios if x is not None)
     return (f"- {model}: computes in static-batch buckets ({', '.join(map(str, buckets))}), each batch padded up to "
             f"the next; images computed per image sent, by concurrency: {shown or 'not reported by the server'}")
-
-
-def side_by_side(results: dict[str, Any]) -> list[str]:
-    """Each served model beside its artifact run in this process: batch-1 latency, and best throughput."""
-    ip = results.get("in_process", {}).get("rows", [])
-    served = results.get("served", {}).get("models", {})
-    rows = []
-    for model, mm in served.items():
-        variant = served_artifact_of(model, mm)
-        mine = [r for r in ip if r["variant"] == variant and r.get("n")]
-        if not mine or not mm["rows"]:
-            continue
-        one = next((r for r in mine if r["batch"] == 1), {})
-        c1 = next((r for r in mm["rows"] if r["concurrency"] == 1), {})
-        best_ip = max(mine, key=lambda r: r["images_per_s"])  # samples/s; the key keeps its first name
-        best_sv = max(mm["rows"], key=lambda r: r["requests_per_s"])
-        placed = f", {mm['instances']} x {mm['threads']}" if "instances" in mm else ""
-        rows.append([model, variant, _f(one.get("p50_ms")), _f(c1.get("p50_ms")),
-                     f"{best_ip['images_per_s']:.0f} (batch {best_ip['batch']})",
-                     f"{best_sv['requests_per_s']:.0f} (concurrency {best_sv['concurrency']}{placed})",
-                     f"{100 * best_sv['requests_per_s'] / best_ip['images_per_s']:.0f} %"])
-    if not rows:
-        return []
-    threads = results.get("in_process", {}).get("threads")
-    lines = ["## In-process beside served", "",
-             f"In-process on {threads} intra-op thread(s); served by each model's instances x intra-op threads "
-             f"(on the same {threads} core(s) where the repository was built for them), the load generator on the same cores.",
-             ""] + table(["model", "artifact", "in-process p50 ms (batch 1)", "served p50 ms (concurrency 1)",
-                          "in-process samples/s", "served samples/s (instances x threads)", "served / in-process"], rows)
-    ceiling = noop_ceiling(results)
-    if ceiling:
-        lines += ["", f"Ceiling: with no model to run, the server carried {ceiling['requests_per_s']:.0f} requests/s at "
-                      f"concurrency {ceiling['concurrency']} on these cores (gRPC, the backend's round trip and the load "
-                      "generator alone); a model whose in-process throughput is near or above that is held by the "
-                      "round trip, not by its own speed."]
-    return lines + [""]
 
 
 def breakdown_lines(served: dict[str, Any]) -> list[str]:
@@ -222,14 +207,41 @@ def breakdown_lines(served: dict[str, Any]) -> list[str]:
         for model, mm in served.get(section, {}).items():
             for r in mm["rows"]:
                 s = r["server"]
-                rows.append([model, how, str(r["concurrency"]), _f(s["queue_us"], ".0f"), _f(s["compute_input_us"], ".0f"),
-                             _f(s["compute_infer_us"], ".0f"), _f(s["compute_output_us"], ".0f"),
-                             _f(r.get("client_side_us"), ".0f")])
-    return ["## Triton's server-side breakdown", "",
+                rows.append(
+                    [
+                        model,
+                        how,
+                        str(r["concurrency"]),
+                        _f(s["queue_us"], ".0f"),
+                        _f(s["compute_input_us"], ".0f"),
+                        _f(s["compute_infer_us"], ".0f"),
+                        _f(s["compute_output_us"], ".0f"),
+                        _f(r.get("client_side_us"), ".0f"),
+                    ]
+                )
+    return (
+        [
+            "## Triton's server-side breakdown",
+            "",
             "Mean µs per request from Triton's statistics; client-side is the client's mean latency less the "
-            "server's share (gRPC, serialization, network).", ""] + table(
-        ["model", "batching", "concurrency", "queue", "compute input", "compute infer", "compute output", "client-side"],
-        rows) + [""]
+            "server's share (gRPC, serialization, network).",
+            "",
+        ]
+        + table(
+            [
+                "model",
+                "batching",
+                "concurrency",
+                "queue",
+                "compute input",
+                "compute infer",
+                "compute output",
+                "client-side",
+            ],
+            rows,
+        )
+        + [""]
+    )
 
 
 def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path:
@@ -254,22 +266,30 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
         if "error" in rec:
             lines.append(f"None: {rec['error']}")
         else:
-            lines += [f"- model `{rec['model']}`: max_batch_size {rec['max_batch_size']}, dynamic batching "
-                      f"{'on' if rec['dynamic_batching'] else 'off'}, max_queue_delay_microseconds {rec['max_queue_delay_microseconds']}, "
-                      f"instance count {rec['instance_count']}",
-                      f"- measured: {rec['requests_per_s']:.0f} req/s at p99 {rec['p99_ms']:.2f} ms (concurrency {rec['at_concurrency']})",
-                      f"- why: {rec['why']}"]
+            lines += [
+                f"- model `{rec['model']}`: max_batch_size {rec['max_batch_size']}, dynamic batching "
+                f"{'on' if rec['dynamic_batching'] else 'off'}, max_queue_delay_microseconds "
+                f"{rec['max_queue_delay_microseconds']}, "
+                f"instance count {rec['instance_count']}",
+                f"- measured: {rec['requests_per_s']:.0f} req/s at p99 {rec['p99_ms']:.2f} ms (concurrency "
+                f"{rec['at_concurrency']})",
+                f"- why: {rec['why']}",
+            ]
             if rec.get("written"):
                 lines.append(f"- written to: {', '.join(rec['written'])}")
         lines.append("")
     lines += side_by_side(results)
     ip = results.get("in_process")
     if ip:
-        lines += ["## In-process latency", "",
-                  f"Device {ip['device']}, {ip['threads']} intra-op thread(s); variants interleaved in blocks (at least "
-                  f"{results['config']['blocks']}, more until each variant's last three block means agree within "
-                  f"{results['config'].get('stability', 0):g} %) after {results['config']['warmup']} warm-up runs each. "
-                  "Spread: how far apart those three block means are.", ""]
+        lines += [
+            "## In-process latency",
+            "",
+            f"Device {ip['device']}, {ip['threads']} intra-op thread(s); variants interleaved in blocks (at least "
+            f"{results['config']['blocks']}, more until each variant's last three block means agree within "
+            f"{results['config'].get('stability', 0):g} %) after {results['config']['warmup']} warm-up runs each. "
+            "Spread: how far apart those three block means are.",
+            "",
+        ]
         probe = "flops_per_sample" in lim
         roof = roofs([r for r in ip["rows"] if r.get("n")], lim, results["export"].get("dtype")) if probe else {}
         acc = ip.get("accuracy")
@@ -283,12 +303,18 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
         lines += [f"- {k}: {v}" for k, v in ip.get("notes", {}).items()] + [""]
         if probe:
             names = {"fp32_flops": "fp32", "bf16_flops": "bf16", "int8_flops": "INT8"}
-            lines += [f"The model costs {lim['flops_per_sample'] / 1e9:.3f} GFLOP per sample (torch's FlopCounterMode). "
-                      f"Each variant is read against the roof of the precision it computes in (INT8 against INT8, bf16 "
-                      f"against bf16, the rest against the export's dtype), the fastest kernel found on this machine at "
-                      f"{results['config']['threads']} thread(s): " + "; ".join(
-                          f"{names[k]} {v / 1e9:.1f} G{'OP' if k == 'int8_flops' else 'FLOP'}/s ({what})"
-                          for k, (v, what) in roof.items()) + ".", ""]
+            lines += [
+                f"The model costs {lim['flops_per_sample'] / 1e9:.3f} GFLOP per sample (torch's FlopCounterMode). "
+                f"Each variant is read against the roof of the precision it computes in (INT8 against INT8, bf16 "
+                f"against bf16, the rest against the export's dtype), the fastest kernel found on this machine at "
+                f"{results['config']['threads']} thread(s): "
+                + "; ".join(
+                    f"{names[k]} {v / 1e9:.1f} G{'OP' if k == 'int8_flops' else 'FLOP'}/s ({what})"
+                    for k, (v, what) in roof.items()
+                )
+                + ".",
+                "",
+            ]
     if served:
         lines += breakdown_lines(served)
         if "reconfigured" in served:
@@ -308,101 +334,16 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
     if results.get("errors"):
         lines += ["## Errors", "", *[f"- {e}" for e in results["errors"]], ""]
     if results.get("server_stop_note"):
-        lines += ["## Server shutdown", "", f"The embedded server was killed at the end: {results['server_stop_note']}", ""]
+        lines += [
+            "## Server shutdown",
+            "",
+            f"The embedded server was killed at the end: {results['server_stop_note']}",
+            "",
+        ]
     if plots:
         pngs = draw_plots(results, out)
         if pngs:
             lines += ["## Plots", "", *[f"![{p.stem}]({p.name})" for p in pngs], ""]
     path = out / "report.md"
     atomic_write_text(path, "\n".join(lines))
-    return path
-
-
-def cross_check_lines(served: dict[str, Any], results: dict[str, Any]) -> list[str]:
-    """The other load generator beside the sweep's, on one model at concurrency 1 and the highest level,
-    then the served/in-process ratio with each."""
-    cc = served.get("cross_check", {})
-    if "skipped" in cc or "rows" not in cc:
-        return [f"Cross-check with another load generator: {cc.get('skipped', 'none')}.", ""]
-    model, main = cc["model"], GENERATORS[served["load_generator"]["name"]]
-    other = GENERATORS[cc["load_generator"]]
-    ours = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
-    lines = [f"## Cross-check: {model} with {other}", ""]
-    lines += table(["concurrency", f"{main} req/s", f"{other} req/s", f"{main} p50 ms", f"{other} p50 ms",
-                    f"{main} p99 ms", f"{other} p99 ms", f"{main} CPU µs/req", f"{other} CPU µs/req"],
-                   [[str(r["concurrency"]), _f(ours.get(r["concurrency"], {}).get("requests_per_s"), ".0f"),
-                     f"{r['requests_per_s']:.0f}", _f(ours.get(r["concurrency"], {}).get("p50_ms")), _f(r.get("p50_ms")),
-                     _f(ours.get(r["concurrency"], {}).get("p99_ms")), _f(r.get("p99_ms")),
-                     _f(ours.get(r["concurrency"], {}).get("client_cpu_us"), ".0f"), _f(r.get("client_cpu_us"), ".0f")]
-                    for r in cc["rows"]]) + [""]
-    top = cc["rows"][-1]
-    return lines + ratio_lines(model, [ours.get(top["concurrency"]), top], results)
-
-
-def ratio_lines(model: str, rows: list[dict[str, Any] | None], results: dict[str, Any]) -> list[str]:
-    """Served throughput at the highest concurrency over the same artifact's best in-process throughput
-    (same thread count), with each load generator's row."""
-    variant = served_artifact_of(model, results.get("served", {}).get("models", {}).get(model, {}))
-    ip = [r for r in results.get("in_process", {}).get("rows", []) if r["variant"] == variant and r.get("n")]
-    rows = [r for r in rows if r]
-    if not ip or not rows:
-        return []
-    best = max(r["images_per_s"] for r in ip)
-    each = ", ".join(f"{100 * r['requests_per_s'] / best:.0f} % with {GENERATORS[r.get('load_generator', 'python')]} "
-                     f"({_f(r.get('client_cpu_us'), '.0f')} µs of client CPU per request)" for r in rows)
-    threads = results.get("in_process", {}).get("threads")
-    return [f"- served over in-process at concurrency {rows[0]['concurrency']} ({variant}, best in-process {best:.0f} "
-            f"samples/s on {threads} thread(s)): {each}; the client runs on the same cores as the server", ""]
-
-
-def draw_plots(results: dict[str, Any], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    made = []
-    rows = results.get("in_process", {}).get("rows", [])
-    raw = results.get("in_process", {}).get("raw_ms", {})
-    if rows:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        b0 = min(r["batch"] for r in rows)
-        for r in rows:
-            if r["batch"] != b0 or not r.get("n"):
-                continue
-            key = f"{r['variant']}/b{b0}"
-            if key in raw:
-                xs = np.sort(raw[key])
-                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=r["variant"])
-        made.append(_save(plt, fig, ax, out / "latency_cdf.png", f"latency at batch {b0} (ms)", "fraction of runs",
-                          "In-process latency CDF per format"))
-    served = results.get("served", {})
-    series = [(f"{m} (batching {'on' if s == 'models' else 'off'})", mm["rows"])
-              for s in ("models", "batching_off") for m, mm in served.get(s, {}).items()]
-    if series:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for label, rs in series:
-            ax.plot([r["concurrency"] for r in rs], [r["requests_per_s"] for r in rs], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        made.append(_save(plt, fig, ax, out / "throughput_vs_concurrency.png", "concurrency (requests in flight)",
-                          "throughput (requests/s)", "Served throughput against concurrency"))
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for label, rs in series:
-            rs = [r for r in rs if r.get("n")]
-            ax.plot([r["requests_per_s"] for r in rs], [r["p99_ms"] for r in rs], marker="o", label=label)
-        made.append(_save(plt, fig, ax, out / "p99_vs_throughput.png", "throughput (requests/s)", "p99 latency (ms)",
-                          "p99 latency against throughput"))
-    return made
-
-
-def _save(plt, fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -18,40 +19,20 @@ from torchship.names import format_of, model_names, models_of
 
 from ..client import TritonClient
 from ..model_config import read_config, repository_models, served_config_path
-from ..repository import DTYPES, config_dims, servable_formats
+from ..repository import servable_formats
 from .checks import ResponseCheck, keeper, response_check, tally
 from .config import BenchConfig
 from .inputs import BenchInputs, single_rows
 from .load import closed_loop, level_row, open_loop, paced
+from .noop import NOOP_MODEL, noop_repo
+from .perf_analyzer import python_window, window_row
 from .placement import served_placement
 from .stats import merge_deltas, served_count, settled_stats, stats_delta, stats_of
-from .windows import LAST, settle_rounds, ticker
+from .windows import LAST, settle_rounds, ticker, window_figures
 
-NOOP_MODEL = "_torchship_noop"
-READY_WAIT_S = 15.0
+READY_WAIT_S = 15.0  # how long the bench waits for the server at --url to say it is ready
 PA_MAX_REQUEST_BYTES = 64 << 10  # auto sends larger requests with the Python client (load_generators)
-PACED_CHECKS = 12  # known requests spread over each perf_analyzer window, whose answers are checked  # how long the bench waits for the server at --url to say it is ready
-
-
-def noop_repo(out: Path, manifest: dict) -> Path:
-    """A repository with one model of the export's tensors that answers zeros without running anything,
-    on the same backend host as the real models: the round trip of the protocol alone."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    root = out / "noop_repo"
-    mdir = root / NOOP_MODEL
-    if mdir.exists():
-        shutil.rmtree(mdir)
-    (mdir / "1").mkdir(parents=True)
-    c = mc.ModelConfig(name=NOOP_MODEL, backend="torchship", max_batch_size=manifest["max_batch"])
-    for t in manifest["inputs"]:
-        c.input.add(name=t["name"], data_type=DTYPES[t["dtype"]], dims=config_dims(t))
-    for t in manifest["outputs"]:
-        c.output.add(name=t["name"], data_type=DTYPES[t["dtype"]], dims=config_dims(t))
-    c.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
-    (mdir / "config.pbtxt").write_text(text_format.MessageToString(c))
-    return root
+PACED_CHECKS = 12  # known requests spread over each perf_analyzer window, whose answers are checked
 
 
 def bench_server(serve_cfg, manifest: dict, out: Path):
@@ -126,7 +107,9 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
         raise BenchError(f"--models {' '.join(missing)}: not in {where}; choose from {', '.join(known) or 'none'}")
     models = list(cfg.models) or models_of(manifest, known)
     if not models and error is None:
-        raise BenchError(f"no model of {manifest['name']!r} is served in {where} (served: {', '.join(known) or 'none'})")
+        raise BenchError(
+            f"no model of {manifest['name']!r} is served in {where} (served: {', '.join(known) or 'none'})"
+        )
     return ServedPlan(models, embedded, cfg.noop and (embedded or NOOP_MODEL in known), error)
 
 
@@ -173,7 +156,8 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
             check = (checks or {}).get(model)
             keep, kept = keeper()
             if gen.name == "perf_analyzer":
-                from .perf_analyzer import too_short, window as pa_window, wired_data
+                from .perf_analyzer import too_short, wired_data
+                from .perf_analyzer import window as pa_window
 
                 span = max(cfg.window_s, per_window / rate[0] if rate[0] else 0.0)
                 side = _beside(lambda: paced(url, model, sent[model], PACED_CHECKS, span, keep) if check else None)
@@ -224,8 +208,6 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
 
 def _beside(fn):
     """Run ``fn`` in a thread now; returns a callable that waits for it and gives its result."""
-    import threading
-
     out: list[Any] = [None]
     t = threading.Thread(target=lambda: out.__setitem__(0, fn()), daemon=True)
     t.start()
@@ -236,50 +218,44 @@ def _beside(fn):
     return wait
 
 
-def python_window(res: dict[str, Any], why: str) -> dict[str, Any]:
-    """A Python client's window in perf_analyzer's figures, for a window perf_analyzer could not measure (on a
-    loaded machine its three short windows can disagree past any stability bound)."""
-    lat = sorted(res["latencies_s"])
-    q = {p: 1e3 * lat[min(len(lat) - 1, int(p / 100 * len(lat)))] if lat else 0.0 for p in (50, 90, 95, 99)}
-    return {"errors": res["errors"], "requests_per_s": len(lat) / res["wall_s"] if res["wall_s"] else 0.0,
-            "mean_s": sum(lat) / len(lat) if lat else 0.0, **{f"p{p}_ms": v for p, v in q.items()}, "cpu_s": res["cpu_s"],
-            "wall_s": res["wall_s"], "completed": res["completed"], "python_instead": why[:200]}
+@dataclass(frozen=True)
+class Sweep:
+    """One sweep of served models over concurrency levels: the sweep itself ("models"), the same again with
+    dynamic batching off ("batching_off") or at another queue delay ("delay"), the no-op model ("noop"), or
+    the other load generator's cross-check ("cross_check")."""
+
+    kind: str
+    models: tuple[str, ...]
+    levels: tuple[int, ...]
+    delay_us: int = 0
 
 
-def window_row(last: list[dict[str, Any]], delta: dict, concurrency: int, batch: int) -> dict[str, Any]:
-    """A level's row from perf_analyzer windows: throughput, mean latency and each percentile averaged over
-    the windows (perf_analyzer reports percentiles per run, not the latencies behind them)."""
-    def mean(key: str) -> float:
-        return sum(w.get(key, 0.0) for w in last) / len(last)
-
-    rps = mean("requests_per_s")
-    row = {"concurrency": concurrency, "ok": sum(w["completed"] for w in last), "requests_per_s": rps,
-           "images_per_s": batch * rps, "mean_ms": 1e3 * mean("mean_s"), "n": sum(w["completed"] for w in last),
-           **{f"p{q}_ms": mean(f"p{q}_ms") for q in (50, 90, 95, 99)}, "server": delta}
-    row["client_side_us"] = row["mean_ms"] * 1e3 - delta.get("server_us", 0.0)
-    return row
-
-
-def window_figures(w: dict[str, Any]) -> tuple[float, float]:
-    """A window's requests/s and mean latency: the figures that must hold still."""
-    if "requests_per_s" in w:  # perf_analyzer's
-        return w["requests_per_s"], w["mean_s"]
-    lat = w["latencies_s"]
-    return (len(lat) / w["wall_s"] if w["wall_s"] else 0.0), (sum(lat) / len(lat) if lat else 0.0)
+def plan_sweeps(cfg: BenchConfig, manifest: dict, models: list[str], embedded: bool, noop: bool,
+                cross_check: bool) -> list[Sweep]:
+    """The sweeps bench_served runs, in order: the sweep, then on the embedded server (which reloads models
+    with changed configs) batching off and each other queue delay, the no-op model, and the cross-check on the
+    ONNX model where one is served."""
+    levels = tuple(cfg.concurrency)
+    plan = [Sweep("models", tuple(models), levels)]
+    if embedded:
+        compared = tuple(m for m in models if format_of(m, manifest) in cfg.batching_compare)
+        plan += [Sweep("batching_off", compared, levels)] if compared else []
+        plan += [Sweep("delay", tuple(models), levels, d) for d in cfg.queue_delays_us]
+    if noop:
+        plan.append(Sweep("noop", (NOOP_MODEL,), noop_levels(cfg)))
+    if cross_check:
+        model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
+        plan.append(Sweep("cross_check", (model,), tuple(sorted({1, max(levels)}))))
+    return plan
 
 
 def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: bool, noop: bool) -> int:
     """How many measurement windows bench_served plans for ``models`` (with ``noop``: and for the no-op
     model), three per level: the progress bar's total, grown as a level needs more."""
-    per_sweep = LAST * len(cfg.concurrency)
-    n = len(models) * per_sweep
-    if embedded:  # the batching-off sweeps and the delays
-        n += sum(format_of(m, manifest) in cfg.batching_compare for m in models) * per_sweep
-        n += len(models) * len(cfg.queue_delays_us) * per_sweep
     from .perf_analyzer import locate
 
-    n += LAST * len({1, max(cfg.concurrency)}) if cfg.cross_check and locate(cfg.perf_analyzer) else 0
-    return n + noop * LAST * len(noop_levels(cfg))
+    plan = plan_sweeps(cfg, manifest, models, embedded, noop, bool(cfg.cross_check and locate(cfg.perf_analyzer)))
+    return LAST * sum(len(s.models) * len(s.levels) for s in plan)
 
 
 def noop_levels(cfg: BenchConfig) -> tuple[int, ...]:
@@ -314,61 +290,68 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
         buckets = cfgm.get("parameters", {}).get("buckets", {}).get("string_value", "")
         instances, threads = served_placement(cfgm)
         fmt = format_of(model, manifest, cfgm)
-        served["models"][model] = {"format": fmt, "artifact": "aoti_buckets" if buckets else fmt,  # as its config reads
-                                   "max_batch_size": client.max_batch(model), "dynamic_batching": "dynamic_batching" in cfgm,
-                                   "instances": instances, "threads": threads,
-                                   "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
-                                   **({"buckets": [int(b) for b in buckets.split(",")]} if buckets else {})}
-    for model, rows in run(models).items():
-        served["models"][model]["rows"] = rows
-    if embedded:  # after the sweep: what each model's instance holds once it has served every batch size
-        for model, rss in server.instance_memory().items():
-            if model in served["models"]:
-                served["models"][model]["instance_rss_bytes"] = rss
-    save()
-    if embedded:
-        def config(model: str):
-            return read_config(served_config_path(server.repo / model))
+        served["models"][model] = {
+            "format": fmt,
+            "artifact": "aoti_buckets" if buckets else fmt,  # as its config reads
+            "max_batch_size": client.max_batch(model),
+            "dynamic_batching": "dynamic_batching" in cfgm,
+            "instances": instances,
+            "threads": threads,
+            "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
+            **({"buckets": [int(b) for b in buckets.split(",")]} if buckets else {}),
+        }
+    def config(model: str):
+        return read_config(served_config_path(server.repo / model))
 
-        compared = [m for m in models if format_of(m, manifest) in cfg.batching_compare]
-        if compared:
-            for model in compared:
-                off = config(model)
-                off.ClearField("dynamic_batching")
-                server.load(model, override=off)
-            for model, rows in run(compared).items():
-                served["batching_off"][model] = {"rows": rows}
-            save()
-        for delay in cfg.queue_delays_us:
-            for model in models:
+    reconfigured: set[str] = set()
+    for sw in plan_sweeps(cfg, manifest, models, embedded, noop, other is not None):
+        if sw.kind in ("noop", "cross_check") and reconfigured:
+            for model in reconfigured:
+                server.load(model, override=config(model))  # back to the repository's config
+            reconfigured.clear()
+        if sw.kind in ("batching_off", "delay"):
+            for model in sw.models:
                 c = config(model)
-                c.dynamic_batching.max_queue_delay_microseconds = delay
+                if sw.kind == "batching_off":
+                    c.ClearField("dynamic_batching")
+                else:
+                    c.dynamic_batching.max_queue_delay_microseconds = sw.delay_us
                 server.load(model, override=c)
-            for model, rows in run(models).items():
-                served["delays"].setdefault(model, {})[str(delay)] = {"rows": rows}
-            save()
-        for model in set(compared) | (set(models) if cfg.queue_delays_us else set()):
-            server.load(model, override=config(model))  # back to the repository's config
-    elif cfg.batching_compare or cfg.queue_delays_us:
+            reconfigured.update(sw.models)
+        if sw.kind == "noop":
+            try:
+                if embedded:
+                    server.load(NOOP_MODEL)
+                served["noop"] = {"rows": run(list(sw.models), sw.levels)[NOOP_MODEL]}
+            except TorchshipError as e:
+                served["noop"] = {"error": str(e)}
+            continue
+        swept = run(list(sw.models), sw.levels, other if sw.kind == "cross_check" and other else gen)
+        for model, rows in swept.items():
+            if sw.kind == "models":
+                served["models"][model]["rows"] = rows
+            elif sw.kind == "batching_off":
+                served["batching_off"][model] = {"rows": rows}
+            elif sw.kind == "delay":
+                served["delays"].setdefault(model, {})[str(sw.delay_us)] = {"rows": rows}
+            else:
+                served["cross_check"] = {"load_generator": other.name, "model": model, "rows": rows}
+        if sw.kind == "models" and embedded:  # what each model's instance holds once it has served every batch size
+            for model, rss in server.instance_memory().items():
+                if model in served["models"]:
+                    served["models"][model]["instance_rss_bytes"] = rss
+        save()
+    for model in reconfigured:
+        server.load(model, override=config(model))
+    if not embedded and (cfg.batching_compare or cfg.queue_delays_us):
         served["reconfigured"] = {"skipped": "the sweeps with dynamic batching off and other queue delays reload "
                                              f"models with changed configs, which only the embedded server allows; "
                                              f"not done against {url}"}
-    if noop:
-        try:
-            if embedded:
-                server.load(NOOP_MODEL)
-            served["noop"] = {"rows": run([NOOP_MODEL], noop_levels(cfg))[NOOP_MODEL]}
-        except TorchshipError as e:
-            served["noop"] = {"error": str(e)}
+    if other is None:
+        served["cross_check"] = {"skipped": why}
     if cfg.rate:
         served["open_loop"] = {m: open_loop(url, m, [client.to_wire(m, f) for f in singles], cfg.rate, cfg.duration_s)
                                for m in models}
-    if other is None:
-        served["cross_check"] = {"skipped": why}
-    else:  # the other client at concurrency 1 and the highest level, on the ONNX model where one is served
-        model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
-        levels = sorted({1, max(cfg.concurrency)})
-        served["cross_check"] = {"load_generator": other.name, "model": model, "rows": run([model], levels, other)[model]}
     shutil.rmtree(data.parent, ignore_errors=True)
     client.close()
 
@@ -391,7 +374,9 @@ def load_generators(cfg: BenchConfig, pool: dict[str, np.ndarray], data: Path
     size = sum(v[0].nbytes for v in pool.values())
     big = cfg.load_generator == "auto" and size > PA_MAX_REQUEST_BYTES
     first, second = (python, pa) if cfg.load_generator == "python" or big else (pa, python)
-    why = f"--load-generator {cfg.load_generator}" + (", perf_analyzer installed" if cfg.load_generator == "auto" else "")
+    why = f"--load-generator {cfg.load_generator}" + (
+        ", perf_analyzer installed" if cfg.load_generator == "auto" else ""
+    )
     if big:
         why += (f"; requests of {size / 1024:.0f} KiB, above {PA_MAX_REQUEST_BYTES // 1024} KiB, where perf_analyzer "
                 "costs more CPU a request than the Python client")

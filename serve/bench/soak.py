@@ -124,18 +124,30 @@ def soak_lines(res: dict[str, Any]) -> list[str]:
     """The soak's section of the report."""
     from torchship.markdown import table
 
-    rows = [[name, f"{p['first_bytes'] / 2**20:.1f}", f"{p['last_bytes'] / 2**20:.1f}", f"{p['peak_bytes'] / 2**20:.1f}",
-             f"{p['growth_bytes_per_1000'] / 1024:+.1f}", "yes" if p["within_bound"] else "**NO**"]
-            for name, p in res["processes"].items()]
+    rows = [
+        [
+            name,
+            f"{p['first_bytes'] / 2**20:.1f}",
+            f"{p['last_bytes'] / 2**20:.1f}",
+            f"{p['peak_bytes'] / 2**20:.1f}",
+            f"{p['growth_bytes_per_1000'] / 1024:+.1f}",
+            "yes" if p["within_bound"] else "**NO**",
+        ]
+        for name, p in res["processes"].items()
+    ]
     checked = res.get("checked")
-    head = (f"`{res['model']}` ({res.get('instances', '?')} instance(s) x {res.get('threads', '?')} thread(s)) held at "
-            f"{res['concurrency']} requests in flight for {res['duration_s']:g} s: {res['sent']} "
-            f"requests ({res['requests_per_s']:.0f}/s, p50 {res.get('p50_ms', 0):.2f} ms, p99 {res.get('p99_ms', 0):.2f} ms), "
-            f"{res['failed']} failed, " + (f"{checked} checked, {res.get('wrong', 0)} wrong" if checked is not None
-                                           else "responses not checked") + ". Resident memory sampled every "
-            f"{SAMPLE_S:g} s; growth is the least-squares slope of memory against requests served, leaving out the first "
-            f"{100 * SETTLE:.0f} % of the requests (where arenas and caches fill); the bound is "
-            f"{res['bound_bytes_per_1000'] / 1024:g} KiB per 1000 requests.")
+    head = (
+        f"`{res['model']}` ({res.get('instances', '?')} instance(s) x {res.get('threads', '?')} thread(s)) held at "
+        f"{res['concurrency']} requests in flight for {res['duration_s']:g} s: {res['sent']} "
+        f"requests ({res['requests_per_s']:.0f}/s, p50 {res.get('p50_ms', 0):.2f} ms, p99 {res.get('p99_ms', 0):.2f} "
+        "ms), "
+        f"{res['failed']} failed, "
+        + (f"{checked} checked, {res.get('wrong', 0)} wrong" if checked is not None else "responses not checked")
+        + ". Resident memory sampled every "
+        f"{SAMPLE_S:g} s; growth is the least-squares slope of memory against requests served, leaving out the first "
+        f"{100 * SETTLE:.0f} % of the requests (where arenas and caches fill); the bound is "
+        f"{res['bound_bytes_per_1000'] / 1024:g} KiB per 1000 requests."
+    )
     if not rows:
         return ["## Soak", "", head, "", f"Memory: {res.get('memory_note', 'not sampled')}.", ""]
     return ["## Soak", "", head, ""] + table(["process", "first MiB", "last MiB", "peak MiB", "KiB per 1000 requests",
@@ -148,9 +160,10 @@ def bench_soak(cfg, inputs, plan, url: str, server, bar, results: dict[str, Any]
     memory of an embedded ``server`` and of each model's backend processes is sampled; a server at --url that
     is not this bench's is not (its processes are not known here)."""
     from torchship.names import format_of
+    from torchship.procfs import resident_bytes
 
     from ..client import TritonClient
-    from ..embedded.process import resident_bytes, stub_processes
+    from ..embedded.process import stub_processes
     from .checks import response_check
     from .inputs import single_rows
     from .placement import served_placement
@@ -164,15 +177,24 @@ def bench_soak(cfg, inputs, plan, url: str, server, bar, results: dict[str, Any]
     results["soak"] = out
     try:
         for model in plan.models:
-            check = response_check(client, model, inputs.manifest, format_of(model, inputs.manifest, client.config(model)),
-                                   inputs.expected, singles, len(next(iter(inputs.pool.values()))))
+            check = response_check(
+                client,
+                model,
+                inputs.manifest,
+                format_of(model, inputs.manifest, client.config(model)),
+                inputs.expected,
+                singles,
+                len(next(iter(inputs.pool.values()))),
+            )
             sent = [client.to_wire(model, f) for f in singles]
             closed_loop(url, model, sent, level, 4 * level)  # untimed: every batch size the level forms, once
 
             def processes(model=model) -> dict[str, int]:
                 if server is None or not server.running:
                     return {}
-                stubs = sorted(p for (m, _), pids in stub_processes(server.proc.pid).items() if m == model for p in pids)
+                stubs = sorted(
+                    p for (m, _), pids in stub_processes(server.proc.pid).items() if m == model for p in pids
+                )
                 return {f"tritonserver (pid {server.proc.pid})": server.proc.pid,
                         **{f"{model} backend (pid {p})": p for p in stubs}}
             log(f"soak: {model} at {level} in flight for {duration:g} s")

@@ -10,17 +10,21 @@ from typing import Any
 
 from torchship.errors import ConfigError
 from torchship.io import atomic_write_text
-from torchship.names import FORMAT_PARAMETER, format_of
+from torchship.names import FORMAT_PARAMETER, FORMATS, format_of
+from torchship.parity import gate_words
 
 from ..config import parse_strategy
 from ..model_config import edit_configs, read_config, repository_models, served_config_path
+from ..repository import readme_with_winner
 from .recommend import batching_edit, recommend
+from .results import served_models
+
 
 def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """The winner of ``strategy`` among the served models of ``results`` (a bench results.json) that belong to
     this export, with the figures it won on, the runner-up (the best other model) and why, in words."""
     kind, budget = parse_strategy(strategy)
-    served = results.get("served", {}).get("models", {})
+    served = served_models(results)
     mine = {m: v for m, v in served.items() if format_of(m, manifest)}
     if not mine:
         raise ConfigError(f"the bench results hold no served model of {manifest['name']!r} (they have "
@@ -39,10 +43,14 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
         if kind != "min-latency" else {}
 
     def figures(r: dict[str, Any]) -> str:
-        return f"{r['requests_per_s']:.0f} req/s at p99 {r['p99_ms']:.2f} ms, p50 {r['p50_ms']:.2f} ms, {r['concurrency']} in flight"
+        return (f"{r['requests_per_s']:.0f} req/s at p99 {r['p99_ms']:.2f} ms, p50 {r['p50_ms']:.2f} ms, "
+                f"{r['concurrency']} in flight")
 
-    goal = {"max-throughput": "the highest served throughput", "min-latency": "the lowest p50 with one request in flight",
-            "p99-budget": f"the highest throughput with p99 <= {budget or 0:g} ms"}[kind]
+    goal = {
+        "max-throughput": "the highest served throughput",
+        "min-latency": "the lowest p50 with one request in flight",
+        "p99-budget": f"the highest throughput with p99 <= {budget or 0:g} ms",
+    }[kind]
     fmt = format_of(model, manifest)
     precision, gate = precision_of(manifest, fmt)
     words = precision + (f", {gate_words(gate)}" if gate else "")
@@ -65,10 +73,14 @@ def best_row(rows: list[dict[str, Any]], kind: str, budget: float | None) -> tup
     rows = [r for r in rows if r.get("n") and not r.get("failed")]
     if kind == "min-latency":
         rows = [min(rows, key=lambda r: r["concurrency"])] if rows else []
-        score = (lambda r: -r["p50_ms"])
+
+        def score(r: dict[str, Any]) -> float:
+            return -r["p50_ms"]
     else:
         rows = [r for r in rows if budget is None or r["p99_ms"] <= budget]
-        score = (lambda r: r["requests_per_s"])
+
+        def score(r: dict[str, Any]) -> float:
+            return r["requests_per_s"]
     if not rows:
         return None
     best = max(rows, key=score)
@@ -80,7 +92,8 @@ def precision_of(manifest: dict[str, Any], fmt: str | None) -> tuple[str, dict[s
     for a float32 artifact held to the rounding bound)."""
     from torchship.manifest import verdicts
 
-    arts = [a for a in manifest.get("artifacts", []) if a["format"] in (fmt, f"{fmt}_buckets")]
+    sources = FORMATS[fmt].artifacts if fmt in FORMATS else (fmt,)
+    arts = [a for a in manifest.get("artifacts", []) if a["format"] in sources]
     if not arts:
         return manifest.get("dtype", "float32"), None
     a = arts[0]
@@ -90,16 +103,6 @@ def precision_of(manifest: dict[str, Any], fmt: str | None) -> tuple[str, dict[s
     row = verdicts(manifest).get(a["name"], {}).get("sets", {}).get(manifest["reference"].get("samples") or "", {})
     keys = ("accuracy", "eager_accuracy", "accuracy_drop", "top1_agreement", "sqnr_db")
     return precision, {"max_accuracy_drop": a["gate"]["max_accuracy_drop"], **{k: row[k] for k in keys if k in row}}
-
-
-def gate_words(gate: dict[str, Any]) -> str:
-    """The accuracy gate's figures in a few words."""
-    if "accuracy_drop" in gate:
-        return (f"accuracy {gate['accuracy']:.2f} % beside float32's {gate['eager_accuracy']:.2f} % "
-                f"(allowed drop {gate['max_accuracy_drop']:g} points)")
-    if "top1_agreement" in gate:
-        return f"top-1 agreement with float32 {100 * gate['top1_agreement']:.1f} %"
-    return "passed its accuracy gate"
 
 
 def short_bench(export_dir, repo: str | Path, out: Path, log=print) -> dict[str, Any]:
@@ -124,7 +127,9 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
     repo = Path(repo)
     name, src = manifest["name"], repo / winner["model"]
     if not (src / "config.pbtxt").exists():
-        raise ConfigError(f"{repo} does not serve {winner['model']}, the winner (it has {', '.join(repository_models(repo))})")
+        raise ConfigError(
+            f"{repo} does not serve {winner['model']}, the winner (it has {', '.join(repository_models(repo))})"
+        )
     staging = repo / f".{name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(src, staging, symlinks=True)
@@ -146,14 +151,7 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
             if m != name and format_of(m, manifest):
                 shutil.rmtree(repo / m)
     readme = repo / "README.md"
-    text = readme.read_text() if readme.exists() else ""
-    text = text.split("\n## Served by strategy\n")[0].rstrip() + "\n\n## Served by strategy\n\n" + \
-        f"`{name}` serves `{winner['model']}` ({winner['format']}, {winner.get('precision', 'float32')}" + \
-        (f"; {gate_words(winner['gate'])}" if winner.get("gate") else "") + f"). Why: {winner['why']}.\n"
-    if winner.get("placement"):
-        from .placement import grid_table
-
-        text += "\n" + "\n".join(grid_table(winner["placement"]))
+    text = readme_with_winner(readme.read_text() if readme.exists() else "", name, winner)
     atomic_write_text(readme, text)
     return dest
 
@@ -237,8 +235,13 @@ def search(server, model: str, export, strategy: str, cores: int, log=print) -> 
             best = best_row(rows, kind, budget)
             grid.append({"instances": instances, "threads": threads, "rows": rows,
                          "score": best[0] if best else None, "at": best[1]["concurrency"] if best else None})
-            log(f"placement {model}: {instances} instance(s) x {threads} thread(s): " + ", ".join(
-                f"{r['requests_per_s']:.0f} req/s p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight" for r in rows))
+            log(
+                f"placement {model}: {instances} instance(s) x {threads} thread(s): "
+                + ", ".join(
+                    f"{r['requests_per_s']:.0f} req/s p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight"
+                    for r in rows
+                )
+            )
         fit = [g for g in grid if g["score"] is not None]
         kept = dict(zip(("instances", "threads"), placement_of(base)))
         chosen = choose(fit) if fit else kept  # nothing within the strategy: the repository's own stays

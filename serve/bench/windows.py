@@ -39,9 +39,14 @@ def settle(window: Callable[[], dict[str, Any]], figures: Callable[[dict[str, An
     return settle_rounds({0: window}, figures, stability, min_windows, max_windows, on_window)[0]
 
 
-def settle_rounds(cells: dict[K, Callable[[], dict[str, Any]]], figures: Callable[[dict[str, Any]], Sequence[float]],
-                  stability: float, min_windows: int = LAST, max_windows: int = 10,
-                  on_window: Callable[[int], None] | None = None) -> dict[K, tuple[list[dict[str, Any]], dict[str, Any]]]:
+def settle_rounds(
+    cells: dict[K, Callable[[], dict[str, Any]]],
+    figures: Callable[[dict[str, Any]], Sequence[float]],
+    stability: float,
+    min_windows: int = LAST,
+    max_windows: int = 10,
+    on_window: Callable[[int], None] | None = None,
+) -> dict[K, tuple[list[dict[str, Any]], dict[str, Any]]]:
     """Measure every cell in rounds: each round runs one window of every cell not yet settled, in order.
     A cell settles once at least ``min_windows`` ran and its last LAST agree: for each of the figures
     ``figures(w)`` gives a window (a throughput, a mean latency), their spread is within ``stability``
@@ -66,5 +71,16 @@ def settle_rounds(cells: dict[K, Callable[[], dict[str, Any]]], figures: Callabl
             if (stable and len(ws) >= min_windows) or len(ws) >= max_windows:
                 warmed = ws[1:] if len(ws) > LAST else ws  # a level's first window may still be warming
                 drift = max((spread(column) for column in zip(*map(figures, warmed))), default=0.0)
-                done[key] = ws, {"windows": len(ws), "spreads": spreads, "spread": worst, "drift": drift, "stable": stable}
+                done[key] = (
+                    ws,
+                    {"windows": len(ws), "spreads": spreads, "spread": worst, "drift": drift, "stable": stable},
+                )
     return {k: done[k] for k in cells}
+
+
+def window_figures(w: dict[str, Any]) -> tuple[float, float]:
+    """A window's requests/s and mean latency: the figures that must hold still."""
+    if "requests_per_s" in w:  # perf_analyzer's
+        return w["requests_per_s"], w["mean_s"]
+    lat = w["latencies_s"]
+    return (len(lat) / w["wall_s"] if w["wall_s"] else 0.0), (sum(lat) / len(lat) if lat else 0.0)

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
+from torchship.procfs import cmdline, processes, resident_bytes
+
 
 def free_ports(host: str = "127.0.0.1", n: int = 1, avoid: Sequence[int] = ()) -> list[int]:
     """``n`` distinct ports on ``host`` that the system picks, none in ``avoid``. Every socket stays open
@@ -146,21 +148,13 @@ def stub_processes(server_pid: int) -> dict[tuple[str, str], set[int]]:
     """(model folder name, version) -> pids of the server's live stub processes for it (a stub's first argument
     is the model file, REPO/<model>/<version>/<file>)."""
     out: dict[tuple[str, str], set[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+    for p in processes():
+        if p.ppid != server_pid or p.state == "Z":  # not the server's child, or dead and not yet reaped
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-            if int(stat[1]) != server_pid or stat[0] == "Z":  # not the server's child, or dead and not yet reaped
-                continue
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if len(argv) > 1 and argv[0].decode(errors="replace").endswith(STUB):
-            path = Path(argv[1].decode(errors="replace"))
-            out.setdefault((path.parents[1].name, path.parent.name), set()).add(int(entry.name))
+        argv = cmdline(p.pid)
+        if len(argv) > 1 and argv[0].endswith(STUB):
+            path = Path(argv[1])
+            out.setdefault((path.parents[1].name, path.parent.name), set()).add(p.pid)
     return out
 
 
@@ -171,12 +165,3 @@ def instance_memory(server_pid: int, models: Sequence[str]) -> dict[str, int]:
         if model in models:
             out[model] = out.get(model, 0) + sum(resident_bytes(pid) for pid in pids)
     return out
-
-
-def resident_bytes(pid: int) -> int:
-    """A process's resident memory in bytes (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0

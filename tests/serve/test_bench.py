@@ -2,22 +2,35 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 
 from serve.bench.compare import compare
 from serve.bench.config import BenchConfig
-from serve.bench.run import run_bench
 from serve.bench.perf_analyzer import locate
+from serve.bench.run import run_bench
 from serve.bench.served import PACED_CHECKS, served_runs
 from tests.conftest import run_cli
 from torchship.config import build
 from torchship.errors import BenchError, ServerError
 
-SHORT = {"variants": ["eager", "onnx", "aoti_buckets"], "batch_sizes": [1, 4], "iters": 8, "blocks": 2, "warmup": 1, "threads": 1,
-         "concurrency": [1, 4], "requests": 16, "progress": False, "load_generator": "python",
-         "cross_check": False, "window_s": 0.1, "max_windows": 4}
+SHORT = {
+    "variants": ["eager", "onnx", "aoti_buckets"],
+    "batch_sizes": [1, 4],
+    "iters": 8,
+    "blocks": 2,
+    "warmup": 1,
+    "threads": 1,
+    "concurrency": [1, 4],
+    "requests": 16,
+    "progress": False,
+    "load_generator": "python",
+    "cross_check": False,
+    "window_s": 0.1,
+    "max_windows": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +52,15 @@ def test_results_and_report_are_well_formed(bench_run):
     assert m["cpu"] and m["cores"] and m["versions"]["torch"] and "git_revision" in m
     assert on_disk["limits"]["flops_per_sample"] > 0 and on_disk["limits"]["fp32_flops"] > 0
     assert on_disk["limits"]["int8_flops"] > 0  # the INT8 probe: gone if neither runtime has an INT8 matmul
-    assert {on_disk["limits"][f"{p}_kernel"].split()[0] for p in ("fp32", "bf16", "int8")} <= {"torch", "onnxruntime", "oneDNN"}
+    assert {on_disk["limits"][f"{p}_kernel"].split()[0] for p in ("fp32", "bf16", "int8")} <= {
+        "torch",
+        "onnxruntime",
+        "oneDNN",
+    }
     rows = on_disk["in_process"]["rows"]
-    assert {(r["variant"], r["batch"]) for r in rows} == {(v, b) for v in SHORT["variants"] for b in SHORT["batch_sizes"]}
+    assert {(r["variant"], r["batch"]) for r in rows} == {
+        (v, b) for v in SHORT["variants"] for b in SHORT["batch_sizes"]
+    }
     for r in rows:
         assert r["n"] >= SHORT["iters"] and ordered(r) and r["images_per_s"] > 0
         assert 3 <= r["windows"] <= SHORT["max_windows"] and r["spread"] >= 0 and r["stable"] in (True, False)
@@ -64,7 +83,9 @@ def test_results_and_report_are_well_formed(bench_run):
                 assert r["checked"] >= r["ok"] and r["wrong"] == 0, (model, r)  # every response, held to the bound
     assert served["batching_off"]["tiny_cnn_onnx"]["rows"][0]["server"]["avg_batch"] == 1.0
     noop = served["noop"]["rows"]  # its round trip at concurrency 1, and the most it carries at the top level
-    assert [r["concurrency"] for r in noop] == [1, max(SHORT["concurrency"])] and all(r["ok"] >= SHORT["requests"] for r in noop)
+    assert [r["concurrency"] for r in noop] == [1, max(SHORT["concurrency"])] and all(
+        r["ok"] >= SHORT["requests"] for r in noop
+    )
     assert all(v["errors"] == 0 and v["sent"] > 0 for v in served["open_loop"].values())
     assert "model" in on_disk["recommendation"]
     report = (out / "report.md").read_text()
@@ -99,7 +120,7 @@ def test_the_report_says_how_much_a_bucketed_model_pads(bench_run):
 
 def test_in_process_beside_served_pairs_each_model_with_its_own_artifact(bench_run):
     """The served _aoti model runs the batch-bucket packages, so it sits beside aoti_buckets in-process."""
-    from serve.bench.report import side_by_side
+    from serve.bench.beside import side_by_side
 
     results, _ = bench_run
     rows = [line.split(" | ") for line in side_by_side(results) if line.startswith("| tiny_cnn_")]
@@ -112,9 +133,7 @@ def test_in_process_beside_served_pairs_each_model_with_its_own_artifact(bench_r
 def test_a_model_served_from_the_plain_aoti_package_appears_in_every_table(exported, tmp_path):
     """Where only the dynamic aoti package verified (no bucket archive), the server runs model.pt2: the bench records
     that artifact, and the report sets the model beside aoti in-process, as it does in every other table."""
-    import shutil
-
-    from serve.bench.report import side_by_side
+    from serve.bench.beside import side_by_side
     from torchship.manifest import read_manifest, write_manifest
 
     d = tmp_path / "export"
@@ -135,38 +154,42 @@ def test_a_model_served_from_the_plain_aoti_package_appears_in_every_table(expor
         head = line if line.startswith("## ") else head
         if line.startswith("| tiny_cnn_aoti |"):
             tables.setdefault(head, []).append(line)
-    assert {"## Served over gRPC", "## In-process beside served", "## Triton's server-side breakdown"} <= set(tables), tables
+    assert {"## Served over gRPC", "## In-process beside served", "## Triton's server-side breakdown"} <= set(tables), (
+        tables
+    )
     assert tables["## In-process beside served"][0].startswith("| tiny_cnn_aoti | aoti |")
     assert any(line.startswith("| tiny_cnn_aoti | aoti |") for line in side_by_side(results))
 
 
 def test_one_run_reads_the_reference_once_and_rebuilds_eager_once(exported, server, tmp_path):
-    """The manifest's reference.npz is read (and its sha256 checked) once per bench run, and eager rebuilt
-    once, however many parts use them: the limits, in-process and served."""
+    """The manifest's reference.npz is read once per bench run (one read serves its sha256 check and its arrays),
+    and eager rebuilt once, however many parts use them: the limits, in-process and served."""
+    from pathlib import Path
+
     import torchship.eager
     import torchship.manifest
 
-    reads, checks, rebuilds = [], [], []
-    load, rebuild, check = np.load, torchship.eager.checkpoint_model, torchship.manifest.file_problem
+    reads, hashed, rebuilds = [], [], []
+    read_bytes, rebuild, sha = Path.read_bytes, torchship.eager.checkpoint_model, torchship.manifest.sha256_file
 
-    def counted_load(path, *a, **k):
-        reads.append(str(path))
-        return load(path, *a, **k)
+    def counted_read(self):
+        reads.append(str(self))
+        return read_bytes(self)
 
-    def counted_check(d, name, *a, **k):
-        checks.append(name)
-        return check(d, name, *a, **k)
+    def counted_sha(path, *a, **k):
+        hashed.append(str(path))
+        return sha(path, *a, **k)
 
     cfg = build(BenchConfig, {**SHORT, "batch_sizes": [1], "concurrency": [1], "requests": 4},
                 {"export_dir": str(exported), "out": str(tmp_path), "url": server.url, "models": ["tiny_cnn_onnx"]})
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(np, "load", counted_load)
-        mp.setattr(torchship.manifest, "file_problem", counted_check)
+        mp.setattr(Path, "read_bytes", counted_read)
+        mp.setattr(torchship.manifest, "sha256_file", counted_sha)
         mp.setattr(torchship.eager, "checkpoint_model", lambda *a: rebuilds.append(a) or rebuild(*a))
         results = run_bench(cfg, log=lambda *a: None)
     assert results["in_process"]["rows"] and results["served"]["models"]["tiny_cnn_onnx"]["rows"]
     assert [r for r in reads if r.endswith("reference.npz")] == [str(exported / "reference.npz")]
-    assert checks.count("reference.npz") == 1 and len(rebuilds) == 1
+    assert not [h for h in hashed if h.endswith("reference.npz")] and len(rebuilds) == 1
 
 
 def test_progress_total_counts_every_window(bench_run, exported):
@@ -181,7 +204,9 @@ def test_progress_total_counts_every_window(bench_run, exported):
     sweeps += [d["rows"] for per_model in s["delays"].values() for d in per_model.values()] + [s["noop"]["rows"]]
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out)})
     manifest = json.loads((exported / "manifest.json").read_text())
-    assert served_runs(cfg, manifest, list(s["models"]), embedded=True, noop=True) == 3 * sum(len(rows) for rows in sweeps)
+    assert served_runs(cfg, manifest, list(s["models"]), embedded=True, noop=True) == 3 * sum(
+        len(rows) for rows in sweeps
+    )
     loaded = {r["variant"]: None for r in results["in_process"]["rows"]}
     assert in_process_runs(cfg, loaded, manifest) == 3 * len(results["in_process"]["rows"])
 
@@ -238,7 +263,9 @@ def _one_row(p50: float, spread: float | None) -> dict:
 ])
 def test_compare_calls_a_change_beyond_the_spread_a_regression(old_spread, new_spread, new_p50, regression):
     rows, regressions = compare(_one_row(10.0, old_spread), _one_row(new_p50, new_spread))
-    assert {r["key"].rsplit("/", 1)[1] for r in regressions} == ({"p50_ms", "p99_ms", "images_per_s"} if regression else set())
+    assert {r["key"].rsplit("/", 1)[1] for r in regressions} == (
+        {"p50_ms", "p99_ms", "images_per_s"} if regression else set()
+    )
     assert len(rows) == 3
 
 
@@ -303,7 +330,9 @@ def test_unknown_model_is_refused_before_anything_runs(exported, repo, server, t
     before the in-process part runs or a server starts, with nothing written."""
     out = tmp_path / "out"
     given = {"url": {"url": server.url}, "repo": {"repo": str(repo)}, "built": {}}[where]
-    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "models": ["tiny_cnn_nope"], **given})
+    cfg = build(
+        BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out), "models": ["tiny_cnn_nope"], **given}
+    )
     with pytest.raises(BenchError, match=r"--models tiny_cnn_nope: not in .*; choose from .*tiny_cnn_onnx"):
         run_bench(cfg, log=lambda *a: None)
     assert not out.exists()
@@ -393,8 +422,6 @@ def test_a_backend_that_corrupts_one_row_of_a_batch_is_caught_under_load(exporte
     """Planted: a backend that returns one wrong row in batches of 4 or more. Batch-1 requests one at a time
     never form such a batch, so concurrency 1 checks clean; at 16 in flight the batcher forms them, and the
     bench fails naming the model and the level, with its results and report written."""
-    import shutil
-
     import serve.embedded.server as server_module
     from serve.embedded.wheel import backend_dir
     from torchship.errors import ParityError
@@ -434,8 +461,18 @@ def test_a_load_generator_that_takes_the_servers_cores_is_named_beside_the_figur
     from serve.bench.report import client_share_lines
 
     def served(us):
-        return {"client_cores": 2, "models": {"m": {"rows": [{"concurrency": 1, "requests_per_s": 500, "client_cpu_us": us},
-                                                            {"concurrency": 16, "requests_per_s": 2000, "client_cpu_us": us}]}}}
+        return {
+            "client_cores": 2,
+            "models": {
+                "m": {
+                    "rows": [
+                        {"concurrency": 1, "requests_per_s": 500, "client_cpu_us": us},
+                        {"concurrency": 16, "requests_per_s": 2000, "client_cpu_us": us},
+                    ]
+                }
+            },
+        }
+
     (line,) = client_share_lines(served(150), "python")
     assert line.startswith("- m: the load generator took 15 % of the 2 cores at concurrency 16 (150 µs a request)")
     assert "python -m serve.bench.perf_analyzer install" in line
@@ -471,8 +508,7 @@ def test_auto_sends_large_requests_with_the_cheaper_python_client(tmp_path):
 def test_a_perf_analyzer_window_too_short_is_measured_again_not_counted_as_failed_requests():
     """On a busy machine perf_analyzer's window can hold no completed request, or three windows that disagree past
     any bound: retried longer, then measured by the Python client, never counted as a failed request."""
-    from serve.bench.perf_analyzer import too_short
-    from serve.bench.served import python_window
+    from serve.bench.perf_analyzer import python_window, too_short
 
     assert too_short("perf_analyzer exited 3: No valid requests recorded within time interval. Please use a larger "
                      "time window.")

@@ -1,5 +1,6 @@
 """The generated repository: layout, protobuf configs, and names that agree with the manifest."""
 
+import hashlib
 import json
 import shutil
 
@@ -22,8 +23,11 @@ def cfg(path):
 
 def test_layout_and_configs(repo, exported):
     m = read_manifest(exported)
-    expected = {"tiny_cnn_onnx": ("onnxruntime_onnx", "model.onnx"), "tiny_cnn_torchscript": ("pytorch_libtorch", "model.pt"),
-                "tiny_cnn_aoti": ("torch_aoti", "model.pt2")}
+    expected = {
+        "tiny_cnn_onnx": ("onnxruntime_onnx", "model.onnx"),
+        "tiny_cnn_torchscript": ("pytorch_libtorch", "model.pt"),
+        "tiny_cnn_aoti": ("torch_aoti", "model.pt2"),
+    }
     assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == sorted(expected)
     for name, (platform, fname) in expected.items():
         c = cfg(repo / name / "config.pbtxt")
@@ -43,14 +47,21 @@ def test_layout_and_configs(repo, exported):
         assert c.dynamic_batching.max_queue_delay_microseconds == 2000
         if platform == "torch_aoti":
             assert c.backend == "pytorch"
-            assert json.loads(c.parameters["torchship_tensor_names"].string_value) == {"ARGS[0]": "images", "RESULT": "logits"}
+            assert json.loads(c.parameters["torchship_tensor_names"].string_value) == {
+                "ARGS[0]": "images",
+                "RESULT": "logits",
+            }
             emb = cfg(repo / name / EMBEDDED_CONFIG)
             assert emb.backend == "pytorch" and emb.max_batch_size == 8 and list(emb.input[0].dims) == [3, 32, 32]
             assert [i.name for i in emb.input] == ["images"] and [o.name for o in emb.output] == ["logits"]
             assert emb.parameters["buckets"].string_value == "1,8" and emb.default_model_filename == "buckets.pt2"
             # the batcher takes what queued, up to max_batch_size; preferred sizes would cut it down
             assert emb.HasField("dynamic_batching") and not emb.dynamic_batching.preferred_batch_size
-            assert sorted(p.name for p in (repo / name / "1").iterdir()) == ["buckets.pt2", "model.pt2", "provenance.json"]
+            assert sorted(p.name for p in (repo / name / "1").iterdir()) == [
+                "buckets.pt2",
+                "model.pt2",
+                "provenance.json",
+            ]
             assert emb.input[0].format == mc.ModelInput.FORMAT_NCHW
     readme = (repo / "README.md").read_text()
     assert "nvcr.io/nvidia/tritonserver:" in readme and "The models run on the CPU (`KIND_CPU` instances)" in readme
@@ -60,8 +71,6 @@ def test_layout_and_configs(repo, exported):
 def test_without_the_aoti_package_the_aoti_model_serves_the_buckets_and_the_readme_says_so(exported, tmp_path, backend):
     """The official container's torch_aoti reads one package, not the bucket archive: where the export has no
     verified aoti package, the embedded config is the model's only config, and the README says why."""
-    import shutil
-
     from serve.config import RepoConfig
     from serve.repository import build_repository
     from torchship.manifest import write_manifest
@@ -74,27 +83,47 @@ def test_without_the_aoti_package_the_aoti_model_serves_the_buckets_and_the_read
     repo = tmp_path / "repo"
     build_repository(d, RepoConfig(out=str(repo)))
     mdir = repo / "tiny_cnn_aoti"
-    assert sorted(p.name for p in (mdir / "1").iterdir()) == ["buckets.pt2", "provenance.json"] and not (mdir / EMBEDDED_CONFIG).exists()
+    assert (
+        sorted(p.name for p in (mdir / "1").iterdir()) == ["buckets.pt2", "provenance.json"]
+        and not (mdir / EMBEDDED_CONFIG).exists()
+    )
     c = cfg(mdir / "config.pbtxt")
     assert c.backend == "pytorch" and c.parameters["buckets"].string_value == "1,8" and c.max_batch_size == 8
     assert "`tiny_cnn_aoti` holds only the bucket archive" in (repo / "README.md").read_text()
     model = backend.PyTorchModel()
     model.log = lambda *a: None
-    model.initialize({"model_config": json.dumps(config_json(c)), "model_name": mdir.name, "model_repository": str(mdir),
-                      "model_version": "1"})
+    model.initialize(
+        {
+            "model_config": json.dumps(config_json(c)),
+            "model_name": mdir.name,
+            "model_repository": str(mdir),
+            "model_version": "1",
+        }
+    )
     ref = read_reference(d, m)
     (out,) = model.run([{"images": ref["input/random_b5/images"]}])
-    np.testing.assert_allclose(out[0], ref["expected/random_b5/logits"], atol=m["tolerances"]["outputs"]["logits"]["atol"])
+    np.testing.assert_allclose(
+        out[0], ref["expected/random_b5/logits"], atol=m["tolerances"]["outputs"]["logits"]["atol"]
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-batch", "0"], "--max-batch must be at least 1"),
-    (["--max-batch", "1000"], "exceeds the export's max batch"),
-    (["--formats", "onnx", "tensorrt"], "tensorrt cannot be served"),
-    (["--instance-count", "0"], "must be at least 1"),
-    (["--ort-accelerator", "tensorrt", "--instance-kind", "cpu"], "configures ONNX Runtime on a GPU, and these instances are KIND_CPU"),
-    (["--no-trt-fp16", "--instance-kind", "gpu"], "--no-trt-fp16 applies to TensorRT engines only; add --ort-accelerator tensorrt"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-batch", "0"], "--max-batch must be at least 1"),
+        (["--max-batch", "1000"], "exceeds the export's max batch"),
+        (["--formats", "onnx", "tensorrt"], "tensorrt cannot be served"),
+        (["--instance-count", "0"], "must be at least 1"),
+        (
+            ["--ort-accelerator", "tensorrt", "--instance-kind", "cpu"],
+            "configures ONNX Runtime on a GPU, and these instances are KIND_CPU",
+        ),
+        (
+            ["--no-trt-fp16", "--instance-kind", "gpu"],
+            "--no-trt-fp16 applies to TensorRT engines only; add --ort-accelerator tensorrt",
+        ),
+    ],
+)
 def test_bad_repository_options_are_refused_and_write_nothing(exported, tmp_path, capsys, args, message):
     out = tmp_path / "repo"
     assert run_cli("repo", exported, "--out", out, *args) == 2
@@ -124,7 +153,9 @@ def test_gpu_repository_configs_and_the_providers_the_backend_builds_from_them(g
     for name, c in configs.items():
         (group,) = c.instance_group
         assert group.kind == mc.ModelInstanceGroup.KIND_GPU and list(group.gpus) == [0], name
-        assert bool(c.optimization.execution_accelerators.gpu_execution_accelerator) == name.startswith("tiny_cnn_onnx"), name
+        assert bool(c.optimization.execution_accelerators.gpu_execution_accelerator) == name.startswith(
+            "tiny_cnn_onnx"
+        ), name
     onnx = configs["tiny_cnn_onnx/config.pbtxt"]
     (acc,) = onnx.optimization.execution_accelerators.gpu_execution_accelerator
     assert acc.name == "tensorrt" and acc.parameters["precision_mode"] == "FP32"
@@ -185,6 +216,7 @@ def test_a_gpu_instance_runs_on_cuda_only_where_its_runtime_can(backend, monkeyp
         assert model.device_for(gpu) == ("cpu", "torch sees no CUDA device")
 
 
+@pytest.mark.slow
 def test_a_repository_serves_on_a_device_only_the_artifacts_made_for_it(int8_export, tmp_path, capsys):
     """AOTInductor packages are compiled for the device they were exported on, INT8 models quantized for its CPU:
     a GPU repository from a CPU export leaves them out, and says so in one line; the float ONNX model serves."""
@@ -196,9 +228,11 @@ def test_a_repository_serves_on_a_device_only_the_artifacts_made_for_it(int8_exp
     said = capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["tiny_cnn_onnx"]
     line = next(x for x in said.splitlines() if x.startswith("not served: "))
-    assert line == ("not served: onnx_int8: quantized for the CPU it was exported on, not for a GPU (export them on a "
-                    "machine with the device they are to serve on); aoti_int8: compiled for the CPU it was exported on, "
-                    "not for a GPU (export them on a machine with the device they are to serve on)"), line
+    assert line == (
+        "not served: onnx_int8: quantized for the CPU it was exported on, not for a GPU (export them on a "
+        "machine with the device they are to serve on); aoti_int8: compiled for the CPU it was exported on, "
+        "not for a GPU (export them on a machine with the device they are to serve on)"
+    ), line
     m = read_manifest(int8_export)
     assert not_served(m, device="cpu") == not_served(m) == {}  # on the CPU it was made for, all of it serves
     for a in m["artifacts"]:
@@ -227,7 +261,6 @@ def tampered(repo, tmp_path, rel="tiny_cnn_onnx/1/model.onnx"):
 
 
 def test_each_version_records_the_sha256_of_its_files(repo):
-    import hashlib
 
     for model in ("tiny_cnn_onnx", "tiny_cnn_torchscript", "tiny_cnn_aoti"):
         vdir = repo / model / "1"
@@ -240,7 +273,10 @@ def test_serve_refuses_a_tampered_repository_before_it_starts(repo, tmp_path, ca
     bad = tampered(repo, tmp_path)
     assert run_cli("serve", bad) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model tiny_cnn_onnx version 1: model.onnx differs from the sha256 in provenance.json" in err[0]
+    assert (
+        len(err) == 1
+        and "model tiny_cnn_onnx version 1: model.onnx differs from the sha256 in provenance.json" in err[0]
+    )
 
 
 def test_the_backend_refuses_to_load_a_file_that_differs_from_its_hash(repo, tmp_path, backend):
@@ -278,7 +314,9 @@ def test_a_models_two_configs_are_edited_together_or_not_at_all(repo, tmp_path):
     shutil.copytree(repo / "tiny_cnn_aoti", mdir)
     before = {n: (mdir / n).read_text() for n in (CONFIG, EMBEDDED_CONFIG)}
 
-    def fails_on_the_second(c, seen=[]):
+    seen = []
+
+    def fails_on_the_second(c):
         seen.append(c.name)
         if len(seen) == 2:
             raise RuntimeError("planted: the second file's edit fails")
@@ -287,4 +325,6 @@ def test_a_models_two_configs_are_edited_together_or_not_at_all(repo, tmp_path):
         edit_configs(mdir, fails_on_the_second)
     assert {n: (mdir / n).read_text() for n in before} == before and sorted(p.name for p in mdir.glob(".*")) == []
     written = edit_configs(mdir, lambda c: setattr(c, "max_batch_size", 4))
-    assert sorted(p.name for p in written) == sorted(before) and all(read_config(p).max_batch_size == 4 for p in written)
+    assert sorted(p.name for p in written) == sorted(before) and all(
+        read_config(p).max_batch_size == 4 for p in written
+    )

@@ -26,7 +26,7 @@ import numpy as np
 
 from tests.zoo import models as zoo
 from torchship.io import atomic_write_json, atomic_write_text
-from torchship.pipeline.summary import RssSampler
+from torchship.procfs import RssSampler
 from torchship.runtime import FP32_FORMATS  # the zoo takes every model through every fp32 format, opt-in ones too
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,7 +143,9 @@ def _serve(entry: zoo.Entry, d: Path, ts: list[str], log: Path) -> dict[str, Any
     from serve.config import ServeConfig
     from serve.embedded import TritonServer
 
-    served: dict[str, Any] = {"repo": _command([*ts, "repo", str(d / "export"), "--out", str(d / "repo"), "--overwrite"], log)}
+    served: dict[str, Any] = {
+        "repo": _command([*ts, "repo", str(d / "export"), "--out", str(d / "repo"), "--overwrite"], log)
+    }
     if served["repo"]["code"]:
         return {**served, "error": _last_error(log)}
     server = TritonServer(ServeConfig(repo=str(d / "repo"), log=str(d / "tritonserver.log")))
@@ -163,8 +165,13 @@ def _serve(entry: zoo.Entry, d: Path, ts: list[str], log: Path) -> dict[str, Any
     results = d / "bench" / "results.json"
     if results.exists():
         b = json.loads(results.read_text())
-        served["bench_rows"] = {name: [{k: r.get(k) for k in ("concurrency", "p50_ms", "p99_ms", "requests_per_s", "failed")}
-                                       for r in mdl["rows"]] for name, mdl in b.get("served", {}).get("models", {}).items()}
+        served["bench_rows"] = {
+            name: [
+                {k: r.get(k) for k in ("concurrency", "p50_ms", "p99_ms", "requests_per_s", "failed")}
+                for r in mdl["rows"]
+            ]
+            for name, mdl in b.get("served", {}).get("models", {}).items()
+        }
     return served
 
 
@@ -200,8 +207,10 @@ def markdown(records: list[dict[str, Any]], where: str, command: str) -> str:
             ratio = f"{f['error']:.2e} / {f['bound']:.2e}" if f.get("bound") is not None else "-"
             x = f"{f['x_eager']:.2f}" if f.get("x_eager") is not None else "-"
             rss = f"{f['verify_peak_rss_bytes'] / 2**30:.2f} GiB" if f.get("verify_peak_rss_bytes") else "-"
-            lines.append(f"| {rec['model']} | {fmt} | {verdict} | {ratio} | {x} | {check.get(fmt, '-')} | "
-                         f"{f['export_seconds']:.1f} | {f['verify_seconds'] or 0:.1f} | {rss} | {f['bytes'] / 1e6:,.0f} MB |")
+            lines.append(
+                f"| {rec['model']} | {fmt} | {verdict} | {ratio} | {x} | {check.get(fmt, '-')} | "
+                f"{f['export_seconds']:.1f} | {f['verify_seconds'] or 0:.1f} | {rss} | {f['bytes'] / 1e6:,.0f} MB |"
+            )
     lines += ["", "| model | weights | reference | largest output, bound | export + verify (wall) | export peak RSS | "
               "served p50 / p99 at 1 in flight (ms, fastest format) |", "|---|---|---|---|---|---|---|"]
     for rec in records:
@@ -211,8 +220,10 @@ def markdown(records: list[dict[str, Any]], where: str, command: str) -> str:
         wall = rec["export"]["seconds"] + rec["verify"]["seconds"]
         best = _fastest(rec)
         bounds = "; ".join(f"{t['scale']:.3g}, {t['atol']:.2e}" for t in rec["reference"]["outputs"].values())
-        lines.append(f"| {rec['model']} | {rec['weights_bytes'] / 1e6:,.0f} MB | {ref} | {bounds} | {wall:.0f} s | "
-                     f"{max(rec['export']['peak_rss_bytes'], rec['verify']['peak_rss_bytes']) / 2**30:.2f} GiB | {best} |")
+        lines.append(
+            f"| {rec['model']} | {rec['weights_bytes'] / 1e6:,.0f} MB | {ref} | {bounds} | {wall:.0f} s | "
+            f"{max(rec['export']['peak_rss_bytes'], rec['verify']['peak_rss_bytes']) / 2**30:.2f} GiB | {best} |"
+        )
     return "\n".join([f"Measured with `{command}` on {where}.", "", *lines, ""])
 
 
@@ -243,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-serve", dest="serve", action="store_false", help="stop after verification")
     p.add_argument("--keep", action="store_true", help="keep every model's weights, export and repository (about 60 GB "
                                                        "in all); by default only a failed model's are kept")
-    p.add_argument("--docs", default=None, help="also write the table into this markdown file, below its '<!-- zoo -->' line")
+    p.add_argument(
+        "--docs", default=None, help="also write the table into this markdown file, below its '<!-- zoo -->' line"
+    )
     ns = p.parse_args(argv)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -257,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(out / "zoo.json", {"machine": machine(), "records": records})
         verdicts = {f: ("pass" if v["pass"] else "FAIL") for f, v in rec.get("formats", {}).items()}
         print(f"   {rec.get('skipped') or rec.get('error') or verdicts} ({rec['seconds']:.0f}s)", flush=True)
-    command = "python -m tests.zoo.run" + ("" if ns.models == [e.name for e in zoo.ZOO] else " --models " + " ".join(ns.models))
+    command = "python -m tests.zoo.run" + (
+        "" if ns.models == [e.name for e in zoo.ZOO] else " --models " + " ".join(ns.models)
+    )
     table = markdown(records, machine(), command)
     atomic_write_text(out / "zoo.md", table)
     print(table)

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from serve.access import access_from_arguments, add_access_arguments
+
 from ..config import build, flag_name, load_config_file, opt
 from ..errors import ConfigError, GateError, Interrupted
 from ..io import atomic_write_json, atomic_write_text, read_json
+from ..procfs import RssSampler
 from .settings import SECTIONS, resolve_settings
-from .summary import RssSampler, outcome_line, summarize
-from serve.access import access_from_arguments, add_access_arguments
+from .summary import outcome_line, summarize
 
 ALIASES = {"serve": "check", "verify": "export"}
 
@@ -48,15 +50,21 @@ def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) ->
 
     serve = _build_section("serve", ServeConfig, settings, {"repo": str(dirs["repo"]),
                                                             "log": str(dirs["logs"] / "tritonserver.log")})
-    return {"train": _build_section("train", TrainConfig, settings, {"out": str(dirs["train"])}),
-            "export": _build_section("export", ExportConfig, settings, {"out": str(dirs["export"]),
-                                                                        "checkpoint": str(dirs["train"])}),
-            "repo": _build_section("repo", RepoConfig, settings, {"out": str(dirs["repo"])}),
-            "serve": serve,
-            "bench": _build_section("bench", BenchConfig, {**settings, "bench": {**SHORT_BENCH, "noop": True, **settings.get("bench", {})}},
-                                    {"out": str(dirs["bench"]), "repo": str(dirs["repo"]),
-                                                                     "export_dir": str(dirs["export"]), "serve": serve}),
-            "run": _build_section("run", RunConfig, settings, {})}
+    return {
+        "train": _build_section("train", TrainConfig, settings, {"out": str(dirs["train"])}),
+        "export": _build_section(
+            "export", ExportConfig, settings, {"out": str(dirs["export"]), "checkpoint": str(dirs["train"])}
+        ),
+        "repo": _build_section("repo", RepoConfig, settings, {"out": str(dirs["repo"])}),
+        "serve": serve,
+        "bench": _build_section(
+            "bench",
+            BenchConfig,
+            {**settings, "bench": {**SHORT_BENCH, "noop": True, **settings.get("bench", {})}},
+            {"out": str(dirs["bench"]), "repo": str(dirs["repo"]), "export_dir": str(dirs["export"]), "serve": serve},
+        ),
+        "run": _build_section("run", RunConfig, settings, {}),
+    }
 
 
 def _build_section(section: str, cls: type, settings: dict[str, dict[str, Any]], fixed: dict[str, Any]) -> Any:
@@ -187,6 +195,7 @@ def stage_check(run: Run, t0: float) -> None:
 
 
 def stage_bench(run: Run, t0: float) -> None:
+    from serve.bench.results import level_rows
     from serve.bench.run import run_bench
     from serve.repository import served_artifacts
     from torchship.errors import ParityError
@@ -199,7 +208,7 @@ def stage_bench(run: Run, t0: float) -> None:
     except ParityError as e:  # a wrong answer under load: the results and report are written
         run.done("bench", t0, report=str(run.dirs["bench"] / "report.md"), error=str(e))
         run.gate("bench", False, str(e))
-    rows = [r for m in results.get("served", {}).get("models", {}).values() for r in m["rows"]]
+    rows = [r for _, r in level_rows(results)]
     failed, checked = sum(r["failed"] for r in rows), sum(r.get("checked", 0) for r in rows)
     winner = serve_the_winner(run, results) if failed == 0 else None
     run.done("bench", t0, report=str(run.dirs["bench"] / "report.md"), **({"winner": winner} if winner else {}))
@@ -225,15 +234,25 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
     return {**winner, "served_as": dest.name}
 
 
-# (stage, what it needs on disk from the stages before it, the stage that writes that, its function)
-STAGES: tuple[tuple[str, str | None, str | None, Callable[[Run, float], None]], ...] = (
-    ("train", None, None, stage_train),
-    ("export", "train/checkpoints/index.json", "train", stage_export),
-    ("repo", "export/manifest.json", "export", stage_repo),
-    ("check", "model_repository", "repo", stage_check),
-    ("bench", "model_repository", "repo", stage_bench),
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the run: its name, what it needs on disk from the stages before it (a path in the run
+    folder) and which stage writes that, and the function that runs it."""
+
+    name: str
+    needs: str | None
+    made_by: str | None
+    fn: Callable[[Run, float], None]
+
+
+STAGES = (
+    Stage("train", None, None, stage_train),
+    Stage("export", "train/checkpoints/index.json", "train", stage_export),
+    Stage("repo", "export/manifest.json", "export", stage_repo),
+    Stage("check", "model_repository", "repo", stage_check),
+    Stage("bench", "model_repository", "repo", stage_bench),
 )
-STAGE_NAMES = tuple(s[0] for s in STAGES)
+STAGE_NAMES = tuple(s.name for s in STAGES)
 
 
 def stage_rollout(run: Run, t0: float) -> None:
@@ -249,7 +268,7 @@ def stage_rollout(run: Run, t0: float) -> None:
 
 
 # the second-model workflow: train and export, then roll out into a running server instead of a fresh repository
-ROLLOUT_STAGES = STAGES[:2] + (("rollout", "export/manifest.json", "export", stage_rollout),)
+ROLLOUT_STAGES = STAGES[:2] + (Stage("rollout", "export/manifest.json", "export", stage_rollout),)
 
 
 def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str = "train", log=print,
@@ -262,9 +281,11 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     rolled out there instead of served from a repository of the run's own. ``configs``: the stage configs
     (stage_configs of ``settings``) where the caller built them already."""
     if bool(into) != bool(url):
-        raise ConfigError("--into REPO and --url HOST:PORT go together: the repository the running server serves, and it")
+        raise ConfigError(
+            "--into REPO and --url HOST:PORT go together: the repository the running server serves, and it"
+        )
     stages = ROLLOUT_STAGES if into else STAGES
-    names = tuple(s[0] for s in stages)
+    names = tuple(s.name for s in stages)
     start = ALIASES.get(start, start)
     if start not in names:
         raise ConfigError(f"--from {start}: choose one of {', '.join(names)} "
@@ -274,7 +295,7 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
         raise ConfigError(f"--out {run_dir} already holds a trained run; pass --from STAGE ({', '.join(names[1:])}) "
                           "to go on from a finished stage, --overwrite to redo it from training (its checkpoints are "
                           "replaced), or another --out")
-    _, needs, producer, _ = stages[first]
+    needs, producer = stages[first].needs, stages[first].made_by
     if needs and not (run_dir / needs).exists():
         raise ConfigError(f"--from {start}: {run_dir / needs} is missing; run the '{producer}' stage first "
                           f"(or start --from {producer})")
@@ -293,10 +314,10 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     try:
         with RssSampler() as sampler:
             try:
-                for name, _, _, fn in stages[first:]:
-                    current = name
-                    log(f"\n== {name} " + "=" * (60 - len(name)))
-                    fn(run, time.perf_counter())
+                for stage in stages[first:]:
+                    current = stage.name
+                    log(f"\n== {stage.name} " + "=" * (60 - len(stage.name)))
+                    stage.fn(run, time.perf_counter())
             finally:
                 run.record["peak_rss_bytes"] = sampler.peak
         run.record["outcome"] = {"status": "passed"}
@@ -335,17 +356,28 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="redo a run folder whose training wrote checkpoints from training, replacing them")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any stage option, e.g. --set train.epochs=3 --set bench.requests=50 (repeatable)")
-    p.add_argument("--into", default=None, metavar="REPO", help="with --url: roll the export out into the repository a "
-                                                                 "running server serves (as the next version of its models, "
-                                                                 "switched to once served parity passes) instead of serving "
-                                                                 "a repository of the run's own")
+    p.add_argument(
+        "--into",
+        default=None,
+        metavar="REPO",
+        help="with --url: roll the export out into the repository a "
+        "running server serves (as the next version of its models, "
+        "switched to once served parity passes) instead of serving "
+        "a repository of the run's own",
+    )
     p.add_argument("--url", default=None, metavar="HOST:PORT", help="with --into: the running server's gRPC address")
     add_access_arguments(p)
     p.add_argument("--arch", default=None, help="shortcut for --set train.arch=...")
-    p.add_argument("--data", default=None, help="shortcut for --set train.data=... (digits, synthetic, an ImageFolder path or package.module:factory)")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="shortcut for --set train.data=... (digits, synthetic, an ImageFolder path or package.module:factory)",
+    )
     p.add_argument("--epochs", type=int, default=None, help="shortcut for --set train.epochs=...")
     p.add_argument("--nproc", type=int, default=None, help="shortcut for --set train.nproc=... (0: auto)")
-    p.add_argument("--amp", choices=["auto", "off", "bf16", "fp16"], default=None, help="shortcut for --set train.amp=...")
+    p.add_argument(
+        "--amp", choices=["auto", "off", "bf16", "fp16"], default=None, help="shortcut for --set train.amp=..."
+    )
 
 
 def main_run(ns: argparse.Namespace) -> int:

@@ -1,10 +1,8 @@
 """A run's summary.md: how it ended, each stage's time and gate, parity, and served latency and throughput
-beside in-process; and the peak memory of the run's whole process tree."""
+beside in-process."""
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,53 +10,6 @@ from ..errors import TorchshipError
 from ..manifest import MANIFEST, read_manifest
 from ..markdown import table
 from ..parity import artifact_summary
-
-
-class RssSampler:
-    """Peak resident memory of a process (``root``, default this one) and all its descendants together,
-    sampled from /proc."""
-
-    def __init__(self, interval: float = 0.25, root: int | None = None):
-        self.peak = 0
-        self.root = root or os.getpid()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, args=(interval,), daemon=True)
-
-    @staticmethod
-    def tree_rss(root: int) -> int:
-        children: dict[int, list[int]] = {}
-        rss: dict[int, int] = {}
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                children.setdefault(int(fields[1]), []).append(int(d))
-                rss[int(d)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, IndexError, ValueError):
-                continue
-        total, stack = 0, [root]
-        while stack:
-            p = stack.pop()
-            total += rss.get(p, 0)
-            stack.extend(children.get(p, []))
-        return total
-
-    def _loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                self.peak = max(self.peak, self.tree_rss(self.root))
-            except OSError:
-                return
-
-    def __enter__(self) -> "RssSampler":
-        if os.path.isdir("/proc"):
-            self._t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
 
 
 def outcome_line(run_dir: Path, outcome: dict[str, Any], markdown: bool = True) -> str:
@@ -110,8 +61,9 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
                       *table(["artifact", "on the real samples", "result"], gated)]
     results = run_dir / "bench" / "results.json"
     if "bench" in record["stages"]:
+        from serve.bench.beside import side_by_side
         from serve.bench.compare import load_results
-        from serve.bench.report import served_lines, side_by_side
+        from serve.bench.report import served_lines
 
         b = _readable(lines, results, load_results, results)
         if b.get("served"):
@@ -129,7 +81,12 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
                           f"{rec['requests_per_s']:.0f} req/s at p99 {rec['p99_ms']:.2f} ms.", ""]
         if b:
             lines += side_by_side(b)
-    lines += ["", f"Run folder: {run_dir}  ·  summary: {run_dir / 'summary.md'}  ·  bench report: {run_dir / 'bench' / 'report.md'}", ""]
+    lines += [
+        "",
+        f"Run folder: {run_dir}  ·  summary: {run_dir / 'summary.md'}  ·  bench report: "
+        f"{run_dir / 'bench' / 'report.md'}",
+        "",
+    ]
     return "\n".join(lines)
 
 

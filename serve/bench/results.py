@@ -1,0 +1,50 @@
+"""results.json as its readers take it: the JSON on disk, typed, and the walks over it that the report, the
+summary, the strategy and the run repeat."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, TypedDict
+
+
+class LevelRow(TypedDict, total=False):
+    """One concurrency level of a served sweep."""
+
+    concurrency: int
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    n: int  # requests its figures rest on
+    ok: int
+    sent: int
+    failed: int
+    spread: float  # of its last three windows
+    drift: float  # of all its windows after the first
+    stable: bool
+    windows: int
+    checked: int
+    wrong: int
+    client_cpu_us: float
+    server: dict[str, Any]  # Triton's own statistics over its windows
+
+
+class ServedModel(TypedDict, total=False):
+    """A served model as the bench found and swept it."""
+
+    format: str  # the format it serves
+    artifact: str  # the artifact the server runs for it (aoti from aoti_buckets on the embedded server)
+    instances: int
+    threads: int
+    max_batch_size: int
+    rows: list[LevelRow]
+
+
+def served_models(results: dict[str, Any]) -> dict[str, ServedModel]:
+    """model -> what the bench recorded of it, for every model of the main sweep."""
+    return results.get("served", {}).get("models", {})
+
+
+def level_rows(results: dict[str, Any]) -> Iterator[tuple[str, LevelRow]]:
+    """(model, row) for every level of the main sweep."""
+    for model, mm in served_models(results).items():
+        for r in mm.get("rows", []):
+            yield model, r

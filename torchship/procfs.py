@@ -1,0 +1,89 @@
+"""What Linux's /proc says of processes: each one's parent, state and resident memory, a process tree's total,
+and a sampler of its peak. Where there is no /proc, there is nothing to read: empty answers, zeros."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Iterator, NamedTuple
+
+
+class Proc(NamedTuple):
+    pid: int
+    ppid: int
+    state: str  # R, S, D, Z (dead, not yet reaped), ...
+    rss_bytes: int
+
+
+def processes() -> Iterator[Proc]:
+    """Every process /proc lists now (those that end while it is read are skipped)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return
+    for d in names:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            yield Proc(int(d), int(fields[1]), fields[0], int(fields[21]) * page)
+        except (OSError, IndexError, ValueError):
+            continue
+
+
+def cmdline(pid: int) -> list[str]:
+    """A process's argv ([] if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return []
+
+
+def resident_bytes(pid: int) -> int:
+    """A process's resident memory in bytes (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def tree_rss(root: int) -> int:
+    """Resident bytes of ``root`` and all its descendants together."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for p in processes():
+        children.setdefault(p.ppid, []).append(p.pid)
+        rss[p.pid] = p.rss_bytes
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total
+
+
+class RssSampler:
+    """Peak resident memory of a process (``root``, default this one) and all its descendants together,
+    sampled every ``interval`` seconds while in its with block."""
+
+    def __init__(self, interval: float = 0.25, root: int | None = None):
+        self.peak = 0
+        self.root = root or os.getpid()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, args=(interval,), daemon=True)
+
+    def _loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.peak = max(self.peak, tree_rss(self.root))
+
+    def __enter__(self) -> RssSampler:
+        if os.path.isdir("/proc"):
+            self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
