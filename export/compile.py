@@ -17,6 +17,7 @@ from typing import Any
 from torchship.device import usable_cpus
 from torchship.errors import first_line
 
+
 def available_memory() -> int:
     """Bytes of memory available to new work (Linux's MemAvailable: free plus reclaimable cache); 0 if unknown."""
     try:
@@ -60,10 +61,10 @@ def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
     try:
         import torch
 
+        from torchship.runtime import fp32_precision
+
         from . import exporters
         from .source import artifact_model, load_source
-
-        from torchship.runtime import fp32_precision
 
         src = load_source(cfg, log=lambda *a: None)
         model, sig = artifact_model(src, cfg.dtype, device), src.signature
@@ -79,7 +80,9 @@ def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
         if kind == "aoti_int8":
             from . import quantize
 
-            calibration, source = quantize.calibration_samples(cfg.calibration, src.samples, [t.name for t in sig.inputs])
+            calibration, source = quantize.calibration_samples(
+                cfg.calibration, src.samples, [t.name for t in sig.inputs]
+            )
             extra = quantize.aoti_int8(model, exporters.example(sig, 2, device), Path(out), sig, cfg.max_batch,
                                        cfg.threads, calibration, source, quantize.int8_scheme())
             return {"seconds": time.perf_counter() - t0, "extra": extra}

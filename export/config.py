@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
 from torchship.config import opt
+from torchship.device import cpu_flags, native_precisions
 from torchship.errors import ConfigError
 from torchship.parity import GATE
-from torchship.device import cpu_flags, native_precisions
 from torchship.runtime import BF16_FORMATS, FORMATS, INT8_FORMATS
+
 
 def reduced_format(precision: str, flags: set[str]) -> str:
     """The artifact that computes ``precision`` fastest on a CPU with ``flags`` (measured, docs/int8.md): for INT8,
@@ -30,7 +32,11 @@ def default_formats(device: str, flags: set[str] | None = None) -> tuple[tuple[s
     instead each precision the CPU (``flags``) computes natively gets the artifact fastest at it (reduced_format):
     INT8 with VNNI or AMX-INT8, bfloat16 with AVX512-BF16 or AMX."""
     if device.startswith("cuda"):
-        return ("torchscript", "aoti", "onnx"), "on CUDA: float32 torchscript and onnx, and the aoti package the official container serves"
+        return (
+            "torchscript",
+            "aoti",
+            "onnx",
+        ), "on CUDA: float32 torchscript and onnx, and the aoti package the official container serves"
     flags = cpu_flags() if flags is None else flags
     chosen, why = ["torchscript", "onnx"], ["float32 always (torchscript, onnx)"]
     for precision, (native, reason) in native_precisions(flags).items():
@@ -43,15 +49,47 @@ def default_formats(device: str, flags: set[str] | None = None) -> tuple[tuple[s
 
 @dataclass
 class ExportConfig:
-    checkpoint: str = opt("", "checkpoint directory, its model.pt, or a training output directory (its best)", cli=False)
-    model: Optional[str] = opt(None, "your own model instead of a checkpoint: package.module:factory, called with the --model-arg values")
-    model_args: tuple[str, ...] = opt((), "KEY=VALUE for --model's factory (JSON values; repeatable)", flag="--model-arg", append=True)
-    weights: Optional[str] = opt(None, "with --model: a state_dict file (.pt/.pth from torch.save(model.state_dict()), or .safetensors)")
-    inputs: tuple[str, ...] = opt((), "with --model: NAME:DTYPE:DIMS per input, in forward's order; DIMS start with B, e.g. input_ids:int64:B,S (repeatable)", flag="--input", append=True)
-    dims: tuple[str, ...] = opt((), "NAME=MIN..MAX for each named dim of --input, e.g. S=1..128; with a checkpoint trained on your own data, replaces the range it recorded (repeatable)", flag="--dim", append=True)
-    input_ranges: tuple[str, ...] = opt((), "NAME=LO..HI: the values of an input's random verification data; needed for integer inputs (repeatable)", flag="--input-range", append=True)
-    outputs: tuple[str, ...] = opt((), "output names in forward's order (default: a dict's keys, else output0, output1, ...; repeatable)", flag="--output", append=True)
-    example_inputs: Optional[str] = opt(None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench")
+    checkpoint: str = opt(
+        "", "checkpoint directory, its model.pt, or a training output directory (its best)", cli=False
+    )
+    model: Optional[str] = opt(
+        None, "your own model instead of a checkpoint: package.module:factory, called with the --model-arg values"
+    )
+    model_args: tuple[str, ...] = opt(
+        (), "KEY=VALUE for --model's factory (JSON values; repeatable)", flag="--model-arg", append=True
+    )
+    weights: Optional[str] = opt(
+        None, "with --model: a state_dict file (.pt/.pth from torch.save(model.state_dict()), or .safetensors)"
+    )
+    inputs: tuple[str, ...] = opt(
+        (),
+        "with --model: NAME:DTYPE:DIMS per input, in forward's order; DIMS start with B, e.g. input_ids:int64:B,S "
+        "(repeatable)",
+        flag="--input",
+        append=True,
+    )
+    dims: tuple[str, ...] = opt(
+        (),
+        "NAME=MIN..MAX for each named dim of --input, e.g. S=1..128; with a checkpoint trained on your own data, "
+        "replaces the range it recorded (repeatable)",
+        flag="--dim",
+        append=True,
+    )
+    input_ranges: tuple[str, ...] = opt(
+        (),
+        "NAME=LO..HI: the values of an input's random verification data; needed for integer inputs (repeatable)",
+        flag="--input-range",
+        append=True,
+    )
+    outputs: tuple[str, ...] = opt(
+        (),
+        "output names in forward's order (default: a dict's keys, else output0, output1, ...; repeatable)",
+        flag="--output",
+        append=True,
+    )
+    example_inputs: Optional[str] = opt(
+        None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench"
+    )
     out: str = opt("runs/export", "export directory to create")
     formats: tuple[str, ...] = opt((), "formats to export: " + ", ".join(FORMATS) + ". Default: torchscript and onnx "
                                        "in float32; on CUDA also aoti (the official container's torch_aoti); on a CPU "
@@ -60,31 +98,68 @@ class ExportConfig:
                                        "gated on accuracy against float32 and left unserved if it fails. onnx_int8: "
                                        "ONNX Runtime INT8; aoti_int8: torchao PT2E INT8 compiled by AOTInductor; "
                                        "aoti_bf16: AOTInductor in bfloat16 behind float32 inputs and outputs")
-    calibration: Optional[str] = opt(None, "onnx_int8, aoti_int8: an npz of real inputs keyed by input name to calibrate on (default: the "
-                                           "checkpoint's held-out samples, or --example-inputs)")
-    max_accuracy_drop: float = opt(GATE["max_accuracy_drop"], "an INT8 artifact passes if its accuracy on the labelled real samples "
-                                                               "is within this many points of eager's (without labels: top-1 "
-                                                               "agreement >= 99 %% and SQNR >= 20 dB)")
-    optional: tuple[str, ...] = opt((), "formats that may fail (cannot be exported, or disagree with the reference) without failing the command; they are reported and not served. Any other format failing exits 3")
+    calibration: Optional[str] = opt(
+        None,
+        "onnx_int8, aoti_int8: an npz of real inputs keyed by input name to calibrate on (default: the "
+        "checkpoint's held-out samples, or --example-inputs)",
+    )
+    max_accuracy_drop: float = opt(
+        GATE["max_accuracy_drop"],
+        "an INT8 artifact passes if its accuracy on the labelled real samples "
+        "is within this many points of eager's (without labels: top-1 "
+        "agreement >= 99 %% and SQNR >= 20 dB)",
+    )
+    optional: tuple[str, ...] = opt(
+        (),
+        "formats that may fail (cannot be exported, or disagree with the reference) without failing the command; they "
+        "are reported and not served. Any other format failing exits 3",
+    )
     max_batch: int = opt(32, "largest batch size every artifact must accept (the dynamic batch range is 1..N)")
-    buckets: tuple[int, ...] = opt((), "static batch sizes for the aoti_buckets packages; a batch runs in the next one up, "
-                                       "padded (default: the powers of two up to --max-batch, and --max-batch: a batch "
-                                       "never computes twice its rows)")
-    bucket_weights: Literal["auto", "shared", "prepacked"] = opt("auto", "aoti_buckets: one copy of the weights for all buckets, or a copy per bucket prepacked for oneDNN (on a CPU several times faster at small batches, for N buckets times the disk and memory). auto: prepacked on a CPU while the copies stay under 2 GiB, else shared")
+    buckets: tuple[int, ...] = opt(
+        (),
+        "static batch sizes for the aoti_buckets packages; a batch runs in the next one up, "
+        "padded (default: the powers of two up to --max-batch, and --max-batch: a batch "
+        "never computes twice its rows)",
+    )
+    bucket_weights: Literal["auto", "shared", "prepacked"] = opt(
+        "auto",
+        "aoti_buckets: one copy of the weights for all buckets, or a copy per bucket prepacked for oneDNN (on a CPU "
+        "several times faster at small batches, for N buckets times the disk and memory). auto: prepacked on a CPU "
+        "while the copies stay under 2 GiB, else shared",
+    )
     odd_batch: int = opt(5, "the odd batch size verification uses besides 1 and --max-batch")
     opset: Optional[int] = opt(None, "ONNX opset (default: the exporter's own, recorded in the manifest)")
-    dtype: Literal["float32", "float16", "bfloat16"] = opt("float32", "compute dtype inside the artifacts (inputs and outputs stay float32)")
+    dtype: Literal["float32", "float16", "bfloat16"] = opt(
+        "float32", "compute dtype inside the artifacts (inputs and outputs stay float32)"
+    )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "device the artifacts are compiled for and verified on")
-    tf32: bool = opt(False, "on CUDA, float32: compile the AOTInductor packages with TensorFloat-32 allowed (faster matmuls and "
-                            "convolutions on Ampere and later, 10-bit mantissas) and verify them against a TF32 bound, "
-                            "reported beside the strict one. Off: every artifact is verified in IEEE float32, TF32 off")
+    tf32: bool = opt(
+        False,
+        "on CUDA, float32: compile the AOTInductor packages with TensorFloat-32 allowed (faster matmuls and "
+        "convolutions on Ampere and later, 10-bit mantissas) and verify them against a TF32 bound, "
+        "reported beside the strict one. Off: every artifact is verified in IEEE float32, TF32 off",
+    )
     name: Optional[str] = opt(None, "model name used for Triton (default: the architecture)")
     overwrite: bool = opt(False, "replace an existing export directory")
     verify: bool = opt(True, "verify every artifact in a fresh process after exporting")
-    atol: Optional[float] = opt(None, "absolute tolerance against the float64 reference, in place of the bound derived from eager's own rounding (with --rtol; a flag left out counts as 0)")
-    rtol: Optional[float] = opt(None, "relative tolerance against the float64 reference, in place of the derived bound (with --atol)")
-    allow_degenerate: bool = opt(False, "go on when eager's outputs are the same for every reference input (a blind check, e.g. a head initialized to zero)")
-    threads: int = opt(1, "intra-op threads the artifacts will be served with: AOTInductor CPU packages are compiled for it, and verification runs with it")
+    atol: Optional[float] = opt(
+        None,
+        "absolute tolerance against the float64 reference, in place of the bound derived from eager's own rounding "
+        "(with --rtol; a flag left out counts as 0)",
+    )
+    rtol: Optional[float] = opt(
+        None, "relative tolerance against the float64 reference, in place of the derived bound (with --atol)"
+    )
+    allow_degenerate: bool = opt(
+        False,
+        "go on when eager's outputs are the same for every reference input (a blind check, e.g. a head initialized to "
+        "zero)",
+    )
+    threads: int = opt(
+        1,
+        "intra-op threads the artifacts will be served with: AOTInductor CPU packages are compiled for it, and "
+        "verification runs with it",
+    )
     seed: int = opt(0, "seed for the random verification inputs")
 
     def __post_init__(self) -> None:
@@ -101,7 +176,9 @@ class ExportConfig:
             if stray:
                 raise ConfigError(f"{stray[0]} goes with --model; a torchship checkpoint records its own signature")
             if not self.checkpoint:
-                raise ConfigError("give a checkpoint to export, or --model PKG.MODULE:FACTORY --weights FILE --input ...")
+                raise ConfigError(
+                    "give a checkpoint to export, or --model PKG.MODULE:FACTORY --weights FILE --input ..."
+                )
         unknown = [f for f in self.formats if f not in FORMATS]
         if unknown:
             raise ConfigError(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
@@ -117,21 +194,29 @@ class ExportConfig:
         if any(b < 1 for b in self.buckets):
             raise ConfigError("--buckets must be positive batch sizes")
         if max(self.buckets) != self.max_batch and "aoti_buckets" in self.formats:
-            raise ConfigError(f"--buckets must end at --max-batch {self.max_batch} (largest given: {max(self.buckets)})")
+            raise ConfigError(
+                f"--buckets must end at --max-batch {self.max_batch} (largest given: {max(self.buckets)})"
+            )
         self.buckets = tuple(sorted(set(self.buckets)))
         int8 = [f for f in self.formats if f in INT8_FORMATS]
         reduced = [f for f in self.formats if f in (*INT8_FORMATS, *BF16_FORMATS)]
         if reduced and self.dtype != "float32":
-            raise ConfigError(f"--formats {reduced[0]} reduces the float32 model's precision itself; it does not go with "
-                              f"--dtype {self.dtype}")
+            raise ConfigError(
+                f"--formats {reduced[0]} reduces the float32 model's precision itself; it does not go with "
+                f"--dtype {self.dtype}"
+            )
         cpu_only = [f for f in self.formats if f in ("aoti_int8", "aoti_bf16")]
         if cpu_only and self.device == "cuda":
-            raise ConfigError(f"--formats {cpu_only[0]} is compiled for x86 CPUs (oneDNN's INT8 and bf16 kernels); it does "
-                              "not go with --device cuda")
+            raise ConfigError(
+                f"--formats {cpu_only[0]} is compiled for x86 CPUs (oneDNN's INT8 and bf16 kernels); it does "
+                "not go with --device cuda"
+            )
         if self.calibration and not int8:
             raise ConfigError(f"--calibration calibrates {' and '.join(INT8_FORMATS)}; add one to --formats")
         if self.calibration and not Path(self.calibration).is_file():
-            raise ConfigError(f"--calibration {self.calibration}: no such file (an npz of real inputs keyed by input name)")
+            raise ConfigError(
+                f"--calibration {self.calibration}: no such file (an npz of real inputs keyed by input name)"
+            )
         if not 0 <= self.max_accuracy_drop <= 100:
             raise ConfigError("--max-accuracy-drop is in accuracy points, between 0 and 100")
         if self.threads < 1:
@@ -148,7 +233,6 @@ class ExportConfig:
         --example-inputs) to calibrate and gate them on, or with --dtype other than float32."""
         if self.formats:
             return self, ""
-        import dataclasses
 
         formats, why = default_formats(device)
         reduced = [f for f in formats if f in (*INT8_FORMATS, *BF16_FORMATS)]
@@ -159,9 +243,13 @@ class ExportConfig:
             reduced = []
         stray = [f for f in self.optional if f not in formats]
         if stray:
-            raise ConfigError(f"--optional {stray[0]} is not among the default formats on {device} ({', '.join(formats)}); "
-                              "name it in --formats")
-        return dataclasses.replace(self, formats=formats, optional=tuple(dict.fromkeys((*self.optional, *reduced)))), why
+            raise ConfigError(
+                f"--optional {stray[0]} is not among the default formats on {device} ({', '.join(formats)}); "
+                "name it in --formats"
+            )
+        return dataclasses.replace(
+            self, formats=formats, optional=tuple(dict.fromkeys((*self.optional, *reduced)))
+        ), why
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:

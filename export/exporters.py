@@ -75,7 +75,9 @@ FREEZE = {"freezing": True}
 FREEZE_SHAREABLE = {"freezing": True, "cpp.weight_prepack": False}
 
 
-def aoti(model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int | None, threads: int) -> dict[str, Any]:
+def aoti(
+    model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int | None, threads: int
+) -> dict[str, Any]:
     """AOTInductor package with freezing (FREEZE). ``max_batch`` None compiles a package for ``ex``'s batch
     size (other named dims stay dynamic).
 
@@ -109,7 +111,12 @@ def compile_bucket(model: torch.nn.Module, sig: Signature, batch: int, threads: 
 
     ex = example(sig, batch, device)
     options = SHARED_OPTIONS if shared else {"aot_inductor.package": True}
-    with quiet(), torch.no_grad(), torch_threads(threads), inductor_config.patch(FREEZE_SHAREABLE if shared else FREEZE):
+    with (
+        quiet(),
+        torch.no_grad(),
+        torch_threads(threads),
+        inductor_config.patch(FREEZE_SHAREABLE if shared else FREEZE),
+    ):
         ep = torch.export.export(model, ex, dynamic_shapes=dynamic_shapes(sig, None))
         return torch._inductor.aot_compile(ep.module(), ex, options=dict(options))
 
@@ -154,7 +161,9 @@ def _share_constants(compiled: dict[int, list]) -> int:
 ONNX_EXTERNAL_BYTES = (2 << 30) - (64 << 20)  # weights from this size on go to external data (protobuf's limit: 2 GiB)
 
 
-def onnx(model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int, opset: int | None) -> dict[str, Any]:
+def onnx(
+    model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int, opset: int | None
+) -> dict[str, Any]:
     """One self-contained ``path`` below protobuf's 2 GB limit; above it the weights go to external data
     files beside it (named in the extra's ``external_data``), which must travel with it under their names."""
     import onnx as onnx_lib

@@ -40,7 +40,9 @@ def int8_scheme(flags: set[str] | None = None) -> dict[str, Any]:
             "why": "no AVX2 or VNNI: ONNX Runtime has no fast INT8 path on this CPU, so INT8 will not pay here"}
 
 
-def calibration_samples(path: str | None, samples: dict[str, np.ndarray], names: list[str]) -> tuple[dict[str, np.ndarray], str]:
+def calibration_samples(
+    path: str | None, samples: dict[str, np.ndarray], names: list[str]
+) -> tuple[dict[str, np.ndarray], str]:
     """The calibration inputs, by input name, and where they came from: ``path`` (an npz keyed by input name),
     else the export's real samples (a checkpoint's held-out split, or --example-inputs)."""
     if path:
@@ -50,7 +52,9 @@ def calibration_samples(path: str | None, samples: dict[str, np.ndarray], names:
         with np.load(p) as z:
             missing = [n for n in names if n not in z.files]
             if missing:
-                raise ConfigError(f"--calibration {p} has no array {', '.join(missing)} (it has {', '.join(z.files) or 'none'})")
+                raise ConfigError(
+                    f"--calibration {p} has no array {', '.join(missing)} (it has {', '.join(z.files) or 'none'})"
+                )
             got = {n: z[n] for n in names}
         source = str(p)
     elif samples:
@@ -140,8 +144,17 @@ class _Reader:
 QUANTIZED_CALL = re.compile(r"aoti_torch_cpu__q(conv|linear)\w*\(")
 
 
-def aoti_int8(model, ex: tuple, path: Path, sig, max_batch: int, threads: int, calibration: dict[str, np.ndarray] | None,
-              source: str, scheme: dict[str, Any]) -> dict[str, Any]:
+def aoti_int8(
+    model,
+    ex: tuple,
+    path: Path,
+    sig,
+    max_batch: int,
+    threads: int,
+    calibration: dict[str, np.ndarray] | None,
+    source: str,
+    scheme: dict[str, Any],
+) -> dict[str, Any]:
     """AOTInductor package of ``model`` quantized by torchao's PT2E flow for x86 (X86InductorQuantizer), static
     (calibrated on ``calibration``, histogram observers) for every model, transformers too: torchao's dynamic
     mode did not keep their accuracy. Compiled with freezing, which is what turns the quantize/dequantize pairs
@@ -171,9 +184,18 @@ def aoti_int8(model, ex: tuple, path: Path, sig, max_batch: int, threads: int, c
     if not kernels:
         raise RuntimeError("the compiled package calls no INT8 kernel: AOTInductor compiled the quantized model back "
                            "to fp32 (freezing off?)")
-    return {"freezing": True, "compile_threads": threads, "quantized_kernels": kernels,
-            "quantization": {**scheme, "method": "static", "narrowed": "activations", "quantizer": "torchao X86InductorQuantizer",
-                             "calibration": {"samples": n, "source": source}}}
+    return {
+        "freezing": True,
+        "compile_threads": threads,
+        "quantized_kernels": kernels,
+        "quantization": {
+            **scheme,
+            "method": "static",
+            "narrowed": "activations",
+            "quantizer": "torchao X86InductorQuantizer",
+            "calibration": {"samples": n, "source": source},
+        },
+    }
 
 
 def quantized_kernels(package: Path) -> int:

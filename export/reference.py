@@ -14,7 +14,6 @@ from torchship import parity, runtime
 from torchship.errors import first_line
 from torchship.signature import Signature
 
-
 FP64_CHUNK = 8  # rows per float64 call
 
 
@@ -67,7 +66,9 @@ def _run(fn, sets: dict[str, dict[str, np.ndarray]], names: list[str], outputs: 
     return got
 
 
-def fp64_outputs(model: torch.nn.Module, sets, names, outputs, max_batch: int, device: str, pace=None) -> tuple[dict | None, str]:
+def fp64_outputs(
+    model: torch.nn.Module, sets, names, outputs, max_batch: int, device: str, pace=None
+) -> tuple[dict | None, str]:
     """(eager's outputs in float64 per output and set, "") or (None, why it cannot run in float64)."""
     twin = copy.deepcopy(model).double()
     default = torch.get_default_dtype()

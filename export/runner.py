@@ -22,7 +22,9 @@ def main(spec_path: str) -> int:
     a = spec["artifact"]
     result: dict = {"ok": False}
     try:
-        r = runtime.load_artifact(str(d), a, spec["inputs"], spec["outputs"], device=spec["device"], threads=spec["threads"])
+        r = runtime.load_artifact(
+            str(d), a, spec["inputs"], spec["outputs"], device=spec["device"], threads=spec["threads"]
+        )
         result["input_names"] = r.input_names
         result["output_names"] = r.output_names
         ref = np.load(d / spec["reference"])

@@ -3,6 +3,7 @@ factory, a plain weights file and the signature given on the command line."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -13,10 +14,9 @@ import torch
 from torchship import checkpoint as ck
 from torchship.eager import checkpoint_model, load_weights_file, named
 from torchship.errors import CheckpointError, ConfigError, first_line
-from torchship.names import export_name
 from torchship.models import WithPreprocessing, make_model, parse_model_args
+from torchship.names import export_name
 from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_dims, parse_signature
-
 
 
 @dataclass
@@ -64,7 +64,10 @@ def _from_data_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.nn.Mod
     sig = Signature.from_manifest({**meta["signature"], "outputs": []})
     for name, span in parse_dims(dims).items():
         if name not in sig.dims:
-            raise ConfigError(f"--dim {name}: the checkpoint's inputs have {'dims ' + ', '.join(sig.dims) if sig.dims else 'no dynamic dims'}")
+            raise ConfigError(
+                f"--dim {name}: the checkpoint's inputs have "
+                f"{'dims ' + ', '.join(sig.dims) if sig.dims else 'no dynamic dims'}"
+            )
         sig.dims[name] = span
     by_keyword = meta.get("inputs_by") == "keyword"
     deployable, keys = _deployable(model.eval(), sig, (), by_keyword)
@@ -81,8 +84,10 @@ def _from_data_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.nn.Mod
         for name, size in sig.dims_of(src.samples).items():
             lo, hi = sig.dims[name]
             if not lo <= size <= hi:
-                raise ConfigError(f"--dim {name}={lo}..{hi} leaves out the checkpoint's held-out samples ({name}={size}); "
-                                  "give a range that holds them")
+                raise ConfigError(
+                    f"--dim {name}={lo}..{hi} leaves out the checkpoint's held-out samples ({name}={size}); "
+                    "give a range that holds them"
+                )
     return src
 
 
@@ -148,9 +153,12 @@ def artifact_model(src: Source, dtype: str, device: str) -> torch.nn.Module:
     ``dtype`` behind float32 inputs and outputs."""
     if dtype == "float32":
         return src.model.to(device)
-    import copy
 
-    return named(CastWrapper(copy.deepcopy(src.model), DTYPES[dtype]), [t.name for t in src.signature.inputs]).to(device).eval()
+    return (
+        named(CastWrapper(copy.deepcopy(src.model), DTYPES[dtype]), [t.name for t in src.signature.inputs])
+        .to(device)
+        .eval()
+    )
 
 
 def _examples(path: str, sig: Signature) -> dict[str, np.ndarray]:
@@ -176,7 +184,9 @@ def _examples(path: str, sig: Signature) -> dict[str, np.ndarray]:
             raise ConfigError(f"--example-inputs {p}: {t.name} has shape {list(a.shape)}, the signature says {t.shape}")
         for d, s in zip(t.shape[1:], a.shape[1:]):
             if isinstance(d, str) and not sig.dims[d][0] <= s <= sig.dims[d][1]:
-                raise ConfigError(f"--example-inputs {p}: {t.name} has {d}={s}, outside --dim {d}={sig.dims[d][0]}..{sig.dims[d][1]}")
+                raise ConfigError(
+                    f"--example-inputs {p}: {t.name} has {d}={s}, outside --dim {d}={sig.dims[d][0]}..{sig.dims[d][1]}"
+                )
         out[t.name] = a
     return out
 

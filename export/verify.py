@@ -16,11 +16,20 @@ from typing import Any
 import numpy as np
 
 from torchship import parity
-from torchship.errors import OPTIONAL_HINT, ArtifactError, ParityError
 from torchship.device import usable_cpus
+from torchship.errors import OPTIONAL_HINT, ArtifactError, ParityError
 from torchship.io import atomic_write_text
-from torchship.manifest import (FAILED, PARITY_MD, REFERENCE, STALE, UNVERIFIED, Export, verdict_state, verdicts,
-                                write_manifest)
+from torchship.manifest import (
+    FAILED,
+    PARITY_MD,
+    REFERENCE,
+    STALE,
+    UNVERIFIED,
+    Export,
+    verdict_state,
+    verdicts,
+    write_manifest,
+)
 from torchship.markdown import size, table
 
 
@@ -43,9 +52,18 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "export.runner", str(spec_path)], capture_output=True, text=True, env=env)
-    res = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else {
-        "ok": False, "error": f"runner {exit_text(proc.returncode)}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "export.runner", str(spec_path)], capture_output=True, text=True, env=env
+    )
+    res = (
+        json.loads(Path(spec["result"]).read_text())
+        if Path(spec["result"]).exists()
+        else {
+            "ok": False,
+            "error": f"runner {exit_text(proc.returncode)}: "
+                     f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}",
+        }
+    )
     res["seconds"] = time.perf_counter() - t0
     if res.get("ok"):
         res["outputs"] = dict(np.load(spec["out"]))
@@ -73,7 +91,9 @@ def verify_export(export_dir: "str | Path | Export", device: str | None = None, 
         import torch
 
         if not torch.cuda.is_available():
-            raise ArtifactError(f"{d} was exported for {device}, but no CUDA device is visible; verify on a GPU machine")
+            raise ArtifactError(
+                f"{d} was exported for {device}, but no CUDA device is visible; verify on a GPU machine"
+            )
     tol = tolerances or manifest["tolerances"]
     ref = export.reference()
     names = [a["name"] for a in manifest["artifacts"]]
@@ -111,15 +131,25 @@ def verify_export(export_dir: "str | Path | Export", device: str | None = None, 
     for name, entry in results.items():
         real = entry["sets"].get(manifest["reference"].get("samples") or "", {})
         if entry.get("quantized") and "top1_agreement" in real:
-            log(f"  {name}: " + (f"accuracy {real['accuracy']:.2f} % beside eager's {real['eager_accuracy']:.2f} %, "
-                                 if "accuracy" in real else "") + f"top-1 agreement {100 * real['top1_agreement']:.1f} % "
+            log(
+                f"  {name}: "
+                + (
+                    f"accuracy {real['accuracy']:.2f} % beside eager's {real['eager_accuracy']:.2f} %, "
+                    if "accuracy" in real
+                    else ""
+                )
+                + f"top-1 agreement {100 * real['top1_agreement']:.1f} % "
                 f"on {real['batch']} real samples, SQNR {min(real['sqnr_db'].values()):.1f} dB: "
-                + ("pass" if entry["pass"] else "FAIL"))
+                + ("pass" if entry["pass"] else "FAIL")
+            )
     for _, msg in failures:
         log(f"  verify FAILED (optional) {msg}")
     if failures:
-        log(f"verify: {len(passed)} of {len(manifest['artifacts'])} artifacts pass; the optional formats that failed are "
-            f"reported in {PARITY_MD} and will not be served")
+        log(
+            f"verify: {len(passed)} of {len(manifest['artifacts'])} artifacts pass; the optional formats that failed "
+            "are "
+            f"reported in {PARITY_MD} and will not be served"
+        )
     return verification
 
 
@@ -180,7 +210,9 @@ def _failures(manifest: dict, entries: dict[str, dict], now: set[str]) -> list[t
             msgs = e.get("failures") or [f"{a['name']}: failed verification"]
             when = "" if a["name"] in now else f" (verified {e.get('verified_at', 'earlier')})"
             out += [(a["format"], m + when) for m in msgs]
-    out += [(f["format"], f"{f['format']}: cannot be exported: {f['error']}") for f in manifest.get("export_failures", [])]
+    out += [
+        (f["format"], f"{f['format']}: cannot be exported: {f['error']}") for f in manifest.get("export_failures", [])
+    ]
     return out
 
 
@@ -193,10 +225,14 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
              "class, or one within the bound of it in the reference.", ""]
     masks = [t["name"] for t in manifest["inputs"] if t.get("values") == "mask"]
     if masks:
-        lines += [f"**Masks:** {', '.join(f'`{m}`' for m in masks)} {'is' if len(masks) == 1 else 'are'} drawn as a tokenizer "
-                  "pads: each row a run of ones, at least one, then zeros. A row with no token at all is never sent by "
-                  "a tokenizer and has no defined answer (attention over no key): eager and ONNX, for one, disagree "
-                  "on such rows, so they are left out of these checks rather than failing a format on them.", ""]
+        lines += [
+            f"**Masks:** {', '.join(f'`{m}`' for m in masks)} {'is' if len(masks) == 1 else 'are'} drawn as a "
+            "tokenizer "
+            "pads: each row a run of ones, at least one, then zeros. A row with no token at all is never sent by "
+            "a tokenizer and has no defined answer (attention over no key): eager and ONNX, for one, disagree "
+            "on such rows, so they are left out of these checks rather than failing a format on them.",
+            "",
+        ]
     if manifest["reference"].get("degenerate"):
         lines += [f"**Blind check:** eager's output {', '.join(manifest['reference']['degenerate'])} is the same for "
                   "every reference input (exported with --allow-degenerate).", ""]
@@ -223,16 +259,21 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
                           f"NOT CURRENT: {STALE}" if stale else ("pass" if entry["pass"] else "FAIL") + optional])
         if entry.get("tf32"):
             strict = max((r["strict_bound"] for r in entry["sets"].values() if "strict_bound" in r), default=0.0)
-            tf32_notes.append(f"`{name}` was compiled with TF32 allowed (--tf32): it is held to the TF32 bound "
-                              f"{bound:.2e}, derived from eager run with TF32; the strict float32 bound is {strict:.2e}, "
-                              f"and its largest error is {worst / strict if strict else float('inf'):.1f} times that.")
+            tf32_notes.append(
+                f"`{name}` was compiled with TF32 allowed (--tf32): it is held to the TF32 bound "
+                f"{bound:.2e}, derived from eager run with TF32; the strict float32 bound is {strict:.2e}, "
+                f"and its largest error is {worst / strict if strict else float('inf'):.1f} times that."
+            )
     for a in manifest["artifacts"]:
         if a["name"] not in v["artifacts"]:
             artifacts.append([a["name"], "-", "-", "-", "-", "NOT VERIFIED"])
     for f in manifest.get("export_failures", []):
         optional = " (optional)" if f["format"] in v["optional"] else ""
         artifacts.append([f["format"], "-", "-", "-", "-", f"NOT EXPORTED{optional}: {f['error']}"])
-    lines += ["", *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts)]
+    lines += [
+        "",
+        *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts),
+    ]
     lines += [line for note in tf32_notes for line in ("", note)]
     lines += ["", "What each artifact cost (export: the seconds to make it, an AOTInductor package's compile included; "
               "verify: loading and running it in a fresh process):", "", *table(
@@ -259,9 +300,20 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
                          f"{row['max_abs']:.2e}" if "max_abs" in row else "-", f"{row['bound']:.2e}",
                          f"{row['max_rel']:.2e}" if "max_rel" in row else "-", row.get("top1_agree", ""),
                          "pass" if row["pass"] else "FAIL"])
-    lines += ["", "Per input set:", "", *table(["artifact", "inputs, output", "batch", "max abs error", "bound", "max rel error",
-                                                 "top-1 agree", "result"], sets)]
-    lines += ["", f"**{'PASS' if v['pass'] else 'FAIL'}**" + ("" if not v["failures"] else ": " + "; ".join(v["failures"])), ""]
+    lines += [
+        "",
+        "Per input set:",
+        "",
+        *table(
+            ["artifact", "inputs, output", "batch", "max abs error", "bound", "max rel error", "top-1 agree", "result"],
+            sets,
+        ),
+    ]
+    lines += [
+        "",
+        f"**{'PASS' if v['pass'] else 'FAIL'}**" + ("" if not v["failures"] else ": " + "; ".join(v["failures"])),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -275,9 +327,13 @@ def quantized_row(name: str, a: dict[str, Any], entry: dict[str, Any], real: str
     agree = f"{100 * row['top1_agreement']:.1f} %" if "top1_agreement" in row else "-"
     sqnr = ", ".join(f"{v:.1f}" for v in row.get("sqnr_db", {}).values()) or "-"
     bits = {"uint8": "u8", "int8": "s8"}
-    how = (f"{q['method']}, {bits[q['activations']]} activations, {bits[q['weights']]} weights"
-           + (", per channel" if q["per_channel"] else "") + (f", 7-bit {q.get('narrowed', 'weights')}" if q["reduce_range"] else "")
-           if q else f"computes in {a.get('dtype', 'bfloat16')} behind float32 inputs and outputs")
+    how = (
+        f"{q['method']}, {bits[q['activations']]} activations, {bits[q['weights']]} weights"
+        + (", per channel" if q["per_channel"] else "")
+        + (f", 7-bit {q.get('narrowed', 'weights')}" if q["reduce_range"] else "")
+        if q
+        else f"computes in {a.get('dtype', 'bfloat16')} behind float32 inputs and outputs"
+    )
     return [name, how,
             f"{cal['samples']} samples ({cal['source']})" if cal else "-", acc, drop, agree, sqnr,
             "pass" if entry["pass"] else "FAIL"]

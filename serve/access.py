@@ -4,7 +4,9 @@ index, shared memory, logging, trace) answers to, where a client finds it, and t
 from __future__ import annotations
 
 import os
+import socket
 import stat
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -165,9 +167,6 @@ def prune_keys(folder: Path) -> None:
     """Remove the key files of loopback servers that are gone (a server killed with its torchship process leaves
     its file behind): nothing listens on their port any more, and the file is older than PRUNE_AFTER_S (a server
     started a moment ago writes its key before it listens)."""
-    import socket
-    import time
-
     for path in folder.glob("127.*.key"):
         host, _, port = path.stem.rpartition("_")
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -18,9 +19,15 @@ from .config import InferConfig, RepoConfig, ServeConfig, check_url
 def add_repo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("export_dir", help="export directory (with manifest.json) written by torchship export; with "
                                       "--history, a repository")
-    p.add_argument("--into", default=None, help="add the export as the next version of each of its models in this "
-                                                 "existing repository (the live version stays live: torchship rollout switches)")
-    p.add_argument("--keep", type=int, default=3, help="with --into: versions kept on disk per model (the live one always)")
+    p.add_argument(
+        "--into",
+        default=None,
+        help="add the export as the next version of each of its models in this "
+        "existing repository (the live version stays live: torchship rollout switches)",
+    )
+    p.add_argument(
+        "--keep", type=int, default=3, help="with --into: versions kept on disk per model (the live one always)"
+    )
     p.add_argument("--new-signature", action="store_true", help="with --into: accept inputs or outputs that differ "
                                                                  "from the served ones")
     p.add_argument("--history", action="store_true", help="list a repository's versions, which is live and where each "
@@ -87,7 +94,9 @@ def repo_build(ns: argparse.Namespace) -> int:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("repo", nargs="?", default="model_repository", help="Triton model repository (default: model_repository)")
+    p.add_argument(
+        "repo", nargs="?", default="model_repository", help="Triton model repository (default: model_repository)"
+    )
     add_dataclass_arguments(p, ServeConfig)
 
 
@@ -110,8 +119,10 @@ def main_serve(ns: argparse.Namespace) -> int:
               "to it; torchship's commands on this machine find it there)")
         tls_flags = f" --tls-ca {cfg.tls_ca or cfg.tls_cert}" if info["tls"] else ""
         tls_flags += " --tls-cert CERT --tls-key KEY" if info["mutual_tls"] else ""
-        print(f"try: torchship infer --url {info['grpc']}{tls_flags} --check EXPORT_DIR   (served outputs against eager)",
-              flush=True)
+        print(
+            f"try: torchship infer --url {info['grpc']}{tls_flags} --check EXPORT_DIR   (served outputs against eager)",
+            flush=True,
+        )
         while not stop.wait(0.5):
             if server.proc.poll() is not None:
                 print(f"tritonserver exited with code {server.proc.returncode}:\n{server.log_tail()}", file=sys.stderr)
@@ -128,9 +139,13 @@ def main_serve(ns: argparse.Namespace) -> int:
 
 
 def add_infer_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("files", nargs="*", help="image files (resized to the model's input) or .npy arrays (N,C,H,W or C,H,W) "
-                                            "for an image model; for any model, .npz files keyed by input name, one "
-                                            "request each (arrays with the batch first)")
+    p.add_argument(
+        "files",
+        nargs="*",
+        help="image files (resized to the model's input) or .npy arrays (N,C,H,W or C,H,W) "
+        "for an image model; for any model, .npz files keyed by input name, one "
+        "request each (arrays with the batch first)",
+    )
     add_dataclass_arguments(p, InferConfig)
     add_access_arguments(p)
 
@@ -145,8 +160,6 @@ def main_infer(ns: argparse.Namespace) -> int:
 
 def read_bench(path: str) -> dict:
     """A bench results.json; ConfigError naming the file if it is missing or not one."""
-    import json
-
     try:
         results = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -164,7 +177,9 @@ def add_rollout_arguments(p: argparse.ArgumentParser, rollback: bool = False) ->
     p.add_argument("--models", nargs="+", default=None, help="models to switch (default: every model with a version "
                                                               "other than the live one to switch to)")
     if rollback:
-        p.add_argument("--to", type=int, default=None, help="version to go back to (default: the one before the live one)")
+        p.add_argument(
+            "--to", type=int, default=None, help="version to go back to (default: the one before the live one)"
+        )
     add_access_arguments(p)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import queue
+import socket
+import ssl
 import time
 from typing import Any
 
@@ -23,7 +26,9 @@ class TritonClient:
         self.url = url
         self.timeout_s = timeout_s
         self.access = access if access is not None else access_for(url)
-        self.client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_OPTIONS, creds=self.access.credentials())
+        self.client = grpcclient.InferenceServerClient(
+            url, channel_args=CHANNEL_OPTIONS, creds=self.access.credentials()
+        )
         self._configs: dict[str, dict[str, Any]] = {}
         self._channel, self._model_infer = infer_channel(url, self.access)
 
@@ -62,17 +67,23 @@ class TritonClient:
                 said = f"{e.status()} {e.message()}"
                 if "handshake failed" in said.lower():  # TLS: the certificates do not fit, and waiting will not help
                     why = said[said.lower().index("handshake failed"):].split(",")[0].strip()
-                    raise AccessError(f"no TLS connection to {self.url} ({why}): check that --tls-ca is the CA that "
-                                      "signed the server's certificate, and give --tls-cert and --tls-key if the server "
-                                      "asks for a client certificate") from None
+                    raise AccessError(
+                        f"no TLS connection to {self.url} ({why}): check that --tls-ca is the CA that "
+                        "signed the server's certificate, and give --tls-cert and --tls-key if the server "
+                        "asks for a client certificate"
+                    ) from None
                 hung_up = hung_up + 1 if "Socket closed" in said else 0
-                if hung_up == 2 and self.access.tls:  # twice, so that a gRPC server closing one connection is not taken for it
+                if (
+                    hung_up == 2 and self.access.tls
+                ):  # twice, so that a gRPC server closing one connection is not taken for it
                     raise AccessError(f"no TLS connection to {self.url}: check that --tls-ca is the CA that signed the "
                                       "server's certificate (whose subjectAltName must name the --url host), and give "
                                       "--tls-cert and --tls-key if the server asks for a client certificate") from None
                 if hung_up == 2 and speaks_tls(self.url):
-                    raise AccessError(f"{self.url} serves gRPC over TLS: give --tls-ca with the CA that signed its "
-                                      "certificate (and --tls-cert and --tls-key if it asks for a client certificate)") from None
+                    raise AccessError(
+                        f"{self.url} serves gRPC over TLS: give --tls-ca with the CA that signed its "
+                        "certificate (and --tls-cert and --tls-key if it asks for a client certificate)"
+                    ) from None
                 if hung_up == 2:
                     raise ServerError(f"{self.url} is not a gRPC endpoint: something there accepts connections "
                                       "but hangs up on gRPC (Triton's HTTP or metrics port, or a TLS endpoint?); "
@@ -121,15 +132,21 @@ class TritonClient:
         ready = self.ready_models()
         missing = [m for m in wanted if m not in ready]
         if missing:
-            raise ClientError(f"model {', '.join(missing)} is not served at {self.url} (served: {', '.join(ready) or 'none'})")
+            raise ClientError(
+                f"model {', '.join(missing)} is not served at {self.url} (served: {', '.join(ready) or 'none'})"
+            )
         return ready
 
     def config(self, model: str, version: str = "", fresh: bool = False) -> dict[str, Any]:
         """The config Triton serves ``model`` with (read once per client unless ``fresh``, as after a reload)."""
         if fresh or version:
-            return self._call(f"model {model}", self.client.get_model_config, model, str(version), as_json=True)["config"]
+            return self._call(f"model {model}", self.client.get_model_config, model, str(version), as_json=True)[
+                "config"
+            ]
         if model not in self._configs:
-            self._configs[model] = self._call(f"model {model}", self.client.get_model_config, model, as_json=True)["config"]
+            self._configs[model] = self._call(f"model {model}", self.client.get_model_config, model, as_json=True)[
+                "config"
+            ]
         return self._configs[model]
 
     def wire_names(self, model: str) -> dict[str, str]:
@@ -177,7 +194,9 @@ class TritonClient:
         """The top_k classes of the model's first output per row, as Triton's classification extension
         gives them ('score:index:label' strings)."""
         out = self.config(model)["output"][0]["name"]
-        return decode(self._send(model, request_feeds(model, self.to_wire(model, feeds), out, version, top_k), stream), out)
+        return decode(
+            self._send(model, request_feeds(model, self.to_wire(model, feeds), out, version, top_k), stream), out
+        )
 
     def _send(self, model: str, req, stream: "InferStream | None" = None):
         """One ModelInferRequest, unary or on ``stream``; its ModelInferResponse, or the refusal as an error."""
@@ -233,9 +252,6 @@ class TritonClient:
 def speaks_tls(url: str, timeout_s: float = 2.0) -> bool:
     """Whether the server at ``url`` completes a TLS handshake (its certificate unchecked: this only tells a
     TLS endpoint from one that is not)."""
-    import socket
-    import ssl
-
     host, _, port = url.rpartition(":")
     ctx = ssl.create_default_context()
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
@@ -262,7 +278,11 @@ def infer_channel(url: str, access: Access | None = None):
     from tritonclient.grpc import service_pb2_grpc
 
     creds = access.credentials() if access is not None else None
-    channel = grpc.secure_channel(url, creds, options=CHANNEL_OPTIONS) if creds else grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
+    channel = (
+        grpc.secure_channel(url, creds, options=CHANNEL_OPTIONS)
+        if creds
+        else grpc.insecure_channel(url, options=CHANNEL_OPTIONS)
+    )
     return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
 
 
@@ -275,7 +295,6 @@ class InferStream:
     ``timeout`` is accepted for the unary stub's signature only."""
 
     def __init__(self, channel, deadline_s: float = 3600.0):
-        import queue
 
         from tritonclient.grpc import service_pb2_grpc
 
@@ -301,7 +320,9 @@ def request(model: str, x: np.ndarray, input_name: str, output: str | None = Non
     return request_feeds(model, {input_name: x}, output, version, top_k)
 
 
-def request_feeds(model: str, feeds: dict[str, np.ndarray], output: str | None = None, version: str = "", top_k: int = 0):
+def request_feeds(
+    model: str, feeds: dict[str, np.ndarray], output: str | None = None, version: str = "", top_k: int = 0
+):
     """A ModelInferRequest carrying every array of ``feeds`` under its input name."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import np_to_triton_dtype

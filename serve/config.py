@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from torchship.names import SERVED_FORMATS
 from torchship.config import opt
 from torchship.errors import ConfigError
+from torchship.names import SERVED_FORMATS
 
 from .access import check_files
 
@@ -50,7 +50,9 @@ def parse_strategy(text: str) -> tuple[str, float | None]:
             return kind, float(ms)
     except ValueError:
         pass
-    raise ConfigError(f"--strategy {text!r}: choose max-throughput, min-latency or p99-budget=MS (MS a positive number)")
+    raise ConfigError(
+        f"--strategy {text!r}: choose max-throughput, min-latency or p99-budget=MS (MS a positive number)"
+    )
 
 
 TRT_CACHE = "/tmp/trt_cache"  # TensorRT engine cache inside the server, unless --trt-cache says
@@ -60,24 +62,36 @@ TRT_CACHE = "/tmp/trt_cache"  # TensorRT engine cache inside the server, unless 
 class RepoConfig:
     out: str = opt(REPOSITORY_DIR, "repository directory to write")
     formats: tuple[str, ...] = opt(SERVED_FORMATS, "which exported formats become Triton models (those the export has)")
-    max_queue_delay_us: int = opt(0, "dynamic batching: longest a request waits for others, in microseconds (0: batch only "
-                                     "what queued while the model was busy; measured best here at low and high load)")
-    instance_kind: Literal["auto", "cpu", "gpu"] = opt("auto", "instance_group kind: KIND_GPU when serving on GPU (auto: if CUDA is visible)")
+    max_queue_delay_us: int = opt(
+        0,
+        "dynamic batching: longest a request waits for others, in microseconds (0: batch only "
+        "what queued while the model was busy; measured best here at low and high load)",
+    )
+    instance_kind: Literal["auto", "cpu", "gpu"] = opt(
+        "auto", "instance_group kind: KIND_GPU when serving on GPU (auto: if CUDA is visible)"
+    )
     cores: Optional[int] = opt(None, "CPU cores the served models may use (default: those this process may run on, "
                                      "its CPU affinity)")
     instance_count: Optional[int] = opt(None, "model instances per device (default: 1; with --threads, as many as "
                                               "the cores hold)")
-    threads: Optional[int] = opt(None, "intra-op threads per instance (default: the cores shared out among the instances)")
+    threads: Optional[int] = opt(
+        None, "intra-op threads per instance (default: the cores shared out among the instances)"
+    )
     version: int = opt(1, "version folder to write the artifacts into")
-    ort_accelerator: Literal["none", "cuda", "tensorrt"] = opt("none", "ONNX Runtime GPU execution accelerator to configure")
+    ort_accelerator: Literal["none", "cuda", "tensorrt"] = opt(
+        "none", "ONNX Runtime GPU execution accelerator to configure"
+    )
     trt_fp16: Optional[bool] = opt(None, "with --ort-accelerator tensorrt: allow FP16 engines (default: allowed)")
     trt_cache: Optional[str] = opt(None, f"with --ort-accelerator tensorrt: engine cache directory inside the server "
                                          f"(default: {TRT_CACHE})")
     max_batch: Optional[int] = opt(None, "max_batch_size (default: the export's max batch)")
     overwrite: bool = opt(False, "replace an existing repository directory")
-    strategy: Optional[str] = opt(None, "also serve the winner under the export's plain name: max-throughput, min-latency "
-                                        "or p99-budget=MS, judged on --bench's served figures (without --bench: a short "
-                                        "served bench of the new repository, written beside it as OUT-bench)")
+    strategy: Optional[str] = opt(
+        None,
+        "also serve the winner under the export's plain name: max-throughput, min-latency "
+        "or p99-budget=MS, judged on --bench's served figures (without --bench: a short "
+        "served bench of the new repository, written beside it as OUT-bench)",
+    )
     bench: Optional[str] = opt(None, "with --strategy: the results.json of a torchship bench of this export "
                                      "(default: run a short one)")
     only_winner: bool = opt(False, "with --strategy: serve the winner alone, without the per-format models")
@@ -129,8 +143,10 @@ def placement(cores: int, instances: Optional[int] = None, threads: Optional[int
     if threads is None:
         threads = max(1, cores // instances)
     if instances * threads > cores:
-        raise ConfigError(f"{flags}: {instances} instance(s) x {threads} thread(s) = {instances * threads} threads on "
-                          f"{cores} core(s) would take turns on the cores; give fewer, or --cores N for a larger machine")
+        raise ConfigError(
+            f"{flags}: {instances} instance(s) x {threads} thread(s) = {instances * threads} threads on "
+            f"{cores} core(s) would take turns on the cores; give fewer, or --cores N for a larger machine"
+        )
     return instances, threads
 
 
@@ -142,23 +158,35 @@ class ServeConfig:
     http_port: int = opt(0, "HTTP port (0: pick a free one)")
     metrics_port: int = opt(0, "Prometheus metrics port (0: pick a free one)")
     ready_timeout: float = opt(120.0, "seconds to wait for the server and every model to become ready")
-    log: Optional[str] = opt(None, "server log file (default: a temp file, removed after a clean stop and kept after a failure)")
+    log: Optional[str] = opt(
+        None, "server log file (default: a temp file, removed after a clean stop and kept after a failure)"
+    )
     models: tuple[str, ...] = opt((), "load only these models (default: every model in the repository)")
-    heal: bool = opt(True, "reload a model whose backend process died (it reports not ready meanwhile); one line per heal, "
-                           "counted in LOG.heals.json")
+    heal: bool = opt(
+        True,
+        "reload a model whose backend process died (it reports not ready meanwhile); one line per heal, "
+        "counted in LOG.heals.json",
+    )
     triton_args: tuple[str, ...] = opt((), "extra tritonserver arguments, passed on as they are (repeatable: "
                                            "--triton-arg=--host-policy=cpu,cpu-cores=1-1 --triton-arg=--log-verbose=1)",
                                        flag="--triton-arg", append=True)
     tls_cert: Optional[str] = opt(None, "serve gRPC over TLS with this certificate (PEM; for a client at 127.0.0.1 its "
                                         "subjectAltName must name IP:127.0.0.1); with --tls-key", metavar="PEM")
     tls_key: Optional[str] = opt(None, "the private key of --tls-cert (PEM)", metavar="PEM")
-    tls_client_ca: Optional[str] = opt(None, "with --tls-cert: mutual TLS, accepting only clients whose certificate this "
-                                             "CA signed (PEM)", metavar="PEM")
+    tls_client_ca: Optional[str] = opt(
+        None,
+        "with --tls-cert: mutual TLS, accepting only clients whose certificate this CA signed (PEM)",
+        metavar="PEM",
+    )
     tls_ca: Optional[str] = opt(None, "with --tls-cert: the CA that signed it, for torchship's own calls to the server "
                                       "(default: --tls-cert itself, as for a self-signed certificate)", metavar="PEM")
-    tls_own_cert: Optional[str] = opt(None, "with --tls-client-ca: a client certificate that CA signed, which torchship's "
-                                            "own calls present (start-up checks, model loads, healing); with "
-                                            "--tls-own-key", metavar="PEM")
+    tls_own_cert: Optional[str] = opt(
+        None,
+        "with --tls-client-ca: a client certificate that CA signed, which torchship's "
+        "own calls present (start-up checks, model loads, healing); with "
+        "--tls-own-key",
+        metavar="PEM",
+    )
     tls_own_key: Optional[str] = opt(None, "the private key of --tls-own-cert (PEM)", metavar="PEM")
 
     def __post_init__(self) -> None:

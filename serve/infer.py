@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ def run_infer(ns: InferConfig) -> int:
     if not requests:
         raise ClientError("nothing to send: give FILES, --heldout EXPORT_DIR or --check EXPORT_DIR")
     rows = []
-    for (name, feeds, label), (outputs, top) in zip(requests, _send_all(client, model, cfg, requests, ns)):
+    for (name, _feeds, label), (outputs, top) in zip(requests, _send_all(client, model, cfg, requests, ns)):
         row: dict[str, Any] = {"input": name}
         if top is not None:  # Triton returns min(top_k, classes) 'score:index:label' entries per row
             entries = [t.decode() if isinstance(t, bytes) else str(t) for t in np.asarray(top).reshape(-1)]
@@ -147,7 +148,9 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
             arr = _load(p)
             arr = arr[None] if arr.ndim == 3 else arr
             if arr.ndim != 4 or list(arr.shape[1:]) != chw:
-                raise ShapeError(f"{p}: shape {list(arr.shape)} does not match the model input [N, {', '.join(map(str, chw))}]")
+                raise ShapeError(
+                    f"{p}: shape {list(arr.shape)} does not match the model input [N, {', '.join(map(str, chw))}]"
+                )
             if arr.dtype.kind != "f":  # 0-255 pixels cast to float would be served as nonsense without an error
                 raise ShapeError(f"{p}: dtype {arr.dtype} is not floating point; save float32 pixel values in [0, 1] "
                                  "(divide 8-bit images by 255) or pass the image file itself")
@@ -189,7 +192,6 @@ def _send_all(client, model: str, cfg: dict[str, Any], requests, ns) -> list:
             stream.close()
     if ns.concurrency <= 1:
         return [one(feeds) for _, feeds, _ in requests]
-    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(ns.concurrency) as pool:
         return list(pool.map(lambda r: one(r[1]), requests))

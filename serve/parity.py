@@ -14,7 +14,6 @@ from torchship.parity import check_float_sets, check_quantized_sets
 from .client import TritonClient
 
 
-
 def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[str] | None = None,
                  tolerances: dict[str, Any] | None = None, version: str = "") -> dict[str, Any]:
     """Send the export's reference inputs to every served model of this export (or ``models``) and compare
@@ -50,16 +49,27 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
                 failures.append(f"{model}: {key}: {e}")
                 rows[key] = {"batch": batch, "pass": False, "error": str(e)}
         if not quantized:
-            for key, o, row, failure in check_float_sets(manifest, ref, lambda key, o: answers[key].get(o), tol, model,
-                                                         tf32, answered):
+            def got(key: str, o: str, answers: dict = answers):
+                return answers[key].get(o)
+
+            for key, o, row, failure in check_float_sets(manifest, ref, got, tol, model, tf32, answered):
                 rows[key if len(outputs) == 1 else f"{key}/{o}"] = row
                 if failure:
                     failures.append(failure)
         if quantized and len(answers) == len(manifest["reference"]["sets"]):  # the gate export verification applied
-            failures += check_quantized_sets(manifest, ref, lambda key, o: answers[key].get(o), quantized["gate"], model, rows)
+            failures += check_quantized_sets(
+                manifest, ref, lambda key, o, answers=answers: answers[key].get(o), quantized["gate"], model, rows
+            )
         results[model] = rows
     client.close()
-    report = {"url": url, "export_dir": str(d), "tolerances": tol, "models": results, "pass": not failures, "failures": failures}
+    report = {
+        "url": url,
+        "export_dir": str(d),
+        "tolerances": tol,
+        "models": results,
+        "pass": not failures,
+        "failures": failures,
+    }
     if failures:
         err = ParityError(failures, what=f"served parity at {url}")
         err.report = report
@@ -71,8 +81,17 @@ def served_markdown(report: dict[str, Any]) -> str:
     cells = []
     for model, rows in report["models"].items():
         for key, r in rows.items():
-            cells.append([model, key, r["batch"], f"{r['max_abs']:.2e}" if "max_abs" in r else "-",
-                          f"{r['bound']:.2e}" if "bound" in r else "-", r.get("top1_agree") or gate_text(r), "pass" if r["pass"] else "FAIL"])
+            cells.append(
+                [
+                    model,
+                    key,
+                    r["batch"],
+                    f"{r['max_abs']:.2e}" if "max_abs" in r else "-",
+                    f"{r['bound']:.2e}" if "bound" in r else "-",
+                    r.get("top1_agree") or gate_text(r),
+                    "pass" if r["pass"] else "FAIL",
+                ]
+            )
     lines = table(["model", "inputs", "batch", "max abs error", "bound", "top-1 agree", "result"], cells)
     return "\n".join(lines)
 

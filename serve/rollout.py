@@ -51,7 +51,9 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
         return {"model": model, "live": live, "changed": False}
     problems = version_file_problems(d / str(target))
     if problems:
-        raise RolloutError(f"{model}: version {target} refused: " + "; ".join(problems) + f"; version {live} still serves")
+        raise RolloutError(
+            f"{model}: version {target} refused: " + "; ".join(problems) + f"; version {live} still serves"
+        )
     steps = Steps(model, log)
     with TritonClient(url) as client:
         client.wait_ready(30)
@@ -61,7 +63,9 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
             steps.run(f"version {target} loaded as {cdir.name} beside live version {live}",
                       lambda: load_candidate(client, d, target, live_config))
             if check is not None:
-                steps.run(f"served parity of version {target} PASS", lambda: check_served(url, check, models=[cdir.name]))
+                steps.run(
+                    f"served parity of version {target} PASS", lambda: check_served(url, check, models=[cdir.name])
+                )
         except BaseException as e:
             _drop_candidate(client, cdir.name, cdir)
             what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"

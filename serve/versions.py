@@ -19,7 +19,8 @@ from .repository import build_repository
 
 
 def live_version(model_dir: Path) -> int:
-    """The version unversioned requests reach: the highest the config's version policy names, else the highest on disk."""
+    """The version unversioned requests reach: the highest the config's version policy names, else the highest on
+    disk."""
     c = read_config(model_dir / CONFIG)
     on_disk = versions(model_dir)
     if c.version_policy.WhichOneof("policy_choice") == "specific" and c.version_policy.specific.versions:
@@ -42,7 +43,9 @@ def set_live(model_dir: Path, version: int) -> None:
 def served_tensors(model_dir: Path) -> list[tuple]:
     """What clients of a model depend on: each input's and output's name, type and dims, and the max batch."""
     c = read_config(model_dir / CONFIG)
-    return [(t.name, t.data_type, tuple(t.dims)) for t in (*c.input, *c.output)] + [("max_batch_size", c.max_batch_size)]
+    return [(t.name, t.data_type, tuple(t.dims)) for t in (*c.input, *c.output)] + [
+        ("max_batch_size", c.max_batch_size)
+    ]
 
 
 def add_version(export_dir: str | Path, repo: str | Path, cfg: RepoConfig, keep: int = 3, new_signature: bool = False,
@@ -64,9 +67,11 @@ def add_version(export_dir: str | Path, repo: str | Path, cfg: RepoConfig, keep:
             dest = repo / model
             if (dest / CONFIG).exists():
                 if served_tensors(dest) != served_tensors(built / model) and not new_signature:
-                    raise ArtifactError(f"{model}: the new version's inputs, outputs or max batch differ from the served "
-                                        f"ones ({_differ(served_tensors(dest), served_tensors(built / model))}); pass "
-                                        "--new-signature if clients are ready for it")
+                    raise ArtifactError(
+                        f"{model}: the new version's inputs, outputs or max batch differ from the served "
+                        f"ones ({_differ(served_tensors(dest), served_tensors(built / model))}); pass "
+                        "--new-signature if clients are ready for it"
+                    )
                 plan[model] = versions(dest)[-1] + 1
             else:
                 plan[model] = 1

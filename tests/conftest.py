@@ -4,6 +4,9 @@ reused by the other (``once``)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import shutil
 import sys
@@ -84,8 +87,21 @@ def exported(trained, tmp_path_factory) -> Path:
     from torchship.runtime import FP32_FORMATS
 
     def make(d):
-        run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(d / "export"), "max_batch": 8,
-                                        "buckets": [1, 8], "odd_batch": 5, "formats": list(FP32_FORMATS)}), log=lambda *a: None)
+        run_export(
+            build(
+                ExportConfig,
+                {
+                    "checkpoint": str(trained),
+                    "out": str(d / "export"),
+                    "max_batch": 8,
+                    "buckets": [1, 8],
+                    "odd_batch": 5,
+                    "formats": list(FP32_FORMATS),
+                },
+            ),
+            log=lambda *a: None,
+        )
+
     return once(tmp_path_factory, "exported", make) / "export"
 
 
@@ -109,10 +125,7 @@ def int8_export(trained, tmp_path_factory) -> Path:
 def zero_calibrated(trained, tmp_path_factory) -> tuple[int, str, Path]:
     """The INT8 tests' planted fault: both INT8 formats calibrated on all-zero images, so their activation ranges
     collapse. (exit code, stderr, export directory): export writes the directory even when verification fails."""
-    import contextlib
-    import io
 
-    import json
 
     def make(tmp):
         zeros = tmp / "zeros.npz"

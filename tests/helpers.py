@@ -3,7 +3,9 @@ faulty exporter would have written them, and the served tiny model checked again
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
 
 import numpy as np
 import onnx
@@ -46,8 +48,6 @@ def rehash(d, rel):
 def rehash_version(vdir) -> None:
     """Make a repository version folder's provenance.json agree with its files, as a faulty repository builder
     would have written it: the planted fault then reaches the server, and only served parity can catch it."""
-    import json
-
     prov = json.loads((vdir / "provenance.json").read_text())
     prov["files"] = {name: sha256_file(vdir / name) for name in prov["files"]}
     (vdir / "provenance.json").write_text(json.dumps(prov))
@@ -120,8 +120,6 @@ def plant_attacks(grpc_url: str, http_url: str, marker, log_file, victim: str, g
     server's log to ``log_file``. What the server answered to each, by name: "accepted", "restricted" (refused for
     want of the key) or its message. ``*_headers`` are the headers sent with each (none: an attacker without the
     key). What was accepted is undone with the same headers."""
-    import json
-
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
@@ -130,13 +128,20 @@ def plant_attacks(grpc_url: str, http_url: str, marker, log_file, victim: str, g
     g, h = grpcclient.InferenceServerClient(grpc_url), httpclient.InferenceServerClient(http_url)
     calls = {}
     for proto, c, headers in (("grpc", g, grpc_headers), ("http", h, http_headers)):
-        calls.update({
-            f"{proto} load with code": lambda c=c, hd=headers: c.load_model("evil", config=json.dumps(EVIL_CONFIG),
-                                                                            files=files, headers=hd),
-            f"{proto} unload": lambda c=c, hd=headers: c.unload_model(victim, headers=hd),
-            f"{proto} verbose log": lambda c=c, hd=headers: c.update_log_settings({"log_verbose_level": 1}, headers=hd),
-            f"{proto} log redirect": lambda c=c, hd=headers: c.update_log_settings({"log_file": str(log_file)}, headers=hd),
-        })
+        calls.update(
+            {
+                f"{proto} load with code": lambda c=c, hd=headers: c.load_model(
+                    "evil", config=json.dumps(EVIL_CONFIG), files=files, headers=hd
+                ),
+                f"{proto} unload": lambda c=c, hd=headers: c.unload_model(victim, headers=hd),
+                f"{proto} verbose log": lambda c=c, hd=headers: c.update_log_settings(
+                    {"log_verbose_level": 1}, headers=hd
+                ),
+                f"{proto} log redirect": lambda c=c, hd=headers: c.update_log_settings(
+                    {"log_file": str(log_file)}, headers=hd
+                ),
+            }
+        )
     answers = {}
     try:
         for name, call in calls.items():
@@ -162,8 +167,6 @@ def plant_attacks(grpc_url: str, http_url: str, marker, log_file, victim: str, g
 def make_certs(folder) -> dict[str, str]:
     """A CA and, signed by it, a server certificate for 127.0.0.1 and localhost and a client certificate, made
     with the openssl command: {"ca", "server_cert", "server_key", "client_cert", "client_key"}: PEM paths."""
-    import subprocess
-
     def run(*args):
         subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
 
@@ -172,9 +175,26 @@ def make_certs(folder) -> dict[str, str]:
     for who, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
                      ("client", "extendedKeyUsage=clientAuth")):
         (folder / f"{who}.ext").write_text(ext + "\n")
-        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", f"/CN=torchship {who}",
-            "-keyout", f"{who}.key", "-out", f"{who}.csr")
+        run(
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-subj",
+            f"/CN=torchship {who}",
+            "-keyout",
+            f"{who}.key",
+            "-out",
+            f"{who}.csr",
+        )
         run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
             "-extfile", f"{who}.ext", "-out", f"{who}.pem")
-    return {"ca": str(folder / "ca.pem"), "server_cert": str(folder / "server.pem"), "server_key": str(folder / "server.key"),
-            "client_cert": str(folder / "client.pem"), "client_key": str(folder / "client.key")}
+    return {
+        "ca": str(folder / "ca.pem"),
+        "server_cert": str(folder / "server.pem"),
+        "server_key": str(folder / "server.key"),
+        "client_cert": str(folder / "client.pem"),
+        "client_key": str(folder / "client.key"),
+    }

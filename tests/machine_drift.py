@@ -36,7 +36,10 @@ def main() -> None:
         total1, stolen1 = cpu_times()
         rates.append(rate)
         print(f"{rate:6.1f} GFLOP/s   steal {100 * (stolen1 - stolen0) / max(1, total1 - total0):4.1f} %", flush=True)
-    print(f"range {min(rates):.1f} to {max(rates):.1f} GFLOP/s ({100 * (max(rates) - min(rates)) / min(rates):.0f} % apart)")
+    print(
+        f"range {min(rates):.1f} to {max(rates):.1f} GFLOP/s ({100 * (max(rates) - min(rates)) / min(rates):.0f} % "
+        "apart)"
+    )
 
 
 if __name__ == "__main__":

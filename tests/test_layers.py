@@ -53,7 +53,9 @@ def test_the_check_sees_an_import_that_runs_up(tmp_path):
     """Planted: a stage module importing another stage inside a function, and a contract importing the pipeline."""
     for d in ("serve/bench", "torchship/pipeline"):
         (tmp_path / d).mkdir(parents=True)
-    (tmp_path / "serve" / "bench" / "run.py").write_text("from ..client import c\ndef f():\n    from export.source import s\n")
+    (tmp_path / "serve" / "bench" / "run.py").write_text(
+        "from ..client import c\ndef f():\n    from export.source import s\n"
+    )
     (tmp_path / "torchship" / "manifest.py").write_text("from .io import x\nfrom .pipeline import run\n")
     (tmp_path / "torchship" / "pipeline" / "run.py").write_text("from export.pipeline import run_export\n")
     assert violations("serve", {"serve", "torchship"}, tmp_path) == ["serve/bench/run.py imports export.source",

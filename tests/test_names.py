@@ -10,8 +10,9 @@ from torchship.names import SERVED_FORMATS, export_name, format_of, model_name, 
 def test_a_model_name_reads_back_to_its_format_and_no_other_exports():
     m = {"name": "resnet50"}
     assert [format_of(model_name(m, f), m) for f in SERVED_FORMATS] == list(SERVED_FORMATS)
-    assert models_of(m, ["resnet50_onnx", "resnet50_v2_onnx", "resnet50_aoti_buckets", "other_aoti", "resnet50_aoti"]) == \
-        ["resnet50_onnx", "resnet50_aoti"]
+    assert models_of(
+        m, ["resnet50_onnx", "resnet50_v2_onnx", "resnet50_aoti_buckets", "other_aoti", "resnet50_aoti"]
+    ) == ["resnet50_onnx", "resnet50_aoti"]
     assert export_name("torchvision.models:resnet50") == export_name("resnet50") == "resnet50"
     with pytest.raises(ValueError, match="not served"):
         model_name(m, "exported_program")

@@ -100,5 +100,7 @@ def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) -
             parts.append(f"{len(missing)} missing keys (e.g. {missing[0]})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected keys (e.g. {unexpected[0]})")
-        raise CheckpointError(f"{where} does not fit this model (another architecture or class count?): " + "; ".join(parts))
+        raise CheckpointError(
+            f"{where} does not fit this model (another architecture or class count?): " + "; ".join(parts)
+        )
     model.load_state_dict(sd, strict=True)

@@ -8,6 +8,7 @@ a flag cannot exist in one place and be missing in another.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import tomllib
 import types
@@ -25,7 +26,6 @@ def opt(default: Any, help: str, *, flag: str | None = None, cli: bool = True, a
     for values that may start with '-'."""
     md = {"help": help, "flag": flag, "cli": cli, "append": append, "metavar": metavar}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):  # mutable: a fresh copy per instance
-        import copy
 
         return dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d), metadata=md, **kw)
     return dataclasses.field(default=default, metadata=md, **kw)
@@ -72,7 +72,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, exclude:
             kwargs["type"] = str
         # show the real default in --help while leaving unset flags out of the namespace
         shown = "none" if default in ((), [], None) else default
-        kwargs["help"] = kwargs["help"].replace(" (default: %(default)s)", "" if "(default" in kwargs["help"][:-24] else f" (default: {shown})")
+        kwargs["help"] = kwargs["help"].replace(
+            " (default: %(default)s)", "" if "(default" in kwargs["help"][:-24] else f" (default: {shown})"
+        )
         if "metavar" not in kwargs and tp not in (bool,) and origin is not Literal:
             kwargs["metavar"] = f.metadata.get("metavar") or f.name.upper()
         parser.add_argument(flag_name(f), **kwargs)

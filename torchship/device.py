@@ -82,7 +82,10 @@ def resolve_amp(amp: str, device: str) -> tuple[str, str]:
     if amp == "auto":
         if flag:
             return "bf16", f"this CPU computes bf16 natively ({flag})"
-        return "off", "this CPU has no native bf16 (no AVX512-BF16 or AMX), where bf16 autocast is emulated and much slower"
+        return (
+            "off",
+            "this CPU has no native bf16 (no AVX512-BF16 or AMX), where bf16 autocast is emulated and much slower",
+        )
     if amp == "bf16" and not flag:
         return "bf16", ("warning: this CPU has no native bf16 (no AVX512-BF16 or AMX): bf16 autocast is emulated "
                         "and can be tens of times slower than --amp off")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -125,8 +126,6 @@ def staging_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[P
 
 def git_revision(cwd: str | os.PathLike | None = None) -> str | None:
     """The current git commit of the source tree, or None outside a checkout."""
-    import subprocess
-
     here = cwd or Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)

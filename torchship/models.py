@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -75,8 +77,6 @@ def import_factory(spec: str, flag: str) -> Callable[..., Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{flag} {spec!r} must look like package.module:function")
-    import os
-    import sys
 
     if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` would: the working directory first
         sys.path.insert(0, os.getcwd())

@@ -32,7 +32,9 @@ FORMATS = {  # the one table of served formats: one Triton model each, in this o
     "aoti_bf16": ServedFormat("torch_aoti", "model.pt2", ("aoti_bf16",), "bf16", made_for=COMPILED),
 }
 SERVED_FORMATS = tuple(FORMATS)
-FORMAT_PARAMETER = "torchship_format"  # a model served under the export's plain name records its format in this parameter
+FORMAT_PARAMETER = (
+    "torchship_format"  # a model served under the export's plain name records its format in this parameter
+)
 
 
 def export_name(spec: str) -> str:

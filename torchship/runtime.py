@@ -7,7 +7,10 @@ Kept free of torchship imports so the serving backends can carry a copy of this 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -29,7 +32,9 @@ class Runner:
     input_names: list[str] | None = None
     output_names: list[str] | None = None
 
-    def __init__(self, fn: Callable[[list[np.ndarray]], list[np.ndarray]], inputs: Sequence[str], outputs: Sequence[str]):
+    def __init__(
+        self, fn: Callable[[list[np.ndarray]], list[np.ndarray]], inputs: Sequence[str], outputs: Sequence[str]
+    ):
         self._fn = fn
         self.contract_inputs = list(inputs)
         self.contract_outputs = list(outputs)
@@ -87,8 +92,6 @@ def fp32_precision(device: str, tf32: bool = False):
 def torch_fn(module, device: str, threads: int = 0):
     """``module`` as a function of a list of numpy inputs (its positional arguments), under inference mode,
     returning its outputs as numpy arrays (floating outputs as float32)."""
-    import threading
-
     import torch
 
     set_here = threading.local()
@@ -107,7 +110,9 @@ def torch_fn(module, device: str, threads: int = 0):
     return fn
 
 
-def in_chunks(fn: Callable[[list[np.ndarray]], list[np.ndarray]], xs: Sequence[np.ndarray], size: int) -> list[np.ndarray]:
+def in_chunks(
+    fn: Callable[[list[np.ndarray]], list[np.ndarray]], xs: Sequence[np.ndarray], size: int
+) -> list[np.ndarray]:
     """``fn`` over the inputs ``xs`` (arrays of equal length) in batches of at most ``size`` rows, the
     outputs joined again."""
     n = len(xs[0])
@@ -125,7 +130,9 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"batch {n} exceeds the largest bucket {max(buckets)}")
 
 
-def padded_call(fns: dict[int, Callable[[list[np.ndarray]], list[np.ndarray]]], xs: list[np.ndarray]) -> list[np.ndarray]:
+def padded_call(
+    fns: dict[int, Callable[[list[np.ndarray]], list[np.ndarray]]], xs: list[np.ndarray]
+) -> list[np.ndarray]:
     """Run the inputs ``xs`` through static-batch functions keyed by batch size: pad the batch dim up to
     the next bucket with copies of the last row, run, and return only the real rows. Batches above the
     largest bucket are split into chunks."""
@@ -158,8 +165,14 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
-        providers = list(ort_providers or ([("CUDAExecutionProvider", ort_cuda_options(device, tf32)), "CPUExecutionProvider"]
-                                           if device.startswith("cuda") else ["CPUExecutionProvider"]))
+        providers = list(
+            ort_providers
+            or (
+                [("CUDAExecutionProvider", ort_cuda_options(device, tf32)), "CPUExecutionProvider"]
+                if device.startswith("cuda")
+                else ["CPUExecutionProvider"]
+            )
+        )
         sess = ort.InferenceSession(path, so, providers=providers)
         out_names = [o.name for o in sess.get_outputs()]
         feed_names = list(inputs)  # the graph's own names; verification checks that they are the manifest's
@@ -193,7 +206,9 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
         runners = load_buckets(path, device)
         missing = sorted(set(buckets or ()) - set(runners))
         if missing:
-            raise ValueError(f"{path} has no bucket of batch {missing[0]}; it has {', '.join(map(str, sorted(runners)))}")
+            raise ValueError(
+                f"{path} has no bucket of batch {missing[0]}; it has {', '.join(map(str, sorted(runners)))}"
+            )
         fns = {b: torch_fn(r, device, threads) for b, r in runners.items() if not buckets or b in buckets}
         return Runner(lambda xs: padded_call(fns, xs), inputs, outputs)
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -252,8 +267,6 @@ PROVENANCE = "provenance.json"  # in each version folder of a repository: where 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     """Hex sha256 of a file's bytes."""
-    import hashlib
-
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -265,8 +278,6 @@ def version_file_problems(version_dir: str | os.PathLike, loads: Sequence[str] =
     """Each file of a repository version folder that is missing or differs from the sha256 its provenance.json
     records, and each of ``loads`` (the files about to be loaded) that it does not list; None when the folder
     records no hashes (a repository written by hand, or before they were recorded)."""
-    import json
-
     try:
         with open(os.path.join(version_dir, PROVENANCE)) as f:
             files = json.load(f).get("files")

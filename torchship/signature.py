@@ -67,7 +67,11 @@ class Signature:
         """The inputs as the --input/--dim/--input-range flags that declare them."""
         def num(v):
             return f"{v:g}" if isinstance(v, float) else str(v)
-        out = [f"--input {t.name}:{t.dtype}:{','.join('B' if d == BATCH else str(d) for d in t.shape)}" for t in self.inputs]
+
+        out = [
+            f"--input {t.name}:{t.dtype}:{','.join('B' if d == BATCH else str(d) for d in t.shape)}"
+            for t in self.inputs
+        ]
         out += [f"--dim {k}={lo}..{hi}" for k, (lo, hi) in self.dims.items()]
         out += [f"--input-range {t.name}=" + (MASK if t.values == MASK else f"{num(t.range[0])}..{num(t.range[1])}")
                 for t in self.inputs if t.range is not None or t.values == MASK]
@@ -247,8 +251,9 @@ def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple
         t = by_name[name]
         if span == MASK:
             if len(t.shape) < 2:
-                raise ConfigError(f"--input-range {name}=mask: a mask runs along a sequence axis, and {name} has only the "
-                                  "batch dim")
+                raise ConfigError(
+                    f"--input-range {name}=mask: a mask runs along a sequence axis, and {name} has only the batch dim"
+                )
             t.values, t.range = MASK, _unit(t)
             continue
         uniform = span.startswith("uniform:")

@@ -33,7 +33,11 @@ def one(label: str, nproc: int, threads: int, amp: str, arch: str, steps: int, b
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         args = ["--arch", arch, "--amp", amp, "--batch-size", str(batch), "--epochs", "100", "--max-steps", str(steps),
                 "--out", tmp, "--no-progress"]
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+        launcher = (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+            if nproc > 1
+            else [sys.executable]
+        )
         cmd = [*launcher, "-m", "train", *args]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0:
@@ -65,7 +69,13 @@ def main() -> int:
     cpu = cpu_name()
     print(f"\n{a.arch}, digits at 32x32, global batch {a.batch_size}, {a.steps} steps per run, median of {a.rounds} "
           f"rounds; {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n")
-    print("\n".join(table(["configuration", "images/s"], [[label, f"{statistics.median(v):.0f}"] for label, v in results.items()])))
+    print(
+        "\n".join(
+            table(
+                ["configuration", "images/s"], [[label, f"{statistics.median(v):.0f}"] for label, v in results.items()]
+            )
+        )
+    )
     if a.json:
         Path(a.json).write_text(json.dumps({"arch": a.arch, "cpu": cpu, "results": results}, indent=2))
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Optional
 
 from torchship.config import opt
@@ -12,23 +13,37 @@ from torchship.errors import ConfigError
 @dataclass
 class TrainConfig:
     arch: str = opt("resnet18", "model: resnet18, resnet50, mobilenet_v3_small, tiny_cnn, or package.module:factory")
-    data: str = opt("digits", "dataset: 'digits' (scikit-learn's 8x8 digits, no download), 'synthetic', an ImageFolder PATH, or your own "
-                           "package.module:factory returning (train, val) datasets of (inputs, class index) samples, inputs a "
-                           "tensor or a dict of tensors (see docs/any-model.md)")
-    image_size: Optional[int] = opt(None, "input height and width in pixels (default: 32 for digits/synthetic, 224 for folders)")
+    data: str = opt(
+        "digits",
+        "dataset: 'digits' (scikit-learn's 8x8 digits, no download), 'synthetic', an ImageFolder PATH, or your own "
+        "package.module:factory returning (train, val) datasets of (inputs, class index) samples, inputs a "
+        "tensor or a dict of tensors (see docs/any-model.md)",
+    )
+    image_size: Optional[int] = opt(
+        None, "input height and width in pixels (default: 32 for digits/synthetic, 224 for folders)"
+    )
     epochs: int = opt(3, "number of passes over the training split (the default digits reach 97-99 %% in 3)")
     batch_size: int = opt(64, "global batch size, split evenly across DDP ranks")
     lr: float = opt(2e-3, "peak learning rate of AdamW (warm-up then cosine decay)")
     weight_decay: float = opt(5e-4, "AdamW weight decay")
-    amp: Literal["auto", "off", "bf16", "fp16"] = opt("auto", "autocast precision. auto: bf16 on a CUDA GPU that supports it "
-                                                     "and on a CPU that computes bf16 natively (AVX512-BF16 or AMX), "
-                                                     "else off; bf16 on a CPU without it is emulated and much slower; "
-                                                     "fp16 (with GradScaler) needs CUDA")
-    nproc: int = opt(0, "DDP processes to launch through torchrun on this machine (0: one per GPU; on a CPU one process "
-                        "using every core, which trains faster there than several ranks)")
+    amp: Literal["auto", "off", "bf16", "fp16"] = opt(
+        "auto",
+        "autocast precision. auto: bf16 on a CUDA GPU that supports it "
+        "and on a CPU that computes bf16 natively (AVX512-BF16 or AMX), "
+        "else off; bf16 on a CPU without it is emulated and much slower; "
+        "fp16 (with GradScaler) needs CUDA",
+    )
+    nproc: int = opt(
+        0,
+        "DDP processes to launch through torchrun on this machine (0: one per GPU; on a CPU one process "
+        "using every core, which trains faster there than several ranks)",
+    )
     out: str = opt("runs/train", "output directory for checkpoints, metrics.jsonl and the log")
-    resume: Optional[str] = opt(None, "resume exactly from this checkpoint directory (or an output directory: its latest); "
-                                      "'auto': resume from OUT's latest checkpoint if it has one, else start fresh (restartable jobs)")
+    resume: Optional[str] = opt(
+        None,
+        "resume exactly from this checkpoint directory (or an output directory: its latest); "
+        "'auto': resume from OUT's latest checkpoint if it has one, else start fresh (restartable jobs)",
+    )
     seed: int = opt(0, "seed for initialisation, data order and the train/validation split")
     val_fraction: float = opt(0.2, "fraction of the data held out for validation (stratified)")
     synthetic_samples: int = opt(512, "number of samples for --data synthetic")
@@ -36,7 +51,9 @@ class TrainConfig:
     workers: int = opt(0, "DataLoader worker processes per rank (ImageFolder data)")
     grad_clip: Optional[float] = opt(None, "clip the global gradient norm to this value (unscaled first under fp16)")
     compile: bool = opt(False, "wrap the model in torch.compile (the saved weights stay unwrapped)")
-    profile: bool = opt(False, "write a torch.profiler trace of a few steps to OUT/profile (Chrome/Perfetto/TensorBoard)")
+    profile: bool = opt(
+        False, "write a torch.profiler trace of a few steps to OUT/profile (Chrome/Perfetto/TensorBoard)"
+    )
     channels_last: bool = opt(False, "use the channels_last memory format")
     keep_last: int = opt(2, "keep this many most recent checkpoints (the best one is always kept)")
     save_every: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)")
@@ -72,7 +89,6 @@ class TrainConfig:
         """--resume with 'auto' resolved: OUT when it already holds a checkpoint, else None."""
         if self.resume != "auto":
             return self.resume
-        from pathlib import Path
 
         return self.out if (Path(self.out) / "checkpoints" / "index.json").exists() else None
 

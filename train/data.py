@@ -86,7 +86,9 @@ def make_synthetic(samples: int, num_classes: int, image_size: int, val_fraction
     protos = torch.rand(num_classes, 3, image_size, image_size, generator=g)
     y = torch.arange(samples) % num_classes
     x = (0.7 * protos[y] + 0.3 * torch.rand(samples, 3, image_size, image_size, generator=g)).clamp_(0, 1)
-    return _tensor_split(x, y, [f"class_{i}" for i in range(num_classes)], val_fraction, seed, "synthetic", "pixel / 255")
+    return _tensor_split(
+        x, y, [f"class_{i}" for i in range(num_classes)], val_fraction, seed, "synthetic", "pixel / 255"
+    )
 
 
 def is_factory(data: str) -> bool:
@@ -132,7 +134,9 @@ def scan_image_folder(root: str | Path) -> tuple[list[tuple[str, int]], list[str
     return files, classes
 
 
-def load_image_folder(root: str, image_size: int, val_fraction: float, seed: int, stats_samples: int = 256) -> DataSplit:
+def load_image_folder(
+    root: str, image_size: int, val_fraction: float, seed: int, stats_samples: int = 256
+) -> DataSplit:
     files, classes = scan_image_folder(root)
     labels = np.array([label for _, label in files])
     tr, va = _stratified_split(labels, val_fraction, seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
@@ -43,7 +44,6 @@ def init_distributed(device: str) -> Dist:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             # torchrun's agent store outlives a worker restart: without a per-attempt prefix a restarted
             # rank can read the dead round's addresses and fail to connect ("Connection refused").
-            from datetime import timedelta
 
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
                                   is_master=False, timeout=timedelta(minutes=10))
@@ -67,7 +67,9 @@ def rank_batches(ds_len: int, d: Dist, per_rank: int, epoch: int, seed: int, shu
     return [mine[i:i + per_rank] for i in range(0, len(mine), per_rank)]
 
 
-def rank_loader(ds, batches: list[list[int]], workers: int, seed: int, collate: Optional[Callable] = None) -> DataLoader:
+def rank_loader(
+    ds, batches: list[list[int]], workers: int, seed: int, collate: Optional[Callable] = None
+) -> DataLoader:
     """A DataLoader over ``batches`` (rank_batches), its workers seeded."""
     return DataLoader(ds, batch_sampler=batches, num_workers=workers, collate_fn=collate,
                       generator=torch.Generator().manual_seed(seed), persistent_workers=False)

@@ -86,7 +86,16 @@ def launch_torchrun(module_argv: list[str], nproc: int, extra: list[str] | None 
     with tempfile.TemporaryDirectory(prefix="torchship-ranks-") as tmp:
         os.environ[ERROR_FILE_ENV] = str(Path(tmp) / "error")
         args = get_args_parser().parse_args(
-            ["--standalone", f"--nproc-per-node={nproc}", *(extra or []), "--no-python", sys.executable, "-u", *module_argv])
+            [
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                *(extra or []),
+                "--no-python",
+                sys.executable,
+                "-u",
+                *module_argv,
+            ]
+        )
         # torchrun's agent logs each signal and stop at WARNING; a Ctrl-C then needs no more than the one line
         # torchship prints for it
         elastic = logging.getLogger("torch.distributed.elastic")
@@ -115,9 +124,12 @@ def rank_failure(e, nproc: int) -> str:
     the out-of-memory killer, as a rank leaves no traceback then), or failed with a traceback above."""
     rank, failure = e.get_first_failure()
     if failure.exitcode < 0:
-        why = (": the kernel's out-of-memory killer, most likely (every rank holds its own copy of torch, the "
-               f"model and the data); launch fewer than {nproc} ranks with --nproc" if failure.signal_name() == "SIGKILL"
-               else "")
+        why = (
+            ": the kernel's out-of-memory killer, most likely (every rank holds its own copy of torch, the "
+            f"model and the data); launch fewer than {nproc} ranks with --nproc"
+            if failure.signal_name() == "SIGKILL"
+            else ""
+        )
         return f"training rank {rank} was killed by {failure.signal_name()}{why}"
     return f"training rank {rank} failed with exit code {failure.exitcode}; see its traceback above"
 

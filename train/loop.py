@@ -23,7 +23,7 @@ from torchship.models import check_arch
 from . import checkpoint as ck
 from .config import TrainConfig
 from .data import DataSplit, check_data_source, collate_inputs, is_factory, load_data
-from .distributed import Dist, rank_batches, rank_loader, init_distributed
+from .distributed import Dist, init_distributed, rank_batches, rank_loader
 from .setup import Run, set_up
 from .userdata import load_user_data
 
@@ -173,16 +173,33 @@ def _save(run: Run, epoch: int, step_in_epoch: int, metrics: dict[str, Any], is_
         rngs = [ck.rng_state()]
     path = None
     if d.main:
-        state = {"optimizer": run.opt.state_dict(), "scheduler": run.sched.state_dict(), "scaler": run.scaler.state_dict(),
-                 "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": run.global_step, "rng": rngs,
-                 "world_size": d.world, "best_acc": run.best_acc, "val_acc": run.val_acc}
+        state = {
+            "optimizer": run.opt.state_dict(),
+            "scheduler": run.sched.state_dict(),
+            "scaler": run.scaler.state_dict(),
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "global_step": run.global_step,
+            "rng": rngs,
+            "world_size": d.world,
+            "best_acc": run.best_acc,
+            "val_acc": run.val_acc,
+        }
 
         def write_heldout(p: Path) -> None:
             with open(p, "wb") as f:
                 np.savez(f, **run.heldout)
-        path = ck.save_checkpoint(run.out / "checkpoints", f"step-{run.global_step:07d}", ck.clean_state_dict(run.plain),
-                                  dict(run.meta, epoch=epoch, step=run.global_step, metrics=metrics), state, write_heldout,
-                                  metrics.get("val_acc") if is_eval else None, run.cfg.keep_last)
+
+        path = ck.save_checkpoint(
+            run.out / "checkpoints",
+            f"step-{run.global_step:07d}",
+            ck.clean_state_dict(run.plain),
+            dict(run.meta, epoch=epoch, step=run.global_step, metrics=metrics),
+            state,
+            write_heldout,
+            metrics.get("val_acc") if is_eval else None,
+            run.cfg.keep_last,
+        )
     if d.initialized:
         dist.barrier()
     return path
@@ -301,9 +318,16 @@ def _train(cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Op
             break
     wall = time.perf_counter() - t_start
     index = read_index(out / "checkpoints")
-    result = TrainResult(best=out / "checkpoints" / index.get("best", ""), latest=out / "checkpoints" / index.get("latest", ""),
-                         val_acc=run.val_acc, best_val_acc=max(run.best_acc, 0.0), steps=run.global_step, wall_s=wall,
-                         images_per_s=run.images_done / max(time.perf_counter() - run.t_loop, 1e-9), world_size=d.world)
+    result = TrainResult(
+        best=out / "checkpoints" / index.get("best", ""),
+        latest=out / "checkpoints" / index.get("latest", ""),
+        val_acc=run.val_acc,
+        best_val_acc=max(run.best_acc, 0.0),
+        steps=run.global_step,
+        wall_s=wall,
+        images_per_s=run.images_done / max(time.perf_counter() - run.t_loop, 1e-9),
+        world_size=d.world,
+    )
     if d.main:
         log(f"done in {wall:.1f}s: best val_acc {100 * result.best_val_acc:.2f}%; weights: {result.best / WEIGHTS}")
     return result

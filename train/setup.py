@@ -56,10 +56,20 @@ class Run:
     t_loop: float = 0.0
 
     def autocast(self):
-        return torch.autocast(device_type=self.device, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None)
+        return torch.autocast(
+            device_type=self.device, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
+        )
 
 
-def set_up(cfg: TrainConfig, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log: Callable[[str], None]) -> Run:
+def set_up(
+    cfg: TrainConfig,
+    data: DataSplit,
+    d: Dist,
+    device: str,
+    out: Path,
+    resume_dir: Optional[Path],
+    log: Callable[[str], None],
+) -> Run:
     """The model (resumed from ``resume_dir`` if given), its DDP and compile wrappers, optimizer, schedule,
     AMP and the checkpoints' metadata; DataError/CheckpointError for data or a checkpoint that do not fit."""
     per_rank = cfg.batch_size // d.world
@@ -111,7 +121,9 @@ def set_up(cfg: TrainConfig, data: DataSplit, d: Dist, device: str, out: Path, r
         meta["data"].update(factory=cfg.data, val_fraction=None)
         feeds, labels = data.heldout
         heldout = {**{f"input/{k}": v for k, v in feeds.items()}, "labels": labels}
-    norm = Normalize(data.preprocessing.mean, data.preprocessing.std).to(device) if data.preprocessing else nn.Identity()
+    norm = (
+        Normalize(data.preprocessing.mean, data.preprocessing.std).to(device) if data.preprocessing else nn.Identity()
+    )
     run = Run(cfg, data, d, device, out, log, per_rank, steps_per_epoch, model, plain, norm, opt, sched,
                torch.amp.GradScaler("cuda", enabled=amp == "fp16"), amp,
                {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp), meta, heldout)

@@ -94,7 +94,9 @@ def load_user_data(spec: str) -> DataSplit:
     and the held-out batch export will use."""
     got = call_factory(spec, "--data", error=DataError)
     if not (isinstance(got, (tuple, list)) and len(got) == 2):
-        raise DataError(f"--data {spec}: the factory must return (train_dataset, val_dataset), got {type(got).__name__}")
+        raise DataError(
+            f"--data {spec}: the factory must return (train_dataset, val_dataset), got {type(got).__name__}"
+        )
     train, val = got
     for what, ds in (("training", train), ("validation", val)):
         try:
@@ -143,5 +145,7 @@ def widened(sig: Signature, feeds: dict[str, np.ndarray]) -> Signature:
         if rng is not None:
             cast, a = type(rng[0]), feeds[t.name]
             rng = (min(rng[0], cast(a.min())), max(rng[1], cast(a.max())))
-        specs.append(TensorSpec(t.name, t.dtype, list(t.shape), rng, MASK if is_padding_mask(feeds[t.name]) else t.values))
+        specs.append(
+            TensorSpec(t.name, t.dtype, list(t.shape), rng, MASK if is_padding_mask(feeds[t.name]) else t.values)
+        )
     return Signature(specs, [], dims)

@@ -9,7 +9,6 @@ import ctypes
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
 from torchship_backend import MODELS
 
 

@@ -23,41 +23,66 @@ IN_PROCESS = ("eager", *FORMATS)
 @dataclass
 class BenchConfig:
     export_dir: Optional[str] = opt(None, "export directory to benchmark", cli=False)
-    url: Optional[str] = opt(None, "benchmark an already-running Triton at HOST:PORT instead of starting the embedded one")
+    url: Optional[str] = opt(
+        None, "benchmark an already-running Triton at HOST:PORT instead of starting the embedded one"
+    )
     repo: Optional[str] = opt(None, "repository for the embedded server (default: built from the export into OUT/repo)")
     out: str = opt("runs/bench", "directory for results.json, report.md and the plots")
-    variants: tuple[str, ...] = opt((), "in-process variants, of " + ", ".join(IN_PROCESS) + " (default: eager and every "
-                                        "format the export has)")
+    variants: tuple[str, ...] = opt(
+        (), "in-process variants, of " + ", ".join(IN_PROCESS) + " (default: eager and every format the export has)"
+    )
     batch_sizes: tuple[int, ...] = opt((1, 32), "in-process batch sizes to sweep")
     iters: int = opt(60, "timed runs per in-process variant and batch size (split into interleaved blocks)")
     blocks: int = opt(6, "interleaved blocks: each variant runs iters/blocks times per block, in turn")
     warmup: int = opt(5, "untimed runs per variant and batch size before timing")
     cores: Optional[int] = opt(None, "CPU cores the bench's own repository gives its models, and the in-process runs' "
                                      "threads (default: those this process may run on, its CPU affinity)")
-    threads: Optional[int] = opt(None, "intra-op threads for in-process runs (default: the cores, as the served models get)")
+    threads: Optional[int] = opt(
+        None, "intra-op threads for in-process runs (default: the cores, as the served models get)"
+    )
     models: tuple[str, ...] = opt((), "served models to sweep (default: every served model of the export)")
     concurrency: tuple[int, ...] = opt((1, 4, 16), "closed-loop concurrency levels (batch-1 requests in flight)")
-    requests: int = opt(150, "the fewest requests a concurrency level's figures rest on (its last three windows together)")
-    window_s: float = opt(1.0, "the shortest measurement window, in seconds: each concurrency level (and each in-process "
-                               "block) is measured in windows until the last three agree within --stability")
+    requests: int = opt(
+        150, "the fewest requests a concurrency level's figures rest on (its last three windows together)"
+    )
+    window_s: float = opt(
+        1.0,
+        "the shortest measurement window, in seconds: each concurrency level (and each in-process "
+        "block) is measured in windows until the last three agree within --stability",
+    )
     stability: float = opt(10.0, "percent within which the last three windows' throughput and mean latency must agree")
     max_windows: int = opt(10, "windows after which a level that has not settled stops and is reported unstable")
-    batching_compare: tuple[str, ...] = opt(("onnx",), "formats whose sweep is repeated with dynamic batching off (embedded server only)")
-    queue_delays_us: tuple[int, ...] = opt((), "extra max_queue_delay_microseconds values to sweep (embedded server only)")
+    batching_compare: tuple[str, ...] = opt(
+        ("onnx",), "formats whose sweep is repeated with dynamic batching off (embedded server only)"
+    )
+    queue_delays_us: tuple[int, ...] = opt(
+        (), "extra max_queue_delay_microseconds values to sweep (embedded server only)"
+    )
     noop: bool = opt(True, "also time a model that runs nothing: the round trip of the protocol and the backend alone")
     rate: Optional[float] = opt(None, "also run an open-loop test at this many requests/s (Poisson arrivals)")
     duration_s: float = opt(5.0, "open-loop test duration in seconds")
     p99_budget_ms: Optional[float] = opt(None, "latency budget for the recommendation (p99, milliseconds)")
     write_config: bool = opt(False, "write the recommended batching settings back into the repository's configs")
-    load_generator: Literal["auto", "perf_analyzer", "python"] = opt("auto", "who sends the served requests: perf_analyzer (Triton's C++ client), python "
-                                      "(torchship's), or auto: perf_analyzer where it is installed")
-    cross_check: bool = opt(True, "repeat concurrency 1 and the highest level on one model with the other load generator")
-    perf_analyzer: Optional[str] = opt(None, "path to perf_analyzer (default: $TORCHSHIP_PERF_ANALYZER, the torchship cache, then PATH)")
+    load_generator: Literal["auto", "perf_analyzer", "python"] = opt(
+        "auto",
+        "who sends the served requests: perf_analyzer (Triton's C++ client), python "
+        "(torchship's), or auto: perf_analyzer where it is installed",
+    )
+    cross_check: bool = opt(
+        True, "repeat concurrency 1 and the highest level on one model with the other load generator"
+    )
+    perf_analyzer: Optional[str] = opt(
+        None, "path to perf_analyzer (default: $TORCHSHIP_PERF_ANALYZER, the torchship cache, then PATH)"
+    )
     shape: tuple[str, ...] = opt((), "NAME=SIZE for a dynamic dim of the inputs, e.g. S=64: the size the bench runs at "
                                      "(default: the real samples' own; repeatable)", flag="--shape", append=True)
-    soak: Optional[str] = opt(None, "instead of the sweeps: hold each served model at the highest --concurrency for this "
-                                    "long (120s, 2m, 1h), every response checked, sampling the resident memory of the "
-                                    "server and of each backend process; fails past --soak-bound-kib", metavar="DURATION")
+    soak: Optional[str] = opt(
+        None,
+        "instead of the sweeps: hold each served model at the highest --concurrency for this "
+        "long (120s, 2m, 1h), every response checked, sampling the resident memory of the "
+        "server and of each backend process; fails past --soak-bound-kib",
+        metavar="DURATION",
+    )
     soak_bound_kib: float = opt(SOAK_BOUND_KIB, "the soak's bound: KiB a process may grow per 1000 requests, after the "
                                                 "first quarter of them (meant for soaks of minutes: a soak of seconds "
                                                 "can still be filling the runtimes' arenas)")

@@ -37,7 +37,9 @@ def load_variants(cfg: BenchConfig, inputs: BenchInputs, device: str) -> tuple[d
                 fn = runtime.torch_fn(inputs.eager.to(device), device)
                 runners[v] = lambda feeds, fn=fn: fn([feeds[n] for n in ins])
                 continue
-            r = runtime.load_artifact(str(inputs.export_dir), artifact(manifest, v), ins, outs, device=device, threads=cfg.threads)
+            r = runtime.load_artifact(
+                str(inputs.export_dir), artifact(manifest, v), ins, outs, device=device, threads=cfg.threads
+            )
             runners[v] = r.run
             if v in ("onnx", "onnx_int8"):
                 notes[v] = f"ONNX Runtime providers: {', '.join(r.session.get_providers())}"
@@ -58,7 +60,9 @@ def in_process_runs(cfg: BenchConfig, runners: dict, manifest: dict) -> int:
     return len(runners) * len(batch_sizes(cfg, manifest)) * max(cfg.blocks, LAST)
 
 
-def time_blocks(paths: dict[str, Callable[[], Any]], cfg: BenchConfig, bar) -> tuple[dict[str, list[float]], dict[str, dict]]:
+def time_blocks(
+    paths: dict[str, Callable[[], Any]], cfg: BenchConfig, bar
+) -> tuple[dict[str, list[float]], dict[str, dict]]:
     """Seconds per call of each path, run in turn in blocks, so that machine drift falls on every path alike.
     In a block each path makes iters/blocks calls and takes at least its share of --window-s. At least
     --blocks blocks (and three) run, then more until every path's last three block means agree within
@@ -84,8 +88,10 @@ def time_blocks(paths: dict[str, Callable[[], Any]], cfg: BenchConfig, bar) -> t
     blocks, how = settle(block, means, cfg.stability / 100, max(cfg.blocks, LAST), max(cfg.max_windows, cfg.blocks),
                          ticker(bar, max(cfg.blocks, LAST), len(paths)))
     lat = {k: [t for w in blocks for t in w[k]] for k in paths}
-    return lat, {k: {"windows": how["windows"], "spread": sp, "stable": len(blocks) >= LAST and sp <= cfg.stability / 100}
-                 for k, sp in zip(paths, how["spreads"])}
+    return lat, {
+        k: {"windows": how["windows"], "spread": sp, "stable": len(blocks) >= LAST and sp <= cfg.stability / 100}
+        for k, sp in zip(paths, how["spreads"])
+    }
 
 
 def bench_in_process(cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, Callable], notes: dict[str, str],
@@ -105,7 +111,7 @@ def bench_in_process(cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, C
         for fn in runners.values():
             for _ in range(cfg.warmup):
                 fn(x)
-        lat, how = time_blocks({v: (lambda fn=fn: fn(x)) for v, fn in runners.items()}, cfg, bar)
+        lat, how = time_blocks({v: (lambda fn=fn, x=x: fn(x)) for v, fn in runners.items()}, cfg, bar)
         for v, ls in lat.items():
             raw[f"{v}/b{b}"] = [round(t * 1e3, 4) for t in ls]
             s = summarize(ls)

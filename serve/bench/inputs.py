@@ -23,7 +23,9 @@ class BenchInputs:
     eager: Any = None  # the eager model, or None when it cannot be rebuilt (eager_error says why)
     eager_error: Optional[str] = None
     labels: Optional[np.ndarray] = None  # the pool's labels, where it is a labelled real sample set
-    expected: Optional[dict[str, np.ndarray]] = None  # the pool's reference outputs by output name (None: random inputs)
+    expected: Optional[dict[str, np.ndarray]] = (
+        None  # the pool's reference outputs by output name (None: random inputs)
+    )
 
 
 def load_inputs(export: Export, shape: dict[str, int] | None) -> BenchInputs:

@@ -7,7 +7,6 @@ from typing import Any, Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-
 THREAD_PARAMETERS = ("intra_op_thread_count", "INTRA_OP_THREAD_COUNT")  # Triton's onnxruntime and pytorch backends
 
 
@@ -68,10 +67,15 @@ def why(grid: list[dict[str, Any]], chosen: dict[str, Any], strategy: str, fit: 
                                                           f"p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight"
                                                           if r else "outside the budget"))
     best = max(fit, key=lambda g: g["score"]) if fit else None
-    head = (f"no point met {strategy}; the repository's {chosen['instances']} x {chosen['threads']} kept" if not fit else
-            f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s), best under {strategy}" if best is chosen else
-            f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s): within {100 * MIN_GAIN:.0f} % of the best "
-            f"under {strategy} with fewer instances (each holds its own runtime and weights)")
+    head = (
+        f"no point met {strategy}; the repository's {chosen['instances']} x {chosen['threads']} kept"
+        if not fit
+        else f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s), best under {strategy}"
+        if best is chosen
+        else f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s): within {100 * MIN_GAIN:.0f} % of "
+             "the best "
+        f"under {strategy} with fewer instances (each holds its own runtime and weights)"
+    )
     return head + " (" + "; ".join(figure(g) for g in grid) + ")"
 
 
@@ -87,6 +91,12 @@ def grid_table(placement: dict[str, Any]) -> list[str]:
              str(r["concurrency"]), f"{r['requests_per_s']:.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
              f"{r.get('checked', 0)}, {r.get('wrong', 0)} wrong"]
             for g in placement["grid"] for r in g["rows"]]
-    return [f"Instances x intra-op threads on {placement['cores']} core(s), each measured in half-second windows until "
-            "three agree, every response checked:", ""] + table(
-        ["instances x threads", "in flight", "req/s", "p50 ms", "p99 ms", "checked"], rows) + ["", placement["why"] + ".", ""]
+    return (
+        [
+            f"Instances x intra-op threads on {placement['cores']} core(s), each measured in half-second windows until "
+            "three agree, every response checked:",
+            "",
+        ]
+        + table(["instances x threads", "in flight", "req/s", "p50 ms", "p99 ms", "checked"], rows)
+        + ["", placement["why"] + ".", ""]
+    )

@@ -39,13 +39,24 @@ def recommend(results: dict, budget_ms: float | None, max_batch: int) -> dict[st
         why_batch = "requests ran one by one faster than the dynamic batcher merged them at this load"
     placed = served.get("models", {}).get(model, {})
     instances, threads = placed.get("instances", 1), placed.get("threads", 1)
-    return {"budget_ms": budget_ms, "model": model, "dynamic_batching": batching == "on",
-            "max_batch_size": mbs, "max_queue_delay_microseconds": delay, "instance_count": instances,
-            "at_concurrency": c, "p99_ms": r["p99_ms"], "requests_per_s": r["requests_per_s"],
-            "why": (f"highest throughput with p99 {'<= ' + format(budget_ms, 'g') + ' ms' if budget_ms else '(no budget given)'}; "
-                    f"{why_batch}; "
-                    f"{instances} instance(s) x {threads} thread(s) as served (torchship repo --strategy and torchship "
-                    "run search them within the cores)")}
+    return {
+        "budget_ms": budget_ms,
+        "model": model,
+        "dynamic_batching": batching == "on",
+        "max_batch_size": mbs,
+        "max_queue_delay_microseconds": delay,
+        "instance_count": instances,
+        "at_concurrency": c,
+        "p99_ms": r["p99_ms"],
+        "requests_per_s": r["requests_per_s"],
+        "why": (
+            "highest throughput with p99 "
+            f"{'<= ' + format(budget_ms, 'g') + ' ms' if budget_ms else '(no budget given)'}; "
+            f"{why_batch}; "
+            f"{instances} instance(s) x {threads} thread(s) as served (torchship repo --strategy and torchship "
+            "run search them within the cores)"
+        ),
+    }
 
 
 def batching_edit(rec: dict[str, Any]):

@@ -76,7 +76,11 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
     failure: TorchshipError | None = None
     try:
         if in_process:
-            log("in-process: " + (", ".join(runners) or "nothing to run") + f" at batch {', '.join(map(str, cfg.batch_sizes))}")
+            log(
+                "in-process: "
+                + (", ".join(runners) or "nothing to run")
+                + f" at batch {', '.join(map(str, cfg.batch_sizes))}"
+            )
             results["in_process"] = bench_in_process(cfg, inputs, runners, notes, device, bar)
             save()
         if plan is not None:
@@ -106,7 +110,11 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
     finally:
         if bar:
             bar.close()
-    rec = recommend(results, cfg.p99_budget_ms, manifest["max_batch"]) if "served" in results else {"error": "no served results"}
+    rec = (
+        recommend(results, cfg.p99_budget_ms, manifest["max_batch"])
+        if "served" in results
+        else {"error": "no served results"}
+    )
     if cfg.soak:
         rec = {}  # a soak holds one level: nothing to recommend from
     results["recommendation"] = rec

@@ -8,6 +8,8 @@ import platform
 import subprocess
 import sys
 import time
+import warnings
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
 
 import numpy as np
@@ -33,7 +35,6 @@ VERSIONED = {"torch": ("torch",), "torchvision": ("torchvision",), "onnx": ("onn
 
 
 def _installed(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version(dist)
@@ -47,8 +48,13 @@ def machine_info() -> dict[str, Any]:
 
     info: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
                             "python": sys.version.split()[0], "git_revision": git_revision(), "versions": {}}
-    for mod, dists in VERSIONED.items():  # one not imported yet is read from its metadata: importing torchvision takes seconds
-        found = getattr(sys.modules.get(mod), "__version__", None) or next((v for v in map(_installed, dists) if v), None)
+    for (
+        mod,
+        dists,
+    ) in VERSIONED.items():  # one not imported yet is read from its metadata: importing torchvision takes seconds
+        found = getattr(sys.modules.get(mod), "__version__", None) or next(
+            (v for v in map(_installed, dists) if v), None
+        )
         if found:
             info["versions"][mod] = found
     info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -98,7 +104,9 @@ def _device_peak(device: str, threads: int, seconds: float) -> dict[str, Any]:
             for n in (1024, 2048):
                 candidates["fp32"].append((f"onnxruntime MatMul {n}^3", _ort_matmul(n, threads, False), n))
             candidates["int8"].append(("oneDNN quantized linear u8 x s8 2048^3", _int8_linear(2048), 2048))
-            candidates["int8"].append(("onnxruntime MatMulInteger u8 x s8 2048^3", _ort_matmul(2048, threads, True), 2048))
+            candidates["int8"].append(
+                ("onnxruntime MatMulInteger u8 x s8 2048^3", _ort_matmul(2048, threads, True), 2048)
+            )
         out: dict[str, Any] = {}
         for name, kernels in candidates.items():
             measured = [(_best(fn, 2 * n ** 3, seconds, sync), label) for label, fn, n in kernels if fn is not None]
@@ -156,8 +164,6 @@ def _int8_linear(n: int):
     (it ran faster here than ONNX Runtime's MatMulInteger, so it is the higher roof). None where this torch has no
     oneDNN quantized engine, or no longer has torch's quantized tensors (deprecated in 2.14; the bench's tests
     say so if they go)."""
-    import warnings
-
     import torch
 
     if "onednn" not in torch.backends.quantized.supported_engines:
@@ -166,7 +172,9 @@ def _int8_linear(n: int):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.backends.quantized.engine = "onednn"
-            w = torch.ops.quantized.linear_prepack(torch.quantize_per_tensor(torch.randn(n, n), 0.02, 0, torch.qint8), None)
+            w = torch.ops.quantized.linear_prepack(
+                torch.quantize_per_tensor(torch.randn(n, n), 0.02, 0, torch.qint8), None
+            )
             x = torch.quantize_per_tensor(torch.rand(n, n), 0.01, 0, torch.quint8)
     except (RuntimeError, AttributeError):
         return None
@@ -217,7 +225,9 @@ def stats_delta(before: dict, after: dict) -> dict[str, float]:
         return {int(b["batch_size"]): int(get(b, "compute_infer", "count")) for b in d.get("batch_stats", [])}
 
     was = executions(before)
-    out["batch_executions"] = {str(k): n - was.get(k, 0) for k, n in sorted(executions(after).items()) if n > was.get(k, 0)}
+    out["batch_executions"] = {
+        str(k): n - was.get(k, 0) for k, n in sorted(executions(after).items()) if n > was.get(k, 0)
+    }
     out["server_us"] = sum(out[f"{p}_us"] for p in ("queue", "compute_input", "compute_infer", "compute_output"))
     return out
 
@@ -233,6 +243,10 @@ def merge_deltas(deltas: list[dict]) -> dict[str, Any]:
     for d in deltas:
         for b, n in d["batch_executions"].items():
             counts[b] = counts.get(b, 0) + n
-    out.update(requests=ok, executions=exe, avg_batch=sum(d["avg_batch"] * d["executions"] for d in deltas) / exe if exe else 0.0,
-               batch_executions={b: counts[b] for b in sorted(counts, key=int)})
+    out.update(
+        requests=ok,
+        executions=exe,
+        avg_batch=sum(d["avg_batch"] * d["executions"] for d in deltas) / exe if exe else 0.0,
+        batch_executions={b: counts[b] for b in sorted(counts, key=int)},
+    )
     return out

@@ -29,7 +29,9 @@ def shim(folder: Path) -> Optional[Path]:
     fd, tmp = tempfile.mkstemp(prefix=".hidden-args-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", tmp, str(SOURCE), "-ldl"], capture_output=True, text=True)
+        r = subprocess.run(
+            [cc, "-shared", "-fPIC", "-O2", "-o", tmp, str(SOURCE), "-ldl"], capture_output=True, text=True
+        )
         if r.returncode != 0:
             return None
         os.replace(tmp, out)

@@ -12,9 +12,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
-
 
 from torchship.device import cuda_visible
 from torchship.errors import ServerError, TorchshipError
@@ -24,8 +24,8 @@ from ..access import Access, forget, remember, restricted_flags, write_key
 from ..config import ServeConfig
 from ..model_config import EMBEDDED_CONFIG, read_config, repository_models, served_config_path, versions
 from .hidden import hide
-from .shutdown import EXIT_TIMEOUT_S, live_at_exit, loaded_models, stall_note, unload_stalled
 from .process import dying_with_parent, free_ports, listens_on, port_in_use, start_child
+from .shutdown import EXIT_TIMEOUT_S, live_at_exit, loaded_models, stall_note, unload_stalled
 from .wheel import backend_dir, private_dir, server_env, triton_home
 
 # A port picked free can be taken by another process before Triton binds it; start() then picks again.
@@ -149,7 +149,9 @@ class TritonServer:
                 if self.cfg.heal:
                     from .heal import Healer
 
-                    self.healer = Healer(self, log=lambda line: print(f"torchship serve: {line}", file=sys.stderr, flush=True))
+                    self.healer = Healer(
+                        self, log=lambda line: print(f"torchship serve: {line}", file=sys.stderr, flush=True)
+                    )
                     self.healer.start()
                 return self
             except Exception:
@@ -213,7 +215,9 @@ class TritonServer:
             client = self.client()
             while True:
                 if self.proc.poll() is not None:
-                    raise ServerError(f"tritonserver exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}")
+                    raise ServerError(
+                        f"tritonserver exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}"
+                    )
                 # a bounded wait (a port taken by something that is not a gRPC server never answers), and it is this
                 # server that answers
                 if client.live(timeout_s=1.0) and listens_on(self.proc.pid, self.grpc_port) is not False:
@@ -222,7 +226,6 @@ class TritonServer:
                     raise ServerError(f"tritonserver not live after {self.cfg.ready_timeout:.0f}s:\n{self.log_tail()}")
                 time.sleep(0.1)
             names = list(self.cfg.models or repository_models(self.repo))
-            from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:  # loads overlap their imports
                 for f in [pool.submit(self.load, n, None, deadline) for n in names]:
@@ -256,9 +259,11 @@ class TritonServer:
                     raise ServerError(f"model {name} version {v}: " + "; ".join(problems) + "; it would not be served: "
                                       "build the repository again with torchship repo")
             if any(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in config.instance_group) and not cuda_visible():
-                raise ServerError(f"model {name} asks for GPU instances (KIND_GPU in {path}) and no CUDA GPU is visible "
-                                  "here; build the repository again with torchship repo EXPORT_DIR --instance-kind cpu, "
-                                  "or serve it on a machine with a GPU")
+                raise ServerError(
+                    f"model {name} asks for GPU instances (KIND_GPU in {path}) and no CUDA GPU is visible "
+                    "here; build the repository again with torchship repo EXPORT_DIR --instance-kind cpu, "
+                    "or serve it on a machine with a GPU"
+                )
 
     def load(self, name: str, client=None, deadline: float | None = None, override=None) -> None:
         """Load (or reload) one model: with ``override`` (a ModelConfig) if given, else with
@@ -271,7 +276,9 @@ class TritonServer:
         try:  # bounded: a model whose backend process never starts holds the call open for good
             client.load(name, override, timeout_s=max(1.0, deadline - time.monotonic()) if deadline else None)
         except TorchshipError as e:
-            raise ServerError(f"model {name} failed to load: {str(e).removeprefix(f'load {name}: ')}\n{self.log_tail()}") from None
+            raise ServerError(
+                f"model {name} failed to load: {str(e).removeprefix(f'load {name}: ')}\n{self.log_tail()}"
+            ) from None
         while not client.ready(name):
             if deadline and time.monotonic() > deadline:
                 raise ServerError(f"model {name} not ready in time:\n{self.log_tail()}")
@@ -330,8 +337,12 @@ class TritonServer:
             stuck = killed or live_at_exit(text)
             if stuck:
                 log.seek(0)
-                self.stop_note = (stall_note(loaded_models(log.read().decode(errors="replace"))
-                                             or [f"{stuck} model(s)"], bool(killed)) + f" (server log: {self.log_path})")
+                self.stop_note = (
+                    stall_note(
+                        loaded_models(log.read().decode(errors="replace")) or [f"{stuck} model(s)"], bool(killed)
+                    )
+                    + f" (server log: {self.log_path})"
+                )
         # stub processes share the server's process group; make sure none outlives it
         gone = time.monotonic() + 10
         try:

@@ -4,10 +4,12 @@ torchship's Python-based backends from, and the environment it needs."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import stat
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -21,9 +23,9 @@ BACKENDS = ("onnxruntime", "pytorch", "torchship")
 
 def triton_home() -> tuple[Path, Path]:
     """(pytriton/tritonserver directory, nvidia_pytriton.libs directory) from the installed wheel."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("pytriton")  # located, not imported: its Python API and its dependencies are not used
+    spec = importlib.util.find_spec(
+        "pytriton"
+    )  # located, not imported: its Python API and its dependencies are not used
     if spec is None or not spec.origin:
         raise ServerError("the embedded Triton server comes from the nvidia-pytriton wheel: pip install --no-deps "
                           "nvidia-pytriton==0.7.0 (without its dependencies: its Python API, which torchship does not "
@@ -92,8 +94,6 @@ def private_dir() -> Path:
 
 def python_libdir() -> str:
     """The folder holding this interpreter's shared libpython, or "" where it has none."""
-    import sysconfig
-
     libdir, name = sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("INSTSONAME") or ""
     return libdir if name and (Path(libdir) / name).is_file() else ""
 
@@ -105,7 +105,9 @@ def server_env() -> dict[str, str]:
     found there (it ignores PYTHONPATH)."""
     _, libs = triton_home()
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), python_libdir(), env.get("LD_LIBRARY_PATH", "")) if p)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (str(libs), python_libdir(), env.get("LD_LIBRARY_PATH", "")) if p
+    )
     env["PATH"] = os.pathsep.join((str(Path(sys.prefix) / "bin"), env.get("PATH", "")))
     env.pop("PYTHONPATH", None)
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -6,6 +6,7 @@ verify -> repo -> a real Triton -> infer --check -> a short bench."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -131,8 +132,6 @@ def test_text_model_verified_in_every_format_at_every_length(text_checkpoint, te
 def test_dict_samples_reach_forward_by_keyword(text_checkpoint, tmp_path):
     """The dataset's dict is in another order than forward's parameters: export passes it by keyword, as
     training did. Planted fault: the same checkpoint taken by position feeds the mask as the ids."""
-    import shutil
-
     import torch
 
     from export.source import from_checkpoint
@@ -232,8 +231,6 @@ def test_a_perturbed_weight_in_one_artifact_fails_verification_and_is_not_served
 @pytest.fixture(scope="module")
 def served(mlp_export, text_export, tmp_path_factory):
     """One embedded Triton serving both models (one repository holding the models of both exports)."""
-    import shutil
-
     from serve.config import RepoConfig, ServeConfig
     from serve.embedded import TritonServer
     from serve.repository import build_repository
@@ -254,7 +251,10 @@ def served(mlp_export, text_export, tmp_path_factory):
 def test_served_outputs_match_eager_for_both_models(served, mlp_export, text_export):
     from serve.parity import check_served
 
-    for export, models in ((mlp_export, 2), (text_export, 3)):  # the MLP in the default formats, the text model with aoti
+    for export, models in (
+        (mlp_export, 2),
+        (text_export, 3),
+    ):  # the MLP in the default formats, the text model with aoti
         report = check_served(served.url, export)
         assert report["pass"] and len(report["models"]) == models
     cfg = (served.repo / "text_classifier_onnx" / "config.pbtxt").read_text()
@@ -270,17 +270,23 @@ def test_bad_requests_are_refused_naming_the_input_and_the_server_goes_on(served
     client = TritonClient(served.url)
     ids = np.random.default_rng(0).integers(0, 50, (1, 70))
     cases = {
-        "S outside its range": ({"input_ids": ids, "attention_mask": np.ones_like(ids)},
-                                "input 'attention_mask' has S=70 (dim 1 of shape [1, 70]), outside the model's range 1..64"),
+        "S outside its range": (
+            {"input_ids": ids, "attention_mask": np.ones_like(ids)},
+            "input 'attention_mask' has S=70 (dim 1 of shape [1, 70]), outside the model's range 1..64",
+        ),
         "a missing second input": ({"input_ids": ids[:, :10]}, "missing required input(s) ['attention_mask']"),
-        "int32 ids": ({"input_ids": ids[:, :10].astype(np.int32), "attention_mask": np.ones((1, 10), np.int32)},
-                      "data-type is 'INT32', but model 'text_classifier_torchscript' expects 'INT64'"),
+        "int32 ids": (
+            {"input_ids": ids[:, :10].astype(np.int32), "attention_mask": np.ones((1, 10), np.int32)},
+            "data-type is 'INT32', but model 'text_classifier_torchscript' expects 'INT64'",
+        ),
     }
     for feeds, said in cases.values():
         with pytest.raises(ClientError) as e:
             client.infer_all("text_classifier_torchscript", feeds)
         assert said in str(e.value), str(e.value)
-    good = client.infer_all("text_classifier_torchscript", {"input_ids": ids[:, :10], "attention_mask": np.ones((1, 10), np.int64)})
+    good = client.infer_all(
+        "text_classifier_torchscript", {"input_ids": ids[:, :10], "attention_mask": np.ones((1, 10), np.int64)}
+    )
     assert good["logits"].shape == (1, 4) and good["embedding"].shape == (1, 32)
     client.close()
 
@@ -294,15 +300,33 @@ def test_a_short_bench_of_each_model(which, served, request, tmp_path):
 
     export = request.getfixturevalue(f"{which}_export")
     name = read_manifest(export)["name"]
-    cfg = build(BenchConfig, {"export_dir": str(export), "out": str(tmp_path), "url": served.url,
-                              "requests": 20, "concurrency": [1, 4], "batch_sizes": [1, 4], "iters": 10, "blocks": 2,
-                              "batching_compare": [], "queue_delays_us": [], "cross_check": False, "plots": False, "progress": False,
-                              "window_s": 0.1, "max_windows": 4})
+    cfg = build(
+        BenchConfig,
+        {
+            "export_dir": str(export),
+            "out": str(tmp_path),
+            "url": served.url,
+            "requests": 20,
+            "concurrency": [1, 4],
+            "batch_sizes": [1, 4],
+            "iters": 10,
+            "blocks": 2,
+            "batching_compare": [],
+            "queue_delays_us": [],
+            "cross_check": False,
+            "plots": False,
+            "progress": False,
+            "window_s": 0.1,
+            "max_windows": 4,
+        },
+    )
     run_bench(cfg, log=lambda *a: None)
     res = json.loads((tmp_path / "results.json").read_text())
     said = {"mlp": "random inputs (random_b8)", "text": "real held-out samples (heldout, S="}[which]
     assert res["export"]["samples"].startswith(said), res["export"]["samples"]
-    assert set(res["served"]["models"]) == {f"{name}_onnx", f"{name}_torchscript"} | ({f"{name}_aoti"} if which == "text" else set())
+    assert set(res["served"]["models"]) == {f"{name}_onnx", f"{name}_torchscript"} | (
+        {f"{name}_aoti"} if which == "text" else set()
+    )
     rows = res["served"]["models"][f"{name}_onnx"]["rows"]
     assert [r["concurrency"] for r in rows] == [1, 4] and all(r["failed"] == 0 and r["ok"] >= 20 for r in rows), rows
     assert {r["variant"] for r in res["in_process"]["rows"]} >= {"eager", "onnx", "torchscript"}

@@ -18,7 +18,9 @@ pytest.importorskip("transformers")
 def readme_text_flags() -> list[str]:
     """The signature flags (--input, --dim, --input-range) of the README's text-model export command."""
     lines = (ROOT / "README.md").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("torchship export --model mypkg.models:make_classifier"))
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("torchship export --model mypkg.models:make_classifier")
+    )
     command = ""
     for line in lines[start:]:
         command += line.rstrip("\\").strip() + " "

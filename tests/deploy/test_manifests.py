@@ -1,5 +1,6 @@
 """deploy/: offline schema validation, lint, and cross-checks against the code's own defaults."""
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -7,10 +8,17 @@ from pathlib import Path
 
 import yaml
 
-from serve.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, REPOSITORY_DIR, TRITON_IMAGE, RepoConfig
+from export.config import default_formats
+from serve.config import (
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_METRICS_PORT,
+    REPOSITORY_DIR,
+    TRITON_IMAGE,
+    RepoConfig,
+)
 from serve.repository import servable_formats
 from torchship.names import model_names
-from export.config import default_formats
 from train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,13 +41,17 @@ def k8s(kind, name=None):
 
 def tool(name):
     path = BIN / name if (BIN / name).exists() else shutil.which(name)
-    assert path, f"{name} is not installed (pip install --no-deps -r requirements-test.lock -e ., or the test and scan extras)"
+    assert path, (
+        f"{name} is not installed (pip install --no-deps -r requirements-test.lock -e ., or the test and scan extras)"
+    )
     return str(path)
 
 
 def test_kubernetes_manifests_pass_strict_schema_validation():
     files = sorted(str(p) for p in (DEPLOY / "k8s").glob("*.yaml"))
-    r = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, *files], capture_output=True, text=True)
+    r = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, *files], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("passed") == sum(len(docs(Path(f))) for f in files)
 
@@ -97,10 +109,14 @@ def test_compose_and_kubernetes_agree_with_the_code():
 
     svc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["triton"]
     assert svc["image"] == TRITON_IMAGE
-    assert {int(p.split(":")[0]) for p in svc["ports"]} == ports == {int(p.split(":")[1].split()[0]) for p in svc["ports"]}
+    assert (
+        {int(p.split(":")[0]) for p in svc["ports"]} == ports == {int(p.split(":")[1].split()[0]) for p in svc["ports"]}
+    )
     opts, loads = triton_args(svc["command"])
     vol = svc["volumes"][0]
-    assert (DEPLOY / vol["source"]).resolve() == (ROOT / REPOSITORY_DIR).resolve() == (ROOT / RepoConfig().out).resolve()
+    assert (
+        (DEPLOY / vol["source"]).resolve() == (ROOT / REPOSITORY_DIR).resolve() == (ROOT / RepoConfig().out).resolve()
+    )
     assert vol["read_only"] and opts["--model-repository"] == vol["target"]
     assert sorted(loads) == names
     assert "/v2/health/ready" in " ".join(svc["healthcheck"]["test"])
@@ -120,15 +136,17 @@ def test_compose_and_kubernetes_agree_with_the_code():
     assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(DEFAULT_METRICS_PORT)
     service = k8s("Service", "torchship-triton")
     assert {p["port"] for p in service["spec"]["ports"]} == ports
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"http": DEFAULT_HTTP_PORT, "grpc": DEFAULT_GRPC_PORT,
-                                                                         "metrics": DEFAULT_METRICS_PORT}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "http": DEFAULT_HTTP_PORT,
+        "grpc": DEFAULT_GRPC_PORT,
+        "metrics": DEFAULT_METRICS_PORT,
+    }
     assert k8s("HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     readme = (DEPLOY / "README.md").read_text()
     assert TRITON_IMAGE in readme
 
 
 def test_training_job_runs_torchrun_with_flags_the_trainer_accepts():
-    import argparse
 
     from torchship.config import add_dataclass_arguments, build, namespace_overrides
 
@@ -139,7 +157,9 @@ def test_training_job_runs_torchrun_with_flags_the_trainer_accepts():
     nnodes = int(next(a for a in cmd if a.startswith("--nnodes=")).split("=")[1])
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == nnodes
     svc = k8s("Service", "torchship-train")
-    assert svc["spec"]["clusterIP"] == "None" and job["spec"]["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
+    assert (
+        svc["spec"]["clusterIP"] == "None" and job["spec"]["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
+    )
     endpoint = next(a for a in cmd if a.startswith("--rdzv-endpoint=")).split("=")[1]
     assert endpoint.startswith(f"{job['metadata']['name']}-0.{svc['metadata']['name']}:")
     train_args = cmd[cmd.index("train") + 1:]
@@ -147,7 +167,9 @@ def test_training_job_runs_torchrun_with_flags_the_trainer_accepts():
     add_dataclass_arguments(p, TrainConfig, exclude=("nproc",))
     cfg = build(TrainConfig, namespace_overrides(p.parse_args(train_args), TrainConfig))
     assert cfg.resume == "auto" and cfg.out.startswith("/checkpoints")
-    assert all(isinstance(a, str) for a in cmd), cmd  # YAML reads a bare 2 or true as a number or a bool, which k8s refuses
+    assert all(isinstance(a, str) for a in cmd), (
+        cmd
+    )  # YAML reads a bare 2 or true as a number or a bool, which k8s refuses
 
 
 def kserve_problems(isvc: dict) -> list[str]:
@@ -176,8 +198,18 @@ def kserve_problems(isvc: dict) -> list[str]:
     # the predictor takes the pod's fields, and its model the container's (KServe's PredictorSpec)
     unknown = set(pred) - {"canaryTrafficPercent", "minReplicas", "maxReplicas", "model", "scaleMetric", "scaleTarget",
                            "automountServiceAccountToken", "securityContext", "volumes"}
-    unknown |= set(model) - {"modelFormat", "protocolVersion", "runtimeVersion", "storageUri", "args", "ports", "resources",
-                             "env", "securityContext", "volumeMounts"}
+    unknown |= set(model) - {
+        "modelFormat",
+        "protocolVersion",
+        "runtimeVersion",
+        "storageUri",
+        "args",
+        "ports",
+        "resources",
+        "env",
+        "securityContext",
+        "volumeMounts",
+    }
     problems += [f"unknown field {f}" for f in sorted(unknown)]
     return problems
 

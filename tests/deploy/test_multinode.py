@@ -43,7 +43,9 @@ def test_two_nodes_over_c10d_match_one_node_with_two_processes(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert json.loads(next((tmp_path / "multi" / "checkpoints").glob("step-*/meta.json")).read_text())["world_size"] == 2
+    assert (
+        json.loads(next((tmp_path / "multi" / "checkpoints").glob("step-*/meta.json")).read_text())["world_size"] == 2
+    )
 
 
 def workers_of(pid):

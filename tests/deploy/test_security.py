@@ -4,6 +4,7 @@ calls through."""
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -30,10 +31,14 @@ def checkov(path: Path) -> dict:
         if "results" not in rep:  # a framework with nothing to scan
             continue
         res = rep["results"]
-        out[rep["check_type"]] = {"failed": [(c["check_id"], c["resource"]) for c in res["failed_checks"]],
-                                  "skipped": [(c["check_id"], (c.get("check_result") or {}).get("suppress_comment") or "")
-                                              for c in res["skipped_checks"]],
-                                  "passed": len(res["passed_checks"])}
+        out[rep["check_type"]] = {
+            "failed": [(c["check_id"], c["resource"]) for c in res["failed_checks"]],
+            "skipped": [
+                (c["check_id"], (c.get("check_result") or {}).get("suppress_comment") or "")
+                for c in res["skipped_checks"]
+            ],
+            "passed": len(res["passed_checks"]),
+        }
     return out
 
 
@@ -142,8 +147,6 @@ def test_every_deployment_gives_triton_the_same_key_flags_as_torchship_serve(tmp
 def test_the_repository_readmes_docker_command_restricts_the_control_plane(repo, tmp_path):
     """The docker run command in the README torchship repo writes, its sh -c script run by a real sh with the key
     file it reads holding TEST_KEY: Triton gets torchship serve's key flags."""
-    import re
-
     from serve.access import restricted_flags
 
     readme = (repo / "README.md").read_text()
@@ -186,13 +189,14 @@ def test_the_compose_secret_file_is_ignored_by_git():
 def test_the_deployments_tls_variant_is_a_valid_manifest(tmp_path):
     """The commented TLS lines of the Deployment, uncommented, make a valid Deployment serving gRPC over TLS with
     the certificate mounted from its Secret."""
-    import re
-
     from tests.deploy.test_manifests import K8S_VERSION
 
     text = (DEPLOY / "k8s" / "triton-deployment.yaml").read_text()
-    tls = re.sub(r"(?m)^(\s*)# (- --grpc-.*|- \{name: tls.*|- name: tls|  secret: \{secretName: torchship-triton-tls.*)$",
-                 r"\1\2", text)
+    tls = re.sub(
+        r"(?m)^(\s*)# (- --grpc-.*|- \{name: tls.*|- name: tls|  secret: \{secretName: torchship-triton-tls.*)$",
+        r"\1\2",
+        text,
+    )
     assert tls.count("\n") == text.count("\n") and tls != text
     (tmp_path / "tls.yaml").write_text(tls)
     r = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, str(tmp_path / "tls.yaml")],
@@ -202,5 +206,7 @@ def test_the_deployments_tls_variant_is_a_valid_manifest(tmp_path):
     c = dep["containers"][0]
     assert "--grpc-use-ssl=true" in c["args"]
     mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
-    assert all(a.split("=", 1)[1].startswith(mount["mountPath"] + "/") for a in c["args"] if a.startswith("--grpc-server-"))
+    assert all(
+        a.split("=", 1)[1].startswith(mount["mountPath"] + "/") for a in c["args"] if a.startswith("--grpc-server-")
+    )
     assert next(v for v in dep["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "torchship-triton-tls"

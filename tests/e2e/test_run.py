@@ -3,6 +3,10 @@
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,8 +29,12 @@ def counted_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("e2e") / "run"
     reads = {"manifest.json": 0, "reference.npz loaded": 0, "reference.npz hashed": 0, "stage configs": 0}
     attacks = {}  # the planted control-plane attacks on the run's server, and whether the planted code ran
-    parse, load, hash_, configs = (torchship.manifest.read_json, torchship.manifest._load_npz, torchship.manifest.sha256_file,
-                                   torchship.pipeline.run.stage_configs)
+    parse, load, hash_, configs = (
+        torchship.manifest.read_json,
+        torchship.manifest._load_npz,
+        torchship.manifest.sha256_file,
+        torchship.pipeline.run.stage_configs,
+    )
 
     def counted_parse(path, *a, **k):
         reads["manifest.json"] += Path(path).name == "manifest.json"
@@ -60,8 +68,9 @@ def counted_run(tmp_path_factory):
             from tests.helpers import plant_attacks
 
             s = servers[-1]
-            attacks["answers"] = plant_attacks(url, f"{s.cfg.host}:{s.http_port}", d.parent / "marker", d.parent / "log",
-                                             sorted(s.loaded)[0])
+            attacks["answers"] = plant_attacks(
+                url, f"{s.cfg.host}:{s.http_port}", d.parent / "marker", d.parent / "log", sorted(s.loaded)[0]
+            )
             attacks["marker written"] = (d.parent / "marker").exists()
             return check(url, *a, **k)
         mp.setattr(serve.parity, "check_served", attacked_then_checked)
@@ -78,15 +87,15 @@ def test_one_run_reads_each_hand_over_once(counted_run):
     """The export stage hands its manifest and reference on in memory; the repo, check and bench stages read
     neither again, and the stage configs are built once, for the checks before the run and the run itself."""
     _, reads, _ = counted_run
-    assert reads == {"manifest.json": 0, "reference.npz loaded": 0, "reference.npz hashed": 0, "stage configs": 1}, reads
+    assert reads == {"manifest.json": 0, "reference.npz loaded": 0, "reference.npz hashed": 0, "stage configs": 1}, (
+        reads
+    )
 
 
 @pytest.mark.slow
 def test_a_run_from_a_later_stage_reads_each_hand_over_once(run_dir, tmp_path, monkeypatch):
     """--from repo reads the export from disk: its manifest parsed once, its reference loaded once, for the
     repo, check and bench stages together."""
-    import shutil
-
     import torchship.manifest
 
     d = tmp_path / "run"
@@ -136,7 +145,10 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         for rel, sha in a["files"].items():
             assert sha256_file(run_dir / "export" / rel) == sha
     served_models = sorted(model_names(m, servable_formats(m)).values())
-    assert sorted(p.name for p in (run_dir / "model_repository").iterdir() if p.is_dir()) == ["tiny_cnn", *served_models]
+    assert sorted(p.name for p in (run_dir / "model_repository").iterdir() if p.is_dir()) == [
+        "tiny_cnn",
+        *served_models,
+    ]
     winner = rec["stages"]["bench"]["winner"]  # max-throughput by default, served under the plain name after the bench
     assert winner["strategy"] == "max-throughput" and winner["served_as"] == "tiny_cnn" and winner["runner_up"]
     assert f"serves {winner['model']} as tiny_cnn (max-throughput)" in rec["gates"]["bench"]["detail"]
@@ -152,9 +164,18 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     assert all(r["checked"] >= r["ok"] and r["wrong"] == 0 for mm in served["models"].values() for r in mm["rows"])
     assert (run_dir / "bench/report.md").exists() and (run_dir / "logs/tritonserver.log").exists()
     summary = (run_dir / "summary.md").read_text()
-    for needle in ("all gates passed", "validation accuracy", "Parity against the float64 reference", "## Served over gRPC", "peak RSS",
-                   "batching gain", "Recommendation: `tiny_cnn_", "## In-process beside served", "Ceiling: with no model to run",
-                   f"Served as `tiny_cnn`: `{winner['model']}`. Why: max-throughput: the highest served throughput: "):
+    for needle in (
+        "all gates passed",
+        "validation accuracy",
+        "Parity against the float64 reference",
+        "## Served over gRPC",
+        "peak RSS",
+        "batching gain",
+        "Recommendation: `tiny_cnn_",
+        "## In-process beside served",
+        "Ceiling: with no model to run",
+        f"Served as `tiny_cnn`: `{winner['model']}`. Why: max-throughput: the highest served throughput: ",
+    ):
         assert needle in summary
 
 
@@ -208,7 +229,10 @@ def test_a_failing_gate_exits_non_zero_naming_the_stage(run_dir, tmp_path, capsy
     assert "stage check:" in err and "tiny_cnn_onnx" in err
     rec = json.loads((bad / "run.json").read_text())
     assert rec["gates"]["check"]["pass"] is False and rec["server_exit_code"] == 0
-    assert rec["outcome"]["status"] == "gate failed" and "**a gate FAILED**: stage check:" in (bad / "summary.md").read_text()
+    assert (
+        rec["outcome"]["status"] == "gate failed"
+        and "**a gate FAILED**: stage check:" in (bad / "summary.md").read_text()
+    )
 
 
 @pytest.mark.slow
@@ -268,16 +292,29 @@ def test_ctrl_c_ends_with_one_line_and_leaves_no_process(tmp_path, stage, waits_
     """Ctrl-C at the terminal (SIGINT to the whole foreground process group) during DDP training or during
     the bench: one line names the stage and the command to go on, no traceback, and no rank, server or
     stub process is left."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "torchship.pipeline.cli", "run", "--out", str(out), "--config", str(CONFIG), "--set",
-            "train.nproc=2", "--set", "train.epochs=30" if stage == "train" else "train.epochs=1", "--set",
-            f"bench.requests={400 if stage == 'train' else 5000}", "--set", 'export.formats=["onnx"]', "--set", 'repo.formats=["onnx"]',
-            "--set", 'bench.variants=["onnx"]']
+    argv = [
+        sys.executable,
+        "-m",
+        "torchship.pipeline.cli",
+        "run",
+        "--out",
+        str(out),
+        "--config",
+        str(CONFIG),
+        "--set",
+        "train.nproc=2",
+        "--set",
+        "train.epochs=30" if stage == "train" else "train.epochs=1",
+        "--set",
+        f"bench.requests={400 if stage == 'train' else 5000}",
+        "--set",
+        'export.formats=["onnx"]',
+        "--set",
+        'repo.formats=["onnx"]',
+        "--set",
+        'bench.variants=["onnx"]',
+    ]
     # A shell starts a background job (`cmd &`) with SIGINT ignored, and a child would inherit that: with a
     # handler here instead, the child starts with the default action, as a command typed at a terminal does.
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -322,7 +359,12 @@ def test_a_finished_run_is_not_redone_without_overwrite(run_dir, tmp_path, capsy
     before = {p: sha256_file(p) for p in sorted(run_dir.rglob("*")) if p.is_file()}
     assert run_cli("run", "--out", run_dir, "--config", CONFIG) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "already holds a trained run" in err[0] and "--from STAGE" in err[0] and "--overwrite" in err[0], err
+    assert (
+        len(err) == 1
+        and "already holds a trained run" in err[0]
+        and "--from STAGE" in err[0]
+        and "--overwrite" in err[0]
+    ), err
     assert {p: sha256_file(p) for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
     # a run stopped in training before its first checkpoint has nothing to lose: run it again as it was
     stopped, missing = tmp_path / "stopped", tmp_path / "no-such-images"
@@ -394,4 +436,4 @@ def test_help_states_each_default_once(command, capsys):
         run_cli(command, "--help")
     assert e.value.code == 0
     lines = capsys.readouterr().out.replace("\n                        ", " ").splitlines()
-    assert lines and not [l for l in lines if l.count("(default") > 1 or "(default: None)" in l or "(default: )" in l]
+    assert lines and not [x for x in lines if x.count("(default") > 1 or "(default: None)" in x or "(default: )" in x]

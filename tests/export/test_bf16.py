@@ -78,8 +78,16 @@ def test_a_bf16_artifact_is_gated_and_its_planted_faults_are_refused(tmp_path):
         rel = f"bf16/{name}.pt2"
         (d / "bf16").mkdir(exist_ok=True)
         exported_program(bf16, example(sig, 2, "cpu"), d / rel, sig, m["max_batch"])
-        m["artifacts"].append({"name": name, "format": "exported_program", "file": rel, "files": {rel: sha256_file(d / rel)},
-                               "dtype": "bfloat16", "gate": dict(GATE)})
+        m["artifacts"].append(
+            {
+                "name": name,
+                "format": "exported_program",
+                "file": rel,
+                "files": {rel: sha256_file(d / rel)},
+                "dtype": "bfloat16",
+                "gate": dict(GATE),
+            }
+        )
     write_manifest(d, m)
     with pytest.raises(ParityError) as e:
         verify_export(d, log=lambda *a: None)
@@ -114,7 +122,10 @@ def test_default_reduced_precisions_are_optional_and_need_real_samples(monkeypat
     monkeypatch.setattr(export.config, "cpu_flags", lambda: {"avx512_vnni", "avx512_bf16"})
     cfg = build(ExportConfig, {"checkpoint": "c"})
     resolved, why = cfg.for_device("cpu")
-    assert resolved.formats == ("torchscript", "onnx", "onnx_int8", "aoti_bf16") and resolved.optional == ("onnx_int8", "aoti_bf16")
+    assert resolved.formats == ("torchscript", "onnx", "onnx_int8", "aoti_bf16") and resolved.optional == (
+        "onnx_int8",
+        "aoti_bf16",
+    )
     bare, why = cfg.for_device("cpu", real_samples=False)
     assert bare.formats == ("torchscript", "onnx") and "left out: no real samples to calibrate and gate them on" in why
     assert build(ExportConfig, {"checkpoint": "c", "formats": ["onnx"]}).for_device("cpu") [0].formats == ("onnx",)
@@ -135,4 +146,7 @@ def test_an_aoti_bf16_export_compiles_passes_its_gate_and_is_served_batched(trai
     assert m["verification"]["artifacts"]["aoti_bf16"]["pass"] and held["accuracy_drop"] <= 0.5
     res = build_repository(d, RepoConfig(out=str(tmp_path / "repo")))
     mdir = tmp_path / "repo" / res["models"]["aoti_bf16"]
-    assert read_config(mdir / "config.pbtxt").platform == "torch_aoti" and read_config(mdir / "embedded.pbtxt").max_batch_size == 8
+    assert (
+        read_config(mdir / "config.pbtxt").platform == "torch_aoti"
+        and read_config(mdir / "embedded.pbtxt").max_batch_size == 8
+    )

@@ -3,6 +3,9 @@
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from typing import Tuple
@@ -39,7 +42,9 @@ def test_every_format_exported_and_verified(exported):
     assert buckets["weights"] == "prepacked" and buckets["shared_constants"] == 0
     with zipfile.ZipFile(exported / buckets["file"]) as z:
         names = z.namelist()
-    assert not [n for n in names if "/weights/" in n] and sum(n.endswith(".so") for n in names) == len(buckets["buckets"])
+    assert not [n for n in names if "/weights/" in n] and sum(n.endswith(".so") for n in names) == len(
+        buckets["buckets"]
+    )
 
 
 def load(exported, fmt):
@@ -179,8 +184,6 @@ print(json.dumps(seen))
 def test_a_runner_that_crashes_is_named_as_a_crash():
     """A runtime that crashes in native code kills the fresh-process runner with a signal: the failure
     says which, not a bare negative exit code."""
-    import signal
-
     from export.verify import exit_text
 
     assert exit_text(3) == "exited 3"
@@ -196,7 +199,9 @@ def test_default_buckets_are_the_powers_of_two_up_to_the_max_batch():
     assert build(ExportConfig, {"checkpoint": "c"}).buckets == (1, 2, 4, 8, 16, 32)
     for max_batch in (6, 8, 12, 32, 100):
         buckets = build(ExportConfig, {"checkpoint": "c", "max_batch": max_batch}).buckets
-        assert buckets[-1] == max_batch and all(bucket_for(n, buckets) < 2 * n for n in range(2, max_batch + 1)), buckets
+        assert buckets[-1] == max_batch and all(bucket_for(n, buckets) < 2 * n for n in range(2, max_batch + 1)), (
+            buckets
+        )
     assert build(ExportConfig, {"checkpoint": "c", "buckets": [8, 1, 32]}).buckets == (1, 8, 32)
 
 
@@ -206,9 +211,6 @@ def test_a_torch_artifact_runs_with_its_thread_count_on_any_thread(exported, fmt
     sets OpenMP's thread count for the calling thread only, and AOTInductor's code reads the running
     thread's own (here OMP_NUM_THREADS=1), so a served AOTInductor model ran on one thread whatever the
     config asked. TorchScript's ATen ops re-apply the count themselves; it is checked alongside."""
-    import subprocess
-    import sys
-
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", RUN_ON_ANOTHER_THREAD, str(exported), fmt], env=env, check=True,
                          capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[2])).stdout
@@ -273,9 +275,14 @@ def test_checkpoint_without_metadata(trained, tmp_path, capsys):
     assert not (tmp_path / "e").exists()
 
 
-@pytest.mark.parametrize("text, says", [("{\"format\": ", "is corrupt (Expecting value"),
-                                         ("[1, 2]", "is corrupt (a JSON list, not an object)"),
-                                         ("{\"format\": \"torchship.export/0\"}", "unknown format 'torchship.export/0'")])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('{"format": ', "is corrupt (Expecting value"),
+        ("[1, 2]", "is corrupt (a JSON list, not an object)"),
+        ('{"format": "torchship.export/0"}', "unknown format 'torchship.export/0'"),
+    ],
+)
 def test_an_unreadable_manifest_is_named_in_one_line(tmp_path, capsys, text, says):
     (tmp_path / "manifest.json").write_text(text)
     assert run_cli("verify", tmp_path) == 2
@@ -334,8 +341,20 @@ def test_unexportable_format_is_reported_and_others_kept(tmp_path, capsys):
     from train.config import TrainConfig
     from train.loop import train
 
-    res = train(build(TrainConfig, {"arch": "tests.export.branchy:branchy", "data": "synthetic", "synthetic_samples": 32,
-                                    "epochs": 1, "batch_size": 8, "out": str(tmp_path / "t"), "progress": False}))
+    res = train(
+        build(
+            TrainConfig,
+            {
+                "arch": "tests.export.branchy:branchy",
+                "data": "synthetic",
+                "synthetic_samples": 32,
+                "epochs": 1,
+                "batch_size": 8,
+                "out": str(tmp_path / "t"),
+                "progress": False,
+            },
+        )
+    )
     out = tmp_path / "e"
     argv = ("export", res.best, "--formats", "torchscript", "exported_program", "--max-batch", "4", "--odd-batch", "3")
     assert run_cli(*argv, "--out", out, "--optional", "exported_program") == 0

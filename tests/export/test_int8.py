@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from export.quantize import int8_scheme, quantized_kernels
-from torchship.parity import GATE, check_quantized, sqnr_db
 from tests.conftest import run_cli
+from torchship.parity import GATE, check_quantized, sqnr_db
 
 
 @pytest.mark.parametrize("flags, reduce_range, pays, cpu", [
@@ -41,7 +41,9 @@ def test_the_gate_passes_within_the_allowed_drop_and_names_a_larger_one():
     assert not failures and row["accuracy_drop"] == 0.5 and row["eager_accuracy"] == 100.0
     got[1] = -got[1]  # two: 1.0 point
     row, failures = check_quantized({"logits": got}, {"logits": want}, labels, GATE, "m: heldout", 200, real=True)
-    assert failures == ["m: heldout: accuracy 99.00 % against eager's 100.00 % on 200 labelled samples, a drop beyond 0.5 points"]
+    assert failures == [
+        "m: heldout: accuracy 99.00 % against eager's 100.00 % on 200 labelled samples, a drop beyond 0.5 points"
+    ]
 
 
 def test_without_labels_top1_agreement_and_sqnr_decide():
@@ -50,9 +52,13 @@ def test_without_labels_top1_agreement_and_sqnr_decide():
     got[:3] = -got[:3]  # 98.5 % agreement
     emb = np.random.default_rng(1).normal(size=(200, 16)).astype(np.float32)
     noisy = emb + np.random.default_rng(2).normal(scale=0.2, size=emb.shape).astype(np.float32)  # ~14 dB
-    _, failures = check_quantized({"logits": got, "emb": noisy}, {"logits": want, "emb": emb}, None, GATE, "m", 200, True)
+    _, failures = check_quantized(
+        {"logits": got, "emb": noisy}, {"logits": want, "emb": emb}, None, GATE, "m", 200, True
+    )
     assert len(failures) == 2 and "top-1 agrees with eager on 98.5 %" in failures[0] and "SQNR" in failures[1]
-    _, failures = check_quantized({"logits": want, "emb": emb + 0.01}, {"logits": want, "emb": emb}, None, GATE, "m", 200, True)
+    _, failures = check_quantized(
+        {"logits": want, "emb": emb + 0.01}, {"logits": want, "emb": emb}, None, GATE, "m", 200, True
+    )
     assert not failures
     assert sqnr_db(emb, emb) == float("inf") and sqnr_db(2 * emb, emb) == pytest.approx(0.0)
 
@@ -75,7 +81,11 @@ def test_an_onnx_int8_export_is_calibrated_and_passes_the_gate(int8_export):
     m = json.loads((int8_export / "manifest.json").read_text())
     a = next(a for a in m["artifacts"] if a["format"] == "onnx_int8")
     q = a["quantization"]
-    assert q["method"] == "static" and q["calibration"]["samples"] == 64 and q["calibration"]["source"] == "the export's real samples"
+    assert (
+        q["method"] == "static"
+        and q["calibration"]["samples"] == 64
+        and q["calibration"]["source"] == "the export's real samples"
+    )
     assert q == {**q, **int8_scheme()} and a["gate"] == {**GATE, "max_accuracy_drop": 2.0}
     ops = {n.op_type for n in onnx.load(str(int8_export / a["file"])).graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops  # really quantized, not an fp32 copy
@@ -92,14 +102,19 @@ def test_an_aoti_int8_export_calls_int8_kernels_and_passes_the_gate(int8_export)
     m = json.loads((int8_export / "manifest.json").read_text())
     a = next(a for a in m["artifacts"] if a["format"] == "aoti_int8")
     q = a["quantization"]
-    assert q["method"] == "static" and q["quantizer"] == "torchao X86InductorQuantizer" and q["narrowed"] == "activations"
+    assert (
+        q["method"] == "static" and q["quantizer"] == "torchao X86InductorQuantizer" and q["narrowed"] == "activations"
+    )
     assert q["calibration"] == {"samples": 64, "source": "the export's real samples"} and a["freezing"]
     assert a["quantized_kernels"] == quantized_kernels(int8_export / a["file"]) >= 3  # two convolutions, one linear
     v = m["verification"]["artifacts"]["aoti_int8"]
     held = v["sets"]["heldout"]
     assert v["pass"] and v["quantized"] and held["accuracy_drop"] <= 2.0 and held["sqnr_db"]["logits"] > 20
     narrowed = ", 7-bit activations" if q["reduce_range"] else ""
-    assert f"| aoti_int8 | static, u8 activations, s8 weights, per channel{narrowed} | 64 samples" in (int8_export / "parity.md").read_text()
+    assert (
+        f"| aoti_int8 | static, u8 activations, s8 weights, per channel{narrowed} | 64 samples"
+        in (int8_export / "parity.md").read_text()
+    )
 
 
 @pytest.mark.slow
@@ -107,9 +122,9 @@ def test_a_package_compiled_back_to_fp32_is_refused(trained, tmp_path, monkeypat
     """The planted fault: without freezing, AOTInductor compiles the quantized graph's quantize/dequantize pairs
     as plain fp32 arithmetic, which would pass the gate while running no faster; the kernel count refuses it."""
     from export import exporters
+    from export.config import ExportConfig
     from export.quantize import aoti_int8
     from export.source import artifact_model, load_source
-    from export.config import ExportConfig
     from torchship.config import build
 
     src = load_source(build(ExportConfig, {"checkpoint": str(trained)}), log=lambda *a: None)
@@ -129,15 +144,22 @@ def test_constant_calibration_fails_the_gate_naming_the_artifact(zero_calibrated
     assert f"{fmt}: heldout: accuracy" in err and "a drop beyond 0.5 points" in err
 
 
-@pytest.mark.parametrize("fmt, args, says", [
-    ("onnx_int8", ["--calibration", "nowhere.npz"], "--calibration nowhere.npz: no such file"),
-    ("onnx_int8", ["--dtype", "bfloat16"], "onnx_int8 reduces the float32 model's precision itself"),
-    ("aoti_int8", ["--dtype", "float16"], "aoti_int8 reduces the float32 model's precision itself"),
-    ("aoti_bf16", ["--dtype", "bfloat16"], "aoti_bf16 reduces the float32 model's precision itself"),
-    ("aoti_int8", ["--device", "cuda"], "aoti_int8 is compiled for x86 CPUs"),
-    ("aoti_bf16", ["--device", "cuda"], "aoti_bf16 is compiled for x86 CPUs"),
-    ("onnx", ["--calibration", "nowhere.npz"], "--calibration calibrates onnx_int8 and aoti_int8; add one to --formats"),
-])
+@pytest.mark.parametrize(
+    "fmt, args, says",
+    [
+        ("onnx_int8", ["--calibration", "nowhere.npz"], "--calibration nowhere.npz: no such file"),
+        ("onnx_int8", ["--dtype", "bfloat16"], "onnx_int8 reduces the float32 model's precision itself"),
+        ("aoti_int8", ["--dtype", "float16"], "aoti_int8 reduces the float32 model's precision itself"),
+        ("aoti_bf16", ["--dtype", "bfloat16"], "aoti_bf16 reduces the float32 model's precision itself"),
+        ("aoti_int8", ["--device", "cuda"], "aoti_int8 is compiled for x86 CPUs"),
+        ("aoti_bf16", ["--device", "cuda"], "aoti_bf16 is compiled for x86 CPUs"),
+        (
+            "onnx",
+            ["--calibration", "nowhere.npz"],
+            "--calibration calibrates onnx_int8 and aoti_int8; add one to --formats",
+        ),
+    ],
+)
 def test_bad_int8_input_is_refused_in_one_line(trained, tmp_path, capsys, fmt, args, says):
     code = run_cli("export", trained, "--out", tmp_path / "export", "--formats", fmt, *args)
     err = capsys.readouterr().err

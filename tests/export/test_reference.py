@@ -4,6 +4,8 @@ bucket archive's shared weights."""
 
 from __future__ import annotations
 
+import zipfile
+
 import numpy as np
 import pytest
 import torch
@@ -28,7 +30,9 @@ def test_the_bound_comes_from_eager_rounding_and_every_artifact_is_held_to_it(ex
     assert tol["rule"] == "fp64" and tol["multiple"] == parity.MULTIPLE
     out = tol["outputs"]["logits"]
     assert 0 < out["eager_error"] < 1e-4 * out["scale"]  # float32 rounding, measured, not assumed
-    assert out["atol"] == pytest.approx(parity.MULTIPLE * out["eager_error"] + parity.FLOOR_EPS * parity.EPS["float32"] * out["scale"])
+    assert out["atol"] == pytest.approx(
+        parity.MULTIPLE * out["eager_error"] + parity.FLOOR_EPS * parity.EPS["float32"] * out["scale"]
+    )
     ref = np.load(exported / "reference.npz")
     assert ref["expected/random_b5/logits"].dtype == np.float64
     for name, entry in m["verification"]["artifacts"].items():
@@ -59,7 +63,9 @@ def test_a_degenerate_reference_is_refused_unless_allowed(tmp_path, capsys):
     argv = ["export", "--model", f"{MODELS}:zero_head", "--weights", w, *MLP_FLAGS, "--formats", "exported_program"]
     assert run_cli(*argv, "--out", tmp_path / "e") == 3
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'output0' is the same for every reference input" in err[0] and "--allow-degenerate" in err[0], err
+    assert (
+        len(err) == 1 and "'output0' is the same for every reference input" in err[0] and "--allow-degenerate" in err[0]
+    ), err
     assert not (tmp_path / "e").exists()
     assert run_cli(*argv, "--out", tmp_path / "e", "--allow-degenerate") == 0
     assert read_manifest(tmp_path / "e")["reference"]["degenerate"] == ["output0"]
@@ -101,7 +107,9 @@ def test_a_bfloat16_export_is_held_to_eager_rounding_in_bfloat16(trained, export
     fp32 = read_manifest(exported)["tolerances"]["outputs"]["logits"]
     bf16 = tol["outputs"]["logits"]
     assert tol["dtype"] == "bfloat16" and bf16["eager_error"] > 100 * fp32["eager_error"]  # bfloat16 rounds far more
-    assert bf16["atol"] == pytest.approx(parity.MULTIPLE * bf16["eager_error"] + parity.FLOOR_EPS * 2 ** -7 * bf16["scale"])
+    assert bf16["atol"] == pytest.approx(
+        parity.MULTIPLE * bf16["eager_error"] + parity.FLOOR_EPS * 2**-7 * bf16["scale"]
+    )
     assert "10 x eager in bfloat16's own error" in (out / "parity.md").read_text()
 
 
@@ -120,12 +128,18 @@ def test_onnx_external_data_is_hashed_verified_copied_and_served(tmp_path, monke
     monkeypatch.setattr(exporters, "ONNX_EXTERNAL_BYTES", 0)
     w = save_weights(mlp, tmp_path / "w.pt")
     d = tmp_path / "e"
-    assert run_cli("export", "--model", f"{MODELS}:mlp", "--weights", w, *MLP_FLAGS, "--formats", "onnx", "--out", d) == 0
+    assert (
+        run_cli("export", "--model", f"{MODELS}:mlp", "--weights", w, *MLP_FLAGS, "--formats", "onnx", "--out", d) == 0
+    )
     (a,) = read_manifest(d)["artifacts"]
     assert a["external_data"] == ["model.onnx.data"] and set(a["files"]) == {"onnx/model.onnx", "onnx/model.onnx.data"}
     repo = tmp_path / "repo"
     build_repository(d, RepoConfig(out=str(repo)))
-    assert sorted(p.name for p in (repo / "mlp_onnx" / "1").iterdir()) == ["model.onnx", "model.onnx.data", "provenance.json"]
+    assert sorted(p.name for p in (repo / "mlp_onnx" / "1").iterdir()) == [
+        "model.onnx",
+        "model.onnx.data",
+        "provenance.json",
+    ]
     with TritonServer(ServeConfig(repo=str(repo))) as server:
         assert check_served(server.url, d)["pass"]
     data = d / "onnx" / "model.onnx.data"
@@ -142,17 +156,39 @@ def test_the_bucket_archive_stores_the_weights_once(tmp_path):
     library, and constants equal across buckets are packaged once. The prepacked aoti package compiles first in
     the same export: its prepacking (oneDNN's own weight layout, which only a model's library can hold) must not
     reach the buckets' compile."""
-    import zipfile
-
     from tests.anymodel.models import mlp
 
     kw = {"features": 512, "hidden": 4096}  # 8.4 MB of weights, well above the models' own code
     w = save_weights(mlp, tmp_path / "w.pt", **kw)
     weights = sum(t.numel() * t.element_size() for t in torch.load(w).values())
     d = tmp_path / "e"
-    assert run_cli("export", "--model", f"{MODELS}:mlp", *[a for k, v in kw.items() for a in ("--model-arg", f"{k}={v}")],
-                   "--weights", w, "--input", "features:float32:B,512", "--max-batch", "8", "--odd-batch", "5",
-                   "--buckets", "1", "8", "--formats", "aoti", "aoti_buckets", "--bucket-weights", "shared", "--out", d) == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            f"{MODELS}:mlp",
+            *[a for k, v in kw.items() for a in ("--model-arg", f"{k}={v}")],
+            "--weights",
+            w,
+            "--input",
+            "features:float32:B,512",
+            "--max-batch",
+            "8",
+            "--odd-batch",
+            "5",
+            "--buckets",
+            "1",
+            "8",
+            "--formats",
+            "aoti",
+            "aoti_buckets",
+            "--bucket-weights",
+            "shared",
+            "--out",
+            d,
+        )
+        == 0
+    )
     a = next(a for a in read_manifest(d)["artifacts"] if a["format"] == "aoti_buckets")
     assert a["shared_constants"] > 0 and a["buckets"] == [1, 8]
     with zipfile.ZipFile(d / a["file"]) as z:

@@ -13,7 +13,9 @@ def fail_onnx(d):
     """The manifest as a failed verification of onnx leaves it (the figures kept, the verdict FAIL)."""
     m = read_manifest(d)
     entry = m["verification"]["artifacts"]["onnx"]
-    entry.update({"pass": False, "failures": ["onnx: random_b1 output 'logits' (batch 1) max abs error 0.3 exceeds the bound"]})
+    entry.update(
+        {"pass": False, "failures": ["onnx: random_b1 output 'logits' (batch 1) max abs error 0.3 exceeds the bound"]}
+    )
     m["verification"]["pass"] = False
     write_manifest(d, m)
 

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -106,7 +107,6 @@ def phase(run: Run, name: str, need_s: float, fn: Callable[[Run], Any]) -> None:
         try:
             run.results[name] = fn(run)
         except Exception as e:  # one phase failing must not lose the others' figures
-            import traceback
 
             run.results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         run.say(f"{name}: done in {time.monotonic() - t0:.1f} s")
@@ -195,7 +195,11 @@ def export_argv(run: Run) -> list[str]:
 
     image = ("--input", f"images:float32:B,3,{run.size},{run.size}")
     path = run.work / "weights.pt"
-    weights = path if path.exists() else weights_for(zoo.Entry(run.arch, "torchvision_model", {"arch": run.arch}, image), path)
+    weights = (
+        path
+        if path.exists()
+        else weights_for(zoo.Entry(run.arch, "torchvision_model", {"arch": run.arch}, image), path)
+    )
     return [*TS, "export", "--model", "tests.zoo.models:torchvision_model", "--model-arg", f'arch="{run.arch}"',
             "--weights", str(weights), *image, "--name", run.arch, "--device", run.a.device,
             "--max-batch", str(run.max_batch), "--threads", str(max(1, (os.cpu_count() or 2) // 2)), "--overwrite"]
@@ -273,13 +277,24 @@ def serve_and_sweep(run: Run, export: Path, fmt: str) -> dict[str, Any]:
 def sweep_summary(res: dict[str, Any]) -> dict[str, Any]:
     """Served rows (concurrency, req/s, p50/p99, the batch Triton formed, responses checked) and the in-process
     images/s at the batch sizes measured: served over in-process at the top level, at the nearest batch."""
-    in_proc = {r["batch"]: r["images_per_s"] for r in res.get("in_process", {}).get("rows", []) if r.get("variant") != "eager"}
+    in_proc = {
+        r["batch"]: r["images_per_s"] for r in res.get("in_process", {}).get("rows", []) if r.get("variant") != "eager"
+    }
     out: dict[str, Any] = {"in_process": in_proc, "models": {}, "errors": res.get("errors")}
     for model, m in res.get("served", {}).get("models", {}).items():
-        rows = [{"concurrency": row.get("concurrency"), "req_per_s": row.get("requests_per_s"), "p50_ms": row.get("p50_ms"),
-                 "p99_ms": row.get("p99_ms"), "avg_batch": (row.get("server") or {}).get("avg_batch"),
-                 "failed": row.get("failed"), "checked": row.get("checked"), "wrong": row.get("wrong")}
-                for row in m.get("rows", [])]
+        rows = [
+            {
+                "concurrency": row.get("concurrency"),
+                "req_per_s": row.get("requests_per_s"),
+                "p50_ms": row.get("p50_ms"),
+                "p99_ms": row.get("p99_ms"),
+                "avg_batch": (row.get("server") or {}).get("avg_batch"),
+                "failed": row.get("failed"),
+                "checked": row.get("checked"),
+                "wrong": row.get("wrong"),
+            }
+            for row in m.get("rows", [])
+        ]
         top = max(rows, key=lambda row: row["concurrency"] or 0, default={})
         formed = top.get("avg_batch") or 1  # held against the in-process batch at or above it: the stricter ratio
         near = min((b for b in in_proc if b >= formed), default=max(in_proc, default=None))
@@ -384,7 +399,9 @@ def bench(run: Run, which: str) -> dict[str, Any]:
     r = run.cmd([*TS, "bench", str(d), "--skip-served", "--variants", *variants, "--batch-sizes", *run.batches,
                  "--iters", "20", "--blocks", "2", "--warmup", "3", "--no-plots", "--no-progress", "--out", str(out)],
                 min(240, run.left() - 20))
-    for src, dst in (("results.json", f"bench_{which}.json"), ("report.md", f"bench_{which}.md"))[:1 if which == "buckets" else 2]:
+    for src, dst in (("results.json", f"bench_{which}.json"), ("report.md", f"bench_{which}.md"))[
+        : 1 if which == "buckets" else 2
+    ]:
         if (out / src).exists():
             shutil.copy(out / src, run.out / dst)
     if not (out / "results.json").exists():
@@ -452,7 +469,10 @@ def table(run: Run) -> str:
                  f"{env.get('versions', {}).get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')})")
     peak = env.get("peak", {})
     if peak:
-        lines.append(f"matmul peak: fp32 {peak.get('fp32_flops', 0) / 1e12:.1f} TFLOP/s, bf16 {peak.get('bf16_flops', 0) / 1e12:.1f} TFLOP/s")
+        lines.append(
+            f"matmul peak: fp32 {peak.get('fp32_flops', 0) / 1e12:.1f} TFLOP/s, bf16 "
+            f"{peak.get('bf16_flops', 0) / 1e12:.1f} TFLOP/s"
+        )
     for key, rec in (r.get("A_served") or {}).items() if isinstance(r.get("A_served"), dict) else ():
         if not isinstance(rec, dict) or "skipped" in rec:
             lines.append(f"served {key}: {rec}"[:300])
@@ -463,24 +483,37 @@ def table(run: Run) -> str:
                      f"infer --check exit {rec.get('infer_check', {}).get('code')}")
         for model, m in rec.get("bench", {}).get("models", {}).items():
             for row in m["rows"]:
-                lines.append(f"  {model} c{row['concurrency']}: {row['req_per_s'] or 0:.0f} req/s, p50 {row['p50_ms'] or 0:.2f} ms, "
-                             f"p99 {row['p99_ms'] or 0:.2f} ms, batch {row['avg_batch'] or 0:.1f}, {row['wrong']} wrong of {row['checked']}")
+                lines.append(
+                    f"  {model} c{row['concurrency']}: {row['req_per_s'] or 0:.0f} req/s, p50 "
+                    f"{row['p50_ms'] or 0:.2f} ms, "
+                    f"p99 {row['p99_ms'] or 0:.2f} ms, batch {row['avg_batch'] or 0:.1f}, {row['wrong']} wrong of "
+                    f"{row['checked']}"
+                )
             if m.get("served_over_in_process"):
-                lines.append(f"  {model}: served {100 * m['served_over_in_process']:.0f} % of in-process at batch {m['in_process_batch']}")
+                lines.append(
+                    f"  {model}: served {100 * m['served_over_in_process']:.0f} % of in-process at batch "
+                    f"{m['in_process_batch']}"
+                )
     b = r.get("B_strict") or {}
     if isinstance(b, dict) and b.get("export"):
         for name, a in (b["export"].get("artifacts") or {}).items():
             lines.append(f"strict fp32 {name}: pass {a['pass']}, worst {a['worst']} vs bound {a['bound']}")
         if b.get("planted_weight_fault"):
             f = b["planted_weight_fault"]
-            lines.append(f"strict fp32: {f['weight']} x {f['scale']} -> verify exit {f['verify_exit']} (caught: {f['caught']})")
+            lines.append(
+                f"strict fp32: {f['weight']} x {f['scale']} -> verify exit {f['verify_exit']} (caught: {f['caught']})"
+            )
     for label, t in [*r.get("train", {}).items(), *r.get("train_channels_last", {}).items()]:
         if "images_per_s" in t:
-            lines.append(f"train {label}: {t['images_per_s']:.0f} img/s (first epoch {t['first_epoch_images_per_s']:.0f}); "
-                         + " | ".join(t.get("log", [])[:1])[:160])
+            lines.append(
+                f"train {label}: {t['images_per_s']:.0f} img/s (first epoch {t['first_epoch_images_per_s']:.0f}); "
+                + " | ".join(t.get("log", [])[:1])[:160]
+            )
         elif "max_abs_diff" in t:
-            lines.append(f"checkpoint on CPU vs device: max |diff| {t['max_abs_diff']:.3g} of scale {t['logit_scale']:.3g}, "
-                         f"top-1 agreement {t['top1_agreement']:.3f}")
+            lines.append(
+                f"checkpoint on CPU vs device: max |diff| {t['max_abs_diff']:.3g} of scale {t['logit_scale']:.3g}, "
+                f"top-1 agreement {t['top1_agreement']:.3f}"
+            )
         else:
             lines.append(f"train {label}: {t}"[:300])
     for k, e in r.get("exports", {}).items() if isinstance(r.get("exports"), dict) else ():
@@ -488,15 +521,19 @@ def table(run: Run) -> str:
             continue
         lines.append(f"export {k}: exit {e.get('code')} in {e.get('seconds')} s; failed: {e.get('failed')}")
         for name, a in (e.get("artifacts") or {}).items():
-            lines.append(f"  {name}: pass {a['pass']}, {(a['bytes'] or 0) / 1e6:.0f} MB, export {a['export_seconds']} s, "
-                         f"worst {a['worst']} vs bound {a['bound']} ({a['x_eager_error']}x eager's own)")
+            lines.append(
+                f"  {name}: pass {a['pass']}, {(a['bytes'] or 0) / 1e6:.0f} MB, export {a['export_seconds']} s, "
+                f"worst {a['worst']} vs bound {a['bound']} ({a['x_eager_error']}x eager's own)"
+            )
     for k in ("bench_fp32", "bench_bf16", "bench_buckets"):
         if k not in r:
             continue
         b = r[k]
         for row in b.get("rows", []):
-            lines.append(f"{k} {row['variant']} b{row['batch']}: p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, "
-                         f"{row['images_per_s']:.0f} img/s")
+            lines.append(
+                f"{k} {row['variant']} b{row['batch']}: p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, "
+                f"{row['images_per_s']:.0f} img/s"
+            )
         if not b.get("rows"):
             lines.append(f"{k}: {str(b)[:400]}")
     for row in r.get("resident", {}).get("rows", []):
@@ -554,7 +591,10 @@ def main() -> int:
     for letter in phases:
         for name, need, fn in PHASES[letter]:
             phase(run, name, need, fn)
-        if all("error" not in run.results.get(n, {}) and "skipped" not in run.results.get(n, {}) for n, _, _ in PHASES[letter]):
+        if all(
+            "error" not in run.results.get(n, {}) and "skipped" not in run.results.get(n, {})
+            for n, _, _ in PHASES[letter]
+        ):
             run.results["phases_done"].append(letter)
             run.save()
     text = table(run)

@@ -38,7 +38,10 @@ def test_served_parity_check_passes(server, exported, capsys, tmp_path):
     for args in (["--check", exported], [tmp_path / "x.npy"]):  # a mistyped model name, with the names there are
         assert run_cli("infer", "--url", server.url, "--model", "tiny_cnn_onx", *args) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and f"model tiny_cnn_onx is not served at {server.url} (served: {', '.join(sorted(MODELS))}" in err[0], err
+        assert (
+            len(err) == 1
+            and f"model tiny_cnn_onx is not served at {server.url} (served: {', '.join(sorted(MODELS))}" in err[0]
+        ), err
 
 
 def check_each_response(inputs, outputs, reference):

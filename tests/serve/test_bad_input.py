@@ -26,7 +26,9 @@ def raw_infer(url, model, name, shape, datatype, payload: bytes):
 
 
 BAD = {
-    "wrong input name": lambda c, u: c.infer("tiny_cnn_onnx", np.zeros((1, 3, 32, 32), np.float32), input_name="pixels"),
+    "wrong input name": lambda c, u: c.infer(
+        "tiny_cnn_onnx", np.zeros((1, 3, 32, 32), np.float32), input_name="pixels"
+    ),
     "wrong dtype": lambda c, u: c.infer("tiny_cnn_onnx", np.zeros((1, 3, 32, 32), np.float64)),
     "wrong rank": lambda c, u: c.infer("tiny_cnn_onnx", np.zeros((3, 32, 32), np.float32)),
     "wrong shape": lambda c, u: c.infer("tiny_cnn_torchscript", np.zeros((1, 3, 16, 16), np.float32)),
@@ -34,7 +36,9 @@ BAD = {
     "unknown model": lambda c, u: c.infer("no_such_model", np.zeros((1, 3, 32, 32), np.float32)),
     "unknown version": lambda c, u: c.infer("tiny_cnn_onnx", np.zeros((1, 3, 32, 32), np.float32), version="7"),
     "NaN-filled input": lambda c, u: c.infer("tiny_cnn_aoti", np.full((1, 3, 32, 32), np.nan, np.float32)),
-    "oversized message": lambda c, u: raw_infer(u, "tiny_cnn_onnx", "images", [1, 3, 32, 32], "FP32", b"\0" * (64 << 20)),
+    "oversized message": lambda c, u: raw_infer(
+        u, "tiny_cnn_onnx", "images", [1, 3, 32, 32], "FP32", b"\0" * (64 << 20)
+    ),
 }
 
 

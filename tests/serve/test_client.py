@@ -3,6 +3,7 @@ a standard image client, and a client's own mistakes named before or without a c
 
 import json
 import re
+import socket
 
 import numpy as np
 import pytest
@@ -41,9 +42,16 @@ def test_unreachable_server_is_a_clear_error(capsys, exported):
     assert "is the server running" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("url, says", [("localhost", "no port"), (":8001", "no host"), ("::1", "write an IPv6 address in brackets"),
-                                       ("127.0.0.1:99999", "'99999' is not a port number"),
-                                       ("http://127.0.0.1:8001", "drop the scheme (http://)")])
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("localhost", "no port"),
+        (":8001", "no host"),
+        ("::1", "write an IPv6 address in brackets"),
+        ("127.0.0.1:99999", "'99999' is not a port number"),
+        ("http://127.0.0.1:8001", "drop the scheme (http://)"),
+    ],
+)
 def test_a_malformed_url_is_refused_before_any_connection(capsys, exported, url, says):
     from serve.config import check_url
 
@@ -58,8 +66,6 @@ def test_a_malformed_url_is_refused_before_any_connection(capsys, exported, url,
 def test_a_url_that_is_not_a_grpc_endpoint_is_named(server, exported, capsys):
     """--url at Triton's HTTP or metrics port (8000 or 8002 for 8001) is named as not gRPC, not waited out
     as a server that is not running; a listener that never answers gets its own message."""
-    import socket
-
     for port in (server.http_port, server.metrics_port):
         assert run_cli("infer", "--url", f"127.0.0.1:{port}", "--heldout", exported) == 2
         err = capsys.readouterr().err
@@ -78,7 +84,9 @@ def test_infer_refuses_a_bad_local_path_before_connecting(case, tmp_path, capsys
     from serve.embedded.process import free_ports
 
     (tmp_path / "notes.txt").write_text("x")
-    arg = {"missing": [tmp_path / "nope.npy"], "suffix": [tmp_path / "notes.txt"], "heldout": ["--heldout", tmp_path]}[case]
+    arg = {"missing": [tmp_path / "nope.npy"], "suffix": [tmp_path / "notes.txt"], "heldout": ["--heldout", tmp_path]}[
+        case
+    ]
     assert run_cli("infer", "--url", f"127.0.0.1:{free_ports()[0]}", *arg) == 2
     err = capsys.readouterr().err
     want = {"missing": "nope.npy: no such file", "suffix": "notes.txt: not an image, .npy or .npz file",
@@ -126,7 +134,12 @@ def test_a_standard_image_client_reads_the_layout_and_gets_labelled_top_3(server
         client = tc.InferenceServerClient(server.url)
         config = client.get_model_config("tiny_cnn_onnx").config
         inp, out = config.input[0], config.output[0]
-        layout, dims, name, dtype = tc.model_config_pb2.ModelInput.Format.Name(inp.format), list(inp.dims), inp.name, inp.data_type
+        layout, dims, name, dtype = (
+            tc.model_config_pb2.ModelInput.Format.Name(inp.format),
+            list(inp.dims),
+            inp.name,
+            inp.data_type,
+        )
         dtype = tc.model_config_pb2.DataType.Name(dtype)[len("TYPE_"):]
     else:
         import tritonclient.http as tc
@@ -203,7 +216,9 @@ def test_infer_over_one_stream_prints_what_unary_calls_print(server, exported, t
             admin.client.update_log_settings({"log_verbose_level": 0}, headers=admin.control_headers)
         log = server.log_path.read_bytes()[start:].decode(errors="replace")
         # a request arriving is a START step; a previous window's last request can still log its FINISH here
-        handlers[flags] = set(re.findall(r'Process for (ModelInferHandler|ModelStreamInferHandler),[^"\n]* step START', log))
+        handlers[flags] = set(
+            re.findall(r'Process for (ModelInferHandler|ModelStreamInferHandler),[^"\n]* step START', log)
+        )
     assert handlers == {(): {"ModelInferHandler"}, ("--stream",): {"ModelStreamInferHandler"}}, handlers
     assert results[("--stream",)] == results[()] and len(results[()]) == 12
     np.save(tmp_path / "nan.npy", np.full((1, 3, 32, 32), np.nan, np.float32))

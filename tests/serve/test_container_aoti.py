@@ -43,7 +43,9 @@ def call_spec_names(pt2) -> tuple[list[str], list[str]]:
 
     ins, outs = (json.loads(s)[1] for s in torch._inductor.aoti_load_package(str(pt2)).loader.get_call_spec())
     args, kwargs = ins["children_spec"]
-    named = [backend_names(spec, prefix) for spec, prefix in ((args, "ARGS"), (kwargs, "KWARGS")) if spec["children_spec"]]
+    named = [
+        backend_names(spec, prefix) for spec, prefix in ((args, "ARGS"), (kwargs, "KWARGS")) if spec["children_spec"]
+    ]
     return sum(named, []), backend_names(outs, "RESULT")
 
 
@@ -58,7 +60,9 @@ def assert_container_config(mdir, manifest: dict, max_batch: int) -> None:
     emb = text_format.Parse((mdir / EMBEDDED_CONFIG).read_text(), mc.ModelConfig())
     for wire, plain in ((c.input, emb.input), (c.output, emb.output)):
         assert [(t.data_type, list(t.dims)) for t in wire] == [(t.data_type, list(t.dims)) for t in plain]
-    assert [t.name for t in emb.input] == [t["name"] for t in manifest["inputs"]]  # the embedded server's: the manifest's
+    assert [t.name for t in emb.input] == [
+        t["name"] for t in manifest["inputs"]
+    ]  # the embedded server's: the manifest's
     named = json.loads(c.parameters[TENSOR_NAMES].string_value)
     assert named == dict(zip(ins + outs, [t["name"] for t in manifest["inputs"] + manifest["outputs"]]))
     assert set(c.model_warmup[0].inputs) == set(ins)
@@ -69,7 +73,10 @@ def test_the_container_aoti_config_batches_with_the_backends_tensor_names(repo, 
 
 
 def test_the_names_follow_the_manifests_inputs_and_outputs():
-    m = {"inputs": [{"name": "input_ids"}, {"name": "attention_mask"}], "outputs": [{"name": "logits"}, {"name": "embedding"}]}
+    m = {
+        "inputs": [{"name": "input_ids"}, {"name": "attention_mask"}],
+        "outputs": [{"name": "logits"}, {"name": "embedding"}],
+    }
     assert aoti_tensor_names(m) == {"input_ids": "ARGS[0]", "attention_mask": "ARGS[1]", "logits": "RESULT[0]",
                                     "embedding": "RESULT[1]"}
     assert aoti_tensor_names({"inputs": [{"name": "x"}], "outputs": [{"name": "y"}]}) == {"x": "ARGS[0]", "y": "RESULT"}
@@ -110,10 +117,26 @@ def test_infer_and_bench_translate_the_containers_names(container_names_server, 
     assert [i["name"] for i in client.config("tiny_cnn_aoti")["input"]] == ["ARGS[0]"]
     report = check_served(url, exported, models=["tiny_cnn_aoti"])
     assert report["pass"] and list(report["models"]) == ["tiny_cnn_aoti"]
-    cfg = build(BenchConfig, {"export_dir": str(exported), "out": str(tmp_path), "url": url, "models": ["tiny_cnn_aoti"],
-                              "requests": 12, "concurrency": [1, 4], "skip_in_process": True, "batching_compare": [],
-                              "noop": False, "cross_check": False, "plots": False, "progress": False,
-                              "load_generator": "python", "window_s": 0.1, "max_windows": 3})
+    cfg = build(
+        BenchConfig,
+        {
+            "export_dir": str(exported),
+            "out": str(tmp_path),
+            "url": url,
+            "models": ["tiny_cnn_aoti"],
+            "requests": 12,
+            "concurrency": [1, 4],
+            "skip_in_process": True,
+            "batching_compare": [],
+            "noop": False,
+            "cross_check": False,
+            "plots": False,
+            "progress": False,
+            "load_generator": "python",
+            "window_s": 0.1,
+            "max_windows": 3,
+        },
+    )
     run_bench(cfg, log=lambda *a: None)
     rows = json.loads((tmp_path / "results.json").read_text())["served"]["models"]["tiny_cnn_aoti"]["rows"]
     assert all(r["failed"] == 0 and r["checked"] > 0 and r.get("wrong", 0) == 0 for r in rows), rows

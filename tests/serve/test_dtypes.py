@@ -11,8 +11,22 @@ import torch
 
 from tests.conftest import run_cli
 
-FLAGS = ["--input", "f16:float16:B,4", "--input", "i32:int32:B,4", "--input", "i64:int64:B,4", "--input", "flag:bool:B,4",
-         "--input", "f32:float32:B,4", "--input-range", "i32=-1000..1000", "--input-range", "i64=-100000..100000"]
+FLAGS = [
+    "--input",
+    "f16:float16:B,4",
+    "--input",
+    "i32:int32:B,4",
+    "--input",
+    "i64:int64:B,4",
+    "--input",
+    "flag:bool:B,4",
+    "--input",
+    "f32:float32:B,4",
+    "--input-range",
+    "i32=-1000..1000",
+    "--input-range",
+    "i64=-100000..100000",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +59,10 @@ def test_every_dtype_comes_back_exactly(dtypes_served, model):
     server, _ = dtypes_served
     x = feeds()
     with torch.no_grad():
-        want = {k: v.numpy() for k, v in dtypes()(*[torch.from_numpy(x[k]) for k in ("f16", "i32", "i64", "flag", "f32")]).items()}
+        want = {
+            k: v.numpy()
+            for k, v in dtypes()(*[torch.from_numpy(x[k]) for k in ("f16", "i32", "i64", "flag", "f32")]).items()
+        }
     want["f16_doubled"] = want["f16_doubled"].astype(np.float32)  # floating outputs are served as float32
     got = TritonClient(server.url).infer_all(model, x)
     for name, w in want.items():

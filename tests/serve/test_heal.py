@@ -63,8 +63,10 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
         killed = time.monotonic()
         os.kill(stub, signal.SIGKILL)  # a stub of the server this test started
         deadline = killed + 15
-        while time.monotonic() < deadline and not (s.healer.heals and any(ok for t, ok in log if t > killed + 0.2
-                                                                          and t > killed + s.healer.heals[0]["seconds"])):
+        while time.monotonic() < deadline and not (
+            s.healer.heals
+            and any(ok for t, ok in log if t > killed + 0.2 and t > killed + s.healer.heals[0]["seconds"])
+        ):
             time.sleep(0.1)
         time.sleep(1.0)
         stop.set()
@@ -79,8 +81,10 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
     recovered = min(after) - killed if after else float("inf")
     down = [t for t, r in ready if not r]
     with capfd.disabled():
-        print(f"\nheal under load: {len(log)} requests, {len(failed)} failed, served again {recovered:.1f} s after the "
-              f"kill (the heal took {status['events'][0]['seconds']:.1f} s), not ready for about {len(down) * 0.05:.1f} s")
+        print(
+            f"\nheal under load: {len(log)} requests, {len(failed)} failed, served again {recovered:.1f} s after the "
+            f"kill (the heal took {status['events'][0]['seconds']:.1f} s), not ready for about {len(down) * 0.05:.1f} s"
+        )
     assert recovered < 10, (errors[:2], errors[-2:], killed, settled)
     assert status["heals"] == 1 and status["events"][0]["model"] == MODEL
     # failures only in the window: requests in flight at the kill (sent up to a second before: the stub's health

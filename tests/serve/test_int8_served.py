@@ -2,6 +2,8 @@
 under its own name, and infer --check holds it to the accuracy gate export verification applied, catching a
 badly calibrated one."""
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -20,7 +22,11 @@ pytestmark = pytest.mark.slow  # real servers, compiles or processes: the full r
 def int8_repo(int8_export, tmp_path_factory):
     out = tmp_path_factory.mktemp("int8repo") / "repo"
     res = build_repository(int8_export, RepoConfig(out=str(out)))
-    assert res["models"] == {"onnx": "tiny_cnn_onnx", "onnx_int8": "tiny_cnn_onnx_int8", "aoti_int8": "tiny_cnn_aoti_int8"}
+    assert res["models"] == {
+        "onnx": "tiny_cnn_onnx",
+        "onnx_int8": "tiny_cnn_onnx_int8",
+        "aoti_int8": "tiny_cnn_aoti_int8",
+    }
     return out
 
 
@@ -37,8 +43,6 @@ def test_the_int8_models_are_served_and_pass_the_gate(int8_repo, int8_export, ca
 
 def test_a_badly_calibrated_int8_model_fails_served_parity(int8_repo, int8_export, tmp_path):
     """The planted fault: the served file swapped for one calibrated on all-zero images."""
-    import shutil
-
     from export.quantize import int8_scheme, onnx_int8
 
     bad = tmp_path / "repo"
@@ -54,8 +58,6 @@ def test_a_badly_calibrated_int8_model_fails_served_parity(int8_repo, int8_expor
 
 def test_a_badly_calibrated_aoti_int8_model_fails_served_parity(int8_repo, int8_export, zero_calibrated, tmp_path):
     """The planted fault: the served package swapped for the one calibrated on all-zero images."""
-    import shutil
-
     bad = tmp_path / "repo"
     shutil.copytree(int8_repo, bad)
     shutil.copy2(zero_calibrated[2] / "aoti_int8" / "model.pt2", bad / "tiny_cnn_aoti_int8" / "1" / "model.pt2")

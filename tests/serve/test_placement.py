@@ -39,7 +39,9 @@ def test_the_default_configs_share_out_the_cores_given(exported, tmp_path, given
 
 
 def test_more_threads_than_cores_are_refused_before_anything_is_written(exported, tmp_path):
-    with pytest.raises(ConfigError, match=r"2 instance\(s\) x 2 thread\(s\) = 4 threads on 2 core\(s\) would take turns"):
+    with pytest.raises(
+        ConfigError, match=r"2 instance\(s\) x 2 thread\(s\) = 4 threads on 2 core\(s\) would take turns"
+    ):
         build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), cores=2, instance_count=2, threads=2))
     assert not (tmp_path / "repo").exists()
 

@@ -11,10 +11,10 @@ import pytest
 from serve.client import TritonClient
 from serve.config import RepoConfig, ServeConfig
 from serve.embedded import TritonServer
+from serve.model_config import versions
 from serve.parity import check_served
 from serve.repository import build_repository
 from serve.rollout import previous, switch
-from serve.model_config import versions
 from serve.versions import add_version, history, live_version
 from tests.helpers import alter_onnx_weight, in_process, rehash_version, scale
 from torchship.errors import ArtifactError, ParityError, RolloutError
@@ -33,8 +33,21 @@ def retrained(tmp_path_factory):
     from train.loop import train
 
     out = tmp_path_factory.mktemp("retrained")
-    res = train(build(TrainConfig, {"arch": "tiny_cnn", "epochs": 3, "lr": 3e-2, "batch_size": 32, "out": str(out / "train"),
-                                    "progress": False, "seed": 1, "amp": "off"}))
+    res = train(
+        build(
+            TrainConfig,
+            {
+                "arch": "tiny_cnn",
+                "epochs": 3,
+                "lr": 3e-2,
+                "batch_size": 32,
+                "out": str(out / "train"),
+                "progress": False,
+                "seed": 1,
+                "amp": "off",
+            },
+        )
+    )
     run_export(build(ExportConfig, {"checkpoint": str(res.best), "out": str(out / "export"), "max_batch": 8,
                                     "formats": ["onnx"]}), log=lambda *a: None)
     return out / "export"
@@ -126,7 +139,9 @@ def test_a_bad_new_version_is_refused_and_the_live_one_serves_on(two_versions, e
     expected = {1: in_process(exported, "onnx").run({"images": xs})["logits"]}
     with TritonServer(ServeConfig(repo=str(repo))) as s:
         with Flood(s.url, xs) as flood:
-            with pytest.raises(RolloutError, match=r"tiny_cnn_onnx: version 2 refused \(ParityError: .*version 1 still serves"):
+            with pytest.raises(
+                RolloutError, match=r"tiny_cnn_onnx: version 2 refused \(ParityError: .*version 1 still serves"
+            ):
                 switch(s.url, repo, MODEL, None, retrained)
         assert sorted(TritonClient(s.url).ready_models()) == [MODEL]  # the candidate is gone
     assert all(which(out, k, expected) == 1 for *_, k, out in flood.log) and len(flood.log) > 16
@@ -136,12 +151,18 @@ def test_a_bad_new_version_is_refused_and_the_live_one_serves_on(two_versions, e
 def test_a_new_signature_is_refused_until_asked_for(exported, tmp_path):
     repo = tmp_path / "repo"
     build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
-    with pytest.raises(ArtifactError, match=r"tiny_cnn_onnx: the new version's inputs, outputs or max batch differ .*--new-signature"):
+    with pytest.raises(
+        ArtifactError, match=r"tiny_cnn_onnx: the new version's inputs, outputs or max batch differ .*--new-signature"
+    ):
         add_version(exported, repo, RepoConfig(formats=("onnx",), max_batch=4), log=lambda *a: None)
     assert versions(repo / MODEL) == [1]  # nothing written
-    assert add_version(exported, repo, RepoConfig(formats=("onnx",), max_batch=4), new_signature=True, log=lambda *a: None) == {MODEL: 2}
+    assert add_version(
+        exported, repo, RepoConfig(formats=("onnx",), max_batch=4), new_signature=True, log=lambda *a: None
+    ) == {MODEL: 2}
     rows = history(repo)
-    assert [(r["version"], r["live"]) for r in rows] == [(1, True), (2, False)] and all(r["manifest_sha256"] for r in rows)
+    assert [(r["version"], r["live"]) for r in rows] == [(1, True), (2, False)] and all(
+        r["manifest_sha256"] for r in rows
+    )
 
 
 @pytest.mark.slow
@@ -152,8 +173,10 @@ def test_the_second_model_workflow_in_one_command(exported, tmp_path, capsys):
     repo = tmp_path / "repo"
     build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
     config = tmp_path / "run.toml"
-    config.write_text('[train]\narch = "tiny_cnn"\nepochs = 2\nlr = 0.03\nnproc = 1\namp = "off"\nprogress = false\nseed = 3\n'
-                      '[export]\nmax_batch = 8\nformats = ["onnx"]\n[repo]\nformats = ["onnx"]\n[run]\nmin_accuracy = 0.1\n')
+    config.write_text(
+        '[train]\narch = "tiny_cnn"\nepochs = 2\nlr = 0.03\nnproc = 1\namp = "off"\nprogress = false\nseed = 3\n'
+        '[export]\nmax_batch = 8\nformats = ["onnx"]\n[repo]\nformats = ["onnx"]\n[run]\nmin_accuracy = 0.1\n'
+    )
     with TritonServer(ServeConfig(repo=str(repo))) as s:
         assert run_cli("run", "--out", tmp_path / "run", "--config", config, "--into", repo, "--url", s.url) == 0
         assert TritonClient(s.url).ready_models() == [MODEL]
@@ -165,7 +188,9 @@ def test_the_second_model_workflow_in_one_command(exported, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_rollout_leaves_one_version_serving_and_says_which(two_versions, exported, retrained, monkeypatch):
+def test_ctrl_c_during_a_rollout_leaves_one_version_serving_and_says_which(
+    two_versions, exported, retrained, monkeypatch
+):
     import serve.rollout
 
     def interrupted(*a, **k):
@@ -190,7 +215,9 @@ def test_a_tampered_candidate_is_refused_before_it_is_loaded(two_versions, expor
     without loading it; version 1 stays live."""
     path = two_versions / MODEL / "2" / "model.onnx"
     path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))
-    with pytest.raises(RolloutError, match=r"version 2 refused: model.onnx differs from the sha256 .*version 1 still serves"):
+    with pytest.raises(
+        RolloutError, match=r"version 2 refused: model.onnx differs from the sha256 .*version 1 still serves"
+    ):
         switch("127.0.0.1:1", two_versions, MODEL, None, exported)  # refused before any server is asked
     assert live_version(two_versions / MODEL) == 1
 

@@ -3,6 +3,7 @@ it, and the key out of sight (process list, log, files other users can read)."""
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -145,8 +146,11 @@ def test_infer_check_passes_over_mutual_tls(tls_server, exported, capsys):
 @pytest.mark.parametrize("client", ["plaintext", "no client certificate", "wrong CA"])
 def test_a_tls_server_refuses_a_client_without_the_right_certificates(tls_server, client, tmp_path):
     s, certs = tls_server
-    access = {"plaintext": Access(), "no client certificate": Access(tls_ca=certs["ca"]),
-              "wrong CA": Access(tls_ca=certs["client_cert"], tls_cert=certs["client_cert"], tls_key=certs["client_key"])}
+    access = {
+        "plaintext": Access(),
+        "no client certificate": Access(tls_ca=certs["ca"]),
+        "wrong CA": Access(tls_ca=certs["client_cert"], tls_cert=certs["client_cert"], tls_key=certs["client_key"]),
+    }
     with pytest.raises(AccessError, match="TLS"):
         TritonClient(s.url, access=access[client]).wait_ready(10)
 
@@ -223,9 +227,6 @@ def test_the_key_files_of_servers_that_are_gone_are_removed(tmp_path, monkeypatc
 def test_torchship_serve_refuses_the_attack_and_removes_its_key_when_it_stops(repo, tmp_path):
     """torchship serve as a user starts it, in a process of its own: the planted attacks are refused, the key file
     it prints is its user's alone, and it is gone once the server stops."""
-    import signal
-    import time
-
     from serve.embedded.process import free_ports
 
     grpc, http = free_ports(n=2)

@@ -4,8 +4,14 @@ and nothing left behind."""
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import types
+from concurrent import futures
 from pathlib import Path
 
 import numpy as np
@@ -134,7 +140,6 @@ def test_a_model_that_fails_to_load_is_named_and_its_log_kept(repo, tmp_path):
 
 
 def test_a_server_that_cannot_be_started_leaves_no_temp_log(repo, tmp_path, monkeypatch):
-    import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(TritonServer, "command", lambda self: [str(tmp_path / "no-such-tritonserver")])
@@ -177,7 +182,6 @@ def test_serve_names_a_broken_config_before_starting(repo, tmp_path, capsys):
 
 
 def test_serve_refuses_a_port_in_use_before_starting(repo, capsys):
-    import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -222,9 +226,6 @@ def test_each_endpoint_gets_its_own_port(repo, capsys, monkeypatch):
     """Ports left to the system are distinct and avoid the ones given, even where the system hands a
     closed port out again (picked one at a time, Triton then refuses to start: 'cannot listen to HTTP
     requests and metrics requests at the same address and port')."""
-    import socket
-    import types
-
     import serve.embedded.process as srv
 
     monkeypatch.setattr(srv, "socket", types.SimpleNamespace(socket=FirstFreePort, SOL_SOCKET=socket.SOL_SOCKET,
@@ -244,9 +245,6 @@ def test_a_picked_port_taken_before_triton_binds_it_is_picked_again(repo, export
     """Another process takes a port the server picked, between the pick and Triton's bind (gRPC: before the
     server is live; metrics: Triton's last bind, often after). The server starts on a new port, this
     server's own model answers there, and the failed start leaves no temp log."""
-    import socket
-    import tempfile
-
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",)))
     with socket.socket() as taken:
@@ -262,9 +260,6 @@ def test_a_picked_port_taken_before_triton_binds_it_is_picked_again(repo, export
 def test_another_server_on_the_picked_grpc_port_is_not_taken_for_this_one(repo, exported, tmp_path, monkeypatch):
     """What a second Triton that won the race for the picked gRPC port would do: answer live, load and
     ready for any model. start() must not take it for its own server: it starts again on a new port."""
-    import tempfile
-    from concurrent import futures
-
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -297,9 +292,6 @@ def test_another_server_on_the_picked_grpc_port_is_not_taken_for_this_one(repo, 
 
 def test_a_given_port_taken_after_the_check_is_named(repo, tmp_path, monkeypatch):
     """A port the user gave is not picked again: the error names the flag and keeps the log."""
-    import socket
-    import tempfile
-
     from serve.embedded.process import free_ports
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -360,9 +352,6 @@ def test_a_start_interrupted_while_waiting_on_the_starter_ends_the_child(monkeyp
     """Ctrl-C (here a SIGINT whose handler raises) while the caller waits for the starter thread: the caller
     gets the interrupt at once, and the child that the starter brings up after it is killed, not orphaned
     (nothing else holds its Popen)."""
-    import subprocess
-    import sys
-
     from serve.embedded import process as server
 
     class Interrupted(BaseException):
@@ -404,15 +393,13 @@ def test_a_start_interrupted_while_waiting_on_the_starter_ends_the_child(monkeyp
 @pytest.mark.slow
 def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
     """SIGKILL the process that started the server: no finally block runs, yet the server goes too."""
-    import subprocess
-    import sys
-
     script = tmp_path / "hold.py"
     script.write_text(f"""
 import sys, time
 from serve.config import ServeConfig
 from serve.embedded import TritonServer
-s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",), log={str(tmp_path / "server.log")!r})).start()
+s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",),
+                             log={str(tmp_path / "server.log")!r})).start()
 print(s.proc.pid, flush=True)
 time.sleep(600)
 """)

@@ -9,7 +9,7 @@ import pytest
 
 from serve.bench.soak import growth_per_1000, parse_duration, soak_failure
 from serve.config import RepoConfig
-from serve.model_config import CONFIG, read_config, config_text
+from serve.model_config import CONFIG, config_text, read_config
 from serve.repository import build_repository
 from tests.conftest import run_cli
 from torchship.errors import ConfigError
@@ -38,7 +38,10 @@ def test_durations_and_the_verdict():
                          "m backend (pid 2)": {"growth_bytes_per_1000": 1e6, "within_bound": False,
                                                "first_bytes": 1 << 27, "last_bytes": 1 << 28}}}
     err = soak_failure(res)
-    assert err is not None and "m backend (pid 2) grew 976.6 KiB per 1000 requests (bound 64 KiB; 128 -> 256 MiB)" in str(err)
+    assert (
+        err is not None
+        and "m backend (pid 2) grew 976.6 KiB per 1000 requests (bound 64 KiB; 128 -> 256 MiB)" in str(err)
+    )
     assert "tritonserver" not in str(err)
     res["processes"]["m backend (pid 2)"]["within_bound"] = True
     assert soak_failure(res) is None
@@ -95,7 +98,9 @@ def test_a_soak_checks_every_response_and_catches_a_planted_leak(exported, tmp_p
     res = json.loads((out / "results.json").read_text())["soak"]["tiny_cnn_onnx"]
     assert res["sent"] > 100 and res["checked"] == res["sent"] and res["wrong"] == 0 and res["failed"] == 0
     names = sorted(res["processes"])
-    assert len(names) == 2 and names[0].startswith("tiny_cnn_onnx backend (pid ") and names[1].startswith("tritonserver")
+    assert (
+        len(names) == 2 and names[0].startswith("tiny_cnn_onnx backend (pid ") and names[1].startswith("tritonserver")
+    )
     assert all(p["within_bound"] and len(p["samples"]) >= 6 for p in res["processes"].values())
     assert "## Soak" in (out / "report.md").read_text() and "in-process" not in res
     capsys.readouterr()

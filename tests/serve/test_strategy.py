@@ -7,12 +7,11 @@ import os
 import pytest
 
 from serve.bench.placement import candidates, placement_of
-from serve.model_config import read_config
-from serve.config import ServeConfig
-from serve.embedded import TritonServer
-from serve.parity import check_served
 from serve.bench.strategy import pick
-from serve.config import parse_strategy
+from serve.config import ServeConfig, parse_strategy
+from serve.embedded import TritonServer
+from serve.model_config import read_config
+from serve.parity import check_served
 from tests.conftest import run_cli
 from torchship.errors import ConfigError
 
@@ -28,8 +27,12 @@ def results(onnx, int8):
                                   "_torchship_noop": {"rows": [row(1, 5000, 0.2, 0.3)]}}}}
 
 
-FAST_INT8 = results([row(1, 200, 4.0, 6.0), row(16, 600, 25.0, 40.0)], [row(1, 300, 3.0, 5.0), row(16, 900, 17.0, 30.0)])
-LOW_LATENCY_ONNX = results([row(1, 400, 2.0, 3.0), row(16, 700, 20.0, 35.0)], [row(1, 300, 3.0, 5.0), row(16, 900, 17.0, 60.0)])
+FAST_INT8 = results(
+    [row(1, 200, 4.0, 6.0), row(16, 600, 25.0, 40.0)], [row(1, 300, 3.0, 5.0), row(16, 900, 17.0, 30.0)]
+)
+LOW_LATENCY_ONNX = results(
+    [row(1, 400, 2.0, 3.0), row(16, 700, 20.0, 35.0)], [row(1, 300, 3.0, 5.0), row(16, 900, 17.0, 60.0)]
+)
 
 
 @pytest.mark.parametrize("res, strategy, model, runner_up", [
@@ -74,19 +77,32 @@ def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_ex
     repo = tmp_path / "repo"
     assert run_cli("repo", int8_export, "--out", repo, "--strategy", "max-throughput", "--bench", bench) == 0
     out = capsys.readouterr().out
-    assert "served as tiny_cnn: max-throughput: the highest served throughput: tiny_cnn_onnx_int8 (int8, accuracy " in out
+    assert (
+        "served as tiny_cnn: max-throughput: the highest served throughput: tiny_cnn_onnx_int8 (int8, accuracy " in out
+    )
     assert ", 900 req/s" in out
     winner = json.loads((repo / "tiny_cnn" / "winner.json").read_text())  # the precision and its gate's figures
-    assert winner["precision"] == "int8" and winner["gate"]["max_accuracy_drop"] == 2.0 and "accuracy_drop" in winner["gate"]
+    assert (
+        winner["precision"] == "int8"
+        and winner["gate"]["max_accuracy_drop"] == 2.0
+        and "accuracy_drop" in winner["gate"]
+    )
     readme = (repo / "README.md").read_text()
     assert "## Served by strategy" in readme and "(onnx_int8, int8; accuracy " in readme
     assert 'string_value: "onnx_int8"' in (repo / "tiny_cnn" / "config.pbtxt").read_text()
     with TritonServer(ServeConfig(repo=str(repo))) as s:
         report = check_served(s.url, int8_export, models=["tiny_cnn"])
         assert report["pass"] and "accuracy" in report["models"]["tiny_cnn"]["heldout"]  # the INT8 gate, not a bound
-        assert sorted(check_served(s.url, int8_export)["models"]) == ["tiny_cnn", "tiny_cnn_aoti_int8", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"]
+        assert sorted(check_served(s.url, int8_export)["models"]) == [
+            "tiny_cnn",
+            "tiny_cnn_aoti_int8",
+            "tiny_cnn_onnx",
+            "tiny_cnn_onnx_int8",
+        ]
     only = tmp_path / "only"
-    assert run_cli("repo", int8_export, "--out", only, "--strategy", "min-latency", "--bench", bench, "--only-winner") == 0
+    assert (
+        run_cli("repo", int8_export, "--out", only, "--strategy", "min-latency", "--bench", bench, "--only-winner") == 0
+    )
     assert sorted(p.name for p in only.iterdir() if p.is_dir()) == ["tiny_cnn"]
 
 
@@ -96,14 +112,19 @@ def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_pa
 
     monkeypatch.setitem(serve.bench.config.SHORT_BENCH, "window_s", 0.1)  # the same bench, in shorter windows
     repo = tmp_path / "repo"
-    assert run_cli("repo", int8_export, "--out", repo, "--formats", "onnx", "onnx_int8", "--strategy", "max-throughput") == 0
+    assert (
+        run_cli("repo", int8_export, "--out", repo, "--formats", "onnx", "onnx_int8", "--strategy", "max-throughput")
+        == 0
+    )
     out = capsys.readouterr().out
     results = json.loads((tmp_path / "repo-bench" / "results.json").read_text())
     served = results["served"]["models"]
     assert sorted(served) == ["tiny_cnn_onnx", "tiny_cnn_onnx_int8"] and "in_process" not in results
     best = max(served, key=lambda m: max(r["requests_per_s"] for r in served[m]["rows"]))
     winner = json.loads((repo / "tiny_cnn" / "winner.json").read_text())
-    assert winner["model"] == best and f"served as tiny_cnn: max-throughput: the highest served throughput: {best}" in out
+    assert (
+        winner["model"] == best and f"served as tiny_cnn: max-throughput: the highest served throughput: {best}" in out
+    )
     # instances x threads searched within this machine's cores, every response checked, the best one written
     placement = winner["placement"]
     grid = {(g["instances"], g["threads"]): g for g in placement["grid"]}
@@ -119,12 +140,18 @@ def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_pa
     assert "Instances x intra-op threads on" in (repo / "README.md").read_text()
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--only-winner"], "--bench and --only-winner go with --strategy"),
-    (["--bench", "r.json"], "--bench and --only-winner go with --strategy"),
-    (["--strategy", "max-throughput", "--bench", "missing.json"], "--bench missing.json: cannot read it as bench results"),
-    (["--strategy", "fast", "--bench", "r.json"], "choose max-throughput, min-latency or p99-budget=MS"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--only-winner"], "--bench and --only-winner go with --strategy"),
+        (["--bench", "r.json"], "--bench and --only-winner go with --strategy"),
+        (
+            ["--strategy", "max-throughput", "--bench", "missing.json"],
+            "--bench missing.json: cannot read it as bench results",
+        ),
+        (["--strategy", "fast", "--bench", "r.json"], "choose max-throughput, min-latency or p99-budget=MS"),
+    ],
+)
 def test_bad_strategy_input_is_refused_and_writes_nothing(exported, tmp_path, capsys, args, says):
     code = run_cli("repo", exported, "--out", tmp_path / "repo", *args)
     err = capsys.readouterr().err.strip().splitlines()

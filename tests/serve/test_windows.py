@@ -70,19 +70,27 @@ def test_rounds_visit_every_unsettled_cell_in_turn():
                         lambda w: [w["rate"]], 0.10, max_windows=9)
     assert calls == ["a", "b"] * 3 + ["b"] * 3  # a settled after round 3; b went on alone
     assert out["a"][1]["windows"] == 3 and out["b"][1]["windows"] == 6 and out["b"][1]["stable"]
-    assert out["a"][1]["drift"] == 0 and out["b"][1]["drift"] == pytest.approx(70 / (530 / 5))  # b's after its first: 80..150
+    assert out["a"][1]["drift"] == 0 and out["b"][1]["drift"] == pytest.approx(
+        70 / (530 / 5)
+    )  # b's after its first: 80..150
 
 
 def test_a_level_that_settles_in_one_of_two_states_is_marked_moved():
     # the last three windows agree, but the level ran at 1300 before settling at 1140: another run may settle at either
     from serve.bench.report import served_lines
 
-    it = iter([900, 1300, 1290, 1140, 1300, 1145, 1150, 1138])  # the first window, still warming, is not held against it
+    it = iter(
+        [900, 1300, 1290, 1140, 1300, 1145, 1150, 1138]
+    )  # the first window, still warming, is not held against it
     windows, how = settle(lambda: {"rate": next(it)}, lambda w: [w["rate"]], 0.10)
     assert how["stable"] and how["windows"] == 8 and how["spread"] < 0.02 and 0.10 < how["drift"] < 0.15
     steady = {**how, "drift": how["spread"]}
     row = {"concurrency": 4, "requests_per_s": 1145, "server": {"avg_batch": 1.0}, "ok": 10, "sent": 20}
-    served = {"url": "u", "embedded": True, "models": {"m": {"rows": [{**row, **how}, {**row, **steady, "concurrency": 1}]}}}
+    served = {
+        "url": "u",
+        "embedded": True,
+        "models": {"m": {"rows": [{**row, **how}, {**row, **steady, "concurrency": 1}]}},
+    }
     report = "\n".join(served_lines(served, {"stability": 10, "window_s": 1}))
     assert "MOVED ±13% over 8 windows" in report and "**1 level(s) MOVED**" in report
     assert report.count("MOVED ±") == 1  # the steady level is not marked
@@ -99,7 +107,9 @@ def test_a_machine_that_slows_down_over_the_rounds_is_caught():
             return {"rate": rate * speed[0]}
         return window
 
-    out = settle_rounds({k: cell(r) for k, r in zip("abc", (100, 200, 300))}, lambda w: [w["rate"]], 0.10, max_windows=6)
+    out = settle_rounds(
+        {k: cell(r) for k, r in zip("abc", (100, 200, 300))}, lambda w: [w["rate"]], 0.10, max_windows=6
+    )
     assert not any(how["stable"] for _, how in out.values())
     speed[0] = 1.0
     alone = [settle(cell(r), lambda w: [w["rate"]], 0.10, max_windows=6)[1] for r in (100, 200, 300)]
@@ -107,10 +117,28 @@ def test_a_machine_that_slows_down_over_the_rounds_is_caught():
 
 
 def test_window_statistics_merge_weighted_by_requests():
-    one = {"queue_us": 10.0, "compute_input_us": 0.0, "compute_infer_us": 100.0, "compute_output_us": 0.0, "server_us": 110.0,
-           "requests": 10, "executions": 10, "avg_batch": 1.0, "batch_executions": {"1": 10}}
-    two = {"queue_us": 40.0, "compute_input_us": 0.0, "compute_infer_us": 400.0, "compute_output_us": 0.0, "server_us": 440.0,
-           "requests": 30, "executions": 10, "avg_batch": 3.0, "batch_executions": {"2": 5, "4": 5}}
+    one = {
+        "queue_us": 10.0,
+        "compute_input_us": 0.0,
+        "compute_infer_us": 100.0,
+        "compute_output_us": 0.0,
+        "server_us": 110.0,
+        "requests": 10,
+        "executions": 10,
+        "avg_batch": 1.0,
+        "batch_executions": {"1": 10},
+    }
+    two = {
+        "queue_us": 40.0,
+        "compute_input_us": 0.0,
+        "compute_infer_us": 400.0,
+        "compute_output_us": 0.0,
+        "server_us": 440.0,
+        "requests": 30,
+        "executions": 10,
+        "avg_batch": 3.0,
+        "batch_executions": {"2": 5, "4": 5},
+    }
     m = merge_deltas([one, two])
     assert m["requests"] == 40 and m["executions"] == 20 and m["avg_batch"] == pytest.approx(2.0)
     assert m["compute_infer_us"] == pytest.approx((100 * 10 + 400 * 30) / 40) and m["server_us"] == pytest.approx(357.5)

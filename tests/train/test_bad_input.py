@@ -75,7 +75,9 @@ def test_checkpoint_of_another_architecture(trained, tmp_path, capsys):
 
 
 def test_checkpoint_of_another_class_count(trained, tmp_path, capsys):
-    assert run_cli(*BASE, "--data", "synthetic", "--num-classes", "3", "--resume", trained, "--out", tmp_path / "o") == 2
+    assert (
+        run_cli(*BASE, "--data", "synthetic", "--num-classes", "3", "--resume", trained, "--out", tmp_path / "o") == 2
+    )
     assert "with 3 classes" in err_line(capsys)
 
 
@@ -108,9 +110,9 @@ def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(tmp_path, capsys
 
 
 def test_more_ranks_than_cpus_is_noted(tmp_path, monkeypatch, capsys):
+    from torchship.config import build
     from train import launch
     from train.config import TrainConfig
-    from torchship.config import build
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     launch.preflight(build(TrainConfig, {"arch": "tiny_cnn", "data": "synthetic", "out": str(tmp_path / "o")}), 2)
@@ -140,9 +142,16 @@ def test_existing_output_is_not_overwritten(trained, tmp_path, capsys):
     assert (out / "checkpoints" / "index.json").read_text() == before
 
 
-@pytest.mark.parametrize("code, says", [
-    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", r"rank \d was killed by SIGKILL: the kernel's out-of-memory killer"),
-    ("raise SystemExit(3)", r"rank \d failed with exit code 3; see its traceback above")])
+@pytest.mark.parametrize(
+    "code, says",
+    [
+        (
+            "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+            r"rank \d was killed by SIGKILL: the kernel's out-of-memory killer",
+        ),
+        ("raise SystemExit(3)", r"rank \d failed with exit code 3; see its traceback above"),
+    ],
+)
 def test_a_rank_that_dies_without_an_error_is_named(code, says, monkeypatch):
     """A rank killed by the out-of-memory killer leaves no traceback: the launcher says what killed it."""
     from train.launch import launch_torchrun

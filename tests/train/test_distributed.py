@@ -58,9 +58,32 @@ def test_the_sharding_check_catches_ranks_that_share_a_shard(tmp_path):
 @pytest.mark.slow
 def test_torchship_train_nproc_2_launches_ranks(tmp_path):
     """The CLI's --nproc path (in-process torchrun launch), end to end."""
-    r = subprocess.run([sys.executable, "-m", "torchship.pipeline.cli", "train", "--arch", "tiny_cnn", "--data", "synthetic",
-                        "--synthetic-samples", "64", "--epochs", "1", "--batch-size", "16", "--nproc", "2",
-                        "--out", str(tmp_path / "o"), "--no-progress"], capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchship.pipeline.cli",
+            "train",
+            "--arch",
+            "tiny_cnn",
+            "--data",
+            "synthetic",
+            "--synthetic-samples",
+            "64",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "16",
+            "--nproc",
+            "2",
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     meta = json.loads(next((tmp_path / "o" / "checkpoints").glob("step-*/meta.json")).read_text())
     assert meta["world_size"] == 2

@@ -1,18 +1,19 @@
 """Training behaviour on CPU: AMP, exact resume, checkpoint contents and crash safety."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from torchship import checkpoint as ck
 from torchship.config import build
 from torchship.errors import CheckpointError
-from torchship import checkpoint as ck
+from torchship.models import build_model
 from train.config import TrainConfig
 from train.loop import train
-from torchship.models import build_model
 
 
 def cfg(tmp_path, **kw) -> TrainConfig:
@@ -110,7 +111,16 @@ def test_checkpoint_loads_weights_only_into_a_fresh_model(trained):
     meta = json.loads((trained / ck.META).read_text())
     sd = torch.load(trained / ck.WEIGHTS, weights_only=True)
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in sd)
-    for key in ("arch", "model_args", "classes", "preprocessing", "input_shape", "metrics", "torch_version", "git_revision"):
+    for key in (
+        "arch",
+        "model_args",
+        "classes",
+        "preprocessing",
+        "input_shape",
+        "metrics",
+        "torch_version",
+        "git_revision",
+    ):
         assert key in meta
     model = build_model(meta["arch"], meta["num_classes"], meta["input_shape"][0], meta["model_args"]).eval()
     model.load_state_dict(sd, strict=True)
@@ -151,7 +161,6 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, m
 
 
 def test_corrupt_weights_are_reported(trained, tmp_path):
-    import shutil
 
     bad = tmp_path / "bad"
     shutil.copytree(trained, bad)

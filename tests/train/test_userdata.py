@@ -4,15 +4,14 @@ its way through export and serving are in tests/anymodel."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 
 from tests.anymodel.models import tabular, topic_texts
 from tests.conftest import run_cli
-from torchship.config import build
 from torchship import checkpoint as ck
+from torchship.config import build
 from train.config import TrainConfig
 from train.loop import train
 from train.userdata import infer_signature
@@ -90,7 +89,9 @@ def float_targets():
 
 
 def bf16_inputs():
-    return Samples(lambda i: (torch.zeros(20, dtype=torch.bfloat16), 0)), Samples(lambda i: (torch.zeros(20, dtype=torch.bfloat16), 0))
+    return Samples(lambda i: (torch.zeros(20, dtype=torch.bfloat16), 0)), Samples(
+        lambda i: (torch.zeros(20, dtype=torch.bfloat16), 0)
+    )
 
 
 def other_keys():

@@ -27,7 +27,11 @@ def crops(count: int = 64, size: int = 224, seed: int = 0) -> np.ndarray:
         side = int(g.integers(min(h, w) // 3, min(h, w) + 1))
         y, x = int(g.integers(0, h - side + 1)), int(g.integers(0, w - side + 1))
         crop = p[:, y:y + side, x:x + side][None]
-        out[k] = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0].clamp(0, 1).numpy()
+        out[k] = (
+            F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+            .clamp(0, 1)
+            .numpy()
+        )
     return out
 
 

@@ -113,8 +113,8 @@ def export_with_faults(name: str, tmp, faults: dict, weights, head_scale: float 
     from export.exporters import example, exported_program
     from export.pipeline import run_export
     from export.source import load_source
-    from torchship.config import build
     from tests.zoo.run import model_args
+    from torchship.config import build
 
     spec = MODELS[name]
     entry = spec["entry"]

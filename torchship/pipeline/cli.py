@@ -31,12 +31,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 EXIT_RULE = ("Exit status: 0 when every requested format is exported and verified; 3 when a format not marked "
              "--optional cannot be exported or disagrees with the reference (the export directory is still written, "
              "and torchship repo serves only the formats that passed); 2 for a usage or input error.")
-EXPORT_EXAMPLES = ("Examples: 'torchship export runs/RUN/train' (a torchship checkpoint: the signature, preprocessing "
-                   "and held-out samples come from it); 'torchship export --model torchvision.models:resnet50 --weights "
-                   "resnet50.pt --input x:float32:B,3,224,224' (your own model: a factory, a state_dict file and the "
-                   "signature).")
-EPILOGS = {"export": EXPORT_EXAMPLES + " " + EXIT_RULE + " Also 3 when eager's outputs are the same for every reference "
-                                                        "input (--allow-degenerate goes on).", "verify": EXIT_RULE}
+EXPORT_EXAMPLES = (
+    "Examples: 'torchship export runs/RUN/train' (a torchship checkpoint: the signature, preprocessing "
+    "and held-out samples come from it); 'torchship export --model torchvision.models:resnet50 --weights "
+    "resnet50.pt --input x:float32:B,3,224,224' (your own model: a factory, a state_dict file and the "
+    "signature)."
+)
+EPILOGS = {
+    "export": EXPORT_EXAMPLES + " " + EXIT_RULE + " Also 3 when eager's outputs are the same for every reference "
+    "input (--allow-degenerate goes on).",
+    "verify": EXIT_RULE,
+}
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -1,4 +1,5 @@
-"""Triton Python-based 'onnxruntime' backend: serves every model whose platform maps to 'onnxruntime' in Triton's stub processes."""
+"""Triton Python-based 'onnxruntime' backend: serves every model whose platform maps to 'onnxruntime', in
+Triton's stub processes."""
 
 import os
 import sys

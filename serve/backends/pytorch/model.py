@@ -1,4 +1,5 @@
-"""Triton Python-based 'pytorch' backend: serves every model whose platform maps to 'pytorch' in Triton's stub processes."""
+"""Triton Python-based 'pytorch' backend: serves every model whose platform maps to 'pytorch', in Triton's stub
+processes."""
 
 import os
 import sys

@@ -1,4 +1,5 @@
-"""Triton Python-based 'torchship' backend: serves torchship's no-op model (backend: "torchship") in Triton's stub processes."""
+"""Triton Python-based 'torchship' backend: serves torchship's no-op model (backend: "torchship") in Triton's
+stub processes."""
 
 import os
 import sys
