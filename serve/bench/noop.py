@@ -8,15 +8,14 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..model_config import CONFIG, config_text
-from ..repository import DTYPES, config_dims
+from ..model_config import CONFIG, DTYPES, config_dims, config_text
 
 NOOP_MODEL = "_torchship_noop"
 
 
 def noop_repo(out: Path, manifest: dict) -> Path:
     """A repository with one model of the export's tensors that answers zeros without running anything,
-    on the same backend host as the real models: the round trip of the protocol alone."""
+    on the same backend host as the real models, batched as they are: the round trip of the protocol alone."""
     root = out / "noop_repo"
     mdir = root / NOOP_MODEL
     if mdir.exists():
@@ -28,5 +27,6 @@ def noop_repo(out: Path, manifest: dict) -> Path:
     for t in manifest["outputs"]:
         c.output.add(name=t["name"], data_type=DTYPES[t["dtype"]], dims=config_dims(t))
     c.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+    c.dynamic_batching.SetInParent()  # batched as the served models are, so its ceiling at many in flight is theirs
     (mdir / CONFIG).write_text(config_text(c))
     return root

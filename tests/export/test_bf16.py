@@ -52,6 +52,7 @@ def photos(n: int = 32) -> np.ndarray:
 FAULTS = {"normalized_twice": lambda m: WithPreprocessing(m, MEAN, STD), "channels_swapped": FlipChannels}
 
 
+@pytest.mark.slow  # 24 s: an export and its verification per planted fault
 def test_a_bf16_artifact_is_gated_and_its_planted_faults_are_refused(tmp_path):
     """Each artifact below is the model computing in bfloat16 behind float32 inputs and outputs (an ExportedProgram,
     as a faulty exporter could have written it), listed under the gate a bf16 artifact carries: the faithful one

@@ -83,6 +83,7 @@ def test_results_and_report_are_well_formed(bench_run):
                 assert r["checked"] >= r["ok"] and r["wrong"] == 0, (model, r)  # every response, held to the bound
     assert served["batching_off"]["tiny_cnn_onnx"]["rows"][0]["server"]["avg_batch"] == 1.0
     noop = served["noop"]["rows"]  # its round trip at concurrency 1, and the most it carries at the top level
+    assert "dynamic_batching" in (out / "noop_repo" / "_torchship_noop" / "config.pbtxt").read_text()  # as the models
     assert [r["concurrency"] for r in noop] == [1, max(SHORT["concurrency"])] and all(
         r["ok"] >= SHORT["requests"] for r in noop
     )
