@@ -95,6 +95,8 @@ class RepoConfig:
     bench: Optional[str] = opt(None, "with --strategy: the results.json of a torchship bench of this export "
                                      "(default: run a short one)")
     only_winner: bool = opt(False, "with --strategy: serve the winner alone, without the per-format models")
+    image_entry: bool = opt(False, "also serve <name>_image, which takes an encoded image file (JPEG, PNG, WebP, ...) "
+                                   "as its bytes and prepares it in the server as training did (an image model only)")
 
     def __post_init__(self) -> None:
         if self.strategy is not None:

@@ -70,9 +70,16 @@ def run_infer(ns: InferConfig) -> int:
 
 
 def is_image_model(cfg: dict[str, Any]) -> bool:
-    """One float input laid out NCHW: what image files and .npy arrays are sent to."""
+    """One float input laid out NCHW (what image files and .npy arrays are sent to), or an image entry."""
     ins = cfg["input"]
-    return len(ins) == 1 and ins[0].get("data_type") == "TYPE_FP32" and ins[0].get("format") == "FORMAT_NCHW"
+    return (len(ins) == 1 and ins[0].get("data_type") == "TYPE_FP32" and ins[0].get("format") == "FORMAT_NCHW") \
+        or takes_files(cfg)
+
+
+def takes_files(cfg: dict[str, Any]) -> bool:
+    """An image entry (torchship repo --image-entry): one UINT8 vector, the encoded file's bytes as they are."""
+    ins = cfg["input"]
+    return len(ins) == 1 and ins[0].get("data_type") == "TYPE_UINT8" and [int(d) for d in ins[0]["dims"]] == [-1]
 
 
 def input_names(cfg: dict[str, Any]) -> list[str]:
@@ -140,6 +147,9 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
         p = Path(f)
         if p.suffix == ".npz":
             out.append((p.name, _npz_request(p, cfg), None))
+            continue
+        if takes_files(cfg):  # the server decodes and prepares it: send the file as it is
+            out.append((p.name, {first: np.frombuffer(p.read_bytes(), np.uint8)[None]}, None))
             continue
         if not image:
             raise ShapeError(f"{p}: model {cfg['name']} takes {', '.join(i['name'] for i in cfg['input'])}, not an "

@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
@@ -80,3 +80,21 @@ def edit_configs(model_dir: str | Path, edit: Callable[[mc.ModelConfig], None], 
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return [path for _, path in staged]
+
+
+DTYPES = {
+    "float32": mc.TYPE_FP32,
+    "float16": mc.TYPE_FP16,
+    "float64": mc.TYPE_FP64,
+    "int64": mc.TYPE_INT64,
+    "int32": mc.TYPE_INT32,
+    "int16": mc.TYPE_INT16,
+    "int8": mc.TYPE_INT8,
+    "uint8": mc.TYPE_UINT8,
+    "bool": mc.TYPE_BOOL,
+}
+
+
+def config_dims(spec: dict[str, Any]) -> list[int]:
+    """A tensor's dims without the batch, as config.pbtxt takes them: -1 for a dynamic one."""
+    return [d if isinstance(d, int) else -1 for d in spec["shape"][1:]]

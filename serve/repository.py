@@ -44,21 +44,9 @@ from .config import (
     RepoConfig,
     placement,
 )
-from .model_config import CONFIG, EMBEDDED_CONFIG, TENSOR_NAMES, config_text
+from .image_entry import write_image_entry
+from .model_config import CONFIG, DTYPES, EMBEDDED_CONFIG, TENSOR_NAMES, config_dims, config_text
 from .servable import not_served, not_served_text, servable_formats, served_artifacts  # noqa: F401 (re-exported)
-
-DTYPES = {
-    "float32": mc.TYPE_FP32,
-    "float16": mc.TYPE_FP16,
-    "float64": mc.TYPE_FP64,
-    "int64": mc.TYPE_INT64,
-    "int32": mc.TYPE_INT32,
-    "int16": mc.TYPE_INT16,
-    "int8": mc.TYPE_INT8,
-    "uint8": mc.TYPE_UINT8,
-    "bool": mc.TYPE_BOOL,
-}
-
 
 KEY_PLACEHOLDER = "KEY"  # where the README's docker command puts the key it reads
 
@@ -163,11 +151,6 @@ def dim_ranges(manifest: dict[str, Any]) -> dict[str, list]:
             for t in manifest["inputs"]}
 
 
-def config_dims(spec: dict[str, Any]) -> list[int]:
-    """A tensor's dims without the batch, as config.pbtxt takes them: -1 for a dynamic one."""
-    return [d if isinstance(d, int) else -1 for d in spec["shape"][1:]]
-
-
 def warmup_sample(manifest: dict[str, Any], ref: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One real sample per input (the first of the reference's real samples, else of its first set)."""
     return {k: np.ascontiguousarray(v[:1]) for k, v in reference_inputs(ref, manifest).items()}
@@ -250,10 +233,15 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
             # where the version came from (torchship repo REPO --history) and the sha256 of each of its files,
             # which the embedded server's backends and torchship serve check before loading them
             (vdir / PROVENANCE).write_text(json.dumps({**origin, "files": files}, indent=2) + "\n")
+        entries = []
+        if cfg.image_entry:  # in front of the ONNX model where it is served, else the first
+            target = names["onnx"] if "onnx" in formats else names[formats[0]]
+            entries = write_image_entry(tmp, manifest, target, max_batch, cfg.version)
         container_aoti = "aoti" not in formats or "aoti" in have
         (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU,
                                                container_aoti))
-    return {"models": {f: names[f] for f in formats}, "not_served": reasons, "path": str(out)}
+    return {"models": {f: names[f] for f in formats}, "not_served": reasons, "path": str(out),
+            **({"image_entry": entries[-1]} if entries else {})}
 
 
 def _sources(fmt: str, have: set[str]) -> set[str]:

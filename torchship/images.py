@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import DataError
+from .imageio import image_array
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -50,11 +51,10 @@ class ImageFolderDataset(Dataset):
         path, label = self.files[i]
         try:
             with Image.open(path) as im:
-                im = im.convert("RGB").resize((self.image_size, self.image_size), Image.BILINEAR)
-                arr = np.asarray(im, dtype=np.float32) / 255.0
+                chw = image_array(im, {"image_size": [self.image_size, self.image_size], "source_scale": "pixel / 255"})
         except OSError as e:
             raise DataError(f"cannot read image {path}: {e}") from None
-        return torch.from_numpy(arr).permute(2, 0, 1).contiguous(), label
+        return torch.from_numpy(chw), label
 
 
 def load_image_file(path: str | Path, image_size: int) -> np.ndarray:

@@ -14,6 +14,7 @@ from torchship.names import FORMAT_PARAMETER, FORMATS, format_of
 from torchship.parity import gate_words
 
 from ..config import parse_strategy
+from ..image_entry import retarget
 from ..model_config import edit_configs, read_config, repository_models, served_config_path
 from ..repository import readme_with_winner
 from .recommend import batching_edit, recommend
@@ -150,6 +151,7 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
         for m in repository_models(repo):
             if m != name and format_of(m, manifest):
                 shutil.rmtree(repo / m)
+    retarget(repo, manifest["name"], name)  # the image entry, where there is one, in front of the winner
     readme = repo / "README.md"
     text = readme_with_winner(readme.read_text() if readme.exists() else "", name, winner)
     atomic_write_text(readme, text)

@@ -45,7 +45,8 @@ def backend_dir() -> Path:
     stub = home / "python_backend_stubs" / ver / "triton_python_backend_stub"
     if not stub.exists():
         raise ServerError(f"the Triton Python stub has no build for Python {ver}; use Python 3.11, 3.12 or 3.13")
-    shared = [BACKENDS_SRC / "torchship_backend.py", BACKENDS_SRC / "torchship_stub.py", RUNTIME_SRC]
+    shared = [BACKENDS_SRC / "torchship_backend.py", BACKENDS_SRC / "torchship_stub.py",
+              BACKENDS_SRC / "torchship_tensors.py", RUNTIME_SRC]
     files = shared + [BACKENDS_SRC / b / "model.py" for b in BACKENDS]
     h = hashlib.sha256(sys.version.encode())
     for f in files + [stub]:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from export.config import default_formats
@@ -74,8 +75,9 @@ def test_compose_file_passes_the_compose_spec_schema(tmp_path):
     assert subprocess.run([*check, str(tmp_path / "bad.yaml")], capture_output=True).returncode != 0
 
 
-def test_dockerfile_passes_hadolint():
-    r = subprocess.run([tool("hadolint"), str(DEPLOY / "Dockerfile")], capture_output=True, text=True)
+@pytest.mark.parametrize("name", ["Dockerfile", "triton-images.Dockerfile"])
+def test_dockerfile_passes_hadolint(name):
+    r = subprocess.run([tool("hadolint"), str(DEPLOY / name)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -1,0 +1,10 @@
+# The official Triton container for a repository with an image entry (torchship repo --image-entry): its
+# preprocessing model runs in Triton's python backend and decodes images with Pillow, which the image lacks.
+# docker build -f deploy/triton-images.Dockerfile -t triton-images deploy/
+FROM nvcr.io/nvidia/tritonserver:26.11-py3
+
+RUN pip install --no-cache-dir pillow==13.0.0
+
+USER 1000:1000
+HEALTHCHECK --interval=30s --timeout=5s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4)"]

@@ -1,0 +1,94 @@
+"""The image entry of a repository: ``<name>_image`` takes an encoded image file (JPEG, PNG, WebP, ...) as a
+UINT8 vector of its bytes, and answers as the model does. It is a Triton ensemble of two models:
+``<name>_image_pre``, a python-backend model that decodes and prepares the image as training did
+(torchship/imageio.py, carried beside it), then the model itself. Triton's image_client and other tensor
+clients keep the model's own tensor entry."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from torchship.errors import ConfigError
+from torchship.io import sha256_file
+from torchship.runtime import PROVENANCE
+
+from .model_config import CONFIG, DTYPES, config_dims, config_text
+
+IMAGE_INPUT = "image"  # the entry's input: the file's bytes
+ENTRY_SUFFIX, PRE_SUFFIX = "_image", "_image_pre"
+SOURCES = Path(__file__).resolve().parent / "backends"
+ROOT = Path(__file__).resolve().parents[1]
+CARRIED = {"model.py": SOURCES / "image" / "model.py", "torchship_imageio.py": ROOT / "torchship" / "imageio.py",
+           "torchship_tensors.py": SOURCES / "torchship_tensors.py"}
+
+
+def entry_names(export_name: str) -> tuple[str, str]:
+    """(the image entry, its preprocessing model) of an export."""
+    return export_name + ENTRY_SUFFIX, export_name + PRE_SUFFIX
+
+
+def check_image_model(manifest: dict[str, Any]) -> None:
+    """ConfigError unless the export is an image model: one float input, and the preprocessing its training
+    recorded."""
+    if not manifest.get("preprocessing") or len(manifest["inputs"]) != 1:
+        raise ConfigError(f"--image-entry: {manifest['name']} is not an image model (its manifest records no image "
+                          "preprocessing, or it has more than one input); build the repository without it")
+
+
+def write_image_entry(repo: Path, manifest: dict[str, Any], target: str, max_batch: int, version: int) -> list[str]:
+    """Write the entry and its preprocessing model into ``repo``, in front of the model ``target``; returns
+    their names."""
+    check_image_model(manifest)
+    entry, pre_name = entry_names(manifest["name"])
+    tensor = manifest["inputs"][0]
+    chw = [int(d) for d in tensor["shape"][1:]]
+
+    pre = mc.ModelConfig(name=pre_name, backend="python", max_batch_size=max_batch)
+    pre.input.add(name=IMAGE_INPUT, data_type=mc.TYPE_UINT8, dims=[-1], allow_ragged_batch=True)
+    pre.output.add(name=tensor["name"], data_type=mc.TYPE_FP32, dims=chw)
+    pre.dynamic_batching.SetInParent()
+    pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+    pre.parameters["preprocessing"].string_value = json.dumps(manifest["preprocessing"])
+    vdir = repo / pre_name / str(version)
+    vdir.mkdir(parents=True)
+    for name, src in CARRIED.items():
+        shutil.copy2(src, vdir / name)
+    (vdir / PROVENANCE).write_text(json.dumps({"files": {n: sha256_file(vdir / n) for n in CARRIED}}, indent=2) + "\n")
+    (repo / pre_name / CONFIG).write_text(config_text(pre))
+
+    ens = mc.ModelConfig(name=entry, platform="ensemble", max_batch_size=max_batch)
+    ens.input.add(name=IMAGE_INPUT, data_type=mc.TYPE_UINT8, dims=[-1])
+    for o in manifest["outputs"]:
+        ens.output.add(name=o["name"], data_type=DTYPES[o["dtype"]], dims=config_dims(o))
+    if manifest.get("classes"):  # top-k with class names, as the model's own entry answers
+        ens.output[0].label_filename = "labels.txt"
+        (repo / entry).mkdir()
+        (repo / entry / "labels.txt").write_text("\n".join(manifest["classes"]) + "\n")
+    first = ens.ensemble_scheduling.step.add(model_name=pre_name, model_version=-1)
+    first.input_map[IMAGE_INPUT] = IMAGE_INPUT
+    first.output_map[tensor["name"]] = "pixels"
+    second = ens.ensemble_scheduling.step.add(model_name=target, model_version=-1)
+    second.input_map[tensor["name"]] = "pixels"
+    for o in manifest["outputs"]:
+        second.output_map[o["name"]] = o["name"]
+    (repo / entry / str(version)).mkdir(parents=True, exist_ok=True)
+    (repo / entry / CONFIG).write_text(config_text(ens))
+    return [pre_name, entry]
+
+
+def retarget(repo: Path, export_name: str, target: str) -> bool:
+    """Point the image entry of ``export_name`` in ``repo`` (where it has one) at the model ``target``."""
+    from .model_config import read_config
+
+    path = repo / entry_names(export_name)[0] / CONFIG
+    if not path.exists():
+        return False
+    c = read_config(path)
+    c.ensemble_scheduling.step[1].model_name = target
+    path.write_text(config_text(c))
+    return True

@@ -1,0 +1,59 @@
+"""An encoded image file (JPEG, PNG, WebP, ...) to the float32 CHW array a model takes, exactly as training
+prepared its images: the one decoder the ImageFolder data set and the served image entry both run. It needs
+numpy and Pillow only (not torch), so the server's preprocessing model can carry it as one file.
+
+Refuses, with the reason in words (ValueError): an empty request, bytes that are not an image Pillow reads, a
+truncated or damaged file, and an image of more than MAX_PIXELS pixels (a decompression bomb: a small file
+that decodes to gigabytes)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+MAX_PIXELS = 100_000_000  # 100 megapixels: a phone's largest photos are about half of it
+
+
+def source_scale(pre: dict[str, Any]) -> float:
+    """The divisor that takes raw pixels to [0, 1] ("pixel / 255" -> 255.0)."""
+    return float(str(pre.get("source_scale", "pixel / 255")).split("/")[-1])
+
+
+def image_array(im, pre: dict[str, Any]) -> np.ndarray:
+    """A decoded Pillow image as float32 CHW in [0, 1] at pre["image_size"], as training made its inputs:
+    8-bit pixels (/255) become RGB and are resized bilinearly in 8 bits, as the ImageFolder data set does; any
+    other scale (the digits' 0..16) is gray, resized bilinearly in float (which is what torch's bilinear
+    interpolation computes), divided, clipped and repeated to the model's channels."""
+    from PIL import Image
+
+    h, w = (int(v) for v in pre["image_size"])
+    scale = source_scale(pre)
+    if scale == 255.0:
+        hwc = np.asarray(im.convert("RGB").resize((w, h), Image.BILINEAR), dtype=np.float32) / 255.0
+        return np.ascontiguousarray(hwc.transpose(2, 0, 1))
+    gray = np.asarray(im.convert("L").convert("F").resize((w, h), Image.BILINEAR), dtype=np.float32) / scale
+    return np.ascontiguousarray(np.repeat(np.clip(gray, 0.0, 1.0)[None], int(pre.get("channels", 3)), axis=0))
+
+
+def decode_image(data: bytes, pre: dict[str, Any], max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """An encoded image file's bytes as the model's float32 CHW input (image_array); ValueError saying why
+    where the bytes are not a usable image."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not len(data):
+        raise ValueError("the request holds no bytes: send the image file's contents")
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as im:
+            w, h = im.size
+            if w * h > max_pixels:
+                raise ValueError(f"the image is {w} x {h} pixels, more than the {max_pixels / 1e6:g} megapixels "
+                                 "this server decodes (a decompression bomb?); send it smaller")
+            im.load()
+            return image_array(im, pre)
+    except UnidentifiedImageError:
+        raise ValueError(f"{len(data)} bytes that are not an image Pillow can read (send a JPEG, PNG, WebP, BMP, "
+                         "GIF or TIFF file as it is)") from None
+    except (OSError, SyntaxError) as e:  # Pillow's truncated or damaged file
+        raise ValueError(f"a damaged or truncated image: {e}") from None
