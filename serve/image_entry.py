@@ -17,7 +17,7 @@ from torchship.errors import ConfigError
 from torchship.io import sha256_file
 from torchship.runtime import PROVENANCE
 
-from .model_config import CONFIG, DTYPES, config_dims, config_text
+from .model_config import CONFIG, DTYPES, config_dims, config_text, read_config
 
 IMAGE_INPUT = "image"  # the entry's input: the file's bytes
 ENTRY_SUFFIX, PRE_SUFFIX = "_image", "_image_pre"
@@ -83,8 +83,6 @@ def write_image_entry(repo: Path, manifest: dict[str, Any], target: str, max_bat
 
 def retarget(repo: Path, export_name: str, target: str) -> bool:
     """Point the image entry of ``export_name`` in ``repo`` (where it has one) at the model ``target``."""
-    from .model_config import read_config
-
     path = repo / entry_names(export_name)[0] / CONFIG
     if not path.exists():
         return False

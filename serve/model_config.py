@@ -98,3 +98,12 @@ DTYPES = {
 def config_dims(spec: dict[str, Any]) -> list[int]:
     """A tensor's dims without the batch, as config.pbtxt takes them: -1 for a dynamic one."""
     return [d if isinstance(d, int) else -1 for d in spec["shape"][1:]]
+
+
+def aoti_tensor_names(manifest: dict[str, Any]) -> dict[str, str]:
+    """The names the official container's PyTorch backend gives an AOTInductor package's tensors (26.05 on: read
+    from the package's call specification), by the manifest's: the forward's positional arguments ARGS[0],
+    ARGS[1], ...; its result RESULT, or RESULT[0], RESULT[1], ... for several outputs (returned as a tuple)."""
+    outs = manifest["outputs"]
+    return {**{t["name"]: f"ARGS[{i}]" for i, t in enumerate(manifest["inputs"])},
+            **{t["name"]: "RESULT" if len(outs) == 1 else f"RESULT[{i}]" for i, t in enumerate(outs)}}

@@ -29,26 +29,18 @@ from torchship.device import cuda_visible, usable_cpus
 from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import Export, artifact, file_problem, passed_formats, reference_inputs, runs_tf32
-from torchship.markdown import table
 from torchship.names import FORMATS, model_names
-from torchship.parity import gate_words
 from torchship.runtime import PROVENANCE
 
-from .access import restricted_flags
 from .config import (
-    DEFAULT_GRPC_PORT,
-    DEFAULT_HTTP_PORT,
-    DEFAULT_METRICS_PORT,
-    TRITON_IMAGE,
     TRT_CACHE,
     RepoConfig,
     placement,
 )
 from .image_entry import write_image_entry
-from .model_config import CONFIG, DTYPES, EMBEDDED_CONFIG, TENSOR_NAMES, config_dims, config_text
+from .model_config import CONFIG, DTYPES, EMBEDDED_CONFIG, TENSOR_NAMES, aoti_tensor_names, config_dims, config_text
+from .repo_readme import render_readme
 from .servable import not_served, not_served_text, servable_formats, served_artifacts  # noqa: F401 (re-exported)
-
-KEY_PLACEHOLDER = "KEY"  # where the README's docker command puts the key it reads
 
 
 def _instance_kind(cfg: RepoConfig) -> int:
@@ -62,15 +54,6 @@ def _instance_kind(cfg: RepoConfig) -> int:
 
 def _param(config: mc.ModelConfig, key: str, value: Any) -> None:
     config.parameters[key].string_value = str(value)
-
-
-def aoti_tensor_names(manifest: dict[str, Any]) -> dict[str, str]:
-    """The names the official container's PyTorch backend gives an AOTInductor package's tensors (26.05 on: read
-    from the package's call specification), by the manifest's: the forward's positional arguments ARGS[0],
-    ARGS[1], ...; its result RESULT, or RESULT[0], RESULT[1], ... for several outputs (returned as a tuple)."""
-    outs = manifest["outputs"]
-    return {**{t["name"]: f"ARGS[{i}]" for i, t in enumerate(manifest["inputs"])},
-            **{t["name"]: "RESULT" if len(outs) == 1 else f"RESULT[{i}]" for i, t in enumerate(outs)}}
 
 
 def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch: int, kind: int,
@@ -238,8 +221,8 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
             target = names["onnx"] if "onnx" in formats else names[formats[0]]
             entries = write_image_entry(tmp, manifest, target, max_batch, cfg.version)
         container_aoti = "aoti" not in formats or "aoti" in have
-        (tmp / "README.md").write_text(_readme(manifest, names, formats, cfg, kind == mc.ModelInstanceGroup.KIND_GPU,
-                                               container_aoti))
+        gpu = kind == mc.ModelInstanceGroup.KIND_GPU
+        (tmp / "README.md").write_text(render_readme(manifest, names, formats, cfg, gpu, container_aoti))
     return {"models": {f: names[f] for f in formats}, "not_served": reasons, "path": str(out),
             **({"image_entry": entries[-1]} if entries else {})}
 
@@ -314,97 +297,3 @@ def copy_artifact(d: Path, a: dict[str, Any], vdir: Path, filename: str) -> dict
         shutil.copy2(d / rel, vdir / dest)
         files[dest] = sha
     return files
-
-
-WINNER_HEADING = "## Served by strategy"
-
-
-def readme_with_winner(text: str, name: str, winner: dict[str, Any]) -> str:
-    """The repository README ``text`` with its section on the model served under the export's plain name (from
-    that model's winner.json) written, or written again in place of an earlier one."""
-    section = (f"`{name}` serves `{winner['model']}` ({winner['format']}, {winner.get('precision', 'float32')}"
-               + (f"; {gate_words(winner['gate'])}" if winner.get("gate") else "") + f"). Why: {winner['why']}.\n")
-    if winner.get("placement"):
-        from .bench.placement import grid_table
-
-        section += "\n" + "\n".join(grid_table(winner["placement"]))
-    return text.split(f"\n{WINNER_HEADING}\n")[0].rstrip() + f"\n\n{WINNER_HEADING}\n\n" + section
-
-
-def _readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True) -> str:
-    pre = manifest.get("preprocessing")
-    dims = manifest.get("dims", {})
-    tensors = [f"Input `{t['name']}`: {t['dtype']} {t['shape']}" + (f" — {pre['contract']}" if pre else "") + "."
-               for t in manifest["inputs"]]
-    tensors += [
-        f"Output `{t['name']}`: {t['dtype']} {t['shape']}"
-        + (", with class labels for Triton's classification extension" if manifest.get("classes") and i == 0 else "")
-        + "."
-        for i, t in enumerate(manifest["outputs"])
-    ]
-    tensors += [f"Dim `{k}`: {v['min']}..{v['max']} (`-1` in the configs)." for k, v in dims.items()]
-    rows = "\n".join(
-        table(["model", "format", "platform"], [[f"`{names[f]}`", f, f"`{FORMATS[f].platform}`"] for f in formats])
-    )
-    buckets_only = "" if container_aoti else (
-        f"\n\n**`{names['aoti']}` holds only the bucket archive** (the export has no verified `aoti` package), which "
-        "the container's `torch_aoti` cannot load; export the `aoti` format too to serve this model there.")
-    aoti = [f for f in formats if FORMATS[f].platform == "torch_aoti"]
-    named = " and ".join(f"`{names[f]}/config.pbtxt`" for f in aoti) or f"`{manifest['name']}_aoti/config.pbtxt`"
-    wire = ", ".join(f"`{k}` is `{v}`" for k, v in aoti_tensor_names(manifest).items())
-    packages = [f"`{names[f]}`" for f in ("aoti_int8", "aoti_bf16") if f in aoti]
-    int8 = ("" if not packages else
-            f" {' and '.join(packages)} {'is' if len(packages) == 1 else 'are'} batched the same way over "
-            f"{'its' if len(packages) == 1 else 'their'} one dynamic-batch package, without padding.")
-    kind_note = (
-        "The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
-        "`torchship repo --instance-kind cpu` builds the same repository for a machine without one."
-        if gpu
-        else f"The models run on the CPU (`KIND_CPU` instances), in the container too: {cfg.instance_count} "
-             "instance(s) "
-        f"of {cfg.threads} intra-op thread(s) each, {cfg.instance_count * cfg.threads} core(s) in all (`torchship "
-        "repo --cores N` builds it for a machine of N cores). `torchship repo --instance-kind gpu` builds the same "
-        "repository with the models on GPU 0."
-    )
-    flags = " ".join(f.replace(KEY_PLACEHOLDER, "$K") for f in restricted_flags(KEY_PLACEHOLDER))
-    return f"""# Triton model repository: {manifest["name"]}
-
-Generated by `torchship repo` from an export manifest ({manifest["created"]}, torch {manifest["torch_version"]}).
-
-{rows}
-
-{chr(10).join(tensors)}
-
-## Serve it with the official Triton container (GPU)
-
-```bash
-(umask 077; openssl rand -base64 32 > ../triton-admin-key)  # the key model control answers to; outside the repository
-docker run --rm --gpus all --shm-size=1g --user 1000:1000 --read-only --tmpfs /tmp --cap-drop ALL \\
-  --security-opt no-new-privileges \\
-  -p {DEFAULT_HTTP_PORT}:8000 -p {DEFAULT_GRPC_PORT}:8001 -p {DEFAULT_METRICS_PORT}:8002 \\
-  -v "$PWD:/models:ro" -v "$PWD/../triton-admin-key:/run/secrets/triton_admin_key:ro" {TRITON_IMAGE} \\
-  sh -c 'K=$(cat /run/secrets/triton_admin_key); exec tritonserver --model-repository=/models \\
-    --model-control-mode=explicit --load-model=* {flags}'
-```
-
-Model load and unload, logging, shared memory and trace then answer only to that key (`torchship rollout
---key-file ../triton-admin-key`); inference, health, metadata, config and statistics stay open.
-
-26.07 or later is needed for {named}: Triton batches `torch_aoti` models from that release on. Their tensors
-carry the names the container's PyTorch backend gives an AOTInductor package's: {wire}. Clients of those models in
-the container send and read those names; `torchship infer` and `torchship bench` translate them from the
-`{TENSOR_NAMES}` parameter in the config.{buckets_only}
-
-{kind_note}
-
-## Serve it without Docker{"" if gpu else " or a GPU"}
-
-```bash
-torchship serve {cfg.out}
-```
-
-The embedded Triton 2.51 does not know the `torch_aoti` platform. `torchship serve` loads that model with
-`embedded.pbtxt` instead: the same tensors, batched (up to the largest bucket) over the static-batch
-AOTInductor models in `buckets.pt2`, which share one copy of the weights, padding each batch up to the
-next bucket.{int8}
-"""

@@ -287,10 +287,9 @@ def why_not_passed(manifest: dict[str, Any], fmt: str) -> str:
 def runs_tf32(manifest: dict[str, Any], fmt: str | None) -> bool:
     """Whether the served model of ``fmt`` runs an AOTInductor package compiled with TF32 allowed (its own, or
     the bucket archive the embedded server runs for it), and so is held to the TF32 bound."""
-    from .names import FORMATS
+    from .names import sources
 
-    sources = FORMATS[fmt].artifacts if fmt in FORMATS else (fmt,)
-    return any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in sources)
+    return any(a.get("tf32") for a in manifest["artifacts"] if a["format"] in sources(fmt))
 
 
 def artifact(manifest: dict[str, Any], name: str) -> dict[str, Any]:

@@ -82,3 +82,8 @@ def served_artifact(passed: Iterable[str], fmt: str) -> Optional[str]:
     None where none of them can serve it."""
     have = set(passed)
     return next((a for a in FORMATS[fmt].artifacts if a in have), None)
+
+
+def sources(fmt: str) -> tuple[str, ...]:
+    """The artifact formats that can serve ``fmt`` (a served format's from FORMATS; any other, itself)."""
+    return FORMATS[fmt].artifacts if fmt in FORMATS else (fmt,)

@@ -245,7 +245,7 @@ def plan_sweeps(cfg: BenchConfig, manifest: dict, models: list[str], embedded: b
         plan.append(Sweep("noop", (NOOP_MODEL,), noop_levels(cfg)))
     if cross_check:
         model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
-        plan.append(Sweep("cross_check", (model,), tuple(sorted({1, max(levels)}))))
+        plan.append(Sweep("cross_check", (model,), noop_levels(cfg)))
     return plan
 
 
@@ -259,7 +259,8 @@ def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: b
 
 
 def noop_levels(cfg: BenchConfig) -> tuple[int, ...]:
-    """The no-op model's levels: its round trip at concurrency 1, and the most it carries at the highest level."""
+    """Concurrency 1 and the highest level: the no-op model's round trip and the most it carries, and the
+    cross-check's two points."""
     return tuple(sorted({1, max(cfg.concurrency)}))
 
 

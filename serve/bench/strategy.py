@@ -10,13 +10,13 @@ from typing import Any
 
 from torchship.errors import ConfigError
 from torchship.io import atomic_write_text
-from torchship.names import FORMAT_PARAMETER, FORMATS, format_of
+from torchship.names import FORMAT_PARAMETER, format_of, sources
 from torchship.parity import gate_words
 
 from ..config import parse_strategy
 from ..image_entry import retarget
 from ..model_config import edit_configs, read_config, repository_models, served_config_path
-from ..repository import readme_with_winner
+from ..repo_readme import readme_with_winner
 from .recommend import batching_edit, recommend
 from .results import served_models
 
@@ -93,8 +93,7 @@ def precision_of(manifest: dict[str, Any], fmt: str | None) -> tuple[str, dict[s
     for a float32 artifact held to the rounding bound)."""
     from torchship.manifest import verdicts
 
-    sources = FORMATS[fmt].artifacts if fmt in FORMATS else (fmt,)
-    arts = [a for a in manifest.get("artifacts", []) if a["format"] in sources]
+    arts = [a for a in manifest.get("artifacts", []) if a["format"] in sources(fmt)]
     if not arts:
         return manifest.get("dtype", "float32"), None
     a = arts[0]

@@ -36,24 +36,12 @@ class Entry:
 
 
 IMAGE = ("--input", "images:float32:B,3,224,224")
-TEXT_BERT = (
-    "--input",
-    "input_ids:int64:B,S",
-    "--input",
-    "attention_mask:int64:B,S",
-    "--input",
-    "token_type_ids:int64:B,S",
-    "--dim",
-    "S=1..128",
-    "--input-range",
-    "input_ids=0..30521",
-    "--input-range",
-    "attention_mask=mask",
-    "--input-range",
-    "token_type_ids=0..1",
-)
+TEXT_BERT = ("--input", "input_ids:int64:B,S", "--input", "attention_mask:int64:B,S",
+             "--input", "token_type_ids:int64:B,S", "--dim", "S=1..128", "--input-range", "input_ids=0..30521",
+             "--input-range", "attention_mask=mask", "--input-range", "token_type_ids=0..1")
 TEXT_GPT2 = ("--input", "input_ids:int64:B,S", "--input", "attention_mask:int64:B,S", "--dim", "S=1..64",
              "--input-range", "input_ids=0..50256", "--input-range", "attention_mask=mask")
+GPT2_BATCHES = ("--max-batch", "4", "--odd-batch", "3", "--buckets", "1", "4")
 
 ZOO = [
     Entry("resnet50", "torchvision_model", {"arch": "resnet50"}, IMAGE),
@@ -62,36 +50,12 @@ ZOO = [
     Entry("convnext_tiny", "torchvision_model", {"arch": "convnext_tiny"}, IMAGE),
     Entry("vit_b_16", "torchvision_model", {"arch": "vit_b_16"}, IMAGE, ("--max-batch", "8", "--buckets", "1", "8")),
     Entry("bert_tiny", "bert", {"size": "tiny"}, TEXT_BERT, needs="transformers", bench_shape=("S=128",)),
-    Entry(
-        "bert_base",
-        "bert",
-        {"size": "base"},
-        TEXT_BERT,
-        ("--max-batch", "8", "--buckets", "1", "8"),
-        needs="transformers",
-        bench_shape=("S=128",),
-    ),
-    Entry(
-        "gpt2_tiny",
-        "gpt2",
-        {"size": "tiny"},
-        TEXT_GPT2,
-        ("--max-batch", "4", "--odd-batch", "3", "--buckets", "1", "4"),
-        needs="transformers",
-        bench_shape=("S=64",),
-    ),
-    Entry(
-        "gpt2_base",
-        "gpt2",
-        {"size": "base"},
-        TEXT_GPT2,
-        ("--max-batch", "4", "--odd-batch", "3", "--buckets", "1", "4"),
-        needs="transformers",
-        bench_shape=("S=64",),
-    ),
-    Entry(
-        "mlp_2gb", "big_mlp", {}, ("--input", "features:float32:B,4096"), ("--max-batch", "8", "--buckets", "1", "8")
-    ),
+    Entry("bert_base", "bert", {"size": "base"}, TEXT_BERT, ("--max-batch", "8", "--buckets", "1", "8"),
+          needs="transformers", bench_shape=("S=128",)),
+    Entry("gpt2_tiny", "gpt2", {"size": "tiny"}, TEXT_GPT2, GPT2_BATCHES, needs="transformers", bench_shape=("S=64",)),
+    Entry("gpt2_base", "gpt2", {"size": "base"}, TEXT_GPT2, GPT2_BATCHES, needs="transformers", bench_shape=("S=64",)),
+    Entry("mlp_2gb", "big_mlp", {}, ("--input", "features:float32:B,4096"),
+          ("--max-batch", "8", "--buckets", "1", "8")),
 ]
 BY_NAME = {e.name: e for e in ZOO}
 

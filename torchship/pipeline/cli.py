@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                              "outputs pass the parity check, without a failed request"),
     "rollback": ("serve.cli", "switch a running Triton back to an earlier version still on disk, the same way"),
     "bench": ("serve.bench.cli", "benchmark in-process and served latency/throughput, or compare two results"),
-    "run": ("torchship.pipeline.run", "every stage in one run folder: train, export (each format verified against "
+    "run": ("torchship.pipeline.run_cli", "every stage in one run folder: train, export (each format verified against "
                                       "eager), repo (the Triton repository), check (served outputs over gRPC against "
                                       "eager) and bench"),
 }
