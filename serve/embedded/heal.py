@@ -93,8 +93,8 @@ class Healer(threading.Thread):
             self.heal(client, model, sorted(dead))
         for model in loaded - {m for m, _ in live} - {m for m, _ in self.known}:  # no stub at all: gone while settling
             if time.monotonic() - self.busy.get(model, -SETTLE_S) >= SETTLE_S and not self.halt.is_set() \
-                    and client.ready(model):
-                self.heal(client, model, [])
+                    and client.config(model).get("platform") != "ensemble" and client.ready(model):
+                self.heal(client, model, [])  # (an ensemble runs in no process of its own: nothing to heal)
 
     def heal(self, client, model: str, dead: list[int]) -> None:
         t0 = time.monotonic()

@@ -138,6 +138,7 @@ def test_the_served_entry_answers_as_the_model_does_on_trainings_preprocessing(i
         path = image_repo.parent / "seven.png"
         path.write_bytes(png(DIGITS[7]))
         assert run_cli("infer", "--url", s.url, "--model", ENTRY, str(path)) == 0
+        assert not s.healer.heals, s.healer.heals  # the ensemble has no backend process, and none was "healed"
         assert "seven.png" in capsys.readouterr().out
 
 
