@@ -18,7 +18,7 @@ from torchship import parity
 from torchship.device import resolve_device, torch_threads, usable_cpus
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ConfigError, DegenerateError, ParityError, first_line
 from torchship.io import check_out_dir, sha256_file, staging_dir
-from torchship.manifest import FORMAT, MANIFEST, REFERENCE, Export, write_manifest
+from torchship.manifest import FORMAT, MANIFEST, RAW_SET, REFERENCE, Export, write_manifest
 from torchship.markdown import size
 from torchship.signature import Signature
 
@@ -75,6 +75,9 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
         pace()
         t0 = time.perf_counter()
         inputs, info = input_sets(sig, src.samples, src.sample_set, cfg.odd_batch, cfg.max_batch, cfg.seed)
+        raw = _raw_set(src, sig, log)
+        if raw is not None:  # its tensors join the reference (eager's answers, the bounds); not a set every model runs
+            inputs[RAW_SET] = {sig.inputs[0].name: raw.inputs}
         ref = build_reference(
             eager,
             model,
@@ -95,6 +98,9 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
         log(f"reference: {len(inputs)} input sets, eager in "
             f"{'float64' if ref.tolerances['rule'] == 'fp64' else 'float32 (' + ref.tolerances['why'] + ')'} "
             f"({time.perf_counter() - t0:.1f}s)")
+        if raw is not None:
+            ref.arrays[f"labels/{RAW_SET}"] = raw.labels
+            raw_files = _write_raw(tmp, raw)
         with open(tmp / REFERENCE, "wb") as f:
             np.savez(f, **ref.arrays)
         for fmt in (f for f in cfg.formats if f not in background):
@@ -128,6 +134,8 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
                 "no format could be exported: " + "; ".join(f"{f['format']}: {f['error']}" for f in arts.failures)
             )
         manifest = build_manifest(name, cfg, device, src, tolerances, ref, info, arts, sha256_file(tmp / REFERENCE))
+        if raw is not None:
+            manifest["reference"][RAW_SET] = {"batch": len(raw.files), "files": raw_files}
         write_manifest(tmp, manifest)
     log(f"manifest: {out / MANIFEST}")
     export = Export(out, manifest, ref.arrays, files_checked=True)  # hashed as written; the reference in memory
@@ -202,6 +210,28 @@ def build_manifest(name: str, cfg: ExportConfig, device: str, src, tolerances: d
             "contract": f"float32 NCHW images in [0, 1] at {shape[1]}x{shape[2]}, {shape[0]} channels; "
                         "the graph subtracts mean and divides by std itself"}
     return manifest
+
+
+def _raw_set(src, sig, log):
+    """The held-out files the checkpoint keeps (RawSamples), where the model takes one image tensor of their shape."""
+    raw = src.raw
+    if raw is None or len(sig.inputs) != 1 or not src.preprocessing:
+        return None
+    want = list(sig.inputs[0].shape[1:])
+    if list(raw.inputs.shape[1:]) != want:
+        log(f"held-out files: left out (the checkpoint's are {list(raw.inputs.shape[1:])}, the model takes {want})")
+        return None
+    return raw
+
+
+def _write_raw(tmp: Path, raw) -> dict[str, str]:
+    """The held-out files under raw/, as a client would send them; relative path -> sha256."""
+    (tmp / RAW_SET).mkdir()
+    files = {}
+    for name, data in zip(raw.names, raw.files):
+        (tmp / RAW_SET / name).write_bytes(data)
+        files[f"{RAW_SET}/{name}"] = sha256_file(tmp / RAW_SET / name)
+    return files
 
 
 def _check_degenerate(outputs: list[str], allowed: bool, log) -> None:

@@ -14,6 +14,7 @@ import torch
 from torchship import checkpoint as ck
 from torchship.eager import checkpoint_model, load_weights_file, named
 from torchship.errors import CheckpointError, ConfigError, first_line
+from torchship.images import RawSamples
 from torchship.models import WithPreprocessing, make_model, parse_model_args
 from torchship.names import export_name
 from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_dims, parse_signature
@@ -30,6 +31,7 @@ class Source:
     samples: dict[str, np.ndarray] = field(default_factory=dict)  # real inputs, by input name
     labels: Optional[np.ndarray] = None
     sample_set: str = "heldout"
+    raw: Optional[RawSamples] = None  # held-out files as a client sends them, and training's tensors of them
 
 
 def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = ()) -> Source:
@@ -54,8 +56,9 @@ def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = 
                   "git_revision": meta.get("git_revision")},
                  classes=meta["classes"], preprocessing=pre)
     if (ckdir / ck.HELDOUT).exists():
-        held = np.load(ckdir / ck.HELDOUT)
-        src.samples, src.labels = {"images": held["images"].astype(np.float32)}, held["labels"]
+        with np.load(ckdir / ck.HELDOUT) as held:
+            src.samples, src.labels = {"images": held["images"].astype(np.float32)}, held["labels"]
+            src.raw = RawSamples.from_arrays(held)
     return src
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 from .errors import DataError
 from .imageio import image_array
 
+RAW_COUNT = 16  # held-out files kept as they are, for checks that start from the file a user sends
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
@@ -33,6 +34,30 @@ class Preprocessing:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class RawSamples:
+    """Held-out samples as files (the bytes a client sends), beside the tensors the training pipeline made
+    of those same files: serving is checked from the file to the answer against them."""
+
+    names: list[str]
+    files: list[bytes]
+    inputs: np.ndarray  # float32 NCHW: each file through training's own preprocessing
+    labels: np.ndarray
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The samples as heldout.npz keeps them."""
+        return {"raw/names": np.array(self.names), "raw/images": self.inputs, "raw/labels": self.labels,
+                **{f"raw/file/{i}": np.frombuffer(f, np.uint8) for i, f in enumerate(self.files)}}
+
+    @classmethod
+    def from_arrays(cls, z) -> Optional["RawSamples"]:
+        if "raw/names" not in z:
+            return None
+        names = [str(n) for n in z["raw/names"]]
+        return cls(names, [z[f"raw/file/{i}"].tobytes() for i in range(len(names))],
+                   z["raw/images"].astype(np.float32), z["raw/labels"])
 
 
 class ImageFolderDataset(Dataset):

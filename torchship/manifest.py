@@ -15,6 +15,7 @@ from .signature import Signature
 
 MANIFEST = "manifest.json"
 REFERENCE = "reference.npz"
+RAW_SET = "raw"  # the held-out files as a client sends them (export/raw/), and training's tensors of them
 PARITY_MD = "parity.md"
 FORMAT = "torchship.export/2"  # 2: a float64 reference and a bound per output
 
@@ -110,7 +111,7 @@ def check_hashes(export_dir: str | Path, manifest: dict[str, Any]) -> list[str]:
     """Re-hash every file the manifest lists; one message per missing or altered file."""
     d = Path(export_dir)
     problems: list[str] = []
-    listed = {REFERENCE: manifest["reference"]["sha256"]}
+    listed = {REFERENCE: manifest["reference"]["sha256"], **manifest["reference"].get(RAW_SET, {}).get("files", {})}
     for a in manifest["artifacts"]:
         for rel, sha in artifact_files(a).items():
             listed[rel] = sha
@@ -181,6 +182,19 @@ def read_reference(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str
 def _load_npz(path: Path | io.BytesIO) -> dict[str, np.ndarray]:
     with np.load(path) as z:
         return {k: z[k] for k in z.files}
+
+
+def raw_files(export_dir: str | Path, manifest: dict[str, Any]) -> list[tuple[str, bytes]]:
+    """The export's held-out files (name, bytes) as a client would send them, each checked against the sha256
+    the manifest lists ([] where the export keeps none); ArtifactError naming a missing or altered one."""
+    d = Path(export_dir)
+    out = []
+    for rel, sha in manifest["reference"].get(RAW_SET, {}).get("files", {}).items():
+        data = (d / rel).read_bytes() if (d / rel).is_file() else None
+        if data is None or hashlib.sha256(data).hexdigest() != sha:
+            raise ArtifactError(f"{d}: {rel} is {'missing' if data is None else 'altered'}; export again")
+        out.append((Path(rel).name, data))
+    return out
 
 
 def sample_set(manifest: dict[str, Any]) -> str:

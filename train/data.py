@@ -7,6 +7,7 @@ Every dataset here yields float32 NCHW images in [0, 1] at the model's input siz
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +18,10 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from torchship.errors import DataError
-from torchship.images import IMAGE_SUFFIXES, ImageFolderDataset, Preprocessing
+from torchship.images import IMAGE_SUFFIXES, RAW_COUNT, ImageFolderDataset, Preprocessing, RawSamples
 
 BUILTIN_DATA = ("digits", "synthetic")
+RAW_BYTES = 8 << 20  # the held-out files kept as they are: at most this many bytes of them
 
 
 @dataclass
@@ -31,6 +33,7 @@ class DataSplit:
     source: str
     signature: Optional[Any] = None  # your own data: the inputs' torchship.signature.Signature
     heldout: Optional[tuple[dict[str, np.ndarray], np.ndarray]] = None  # your own data: held-out inputs, targets
+    raw: Optional[Callable[[], RawSamples]] = None  # images: held-out samples as files, made on demand
     collate: Optional[Callable] = None  # your own data: the dataset's collate_fn
     by_keyword: bool = False  # your own data: inputs are a dict, passed to forward by keyword
 
@@ -69,15 +72,39 @@ def _tensor_split(x: torch.Tensor, y: torch.Tensor, classes: list[str], val_frac
     return DataSplit(TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va]), classes, pre, source)
 
 
+def digits_inputs(images: np.ndarray, image_size: int) -> torch.Tensor:
+    """Digits as training feeds them: [N, 8, 8] grey levels 0..16 -> /16, bilinear to the size, RGB."""
+    x = torch.from_numpy(images.astype(np.float32) / 16.0).unsqueeze(1)
+    return _resize(x, image_size).clamp_(0.0, 1.0).repeat(1, 3, 1, 1).contiguous()
+
+
 def load_digits(image_size: int, val_fraction: float, seed: int) -> DataSplit:
     """scikit-learn's 1,797 handwritten digits (8x8, 17 grey levels), upsampled and made RGB."""
     from sklearn.datasets import load_digits as sk_digits
 
     bunch = sk_digits()
-    x = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
-    x = _resize(x, image_size).clamp_(0.0, 1.0).repeat(1, 3, 1, 1).contiguous()
+    x = digits_inputs(bunch.images, image_size)
     y = torch.from_numpy(bunch.target.astype(np.int64))
-    return _tensor_split(x, y, [str(c) for c in range(10)], val_fraction, seed, "digits", "pixel / 16")
+    split = _tensor_split(x, y, [str(c) for c in range(10)], val_fraction, seed, "digits", "pixel / 16")
+    _, va = _stratified_split(y.numpy(), val_fraction, seed)
+    split.raw = lambda: _digit_files(bunch.images[va[:RAW_COUNT]], bunch.target[va[:RAW_COUNT]], image_size)
+    return split
+
+
+def _digit_files(images: np.ndarray, labels: np.ndarray, image_size: int) -> RawSamples:
+    """The held-out digits as 8-bit grey PNG files holding their levels 0..16 (the digits' own scale, which the
+    preprocessing records as pixel / 16), and training's tensors of what those files decode to."""
+    from PIL import Image
+
+    files, decoded = [], []
+    for a in images:
+        buf = io.BytesIO()
+        Image.fromarray(a.astype(np.uint8), mode="L").save(buf, format="PNG")
+        files.append(buf.getvalue())
+        with Image.open(io.BytesIO(files[-1])) as im:
+            decoded.append(np.asarray(im))
+    names = [f"digit_{i:02d}_{int(c)}.png" for i, c in enumerate(labels)]
+    return RawSamples(names, files, digits_inputs(np.stack(decoded), image_size).numpy(), labels.astype(np.int64))
 
 
 def make_synthetic(samples: int, num_classes: int, image_size: int, val_fraction: float, seed: int) -> DataSplit:
@@ -145,7 +172,26 @@ def load_image_folder(
     sample = rng.choice(tr, size=min(stats_samples, len(tr)), replace=False)
     mean, std = _channel_stats(torch.stack([ds[int(i)][0] for i in sample]))
     pre = Preprocessing(image_size=[image_size, image_size], channels=3, mean=mean, std=std)
-    return DataSplit(Subset(ds, tr.tolist()), Subset(ds, va.tolist()), classes, pre, str(Path(root).resolve()))
+    split = DataSplit(Subset(ds, tr.tolist()), Subset(ds, va.tolist()), classes, pre, str(Path(root).resolve()))
+    split.raw = lambda: _folder_files(ds, va)
+    return split
+
+
+def _folder_files(ds: ImageFolderDataset, val: np.ndarray) -> RawSamples:
+    """The first held-out files of a folder as they are (at most RAW_COUNT, and RAW_BYTES in all), and what
+    the training data set makes of each."""
+    picked: list[int] = []
+    total = 0
+    for i in val[:RAW_COUNT]:
+        n = Path(ds.files[int(i)][0]).stat().st_size
+        if picked and total + n > RAW_BYTES:
+            break
+        picked.append(int(i))
+        total += n
+    names = [f"{k:02d}_{Path(ds.files[i][0]).name}" for k, i in enumerate(picked)]
+    files = [Path(ds.files[i][0]).read_bytes() for i in picked]
+    inputs = np.stack([ds[i][0].numpy() for i in picked]).astype(np.float32)
+    return RawSamples(names, files, inputs, np.array([ds.files[i][1] for i in picked], np.int64))
 
 
 def load_data(data: str, image_size: int | None, val_fraction: float, seed: int,

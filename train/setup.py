@@ -116,6 +116,8 @@ def set_up(
         if d.main:
             images, labels = heldout_batch(data.val)
             heldout = {"images": images.numpy().astype(np.float32), "labels": labels.numpy()}
+            if data.raw is not None:
+                heldout.update(data.raw().arrays())
     else:  # the signature read from the samples, and how forward takes them; export needs nothing else
         meta.update(signature=data.signature.to_manifest(), inputs_by="keyword" if data.by_keyword else "position")
         meta["data"].update(factory=cfg.data, val_fraction=None)
