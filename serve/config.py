@@ -95,8 +95,9 @@ class RepoConfig:
     bench: Optional[str] = opt(None, "with --strategy: the results.json of a torchship bench of this export "
                                      "(default: run a short one)")
     only_winner: bool = opt(False, "with --strategy: serve the winner alone, without the per-format models")
-    image_entry: bool = opt(False, "also serve <name>_image, which takes an encoded image file (JPEG, PNG, WebP, ...) "
-                                   "as its bytes and prepares it in the server as training did (an image model only)")
+    image_entry: Optional[bool] = opt(None, "also serve <name>_image, which takes an encoded image file (JPEG, PNG, "
+                                            "WebP, ...) as its bytes and prepares it in the server as training did "
+                                            "(default: for an image model, one whose export records its preprocessing)")
 
     def __post_init__(self) -> None:
         if self.strategy is not None:
@@ -223,13 +224,16 @@ class InferConfig:
     model: Optional[str] = opt(None, "model name (default: every served model with --check, else the first)")
     version: str = opt("", "model version (default: the server's latest)")
     top_k: int = opt(3, "classes to print per input, for a classifier (Triton's classification extension)")
-    check: Optional[str] = opt(None, "send the export's reference inputs to every served model and compare them with "
-                                     "eager; exit 3 on a mismatch", metavar="EXPORT_DIR")
+    check: Optional[str] = opt(None, "send the export's reference inputs to every served model (and its held-out "
+                                     "files, as they are, to the image entry) and compare the answers with eager; "
+                                     "exit 3 on a mismatch", metavar="EXPORT_DIR")
     heldout: Optional[str] = opt(None, "send -n held-out samples of this export", metavar="EXPORT_DIR")
     n: int = opt(4, "with --heldout: how many samples", flag="-n")
     concurrency: int = opt(1, "requests in flight at once (async gRPC)")
     stream: bool = opt(False, "send the requests one at a time over one bidirectional gRPC stream (ModelStreamInfer)")
     json: bool = opt(False, "print results as JSON")
+    raw: bool = opt(True, "send image files as they are to the image entry in front of the model where the server "
+                          "has one (--no-raw: prepare them here and send the tensors)")
 
     def __post_init__(self) -> None:
         check_url(self.url)

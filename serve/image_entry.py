@@ -14,7 +14,7 @@ from typing import Any
 from tritonclient.grpc import model_config_pb2 as mc
 
 from torchship.errors import ConfigError
-from torchship.io import sha256_file
+from torchship.io import atomic_write_text, sha256_file
 from torchship.runtime import PROVENANCE
 
 from .model_config import CONFIG, DTYPES, config_dims, config_text, read_config
@@ -32,10 +32,20 @@ def entry_names(export_name: str) -> tuple[str, str]:
     return export_name + ENTRY_SUFFIX, export_name + PRE_SUFFIX
 
 
+def is_image_model(manifest: dict[str, Any]) -> bool:
+    """One input, and the image preprocessing its training recorded."""
+    return bool(manifest.get("preprocessing")) and len(manifest["inputs"]) == 1
+
+
+def wants_image_entry(manifest: dict[str, Any], asked: bool | None) -> bool:
+    """Whether the repository serves the image entry: as asked, else (None) wherever the export is an image model."""
+    return is_image_model(manifest) if asked is None else asked
+
+
 def check_image_model(manifest: dict[str, Any]) -> None:
     """ConfigError unless the export is an image model: one float input, and the preprocessing its training
     recorded."""
-    if not manifest.get("preprocessing") or len(manifest["inputs"]) != 1:
+    if not is_image_model(manifest):
         raise ConfigError(f"--image-entry: {manifest['name']} is not an image model (its manifest records no image "
                           "preprocessing, or it has more than one input); build the repository without it")
 
@@ -88,5 +98,7 @@ def retarget(repo: Path, export_name: str, target: str) -> bool:
         return False
     c = read_config(path)
     c.ensemble_scheduling.step[1].model_name = target
-    path.write_text(config_text(c))
+    # Triton refuses an ensemble that batches beyond a model in it: the winner may batch less than the first target
+    c.max_batch_size = min(c.max_batch_size, read_config(repo / target / CONFIG).max_batch_size)
+    atomic_write_text(path, config_text(c))
     return True

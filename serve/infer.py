@@ -14,6 +14,7 @@ import numpy as np
 from torchship.errors import ClientError, DataError, ShapeError
 
 from .config import InferConfig
+from .image_entry import ENTRY_SUFFIX, PRE_SUFFIX
 
 SHOWN = 6  # values of each output printed per request (--json prints them all)
 
@@ -34,9 +35,14 @@ def run_infer(ns: InferConfig) -> int:
     client = TritonClient(ns.url)
     client.wait_ready(10)
     ready = client.require_models([ns.model] if ns.model else [])
-    model = ns.model or next(iter(ready), None)
+    model = ns.model or next((m for m in ready if not m.endswith(PRE_SUFFIX)), None)
     if model is None:
         raise ClientError(f"no model is ready at {ns.url}")
+    entry = raw_entry(client, model, ready) if ns.raw and ns.files and all(is_image_file(f) for f in ns.files) else None
+    if entry:  # the server prepares the image as training did: the file goes as it is, a fraction of the tensor
+        print(f"torchship infer: sending the files as they are to {entry}, the image entry in front of {model} "
+              "(--no-raw sends tensors)", file=sys.stderr)
+        model = entry
     cfg = client.config(model)
     requests = _gather(ns, cfg, heldout)
     if not requests:
@@ -80,6 +86,25 @@ def takes_files(cfg: dict[str, Any]) -> bool:
     """An image entry (torchship repo --image-entry): one UINT8 vector, the encoded file's bytes as they are."""
     ins = cfg["input"]
     return len(ins) == 1 and ins[0].get("data_type") == "TYPE_UINT8" and [int(d) for d in ins[0]["dims"]] == [-1]
+
+
+def is_image_file(f: str) -> bool:
+    from torchship.images import IMAGE_SUFFIXES
+
+    return Path(f).suffix.lower() in IMAGE_SUFFIXES
+
+
+def raw_entry(client, model: str, ready) -> str | None:
+    """The image entry (torchship repo --image-entry) that runs ``model`` behind it, where the server has one."""
+    if takes_files(client.config(model)):
+        return None
+    for m in ready:
+        if m.endswith(ENTRY_SUFFIX):
+            cfg = client.config(m)
+            steps = cfg.get("ensemble_scheduling", {}).get("step", [])
+            if takes_files(cfg) and steps and steps[-1].get("model_name") == model:
+                return m
+    return None
 
 
 def input_names(cfg: dict[str, Any]) -> list[str]:

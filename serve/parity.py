@@ -5,13 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from torchship.errors import ClientError, ParityError, ShapeError
-from torchship.manifest import Export, reference_inputs, runs_tf32
+from torchship.manifest import RAW_SET, Export, raw_files, reference_inputs, runs_tf32
 from torchship.markdown import table
 from torchship.names import format_of, models_of
-from torchship.parity import check_float_sets, check_quantized_sets
+from torchship.parity import check_float_sets, check_quantized_sets, sqnr_db
 
 from .client import TritonClient
+from .image_entry import IMAGE_INPUT, entry_names
 
 
 def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[str] | None = None,
@@ -28,13 +31,20 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
     client = TritonClient(url)
     client.wait_ready()
     ready = client.require_models(models or ())
-    models = list(models or models_of(manifest, ready) + [m for m in ready if m == manifest["name"]])
+    entry = entry_names(manifest["name"])[0]
+    raw = raw_files(d, manifest) if RAW_SET in manifest["reference"] else []
+    models = list(models or models_of(manifest, ready) + [m for m in ready if m == manifest["name"]]
+                  + [m for m in ready if m == entry and raw])
     if not models:
         raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(ready) or 'none'})")
     results: dict[str, Any] = {}
     failures: list[str] = []
     outputs = [o["name"] for o in manifest["outputs"]]
     for model in models:
+        if model == entry:
+            results[model] = {}
+            failures += check_entry(client, model, export, raw, tol, version, results[model])
+            continue
         rows = {}
         fmt = format_of(model, manifest, client.config(model))
         quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("gate")), None)
@@ -75,6 +85,57 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
         err.report = report
         raise err
     return report
+
+
+def check_entry(client: TritonClient, entry: str, export: Export, raw: list[tuple[str, bytes]],
+                tol: dict[str, Any], version: str, rows: dict[str, Any]) -> list[str]:
+    """The image entry from the file to the answer: each held-out file sent as it is, the answers held to the
+    bound (or the gate) of the model behind the entry against eager on the tensors training made of those same
+    files. Fills ``rows``; returns the failures."""
+    manifest, ref = export.manifest, export.reference()
+    if not raw:
+        return [f"{entry}: {export.dir} keeps no held-out files to send it (export from a checkpoint of images)"]
+    target = client.config(entry)["ensemble_scheduling"]["step"][-1]["model_name"]
+    fmt = format_of(target, manifest, client.config(target))
+    quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("gate")), None)
+    outputs = [o["name"] for o in manifest["outputs"]]
+    try:
+        got = [client.infer_all(entry, {IMAGE_INPUT: np.frombuffer(data, np.uint8)[None]}, version) for _, data in raw]
+    except (ClientError, ShapeError) as e:
+        rows[RAW_SET] = {"batch": len(raw), "pass": False, "error": str(e)}
+        return [f"{entry}: {RAW_SET}: {e}"]
+    answers = {o: np.concatenate([g[o] for g in got]) for o in outputs}
+    if quantized:  # a reduced precision: against its own answers on training's tensors, under its gate's floors
+        return check_against_target(client, entry, target, export, answers, quantized["gate"], version, rows)
+    failures = []
+    for _, o, row, failure in check_float_sets(manifest, ref, lambda key, o: answers.get(o), tol, entry,
+                                               runs_tf32(manifest, fmt), {RAW_SET: len(raw)}):
+        rows[RAW_SET if len(outputs) == 1 else f"{RAW_SET}/{o}"] = row
+        if failure:
+            failures.append(failure + f" (from the files in {export.dir / RAW_SET}, through the server's "
+                                      "preprocessing, against training's)")
+    return failures
+
+
+def check_against_target(client: TritonClient, entry: str, target: str, export: Export,
+                         answers: dict[str, np.ndarray], gate: dict[str, Any], version: str,
+                         rows: dict[str, Any]) -> list[str]:
+    """A reduced-precision model behind the entry: the entry's answers on the files against the model's own on
+    the tensors training made of them (the gate held it to eager already): the same top-1 on every file, and
+    each float output at least the gate's SQNR floor from them."""
+    ref = export.reference()
+    mine = client.infer_batches(target, reference_inputs(ref, export.manifest, RAW_SET), version)
+    first = export.manifest["outputs"][0]["name"]
+    agree = float(np.mean(answers[first].argmax(-1) == mine[first].argmax(-1))) if answers[first].ndim == 2 else 1.0
+    sqnr = {o: round(sqnr_db(answers[o], mine[o]), 2) for o in answers if answers[o].dtype.kind == "f"}
+    floor = gate.get("min_sqnr_db", 0.0)
+    failures = [f"{entry}: {RAW_SET}: top-1 differs from {target}'s on training's tensors of the same files for "
+                f"{round((1 - agree) * len(answers[first]))} of {len(answers[first])}"] if agree < 1.0 else []
+    failures += [f"{entry}: {RAW_SET} output {o!r}: SQNR {v:.1f} dB against {target}'s answers on training's tensors "
+                 f"of the same files, below {floor:g} dB" for o, v in sqnr.items() if v < floor]
+    rows[RAW_SET] = {"batch": len(answers[first]), "gate": dict(gate), "sqnr_db": sqnr,
+                     "top1_agreement": round(agree, 4), "pass": not failures, "output": first}
+    return failures
 
 
 def served_markdown(report: dict[str, Any]) -> str:

@@ -152,7 +152,8 @@ def repo(exported, tmp_path_factory) -> Path:
     # one core per model: the shared server's models serve beside the other workers' servers on the same cores, and
     # stubs of two spinning threads each took over ten seconds to stop there (tests/serve/test_placement.py covers
     # the default, every core)
-    build_repository(exported, RepoConfig(out=str(out), max_queue_delay_us=2000, cores=1))
+    # the tensor entries alone: the image entry (a python stub more) has its own tests, test_image_entry.py
+    build_repository(exported, RepoConfig(out=str(out), max_queue_delay_us=2000, cores=1, image_entry=False))
     return out
 
 

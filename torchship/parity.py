@@ -256,7 +256,7 @@ def check_float_sets(manifest: dict[str, Any], ref, got, tol: dict[str, Any], na
         for o in outputs:
             have, want, b = got(key, o), ref[f"expected/{key}/{o}"], bound(tol, o, tf32)
             row, failure = check_output(have, want, b, f"{name}: {key} output {o!r}", batch,
-                                        top1=key == "heldout" and o == outputs[0])
+                                        top1=key in ("heldout", "raw") and o == outputs[0])
             if tf32 and "max_abs" in row:  # the strict float32 bound beside the TF32 one it is held to
                 row["strict_bound"] = bound(tol, o)["atol"]
             out.append((key, o, row, failure and failure + empty_mask_hint(manifest, ref, key, have, want, b)))

@@ -51,7 +51,7 @@ def start_own_server(cfg: BenchConfig, export, out: Path):
 
     repo = Path(cfg.repo) if cfg.repo else out / "repo"
     if not cfg.repo:
-        build_repository(export, RepoConfig(out=str(repo), overwrite=True, cores=cfg.cores))
+        build_repository(export, RepoConfig(out=str(repo), overwrite=True, cores=cfg.cores, image_entry=False))
     server = bench_server(dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")),
                           export.manifest, out)
     return server.start()

@@ -145,15 +145,21 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         for rel, sha in a["files"].items():
             assert sha256_file(run_dir / "export" / rel) == sha
     served_models = sorted(model_names(m, servable_formats(m)).values())
-    assert sorted(p.name for p in (run_dir / "model_repository").iterdir() if p.is_dir()) == [
-        "tiny_cnn",
-        *served_models,
-    ]
+    assert sorted(p.name for p in (run_dir / "model_repository").iterdir() if p.is_dir()) == sorted([
+        "tiny_cnn", "tiny_cnn_image", "tiny_cnn_image_pre", *served_models,  # the image entry, by default
+    ])
     winner = rec["stages"]["bench"]["winner"]  # max-throughput by default, served under the plain name after the bench
     assert winner["strategy"] == "max-throughput" and winner["served_as"] == "tiny_cnn" and winner["runner_up"]
     assert f"serves {winner['model']} as tiny_cnn (max-throughput)" in rec["gates"]["bench"]["detail"]
     parity = json.loads((run_dir / "served_parity.json").read_text())
-    assert parity["pass"] and sorted(parity["models"]) == served_models
+    assert parity["pass"] and sorted(parity["models"]) == sorted([*served_models, "tiny_cnn_image"])
+    assert list(parity["models"]["tiny_cnn_image"]) == ["raw"]  # checked from the export's held-out files
+    assert (run_dir / "export/raw").is_dir() and m["reference"]["raw"]["batch"] == 16
+    # after the bench, the entry runs the winner behind it
+    from serve.model_config import CONFIG, read_config
+
+    ens = read_config(run_dir / "model_repository/tiny_cnn_image" / CONFIG)
+    assert ens.ensemble_scheduling.step[-1].model_name == "tiny_cnn"
     bench = json.loads((run_dir / "bench/results.json").read_text())
     assert bench["format"] == "torchship.bench/1" and bench["served"]["models"]
     # in-process: what the summary sets beside each served model, and no sweep the summary does not report
@@ -175,6 +181,9 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         "## In-process beside served",
         "Ceiling: with no model to run",
         f"Served as `tiny_cnn`: `{winner['model']}`. Why: max-throughput: the highest served throughput: ",
+        f"Image entry: `tiny_cnn_image` takes an image file as it is and prepares it in the server as training did, "
+        f"then runs `tiny_cnn` ({winner['model']}): a request holds the file, ",
+        "where the float32 tensor is 12,288 bytes",
     ):
         assert needle in summary
 

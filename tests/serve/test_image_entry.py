@@ -138,28 +138,120 @@ def test_the_served_entry_answers_as_the_model_does_on_trainings_preprocessing(i
         path = image_repo.parent / "seven.png"
         path.write_bytes(png(DIGITS[7]))
         assert run_cli("infer", "--url", s.url, "--model", ENTRY, str(path)) == 0
-        assert not s.healer.heals, s.healer.heals  # the ensemble has no backend process, and none was "healed"
         assert "seven.png" in capsys.readouterr().out
+        # a file sent to the tensor model goes to the entry in front of it, as it is; --no-raw sends the tensor
+        assert run_cli("infer", "--url", s.url, "--model", "tiny_cnn_onnx", str(path)) == 0
+        assert f"sending the files as they are to {ENTRY}" in capsys.readouterr().err
+        assert run_cli("infer", "--url", s.url, "--model", "tiny_cnn_onnx", "--no-raw", str(path)) == 0
+        assert "sending" not in capsys.readouterr().err
+        # served parity from the export's held-out digit files, through the entry
+        assert run_cli("infer", "--url", s.url, "--check", exported) == 0
+        assert f"| {ENTRY} | raw | 16 |" in capsys.readouterr().out
+        assert not s.healer.heals, s.healer.heals  # the ensemble has no backend process, and none was "healed"
+
+
+def plant(vdir, old: str, new: str) -> None:
+    """Rewrite the preprocessing the server carries (``old`` -> ``new`` in its copy of the decoder), as a
+    skewed deployment would hold it, with its provenance rehashed so that it loads."""
+    code = (vdir / "torchship_imageio.py").read_text()
+    assert old in code, old
+    (vdir / "torchship_imageio.py").write_text(code.replace(old, new))
+    files = json.loads((vdir / PROVENANCE).read_text())
+    files["files"]["torchship_imageio.py"] = sha256_file(vdir / "torchship_imageio.py")
+    (vdir / PROVENANCE).write_text(json.dumps(files))
 
 
 @pytest.mark.slow
-def test_a_planted_nearest_neighbour_resize_in_the_server_is_caught(image_repo, tmp_path):
-    """The same check on a repository whose preprocessing resizes nearest-neighbour: the entry's answers move
-    away from the model's on training's preprocessing, beyond the bound the real one meets."""
+def test_a_planted_nearest_neighbour_resize_in_the_server_fails_the_check(image_repo, exported, tmp_path, capsys):
+    """infer --check from the export's held-out digit files, on a repository whose preprocessing resizes
+    nearest-neighbour: the entry's answers leave the bound the real one meets (exit 3, naming the entry)."""
     import shutil
 
     repo = tmp_path / "repo"
     shutil.copytree(image_repo, repo)
-    vdir = repo / PRE / "1"
-    code = (vdir / "torchship_imageio.py").read_text()
-    (vdir / "torchship_imageio.py").write_text(code.replace(".convert(\"F\").resize((w, h), Image.BILINEAR)",
-                                                            ".convert(\"F\").resize((w, h), Image.NEAREST)"))
-    files = json.loads((vdir / PROVENANCE).read_text())
-    files["files"]["torchship_imageio.py"] = sha256_file(vdir / "torchship_imageio.py")
-    (vdir / PROVENANCE).write_text(json.dumps(files))
+    plant(repo / PRE / "1", 'convert("F").resize((w, h), Image.BILINEAR)', 'convert("F").resize((w, h), Image.NEAREST)')
     with TritonServer(ServeConfig(repo=str(repo))).start() as s:
-        raw, tensors = served_pair(s.url, [png(d) for d in DIGITS])
-    assert np.abs(raw - tensors).max() > 1e-2
+        capsys.readouterr()
+        assert run_cli("infer", "--url", s.url, "--check", exported, "--model", ENTRY) == 3
+    assert f"{ENTRY}: raw output 'logits'" in capsys.readouterr().err
+
+
+PHOTO_KINDS = (("jpg", "RGB", "JPEG"), ("png", "RGB", "PNG"), ("webp", "RGB", "WEBP"), ("gray.png", "L", "PNG"),
+               ("rgba.png", "RGBA", "PNG"))
+
+
+def photo_folder(root, per_class: int = 20, seed: int = 0):
+    """An ImageFolder of two classes, crops of scikit-learn's two photos at random places and sizes, saved as
+    users keep photos: JPEG, PNG, WebP, grayscale and RGBA files in turn."""
+    from sklearn.datasets import load_sample_images
+
+    g = np.random.default_rng(seed)
+    for c, photo in zip(("temple", "flower"), load_sample_images().images):
+        (root / c).mkdir(parents=True)
+        h, w = photo.shape[:2]
+        for k in range(per_class):
+            side = int(g.integers(min(h, w) // 3, min(h, w) + 1))
+            y, x = int(g.integers(0, h - side + 1)), int(g.integers(0, w - side + 1))
+            size = int(g.integers(40, 121))
+            crop = Image.fromarray(photo[y:y + side, x:x + side]).resize((size, size), Image.BILINEAR)
+            suffix, mode, fmt = PHOTO_KINDS[k % len(PHOTO_KINDS)]
+            crop.convert(mode).save(root / c / f"{k:02d}.{suffix}", format=fmt)
+    return root
+
+
+@pytest.fixture(scope="module")
+def photo_served(tmp_path_factory):
+    """A tiny CNN trained on photo files (RGB, 32x32), exported to ONNX with its held-out files, and served with
+    its image entry: (server, export directory, repository)."""
+    from export.config import ExportConfig
+    from export.pipeline import run_export
+    from torchship.config import build
+    from train.config import TrainConfig
+    from train.loop import train
+
+    tmp = tmp_path_factory.mktemp("photos")
+    data = photo_folder(tmp / "data")
+    train(build(TrainConfig, {"arch": "tiny_cnn", "data": str(data), "image_size": 32, "epochs": 2, "batch_size": 8,
+                              "val_fraction": 0.5, "out": str(tmp / "train"), "progress": False, "seed": 0,
+                              "amp": "off"}))
+    run_export(build(ExportConfig, {"checkpoint": str(tmp / "train"), "out": str(tmp / "export"), "max_batch": 8,
+                                    "formats": ["onnx"]}), log=lambda *a: None)
+    build_repository(tmp / "export", RepoConfig(out=str(tmp / "repo"), formats=("onnx",), cores=1, image_entry=True))
+    with TritonServer(ServeConfig(repo=str(tmp / "repo"))).start() as s:
+        yield s, tmp / "export", tmp / "repo"
+
+
+RGB_SKEWS = {  # what a client or server that prepared photos otherwise than training did would hold
+    "a nearest-neighbour resize": ('convert("RGB").resize((w, h), Image.BILINEAR)',
+                                   'convert("RGB").resize((w, h), Image.NEAREST)'),
+    "a missing /255": ("dtype=np.float32) / 255.0", "dtype=np.float32)"),
+    "channels swapped": ("hwc.transpose(2, 0, 1)", "hwc[..., ::-1].transpose(2, 0, 1)"),
+}
+
+
+@pytest.mark.slow
+def test_check_from_photo_files_passes_and_catches_each_skew(photo_served, capsys):
+    """infer --check sends the export's held-out photo files (JPEG, PNG, WebP, grayscale, RGBA) to the entry as
+    they are and holds the answers to the model's bound against eager on training's tensors of the same files;
+    each skew planted in the server's preprocessing fails it with exit 3, and the server answers on."""
+    server, export, repo = photo_served
+    kept = sorted(p.name for p in (export / "raw").iterdir())
+    assert {k.split(".", 1)[1] for k in kept} == {k[0] for k in PHOTO_KINDS}, kept
+    capsys.readouterr()
+    assert run_cli("infer", "--url", server.url, "--check", export) == 0
+    out = capsys.readouterr().out
+    assert f"| {ENTRY} | raw | {len(kept)} |" in out and "served parity: PASS (2 models" in out
+    vdir = repo / PRE / "1"
+    original = (vdir / "torchship_imageio.py").read_text(), (vdir / PROVENANCE).read_text()
+    for what, (old, new) in RGB_SKEWS.items():
+        plant(vdir, old, new)
+        server.load(PRE)
+        assert run_cli("infer", "--url", server.url, "--check", export, "--model", ENTRY) == 3, what
+        assert f"{ENTRY}: raw output 'logits'" in capsys.readouterr().err, what
+        (vdir / "torchship_imageio.py").write_text(original[0])
+        (vdir / PROVENANCE).write_text(original[1])
+        server.load(PRE)
+    assert run_cli("infer", "--url", server.url, "--check", export, "--model", ENTRY) == 0
 
 
 def test_an_image_entry_for_a_model_that_takes_no_images_is_refused(exported, tmp_path):
@@ -171,3 +263,38 @@ def test_an_image_entry_for_a_model_that_takes_no_images_is_refused(exported, tm
         build_repository(Export(exported, manifest), RepoConfig(out=str(tmp_path / "r"), formats=("onnx",),
                                                                image_entry=True))
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_an_entry_in_front_of_an_int8_model_is_checked_against_that_models_own_answers(int8_export, tmp_path,
+                                                                                        capsys):
+    """Behind the entry, a reduced precision: the files' answers are held to its answers on training's tensors of
+    the same files (the same top-1, the gate's SQNR floor); a skew planted in the server fails it."""
+    repo = tmp_path / "repo"
+    build_repository(int8_export, RepoConfig(out=str(repo), formats=("onnx_int8",), cores=1))
+    assert read_config(repo / ENTRY / CONFIG).ensemble_scheduling.step[-1].model_name == "tiny_cnn_onnx_int8"
+    with TritonServer(ServeConfig(repo=str(repo))).start() as s:
+        assert run_cli("infer", "--url", s.url, "--check", int8_export) == 0
+        assert f"| {ENTRY} | raw | 16 |" in capsys.readouterr().out
+        plant(repo / PRE / "1", 'convert("F").resize((w, h), Image.BILINEAR)',
+              'convert("F").resize((w, h), Image.NEAREST)')
+        s.load(PRE)
+        assert run_cli("infer", "--url", s.url, "--check", int8_export, "--model", ENTRY) == 3
+        assert f"{ENTRY}: raw" in capsys.readouterr().err
+
+
+def test_the_entry_moved_in_front_of_a_model_that_batches_less_batches_no_more_than_it(image_repo, tmp_path):
+    """Triton refuses an ensemble whose max batch exceeds a model in it: the strategy's winner may batch less."""
+    import shutil
+
+    from serve.image_entry import retarget
+    from serve.model_config import config_text
+
+    repo = tmp_path / "repo"
+    shutil.copytree(image_repo, repo)
+    c = read_config(repo / "tiny_cnn_onnx" / CONFIG)
+    before = read_config(repo / ENTRY / CONFIG).max_batch_size
+    c.max_batch_size = 4
+    (repo / "tiny_cnn_onnx" / CONFIG).write_text(config_text(c))
+    assert before > 4 and retarget(repo, "tiny_cnn", "tiny_cnn_onnx")
+    assert read_config(repo / ENTRY / CONFIG).max_batch_size == 4

@@ -4,6 +4,7 @@ folder, each stage reading only what the earlier ones wrote to disk."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -170,8 +171,20 @@ def stage_repo(run: Run, t0: float) -> None:
     from serve.repository import build_repository
 
     res = build_repository(run.export(), dataclasses.replace(run.cfg["repo"], overwrite=True))
-    run.log(f"repository {res['path']}: {', '.join(res['models'].values())}")
-    run.done("repo", t0, models=res["models"])
+    entry = res.get("image_entry")
+    run.log(f"repository {res['path']}: {', '.join(res['models'].values())}"
+            + (f"; {entry} takes image files as they are" if entry else ""))
+    run.done("repo", t0, models=res["models"], **({"image_entry": entry_sizes(run.export(), entry)} if entry else {}))
+
+
+def entry_sizes(export, entry: str) -> dict[str, Any]:
+    """The image entry's name and what a request to it holds: the median of the export's held-out files, beside
+    the float32 tensor the model's own entry takes."""
+    from torchship.manifest import raw_files
+
+    sizes = sorted(len(data) for _, data in raw_files(export.dir, export.manifest))
+    tensor = 4 * math.prod(int(d) for d in export.manifest["inputs"][0]["shape"][1:])
+    return {"model": entry, "file_bytes": sizes[len(sizes) // 2] if sizes else None, "tensor_bytes": tensor}
 
 
 def stage_check(run: Run, t0: float) -> None:
@@ -217,6 +230,7 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
     is added to the repository under the export's plain name, loaded into the live server, and must pass
     served parity there before the run goes on."""
     from serve.bench.strategy import serve_by_strategy
+    from serve.image_entry import entry_names
     from serve.parity import check_served
 
     export = run.export()
@@ -225,8 +239,14 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
                                      export.manifest, results, run.cfg["repo"].only_winner, log=run.log,
                                      cores=run.cfg["repo"].search_cores(), server=server)
     server.load(dest.name)
-    check_served(server.url, export, models=[dest.name])
-    run.log(f"serving {winner['model']} as {dest.name}: {winner['why']} (served parity PASS under {dest.name})")
+    checked = [dest.name]
+    entry = entry_names(export.manifest["name"])[0]
+    if (run.dirs["repo"] / entry).is_dir():  # the image entry now runs the winner behind it: reloaded, checked
+        server.load(entry)
+        checked.append(entry)
+    check_served(server.url, export, models=checked)
+    run.log(f"serving {winner['model']} as {dest.name}: {winner['why']} (served parity PASS under "
+            f"{' and '.join(checked)})")
     return {**winner, "served_as": dest.name}
 
 

@@ -59,6 +59,9 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
         if gated:
             lines += ["", "Reduced precisions, held to the accuracy gate on the real samples instead:", "",
                       *table(["artifact", "on the real samples", "result"], gated)]
+    entry = record["stages"].get("repo", {}).get("image_entry")
+    if entry:
+        lines += ["", entry_line(entry, record["stages"].get("bench", {}).get("winner"))]
     results = run_dir / "bench" / "results.json"
     if "bench" in record["stages"]:
         from serve.bench.beside import side_by_side
@@ -88,6 +91,18 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
         "",
     ]
     return "\n".join(lines)
+
+
+def entry_line(entry: dict[str, Any], winner: dict[str, Any] | None) -> str:
+    """The image entry in words: its name, what it runs, and the bytes a request holds beside the tensor's."""
+    behind = f"`{winner['served_as']}` ({winner['model']})" if winner else "the model"
+    size = ""
+    if entry.get("file_bytes"):
+        size = (f": a request holds the file, {entry['file_bytes']:,} bytes (the median of the export's held-out "
+                f"files), where the float32 tensor is {entry['tensor_bytes']:,} bytes "
+                f"({entry['tensor_bytes'] / entry['file_bytes']:.0f}x)")
+    return (f"Image entry: `{entry['model']}` takes an image file as it is and prepares it in the server as "
+            f"training did, then runs {behind}{size}.")
 
 
 def gate_line(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
