@@ -50,9 +50,14 @@ def check_image_model(manifest: dict[str, Any]) -> None:
                           "preprocessing, or it has more than one input); build the repository without it")
 
 
-def write_image_entry(repo: Path, manifest: dict[str, Any], target: str, max_batch: int, version: int) -> list[str]:
+MAX_PRE_INSTANCES = 8  # each a process of its own; decoding costs a small part of what the model does
+
+
+def write_image_entry(repo: Path, manifest: dict[str, Any], target: str, max_batch: int, version: int,
+                      cores: int = 1) -> list[str]:
     """Write the entry and its preprocessing model into ``repo``, in front of the model ``target``; returns
-    their names."""
+    their names. The preprocessing decodes one image at a time per instance: one instance per core given (at
+    most MAX_PRE_INSTANCES)."""
     check_image_model(manifest)
     entry, pre_name = entry_names(manifest["name"])
     tensor = manifest["inputs"][0]
@@ -62,7 +67,7 @@ def write_image_entry(repo: Path, manifest: dict[str, Any], target: str, max_bat
     pre.input.add(name=IMAGE_INPUT, data_type=mc.TYPE_UINT8, dims=[-1], allow_ragged_batch=True)
     pre.output.add(name=tensor["name"], data_type=mc.TYPE_FP32, dims=chw)
     pre.dynamic_batching.SetInParent()
-    pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+    pre.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=max(1, min(cores, MAX_PRE_INSTANCES)))
     pre.parameters["preprocessing"].string_value = json.dumps(manifest["preprocessing"])
     vdir = repo / pre_name / str(version)
     vdir.mkdir(parents=True)

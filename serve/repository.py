@@ -220,7 +220,9 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
         if wants_image_entry(manifest, cfg.image_entry):
             # in front of the ONNX model where it is served, else the first
             target = names["onnx"] if "onnx" in formats else names[formats[0]]
-            entries = write_image_entry(tmp, manifest, target, max_batch, cfg.version)
+            cores = cfg.cores or usable_cpus() if kind == mc.ModelInstanceGroup.KIND_GPU else \
+                cfg.instance_count * cfg.threads  # it decodes on the CPU, one image per instance at a time
+            entries = write_image_entry(tmp, manifest, target, max_batch, cfg.version, cores)
         container_aoti = "aoti" not in formats or "aoti" in have
         gpu = kind == mc.ModelInstanceGroup.KIND_GPU
         (tmp / "README.md").write_text(render_readme(manifest, names, formats, cfg, gpu, container_aoti,

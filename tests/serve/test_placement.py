@@ -17,11 +17,19 @@ from serve.model_config import CONFIGS, edit_configs, read_config, repository_mo
 from serve.repository import build_repository
 from torchship.errors import ConfigError
 
+ENTRY = "tiny_cnn_image"
+
 
 def placements(repo):
-    """{(model, config file): (instances, threads)} over every config of the repository."""
+    """{(model, config file): (instances, threads)} over every config of the repository's tensor models (the
+    image entry is an ensemble, and its preprocessing runs one instance per core: pre_instances)."""
     return {(m, name): placement_of(read_config(repo / m / name))
-            for m in repository_models(repo) for name in CONFIGS if (repo / m / name).exists()}
+            for m in repository_models(repo) for name in CONFIGS
+            if (repo / m / name).exists() and not m.startswith(f"{ENTRY}")}
+
+
+def pre_instances(repo) -> int:
+    return read_config(repo / f"{ENTRY}_pre" / "config.pbtxt").instance_group[0].count
 
 
 @pytest.mark.parametrize("given, expected", [
@@ -34,6 +42,7 @@ def test_the_default_configs_share_out_the_cores_given(exported, tmp_path, given
     build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), **given))
     found = placements(tmp_path / "repo")
     assert len(found) >= 4 and set(found.values()) == {expected}, found  # every format, both configs where two
+    assert pre_instances(tmp_path / "repo") == expected[0] * expected[1]  # the image entry decodes on each core
     readme = (tmp_path / "repo" / "README.md").read_text()
     assert f"{expected[0]} instance(s) of {expected[1]} intra-op thread(s) each" in readme
 
@@ -81,7 +90,7 @@ def test_each_instance_runs_with_the_threads_its_config_gives(exported, tmp_path
     the runtime's own intra- and inter-op thread counts, one report per instance from a distinct backend
     process of the server, and ONNX Runtime's idle threads sleeping where instances share the cores."""
     repo = tmp_path / "repo"
-    build_repository(exported, RepoConfig(out=str(repo), formats=(fmt,), cores=2))
+    build_repository(exported, RepoConfig(out=str(repo), formats=(fmt,), cores=2, image_entry=False))
     (model,) = repository_models(repo)
     edit_configs(repo / model, placement_edit(instances, threads))
     log = tmp_path / "triton.log"

@@ -148,6 +148,11 @@ def config_json(config):
 def test_gpu_repository_configs_and_the_providers_the_backend_builds_from_them(gpu_repo, backend):
     OnnxRuntimeModel = backend.OnnxRuntimeModel
     configs = {p.parent.name + "/" + p.name: cfg(p) for p in sorted(gpu_repo.glob("*/*.pbtxt"))}
+    # the image entry decodes on the CPU, in front of the ONNX model on the GPU
+    pre = configs.pop("tiny_cnn_image_pre/config.pbtxt")
+    assert pre.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU and pre.instance_group[0].count >= 1
+    steps = configs.pop("tiny_cnn_image/config.pbtxt").ensemble_scheduling.step
+    assert [s.model_name for s in steps] == ["tiny_cnn_image_pre", "tiny_cnn_onnx"]
     # the AOTInductor package, compiled for this CPU, is left out of a repository for a GPU
     assert sorted(configs) == ["tiny_cnn_onnx/config.pbtxt", "tiny_cnn_torchscript/config.pbtxt"]
     for name, c in configs.items():
