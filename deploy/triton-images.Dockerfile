@@ -1,6 +1,7 @@
-# The official Triton container for a repository with an image entry (torchship repo --image-entry): its
-# preprocessing model runs in Triton's python backend and decodes images with Pillow, which the image lacks.
-# docker build -f deploy/triton-images.Dockerfile -t triton-images deploy/
+# The official Triton container for a repository with an image entry (torchship repo serves one for an image
+# model): its preprocessing model runs in Triton's python backend and decodes images with Pillow, which the
+# official image lacks.
+# docker build -f deploy/triton-images.Dockerfile -t torchship-triton-images deploy/
 FROM nvcr.io/nvidia/tritonserver:26.11-py3
 
 RUN pip install --no-cache-dir pillow==13.0.0

@@ -231,7 +231,8 @@ def test_a_repository_serves_on_a_device_only_the_artifacts_made_for_it(int8_exp
     out = tmp_path / "repo"
     assert run_cli("repo", int8_export, "--out", out, "--instance-kind", "gpu") == 0
     said = capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["tiny_cnn_onnx"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["tiny_cnn_image", "tiny_cnn_image_pre",
+                                                                   "tiny_cnn_onnx"]
     line = next(x for x in said.splitlines() if x.startswith("not served: "))
     assert line == (
         "not served: onnx_int8: quantized for the CPU it was exported on, not for a GPU (export them on a "

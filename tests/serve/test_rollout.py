@@ -21,6 +21,8 @@ from torchship.errors import ArtifactError, ParityError, RolloutError
 
 MODEL = "tiny_cnn_onnx"
 ONNX = RepoConfig(formats=("onnx",))
+# the repositories here hold the tensor model alone: these tests follow its versions (the image entry's own tests
+# are in test_image_entry.py)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def retrained(tmp_path_factory):
 @pytest.fixture
 def two_versions(exported, retrained, tmp_path):
     repo = tmp_path / "repo"
-    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
+    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",), image_entry=False))
     assert add_version(retrained, repo, ONNX, log=lambda *a: None) == {MODEL: 2}
     assert live_version(repo / MODEL) == 1
     return repo
@@ -150,7 +152,7 @@ def test_a_bad_new_version_is_refused_and_the_live_one_serves_on(two_versions, e
 
 def test_a_new_signature_is_refused_until_asked_for(exported, tmp_path):
     repo = tmp_path / "repo"
-    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
+    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",), image_entry=False))
     with pytest.raises(
         ArtifactError, match=r"tiny_cnn_onnx: the new version's inputs, outputs or max batch differ .*--new-signature"
     ):
@@ -171,7 +173,7 @@ def test_the_second_model_workflow_in_one_command(exported, tmp_path, capsys):
     from tests.conftest import run_cli
 
     repo = tmp_path / "repo"
-    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
+    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",), image_entry=False))
     config = tmp_path / "run.toml"
     config.write_text(
         '[train]\narch = "tiny_cnn"\nepochs = 2\nlr = 0.03\nnproc = 1\namp = "off"\nprogress = false\nseed = 3\n'
@@ -235,5 +237,5 @@ def test_a_rollout_hands_each_server_the_config_it_runs(exported, tmp_path):
     assert served_config_path(d, {"platform": "", "backend": "pytorch"}) == d / EMBEDDED_CONFIG  # the embedded server
     assert served_config_path(d) == d / EMBEDDED_CONFIG  # the embedded server torchship starts itself
     onnx = tmp_path / "onnx"
-    build_repository(exported, RepoConfig(out=str(onnx), formats=("onnx",)))
+    build_repository(exported, RepoConfig(out=str(onnx), formats=("onnx",), image_entry=False))
     assert served_config_path(onnx / MODEL, {"platform": "onnxruntime_onnx"}) == onnx / MODEL / CONFIG

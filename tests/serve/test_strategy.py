@@ -96,6 +96,7 @@ def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_ex
         assert sorted(check_served(s.url, int8_export)["models"]) == [
             "tiny_cnn",
             "tiny_cnn_aoti_int8",
+            "tiny_cnn_image",  # in front of the INT8 winner: held to its answers on training's tensors
             "tiny_cnn_onnx",
             "tiny_cnn_onnx_int8",
         ]
@@ -103,7 +104,9 @@ def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_ex
     assert (
         run_cli("repo", int8_export, "--out", only, "--strategy", "min-latency", "--bench", bench, "--only-winner") == 0
     )
-    assert sorted(p.name for p in only.iterdir() if p.is_dir()) == ["tiny_cnn"]
+    # the winner alone, and the image entry in front of it
+    assert sorted(p.name for p in only.iterdir() if p.is_dir()) == ["tiny_cnn", "tiny_cnn_image", "tiny_cnn_image_pre"]
+    assert read_config(only / "tiny_cnn_image" / "config.pbtxt").ensemble_scheduling.step[-1].model_name == "tiny_cnn"
 
 
 @pytest.mark.slow
