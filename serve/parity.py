@@ -32,7 +32,7 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
     client.wait_ready()
     ready = client.require_models(models or ())
     entry = entry_names(manifest["name"])[0]
-    raw = raw_files(d, manifest) if RAW_SET in manifest["reference"] else []
+    raw = raw_files(d, manifest) if RAW_SET in manifest["reference"] and entry in ready else []
     models = list(models or models_of(manifest, ready) + [m for m in ready if m == manifest["name"]]
                   + [m for m in ready if m == entry and raw])
     if not models:

@@ -118,6 +118,13 @@ def response_check(
                          {o: parity.bound(tol, o, tf32) for o in outputs}, names=names)
 
 
+def checked_text(r: dict[str, Any]) -> str:
+    """A level's checked responses, with the wrong ones called out."""
+    if "checked" not in r:
+        return "-"
+    return f"{r['checked']}" + (f", **{r['wrong']} WRONG**" if r.get("wrong") else ", 0 wrong")
+
+
 def wrong_in(served: dict[str, Any]) -> Optional[ParityError]:
     """A ParityError naming each model and level (and sweep: batching off, another queue delay) where a checked
     response was wrong, or None."""
@@ -125,6 +132,9 @@ def wrong_in(served: dict[str, Any]) -> Optional[ParityError]:
     sweeps += [(" with batching off", m, mm["rows"]) for m, mm in served.get("batching_off", {}).items()]
     sweeps += [(f" at a queue delay of {d} us", m, dd["rows"]) for m, by in served.get("delays", {}).items()
                for d, dd in by.items()]
+    entry = served.get("entry", {})
+    if "rows" in entry:
+        sweeps.append((" (the image entry, from the held-out files)", entry["model"], entry["rows"]))
     failures = [
         f"{model} at concurrency {r['concurrency']}{how}: {r['wrong']} of {r['checked']} checked responses wrong "
         f"(first: {r.get('first_wrong')})"

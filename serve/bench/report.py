@@ -11,6 +11,8 @@ from torchship.markdown import cell as _f
 from torchship.markdown import table
 
 from .beside import GENERATORS, cross_check_lines, side_by_side
+from .checks import checked_text
+from .entry import entry_lines
 from .plots import draw_plots
 
 
@@ -170,13 +172,6 @@ def probe_share(r: dict[str, Any], lim: dict[str, Any], dtype: str | None, roof:
     return f"{100 * r['images_per_s'] * lim['flops_per_sample'] / roof[key][0]:.1f}" if key in roof else "-"
 
 
-def checked_text(r: dict[str, Any]) -> str:
-    """A level's checked responses, with the wrong ones called out."""
-    if "checked" not in r:
-        return "-"
-    return f"{r['checked']}" + (f", **{r['wrong']} WRONG**" if r.get("wrong") else ", 0 wrong")
-
-
 def computed_per_request(buckets: list[int], executions: dict[str, int]) -> float | None:
     """Images a bucketed model computed per image it was sent: each batch is padded up to the next
     bucket (batches above the largest are split into chunks of it)."""
@@ -279,6 +274,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
                 lines.append(f"- written to: {', '.join(rec['written'])}")
         lines.append("")
     lines += side_by_side(results)
+    lines += entry_lines(results.get("served", {}))
     ip = results.get("in_process")
     if ip:
         lines += [

@@ -70,8 +70,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
 
         total = in_process_runs(cfg, runners, manifest) if in_process else 0
         if plan is not None and plan.error is None:
-            total += soak_windows(cfg, plan.models) if cfg.soak else \
-                served.served_runs(cfg, manifest, plan.models, plan.embedded, plan.noop)
+            total += soak_windows(cfg, plan.models) if cfg.soak else served.served_runs(cfg, manifest, plan)
         bar = tqdm(total=total, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
     failure: TorchshipError | None = None
     try:

@@ -15,13 +15,16 @@ import numpy as np
 
 from torchship.device import usable_cpus
 from torchship.errors import BenchError, TorchshipError
+from torchship.manifest import RAW_SET
 from torchship.names import format_of, model_names, models_of
 
 from ..client import TritonClient
+from ..image_entry import entry_names, is_image_model
 from ..model_config import read_config, repository_models, served_config_path
 from ..repository import servable_formats
 from .checks import ResponseCheck, keeper, response_check, tally
 from .config import BenchConfig
+from .entry import EntryRun
 from .inputs import BenchInputs, single_rows
 from .load import closed_loop, level_row, open_loop, paced
 from .noop import NOOP_MODEL, noop_repo
@@ -51,7 +54,8 @@ def start_own_server(cfg: BenchConfig, export, out: Path):
 
     repo = Path(cfg.repo) if cfg.repo else out / "repo"
     if not cfg.repo:
-        build_repository(export, RepoConfig(out=str(repo), overwrite=True, cores=cfg.cores, image_entry=False))
+        build_repository(export, RepoConfig(out=str(repo), overwrite=True, cores=cfg.cores,
+                                            image_entry=None if cfg.image_entry else False))
     server = bench_server(dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")),
                           export.manifest, out)
     return server.start()
@@ -67,6 +71,7 @@ class ServedPlan:
     embedded: bool
     noop: bool
     error: Optional[TorchshipError] = None
+    entry: Optional[str] = None  # the image entry, timed with the export's held-out files
 
 
 def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
@@ -102,15 +107,20 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
     else:
         where, embedded = f"the repository built from {cfg.export_dir}", True
         known = sorted(model_names(manifest, servable_formats(manifest)).values())
+        known += [entry_names(manifest["name"])[0]] if cfg.image_entry and is_image_model(manifest) else []
     missing = [m for m in cfg.models if m not in known]
     if missing:
         raise BenchError(f"--models {' '.join(missing)}: not in {where}; choose from {', '.join(known) or 'none'}")
-    models = list(cfg.models) or models_of(manifest, known)
-    if not models and error is None:
+    entry = entry_names(manifest["name"])[0]
+    timed_entry = (entry in known and RAW_SET in manifest["reference"] and (entry in cfg.models if cfg.models
+                                                                            else cfg.image_entry))
+    models = [m for m in cfg.models if m != entry] if cfg.models else models_of(manifest, known)
+    if not models and not timed_entry and error is None:
         raise BenchError(
             f"no model of {manifest['name']!r} is served in {where} (served: {', '.join(known) or 'none'})"
         )
-    return ServedPlan(models, embedded, cfg.noop and (embedded or NOOP_MODEL in known), error)
+    return ServedPlan(models, embedded, cfg.noop and (embedded or NOOP_MODEL in known), error,
+                      entry if timed_entry else None)
 
 
 @dataclass
@@ -230,31 +240,31 @@ class Sweep:
     delay_us: int = 0
 
 
-def plan_sweeps(cfg: BenchConfig, manifest: dict, models: list[str], embedded: bool, noop: bool,
-                cross_check: bool) -> list[Sweep]:
-    """The sweeps bench_served runs, in order: the sweep, then on the embedded server (which reloads models
-    with changed configs) batching off and each other queue delay, the no-op model, and the cross-check on the
-    ONNX model where one is served."""
-    levels = tuple(cfg.concurrency)
-    plan = [Sweep("models", tuple(models), levels)]
-    if embedded:
+def plan_sweeps(cfg: BenchConfig, manifest: dict, served: ServedPlan, cross_check: bool) -> list[Sweep]:
+    """The sweeps bench_served runs, in order: the sweep, the image entry with the held-out files, then on the
+    embedded server (which reloads models with changed configs) batching off and each other queue delay, the
+    no-op model, and the cross-check on the ONNX model where one is served."""
+    levels, models = tuple(cfg.concurrency), served.models
+    plan = [Sweep("models", tuple(models), levels)] if models else []
+    plan += [Sweep("entry", (served.entry,), levels)] if served.entry else []
+    if served.embedded:
         compared = tuple(m for m in models if format_of(m, manifest) in cfg.batching_compare)
         plan += [Sweep("batching_off", compared, levels)] if compared else []
-        plan += [Sweep("delay", tuple(models), levels, d) for d in cfg.queue_delays_us]
-    if noop:
+        plan += [Sweep("delay", tuple(models), levels, d) for d in cfg.queue_delays_us] if models else []
+    if served.noop:
         plan.append(Sweep("noop", (NOOP_MODEL,), noop_levels(cfg)))
-    if cross_check:
+    if cross_check and models:
         model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
         plan.append(Sweep("cross_check", (model,), noop_levels(cfg)))
     return plan
 
 
-def served_runs(cfg: BenchConfig, manifest: dict, models: list[str], embedded: bool, noop: bool) -> int:
-    """How many measurement windows bench_served plans for ``models`` (with ``noop``: and for the no-op
-    model), three per level: the progress bar's total, grown as a level needs more."""
+def served_runs(cfg: BenchConfig, manifest: dict, served: ServedPlan) -> int:
+    """How many measurement windows bench_served plans, three per level: the progress bar's total, grown as a
+    level needs more."""
     from .perf_analyzer import locate
 
-    plan = plan_sweeps(cfg, manifest, models, embedded, noop, bool(cfg.cross_check and locate(cfg.perf_analyzer)))
+    plan = plan_sweeps(cfg, manifest, served, bool(cfg.cross_check and locate(cfg.perf_analyzer)))
     return LAST * sum(len(s.models) * len(s.levels) for s in plan)
 
 
@@ -268,7 +278,7 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
                  save: Callable[[], None]) -> None:
     """Fill results["served"]: every model of the plan swept over cfg.concurrency, then (on the embedded
     ``server``) again with dynamic batching off and at other queue delays."""
-    manifest, models, embedded, noop = inputs.manifest, plan.models, plan.embedded, plan.noop
+    manifest, models, embedded = inputs.manifest, plan.models, plan.embedded
     client = TritonClient(url)
     client.wait_ready(15)
     client.require_models(models)
@@ -305,7 +315,7 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
         return read_config(served_config_path(server.repo / model))
 
     reconfigured: set[str] = set()
-    for sw in plan_sweeps(cfg, manifest, models, embedded, noop, other is not None):
+    for sw in plan_sweeps(cfg, manifest, plan, other is not None):
         if sw.kind in ("noop", "cross_check") and reconfigured:
             for model in reconfigured:
                 server.load(model, override=config(model))  # back to the repository's config
@@ -319,6 +329,16 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
                     c.dynamic_batching.max_queue_delay_microseconds = sw.delay_us
                 server.load(model, override=c)
             reconfigured.update(sw.models)
+        if sw.kind == "entry":
+            try:
+                er = EntryRun.prepare(inputs, client)
+                rows = sweep(url, [er.model], er.feeds, cfg, sw.levels, bar, client, LoadGenerator("python"),
+                             {er.model: er.check})[er.model]
+                served["entry"] = er.finish(client, rows, inputs)
+            except TorchshipError as e:
+                served["entry"] = {"model": plan.entry, "error": str(e)}
+            save()
+            continue
         if sw.kind == "noop":
             try:
                 if embedded:

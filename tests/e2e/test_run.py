@@ -169,6 +169,8 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     assert [r["concurrency"] for r in served["noop"]["rows"]] == [1, 4]  # the ceiling the summary sets beside them
     assert all(r["checked"] >= r["ok"] and r["wrong"] == 0 for mm in served["models"].values() for r in mm["rows"])
     assert (run_dir / "bench/report.md").exists() and (run_dir / "logs/tritonserver.log").exists()
+    entry = served["entry"]  # the image entry timed with the held-out files, every answer checked
+    assert entry["model"] == "tiny_cnn_image" and all(r["checked"] >= r["ok"] > 0 for r in entry["rows"])
     summary = (run_dir / "summary.md").read_text()
     for needle in (
         "all gates passed",
@@ -184,6 +186,7 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         f"Image entry: `tiny_cnn_image` takes an image file as it is and prepares it in the server as training did, "
         f"then runs `tiny_cnn` ({winner['model']}): a request holds the file, ",
         "where the float32 tensor is 12,288 bytes",
+        "## The image entry",
     ):
         assert needle in summary
 

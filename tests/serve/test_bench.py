@@ -11,7 +11,7 @@ from serve.bench.compare import compare
 from serve.bench.config import BenchConfig
 from serve.bench.perf_analyzer import locate
 from serve.bench.run import run_bench
-from serve.bench.served import PACED_CHECKS, served_runs
+from serve.bench.served import PACED_CHECKS, ServedPlan, served_runs
 from tests.conftest import run_cli
 from torchship.config import build
 from torchship.errors import BenchError, ServerError
@@ -99,6 +99,15 @@ def test_results_and_report_are_well_formed(bench_run):
     assert f"Ceiling: with no model to run, the server carried {noop[-1]['requests_per_s']:.0f} requests/s" in report
     for model in served["models"]:
         assert f"- {model}: batching gain " in report
+    # the image entry: the held-out files as they are, every answer checked, beside the tensor model behind it
+    entry = served["entry"]
+    assert entry["model"] == "tiny_cnn_image" and entry["target"] == "tiny_cnn_onnx" and entry["files"] == 16
+    assert [r["concurrency"] for r in entry["rows"]] == SHORT["concurrency"]
+    assert all(r["checked"] >= r["ok"] > 0 and r["wrong"] == 0 for r in entry["rows"])
+    assert 0 < entry["request_bytes"] * 10 < entry["tensor_request_bytes"]  # PNG digits: a tiny file, 12 KB of tensor
+    assert entry["preprocessing"]["compute_infer_us"] > 0 and entry["preprocessing"]["requests"] > 0
+    assert heads[3] == "## The image entry"
+    assert f"| tiny_cnn_image | the image file | {entry['request_bytes']:,} |" in report
 
 
 def test_the_report_says_how_much_a_bucketed_model_pads(bench_run):
@@ -203,11 +212,11 @@ def test_progress_total_counts_every_window(bench_run, exported):
     s = results["served"]
     sweeps = [m["rows"] for section in ("models", "batching_off") for m in s[section].values()]
     sweeps += [d["rows"] for per_model in s["delays"].values() for d in per_model.values()] + [s["noop"]["rows"]]
+    sweeps += [s["entry"]["rows"]]
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out)})
     manifest = json.loads((exported / "manifest.json").read_text())
-    assert served_runs(cfg, manifest, list(s["models"]), embedded=True, noop=True) == 3 * sum(
-        len(rows) for rows in sweeps
-    )
+    plan = ServedPlan(list(s["models"]), embedded=True, noop=True, entry=s["entry"]["model"])
+    assert served_runs(cfg, manifest, plan) == 3 * sum(len(rows) for rows in sweeps)
     loaded = {r["variant"]: None for r in results["in_process"]["rows"]}
     assert in_process_runs(cfg, loaded, manifest) == 3 * len(results["in_process"]["rows"])
 
@@ -519,3 +528,13 @@ def test_a_perf_analyzer_window_too_short_is_measured_again_not_counted_as_faile
                        "completed": 100}, "No valid requests recorded")
     assert w["requests_per_s"] == 200 and w["p50_ms"] == pytest.approx(1.0) and w["p99_ms"] == pytest.approx(10.0)
     assert w["errors"] == [] and w["python_instead"] == "No valid requests recorded"
+
+
+def test_a_wrong_answer_from_the_image_entry_fails_the_bench():
+    """The entry's rows go through the same verdict as the models': one wrong response names it."""
+    from serve.bench.checks import wrong_in
+
+    row = {"concurrency": 4, "checked": 12, "wrong": 1, "first_wrong": "request 3: output 'logits' max abs error 2"}
+    err = wrong_in({"models": {}, "entry": {"model": "tiny_cnn_image", "rows": [row]}})
+    assert err is not None and "tiny_cnn_image at concurrency 4 (the image entry, from the held-out files)" in str(err)
+    assert wrong_in({"models": {}, "entry": {"model": "tiny_cnn_image", "rows": [{**row, "wrong": 0}]}}) is None

@@ -57,7 +57,7 @@ def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) ->
         "bench": _build_section(
             "bench",
             BenchConfig,
-            {**settings, "bench": {**SHORT_BENCH, "noop": True, **settings.get("bench", {})}},
+            {**settings, "bench": {**SHORT_BENCH, "noop": True, "image_entry": True, **settings.get("bench", {})}},
             {"out": str(dirs["bench"]), "repo": str(dirs["repo"]), "export_dir": str(dirs["export"]), "serve": serve},
         ),
         "run": _build_section("run", RunConfig, settings, {}),

@@ -83,7 +83,9 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
                 lines += [f"Recommendation: `{rec['model']}` with max_batch_size {rec['max_batch_size']}: "
                           f"{rec['requests_per_s']:.0f} req/s at p99 {rec['p99_ms']:.2f} ms.", ""]
         if b:
-            lines += side_by_side(b)
+            from serve.bench.entry import entry_lines
+
+            lines += side_by_side(b) + entry_lines(b.get("served", {}))
     lines += [
         "",
         f"Run folder: {run_dir}  ·  summary: {run_dir / 'summary.md'}  ·  bench report: "

@@ -1,0 +1,102 @@
+"""The image entry under load: the export's held-out files sent as they are to ``<name>_image``, every
+response checked, beside the model behind it fed tensors. What a request holds on the wire for each, and the
+time the server spends preparing a file (Triton's statistics of the preprocessing model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from torchship.manifest import raw_files
+from torchship.markdown import cell, table
+from torchship.names import format_of
+
+from ..client import request_feeds
+from ..image_entry import IMAGE_INPUT, entry_names
+from .checks import checked_text, response_check
+from .inputs import BenchInputs, single_rows
+from .stats import settled_stats, stats_delta, stats_of
+
+
+@dataclass
+class EntryRun:
+    """The image entry's sweep, prepared: the held-out files as requests, and the check of their answers (held
+    to the bound of the model behind the entry against eager on training's tensors of the same files; a reduced
+    precision: to its own answers on the idle server, under its gate's SQNR floor). The sweep itself is
+    bench_served's, with torchship's Python client: the files differ in size, which perf_analyzer's fixed
+    inputs do not carry."""
+
+    model: str
+    pre: str  # its preprocessing model, whose statistics time the decoding
+    target: str
+    fmt: str | None
+    feeds: list[dict[str, np.ndarray]]
+    files: list[bytes]
+    check: Any
+    before: dict[str, Any]
+
+    @classmethod
+    def prepare(cls, inputs: BenchInputs, client) -> "EntryRun":
+        manifest = inputs.manifest
+        entry, pre = entry_names(manifest["name"])
+        files = [data for _, data in raw_files(inputs.export_dir, manifest)]
+        feeds = [{IMAGE_INPUT: np.frombuffer(data, np.uint8)[None]} for data in files]
+        target = client.config(entry)["ensemble_scheduling"]["step"][-1]["model_name"]
+        fmt = format_of(target, manifest, client.config(target))
+        check = response_check(client, entry, manifest, fmt, inputs.raw_expected, feeds, len(feeds))
+        return cls(entry, pre, target, fmt, feeds, files, check, stats_of(client, pre))
+
+    def finish(self, client, rows: list[dict[str, Any]], inputs: BenchInputs) -> dict[str, Any]:
+        """What the sweep measured, with what a request holds and the server's time preparing a file."""
+        done = int(self.before.get("inference_stats", {}).get("success", {}).get("count", 0) or 0)
+        after = settled_stats(client, self.pre, done + sum(r["sent"] for r in rows))
+        sizes = sorted(request_feeds(self.model, f).ByteSize() for f in self.feeds)
+        tensor = single_rows(inputs.pool, 1)[0]
+        return {
+            "model": self.model,
+            "target": self.target,
+            "format": self.fmt,
+            "files": len(self.files),
+            "file_bytes": sorted(len(d) for d in self.files)[len(self.files) // 2],
+            "request_bytes": sizes[len(sizes) // 2],  # the median file's ModelInferRequest, as gRPC carries it
+            "tensor_request_bytes": request_feeds(self.target, client.to_wire(self.target, tensor)).ByteSize(),
+            "preprocessing": stats_delta(self.before, after),
+            "rows": rows,
+        }
+
+
+def entry_lines(served: dict[str, Any]) -> list[str]:
+    """The report's section on the image entry: its figures beside the model behind it, and what a request holds."""
+    e = served.get("entry")
+    if not e:
+        return []
+    if "error" in e:
+        return ["## The image entry", "", f"{e['model']} could not be timed: {e['error']}", ""]
+    behind = served.get("models", {}).get(e["target"], {}).get("rows", [])
+    rows = [[m, holds, f"{size:,}", str(r["concurrency"]), cell(r.get("p50_ms")), cell(r.get("p99_ms")),
+             cell(r["requests_per_s"], ".0f"), cell(r.get("client_cpu_us"), ".0f"), checked_text(r)]
+            for m, holds, size, rs in ((e["model"], "the image file", e["request_bytes"], e["rows"]),
+                                       (e["target"], "float32 tensor", e["tensor_request_bytes"], behind))
+            for r in rs]
+    pre = e.get("preprocessing", {})
+    return [
+        "## The image entry",
+        "",
+        f"`{e['model']}` takes the image file as it is and prepares it in the server as training did, then runs "
+        f"`{e['target']}` ({e['format']}); here its requests carry the export's {e['files']} held-out files in turn "
+        f"(median {e['file_bytes']:,} bytes), each answer held to {e['target']}'s bound against eager on training's "
+        f"tensors of the same file. Bytes a request: the median gRPC request as sent, against "
+        f"{e['tensor_request_bytes']:,} for the tensor ({e['tensor_request_bytes'] / e['request_bytes']:.1f}x). "
+        "The entry's requests go out from torchship's Python client (the files differ in size); the tensor "
+        "model's rows are the sweep's above.",
+        "",
+        *table(["model", "a request holds", "bytes a request", "concurrency", "p50 ms", "p99 ms", "req/s",
+                "client CPU µs/req", "checked"], rows),
+        "",
+        f"- Preparing a file in the server (decode, resize, scale; Triton's statistics of the preprocessing model): "
+        f"{pre.get('compute_infer_us', 0):.0f} µs a request, plus {pre.get('queue_us', 0):.0f} µs queued "
+        f"(average batch {pre.get('avg_batch', 0):.1f}).",
+        "",
+    ]
