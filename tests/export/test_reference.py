@@ -85,6 +85,7 @@ def test_atol_and_rtol_replace_the_derived_bound(tmp_path, capsys):
     assert "as given" in (tmp_path / "loose" / "parity.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_run_in_float64_falls_back_to_a_scale_relative_bound(tmp_path):
     from tests.anymodel.models import float32_inside
 
@@ -99,6 +100,7 @@ def test_a_model_that_cannot_run_in_float64_falls_back_to_a_scale_relative_bound
     assert "Reference: eager in float32, because it fails in float64" in (tmp_path / "e" / "parity.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_bfloat16_export_is_held_to_eager_rounding_in_bfloat16(trained, exported, tmp_path):
     out = tmp_path / "bf16"
     assert run_cli("export", trained, "--dtype", "bfloat16", "--formats", "torchscript", "exported_program",

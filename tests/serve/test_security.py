@@ -46,6 +46,7 @@ def test_without_the_key_every_planted_control_call_is_refused(server, tmp_path)
     assert set(answers.values()) == {"restricted"} and not ran, answers
 
 
+@pytest.mark.slow
 def test_with_the_key_the_same_calls_are_accepted(repo, tmp_path):
     """The key opens what it guards: the planted code runs (so the marker check above can see it) and the
     victim is unloaded, then loaded again. On a server of its own: Triton 2.51 can count the model loaded with
@@ -58,6 +59,7 @@ def test_with_the_key_the_same_calls_are_accepted(repo, tmp_path):
                                                               for p in ("grpc", "http")}}, answers
 
 
+@pytest.mark.slow
 def test_an_open_control_plane_lets_the_attack_through(repo, tmp_path, monkeypatch):
     """The planted fault: a server started without the restriction takes every call, code and unload included."""
     import serve.embedded.server as embedded
@@ -224,6 +226,7 @@ def test_the_key_files_of_servers_that_are_gone_are_removed(tmp_path, monkeypatc
     assert starting.read_text() == "starting\n"
 
 
+@pytest.mark.slow
 def test_torchship_serve_refuses_the_attack_and_removes_its_key_when_it_stops(repo, tmp_path):
     """torchship serve as a user starts it, in a process of its own: the planted attacks are refused, the key file
     it prints is its user's alone, and it is gone once the server stops."""

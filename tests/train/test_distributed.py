@@ -29,6 +29,7 @@ def shard_problems(out: Path) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_two_ranks_get_disjoint_samples_and_identical_parameters(tmp_path):
     r = torchrun(str(HERE / "ddp_worker.py"), str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
