@@ -96,6 +96,13 @@ def write_image_entry(repo: Path, manifest: dict[str, Any], target: str, max_bat
     return [pre_name, entry]
 
 
+def entry_target(config: dict[str, Any]) -> str | None:
+    """The model an image entry runs behind its preprocessing, from its config as Triton serves it (JSON); None
+    for a config that is no such ensemble."""
+    steps = config.get("ensemble_scheduling", {}).get("step", [])
+    return steps[-1].get("model_name") if steps else None
+
+
 def retarget(repo: Path, export_name: str, target: str) -> bool:
     """Point the image entry of ``export_name`` in ``repo`` (where it has one) at the model ``target``."""
     path = repo / entry_names(export_name)[0] / CONFIG

@@ -14,7 +14,7 @@ import numpy as np
 from torchship.errors import ClientError, DataError, ShapeError
 
 from .config import InferConfig
-from .image_entry import ENTRY_SUFFIX, PRE_SUFFIX
+from .image_entry import ENTRY_SUFFIX, PRE_SUFFIX, entry_target
 
 SHOWN = 6  # values of each output printed per request (--json prints them all)
 
@@ -101,8 +101,7 @@ def raw_entry(client, model: str, ready) -> str | None:
     for m in ready:
         if m.endswith(ENTRY_SUFFIX):
             cfg = client.config(m)
-            steps = cfg.get("ensemble_scheduling", {}).get("step", [])
-            if takes_files(cfg) and steps and steps[-1].get("model_name") == model:
+            if takes_files(cfg) and entry_target(cfg) == model:
                 return m
     return None
 

@@ -14,7 +14,7 @@ from torchship.names import format_of, models_of
 from torchship.parity import check_float_sets, check_quantized_sets, sqnr_db
 
 from .client import TritonClient
-from .image_entry import IMAGE_INPUT, entry_names
+from .image_entry import IMAGE_INPUT, entry_names, entry_target
 
 
 def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[str] | None = None,
@@ -95,7 +95,7 @@ def check_entry(client: TritonClient, entry: str, export: Export, raw: list[tupl
     manifest, ref = export.manifest, export.reference()
     if not raw:
         return [f"{entry}: {export.dir} keeps no held-out files to send it (export from a checkpoint of images)"]
-    target = client.config(entry)["ensemble_scheduling"]["step"][-1]["model_name"]
+    target = entry_target(client.config(entry))
     fmt = format_of(target, manifest, client.config(target))
     quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("gate")), None)
     outputs = [o["name"] for o in manifest["outputs"]]

@@ -64,8 +64,8 @@ def _channel_stats(x: torch.Tensor) -> tuple[list[float], list[float]]:
 
 
 def _tensor_split(x: torch.Tensor, y: torch.Tensor, classes: list[str], val_fraction: float, seed: int,
-                  source: str, source_scale: str) -> DataSplit:
-    tr, va = _stratified_split(y.numpy(), val_fraction, seed)
+                  source: str, source_scale: str, split: tuple[np.ndarray, np.ndarray] | None = None) -> DataSplit:
+    tr, va = split if split is not None else _stratified_split(y.numpy(), val_fraction, seed)
     mean, std = _channel_stats(x[tr])
     pre = Preprocessing(image_size=[x.shape[-2], x.shape[-1]], channels=x.shape[1], mean=mean, std=std,
                         source_scale=source_scale)
@@ -85,8 +85,8 @@ def load_digits(image_size: int, val_fraction: float, seed: int) -> DataSplit:
     bunch = sk_digits()
     x = digits_inputs(bunch.images, image_size)
     y = torch.from_numpy(bunch.target.astype(np.int64))
-    split = _tensor_split(x, y, [str(c) for c in range(10)], val_fraction, seed, "digits", "pixel / 16")
-    _, va = _stratified_split(y.numpy(), val_fraction, seed)
+    tr, va = _stratified_split(y.numpy(), val_fraction, seed)
+    split = _tensor_split(x, y, [str(c) for c in range(10)], val_fraction, seed, "digits", "pixel / 16", (tr, va))
     split.raw = lambda: _digit_files(bunch.images[va[:RAW_COUNT]], bunch.target[va[:RAW_COUNT]], image_size)
     return split
 

@@ -14,7 +14,7 @@ from torchship.markdown import cell, table
 from torchship.names import format_of
 
 from ..client import request_feeds
-from ..image_entry import IMAGE_INPUT, entry_names
+from ..image_entry import IMAGE_INPUT, entry_names, entry_target
 from .checks import checked_text, response_check
 from .inputs import BenchInputs, single_rows
 from .stats import settled_stats, stats_delta, stats_of
@@ -43,7 +43,7 @@ class EntryRun:
         entry, pre = entry_names(manifest["name"])
         files = [data for _, data in raw_files(inputs.export_dir, manifest)]
         feeds = [{IMAGE_INPUT: np.frombuffer(data, np.uint8)[None]} for data in files]
-        target = client.config(entry)["ensemble_scheduling"]["step"][-1]["model_name"]
+        target = entry_target(client.config(entry))
         fmt = format_of(target, manifest, client.config(target))
         check = response_check(client, entry, manifest, fmt, inputs.raw_expected, feeds, len(feeds))
         return cls(entry, pre, target, fmt, feeds, files, check, stats_of(client, pre))
@@ -75,11 +75,24 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
     if "error" in e:
         return ["## The image entry", "", f"{e['model']} could not be timed: {e['error']}", ""]
     behind = served.get("models", {}).get(e["target"], {}).get("rows", [])
-    rows = [[m, holds, f"{size:,}", str(r["concurrency"]), cell(r.get("p50_ms")), cell(r.get("p99_ms")),
-             cell(r["requests_per_s"], ".0f"), cell(r.get("client_cpu_us"), ".0f"), checked_text(r)]
-            for m, holds, size, rs in ((e["model"], "the image file", e["request_bytes"], e["rows"]),
-                                       (e["target"], "float32 tensor", e["tensor_request_bytes"], behind))
-            for r in rs]
+    rows = [
+        [
+            m,
+            holds,
+            f"{size:,}",
+            str(r["concurrency"]),
+            cell(r.get("p50_ms")),
+            cell(r.get("p99_ms")),
+            cell(r["requests_per_s"], ".0f"),
+            cell(r.get("client_cpu_us"), ".0f"),
+            checked_text(r),
+        ]
+        for m, holds, size, rs in (
+            (e["model"], "the image file", e["request_bytes"], e["rows"]),
+            (e["target"], "float32 tensor", e["tensor_request_bytes"], behind),
+        )
+        for r in rs
+    ]
     pre = e.get("preprocessing", {})
     return [
         "## The image entry",
@@ -92,8 +105,20 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
         "The entry's requests go out from torchship's Python client (the files differ in size); the tensor "
         "model's rows are the sweep's above.",
         "",
-        *table(["model", "a request holds", "bytes a request", "concurrency", "p50 ms", "p99 ms", "req/s",
-                "client CPU µs/req", "checked"], rows),
+        *table(
+            [
+                "model",
+                "a request holds",
+                "bytes a request",
+                "concurrency",
+                "p50 ms",
+                "p99 ms",
+                "req/s",
+                "client CPU µs/req",
+                "checked",
+            ],
+            rows,
+        ),
         "",
         f"- Preparing a file in the server (decode, resize, scale; Triton's statistics of the preprocessing model): "
         f"{pre.get('compute_infer_us', 0):.0f} µs a request, plus {pre.get('queue_us', 0):.0f} µs queued "

@@ -18,6 +18,7 @@ from .in_process import bench_in_process, in_process_runs, load_variants
 from .inputs import BenchInputs, load_inputs, real_inputs
 from .recommend import recommend, write_recommendation
 from .stats import device_peak, flops_per_sample, machine_info
+from .sweeps import served_runs
 
 
 def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = None) -> dict[str, Any]:
@@ -70,7 +71,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
 
         total = in_process_runs(cfg, runners, manifest) if in_process else 0
         if plan is not None and plan.error is None:
-            total += soak_windows(cfg, plan.models) if cfg.soak else served.served_runs(cfg, manifest, plan)
+            total += soak_windows(cfg, plan.models) if cfg.soak else served_runs(cfg, manifest, plan)
         bar = tqdm(total=total, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
     failure: TorchshipError | None = None
     try:

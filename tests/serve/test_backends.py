@@ -3,12 +3,12 @@ the served parity check, and the dynamic batcher routing each response to its re
 
 import shutil
 import threading
-import time
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from serve.bench.stats import served_count, settled_stats, stats_of
 from serve.client import TritonClient
 from serve.config import ServeConfig
 from serve.embedded import TritonServer
@@ -78,13 +78,6 @@ def stats(url, model):
     return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
 
 
-def stats_after(url, model, inferences, deadline_s=10.0):
-    """The statistics once they count `inferences`: Triton records a request's statistics when the backend
-    releases it, which can come just after the client has its response."""
-    end = time.monotonic() + deadline_s
-    while (now := stats(url, model))[0] < inferences and time.monotonic() < end:
-        time.sleep(0.05)
-    return now
 
 
 @pytest.mark.parametrize("model", ["tiny_cnn_onnx", "tiny_cnn_aoti"])
@@ -93,8 +86,11 @@ def test_dynamic_batcher_merges_requests_and_routes_each_response(server, export
     rng = np.random.default_rng(7)
     inputs = [rng.random((1 + i % 3, 3, 32, 32), dtype=np.float32) for i in range(48)]
     inf0, exe0 = stats(server.url, model)
+    booked = served_count(stats_of(TritonClient(server.url), model))
     outputs = send_concurrently(server.url, model, inputs)
-    inf1, exe1 = stats_after(server.url, model, inf0 + sum(len(x) for x in inputs))
+    # Triton books a request when the backend releases it, which can be just after the client has its response
+    settled_stats(TritonClient(server.url), model, booked + len(inputs), timeout_s=10.0)
+    inf1, exe1 = stats(server.url, model)
     assert not [o for o in outputs if isinstance(o, Exception)]
     assert inf1 - inf0 == sum(len(x) for x in inputs)
     assert exe1 - exe0 < len(inputs), "the dynamic batcher merged nothing"

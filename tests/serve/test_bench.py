@@ -11,7 +11,8 @@ from serve.bench.compare import compare
 from serve.bench.config import BenchConfig
 from serve.bench.perf_analyzer import locate
 from serve.bench.run import run_bench
-from serve.bench.served import PACED_CHECKS, ServedPlan, served_runs
+from serve.bench.served import PACED_CHECKS
+from serve.bench.sweeps import ServedPlan, served_runs
 from tests.conftest import run_cli
 from torchship.config import build
 from torchship.errors import BenchError, ServerError
