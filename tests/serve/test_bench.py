@@ -191,7 +191,8 @@ def test_one_run_reads_the_reference_once_and_rebuilds_eager_once(exported, serv
         hashed.append(str(path))
         return sha(path, *a, **k)
 
-    cfg = build(BenchConfig, {**SHORT, "batch_sizes": [1], "concurrency": [1], "requests": 4},
+    # with the progress bar, as torchship run and the CLI run it: its total is planned before anything is timed
+    cfg = build(BenchConfig, {**SHORT, "batch_sizes": [1], "concurrency": [1], "requests": 4, "progress": True},
                 {"export_dir": str(exported), "out": str(tmp_path), "url": server.url, "models": ["tiny_cnn_onnx"]})
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Path, "read_bytes", counted_read)
