@@ -90,6 +90,15 @@ class ExportConfig:
     example_inputs: Optional[str] = opt(
         None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench"
     )
+    tokenizer: Optional[str] = opt(
+        None, "a text model's Hugging Face tokenizer.json: kept with the export, it fills the token ids, attention "
+              "mask and token type ids, and the repository serves <name>_text, which takes text and tokenizes it in "
+              "the server"
+    )
+    text_samples: Optional[str] = opt(
+        None, "with --tokenizer: a UTF-8 file of sample texts, one per line (up to 16 kept), which infer --check sends "
+              "to the text entry and holds to eager on the tokenizer's tensors of them"
+    )
     out: str = opt("runs/export", "export directory to create")
     formats: tuple[str, ...] = opt((), "formats to export: " + ", ".join(FORMATS) + ". Default: torchscript and onnx "
                                        "in float32; on CUDA also aoti (the official container's torch_aoti); on a CPU "
@@ -179,6 +188,11 @@ class ExportConfig:
                 raise ConfigError(
                     "give a checkpoint to export, or --model PKG.MODULE:FACTORY --weights FILE --input ..."
                 )
+        for flag, path in (("--tokenizer", self.tokenizer), ("--text-samples", self.text_samples)):
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path}: no such file")
+        if self.text_samples and not self.tokenizer:
+            raise ConfigError("--text-samples goes with --tokenizer (the samples are sent as text to the text entry)")
         unknown = [f for f in self.formats if f not in FORMATS]
         if unknown:
             raise ConfigError(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")

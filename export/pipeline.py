@@ -27,6 +27,7 @@ from .compile import Compiler, bucket_files, bucket_weights, tf32_field, workers
 from .config import ExportConfig
 from .reference import build_reference, input_sets
 from .source import artifact_model, load_source
+from .text import load_text, write_text
 from .verify import verify_export
 
 
@@ -49,6 +50,7 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     src = load_source(cfg, log)
     sig = src.signature
+    text = load_text(sig, cfg.tokenizer, cfg.text_samples, log) if cfg.tokenizer else None
     device = resolve_device(cfg.device)
     if not cfg.formats:
         cfg, why = cfg.for_device(device, real_samples=bool(src.samples))
@@ -78,6 +80,8 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
         raw = _raw_set(src, sig, log)
         if raw is not None:  # its tensors join the reference (eager's answers, the bounds); not a set every model runs
             inputs[RAW_SET] = {sig.inputs[0].name: raw.inputs}
+        if text is not None and text.texts:  # the same, for the texts the tokenizer makes tensors of
+            inputs[RAW_SET] = text.inputs
         ref = build_reference(
             eager,
             model,
@@ -101,6 +105,8 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
         if raw is not None:
             ref.arrays[f"labels/{RAW_SET}"] = raw.labels
             raw_files = _write_raw(tmp, raw)
+        if text is not None:
+            text_spec, raw_files = write_text(tmp, text)
         with open(tmp / REFERENCE, "wb") as f:
             np.savez(f, **ref.arrays)
         for fmt in (f for f in cfg.formats if f not in background):
@@ -134,8 +140,10 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
                 "no format could be exported: " + "; ".join(f"{f['format']}: {f['error']}" for f in arts.failures)
             )
         manifest = build_manifest(name, cfg, device, src, tolerances, ref, info, arts, sha256_file(tmp / REFERENCE))
-        if raw is not None:
-            manifest["reference"][RAW_SET] = {"batch": len(raw.files), "files": raw_files}
+        if raw is not None or (text is not None and text.texts):
+            manifest["reference"][RAW_SET] = {"batch": len(raw_files), "files": raw_files}
+        if text is not None:
+            manifest["text"] = text_spec
         write_manifest(tmp, manifest)
     log(f"manifest: {out / MANIFEST}")
     export = Export(out, manifest, ref.arrays, files_checked=True)  # hashed as written; the reference in memory

@@ -85,9 +85,15 @@ def repo_build(ns: argparse.Namespace) -> int:
     print(f"repository {res['path']}: " + ", ".join(f"{m} ({f})" for f, m in res["models"].items()))
     if res["not_served"]:
         print(f"not served: {not_served_text(ns.export_dir, res['not_served'])}")
-    if res.get("image_entry"):
-        print(f"image entry: {res['image_entry']} takes an image file's bytes (UINT8) and prepares it in the server: "
-              f"torchship infer --url HOST:PORT --model {res['image_entry']} photo.jpg")
+    from .entries import TEXT_SUFFIX
+
+    entry = res.get("entry")
+    if entry and entry.endswith(TEXT_SUFFIX):
+        print(f"text entry: {entry} takes a text's UTF-8 bytes (UINT8) and tokenizes it in the server: "
+              f"torchship infer --url HOST:PORT --model {entry} --text \"...\"")
+    elif entry:
+        print(f"image entry: {entry} takes an image file's bytes (UINT8) and prepares it in the server: "
+              f"torchship infer --url HOST:PORT --model {entry} photo.jpg")
     if cfg.strategy:
         winner, dest = serve_by_strategy(export, res["path"], cfg.strategy, manifest, results, cfg.only_winner,
                                          log=lambda line: print(line, flush=True), cores=cfg.search_cores())

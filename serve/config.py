@@ -98,6 +98,9 @@ class RepoConfig:
     image_entry: Optional[bool] = opt(None, "also serve <name>_image, which takes an encoded image file (JPEG, PNG, "
                                             "WebP, ...) as its bytes and prepares it in the server as training did "
                                             "(default: for an image model, one whose export records its preprocessing)")
+    text_entry: Optional[bool] = opt(None, "also serve <name>_text, which takes a text as its UTF-8 bytes and "
+                                           "tokenizes it in the server with the export's tokenizer (default: for an "
+                                           "export made with --tokenizer)")
 
     def __post_init__(self) -> None:
         if self.strategy is not None:
@@ -233,7 +236,12 @@ class InferConfig:
     stream: bool = opt(False, "send the requests one at a time over one bidirectional gRPC stream (ModelStreamInfer)")
     json: bool = opt(False, "print results as JSON")
     raw: bool = opt(True, "send image files as they are to the image entry in front of the model where the server "
-                          "has one (--no-raw: prepare them here and send the tensors)")
+                          "has one, and --text to the text entry (--no-raw: prepare them here and send the tensors)")
+    text: tuple[str, ...] = opt((), "a text to send, one request each (repeatable): to the text entry in front of the "
+                                    "model where the server has one, else tokenized here with --export's tokenizer",
+                                append=True)
+    export: Optional[str] = opt(None, "with --text: the export whose tokenizer makes the token tensors here, where the "
+                                      "server has no text entry (or with --no-raw)", metavar="EXPORT_DIR")
 
     def __post_init__(self) -> None:
         check_url(self.url)
@@ -241,3 +249,7 @@ class InferConfig:
             raise ConfigError("--top-k, -n and --concurrency must be at least 1")
         if self.stream and self.concurrency > 1:
             raise ConfigError("--stream sends one request at a time; leave out --concurrency, or --stream")
+        if self.text and (self.files or self.heldout or self.check):
+            raise ConfigError("--text sends texts; give FILES, --heldout or --check in another call")
+        if self.export and not self.text:
+            raise ConfigError("--export goes with --text (its tokenizer makes the tensors)")

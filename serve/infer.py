@@ -14,7 +14,7 @@ import numpy as np
 from torchship.errors import ClientError, DataError, ShapeError
 
 from .config import InferConfig
-from .image_entry import ENTRY_SUFFIX, PRE_SUFFIX, entry_target
+from .entries import IMAGE_INPUT, PRE_SUFFIX, TEXT_INPUT, TEXT_PRE_SUFFIX, entry_target, is_entry_name
 
 SHOWN = 6  # values of each output printed per request (--json prints them all)
 
@@ -35,16 +35,21 @@ def run_infer(ns: InferConfig) -> int:
     client = TritonClient(ns.url)
     client.wait_ready(10)
     ready = client.require_models([ns.model] if ns.model else [])
-    model = ns.model or next((m for m in ready if not m.endswith(PRE_SUFFIX)), None)
+    model = ns.model or next((m for m in ready if not m.endswith((PRE_SUFFIX, TEXT_PRE_SUFFIX))), None)
     if model is None:
         raise ClientError(f"no model is ready at {ns.url}")
-    entry = raw_entry(client, model, ready) if ns.raw and ns.files and all(is_image_file(f) for f in ns.files) else None
-    if entry:  # the server prepares the image as training did: the file goes as it is, a fraction of the tensor
-        print(f"torchship infer: sending the files as they are to {entry}, the image entry in front of {model} "
-              "(--no-raw sends tensors)", file=sys.stderr)
-        model = entry
-    cfg = client.config(model)
-    requests = _gather(ns, cfg, heldout)
+    if ns.text:
+        model, requests = _text_requests(ns, client, model, ready)
+        cfg = client.config(model)
+    else:
+        images = ns.raw and ns.files and all(is_image_file(f) for f in ns.files)
+        entry = raw_entry(client, model, ready, IMAGE_INPUT) if images else None
+        if entry and entry != model:  # the server prepares the image as training did: the file goes as it is
+            print(f"torchship infer: sending the files as they are to {entry}, the image entry in front of {model} "
+                  "(--no-raw sends tensors)", file=sys.stderr)
+            model = entry
+        cfg = client.config(model)
+        requests = _gather(ns, cfg, heldout)
     if not requests:
         raise ClientError("nothing to send: give FILES, --heldout EXPORT_DIR or --check EXPORT_DIR")
     rows = []
@@ -82,10 +87,12 @@ def is_image_model(cfg: dict[str, Any]) -> bool:
         or takes_files(cfg)
 
 
-def takes_files(cfg: dict[str, Any]) -> bool:
-    """An image entry (torchship repo --image-entry): one UINT8 vector, the encoded file's bytes as they are."""
+def takes_files(cfg: dict[str, Any], name: str = IMAGE_INPUT) -> bool:
+    """A raw entry (torchship repo): one UINT8 vector named ``name``, an encoded image file's bytes as they are
+    (``image``), or a text's UTF-8 bytes (``text``)."""
     ins = cfg["input"]
-    return len(ins) == 1 and ins[0].get("data_type") == "TYPE_UINT8" and [int(d) for d in ins[0]["dims"]] == [-1]
+    return len(ins) == 1 and ins[0].get("data_type") == "TYPE_UINT8" and [int(d) for d in ins[0]["dims"]] == [-1] \
+        and ins[0]["name"] == name
 
 
 def is_image_file(f: str) -> bool:
@@ -94,16 +101,51 @@ def is_image_file(f: str) -> bool:
     return Path(f).suffix.lower() in IMAGE_SUFFIXES
 
 
-def raw_entry(client, model: str, ready) -> str | None:
-    """The image entry (torchship repo --image-entry) that runs ``model`` behind it, where the server has one."""
-    if takes_files(client.config(model)):
-        return None
+def raw_entry(client, model: str, ready, name: str) -> str | None:
+    """The raw entry taking ``name`` (IMAGE_INPUT, TEXT_INPUT) that runs ``model`` behind it, where the server has
+    one: ``model`` itself where it is that entry."""
+    if takes_files(client.config(model), name):
+        return model
     for m in ready:
-        if m.endswith(ENTRY_SUFFIX):
+        if is_entry_name(m):
             cfg = client.config(m)
-            if takes_files(cfg) and entry_target(cfg) == model:
+            if takes_files(cfg, name) and entry_target(cfg) == model:
                 return m
     return None
+
+
+def _text_requests(ns, client, model: str, ready) -> tuple[str, list[tuple[str, dict[str, np.ndarray], Any]]]:
+    """(the model to send to, a request per --text): its UTF-8 bytes to the text entry in front of ``model``, or
+    the token tensors --export's tokenizer makes of it (padded to its own length) to the model itself."""
+    entry = raw_entry(client, model, ready, TEXT_INPUT) if ns.raw else None
+    if entry:
+        if entry != model:
+            print(f"torchship infer: sending the texts to {entry}, the text entry in front of {model}, which "
+                  "tokenizes them (--no-raw sends tensors)", file=sys.stderr)
+        return entry, [(_shown(t), {TEXT_INPUT: np.frombuffer(t.encode("utf-8"), np.uint8)[None]}, None)
+                       for t in ns.text]
+    if takes_files(client.config(model), TEXT_INPUT):
+        raise ClientError(f"--no-raw: {model} is a text entry, which takes text; name the model behind it")
+    if not ns.export:
+        raise ClientError(("--no-raw tokenizes here: " if not ns.raw else
+                           f"{model} at {ns.url} has no text entry in front of it; ") +
+                          "give --export EXPORT_DIR to tokenize with its tokenizer" +
+                          ("" if not ns.raw else ", or serve a repository built from an export made with --tokenizer"))
+    from torchship.manifest import Export
+    from torchship.textio import encode, load_tokenizer
+
+    export = Export(ns.export)
+    spec = export.manifest.get("text")
+    if not spec:
+        raise ClientError(f"--export {ns.export}: it keeps no tokenizer (export with --tokenizer)")
+    export.check_files()
+    tok = load_tokenizer(str(export.dir / spec["tokenizer"]), spec)
+    return model, [(_shown(t), encode(tok, [t], spec), None) for t in ns.text]
+
+
+def _shown(text: str, width: int = 40) -> str:
+    """A text as a result's name: its start, quoted."""
+    return repr(text if len(text) <= width else text[: width - 3] + "...")
 
 
 def input_names(cfg: dict[str, Any]) -> list[str]:

@@ -14,7 +14,7 @@ from torchship.names import format_of, models_of
 from torchship.parity import check_float_sets, check_quantized_sets, sqnr_db
 
 from .client import TritonClient
-from .image_entry import IMAGE_INPUT, entry_names, entry_target
+from .entries import Entry, entry_of, entry_target
 
 
 def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[str] | None = None,
@@ -31,7 +31,8 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
     client = TritonClient(url)
     client.wait_ready()
     ready = client.require_models(models or ())
-    entry = entry_names(manifest["name"])[0]
+    raw_entry = entry_of(manifest)
+    entry = raw_entry.name if raw_entry else None
     raw = raw_files(d, manifest) if RAW_SET in manifest["reference"] and entry in ready else []
     models = list(models or models_of(manifest, ready) + [m for m in ready if m == manifest["name"]]
                   + [m for m in ready if m == entry and raw])
@@ -43,7 +44,7 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
     for model in models:
         if model == entry:
             results[model] = {}
-            failures += check_entry(client, model, export, raw, tol, version, results[model])
+            failures += check_entry(client, raw_entry, export, raw, tol, version, results[model])
             continue
         rows = {}
         fmt = format_of(model, manifest, client.config(model))
@@ -87,20 +88,22 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
     return report
 
 
-def check_entry(client: TritonClient, entry: str, export: Export, raw: list[tuple[str, bytes]],
+def check_entry(client: TritonClient, raw_entry: Entry, export: Export, raw: list[tuple[str, bytes]],
                 tol: dict[str, Any], version: str, rows: dict[str, Any]) -> list[str]:
-    """The image entry from the file to the answer: each held-out file sent as it is, the answers held to the
-    bound (or the gate) of the model behind the entry against eager on the tensors training made of those same
-    files. Fills ``rows``; returns the failures."""
-    manifest, ref = export.manifest, export.reference()
+    """A raw entry from the file to the answer: each held-out file (image, or text) sent as it is, the answers
+    held to the bound (or the gate) of the model behind the entry against eager on the tensors training (the
+    tokenizer) made of those same files. Fills ``rows``; returns the failures."""
+    manifest, ref, entry = export.manifest, export.reference(), raw_entry.name
     if not raw:
-        return [f"{entry}: {export.dir} keeps no held-out files to send it (export from a checkpoint of images)"]
+        return [f"{entry}: {export.dir} keeps no held-out files to send it (" +
+                ("export with --text-samples)" if raw_entry.kind == "text" else "export from a checkpoint of images)")]
     target = entry_target(client.config(entry))
     fmt = format_of(target, manifest, client.config(target))
     quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("gate")), None)
     outputs = [o["name"] for o in manifest["outputs"]]
     try:
-        got = [client.infer_all(entry, {IMAGE_INPUT: np.frombuffer(data, np.uint8)[None]}, version) for _, data in raw]
+        got = [client.infer_all(entry, {raw_entry.input: np.frombuffer(data, np.uint8)[None]}, version)
+               for _, data in raw]
     except (ClientError, ShapeError) as e:
         rows[RAW_SET] = {"batch": len(raw), "pass": False, "error": str(e)}
         return [f"{entry}: {RAW_SET}: {e}"]
@@ -113,7 +116,8 @@ def check_entry(client: TritonClient, entry: str, export: Export, raw: list[tupl
         rows[RAW_SET if len(outputs) == 1 else f"{RAW_SET}/{o}"] = row
         if failure:
             failures.append(failure + f" (from the files in {export.dir / RAW_SET}, through the server's "
-                                      "preprocessing, against training's)")
+                                      f"{'tokenizer' if raw_entry.kind == 'text' else 'preprocessing'}, against "
+                                      f"{'the export' if raw_entry.kind == 'text' else 'training'}'s)")
     return failures
 
 

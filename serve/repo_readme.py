@@ -12,6 +12,7 @@ from torchship.parity import gate_words
 
 from .access import restricted_flags
 from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, RepoConfig
+from .entries import TEXT_SUFFIX
 from .model_config import TENSOR_NAMES, aoti_tensor_names
 
 KEY_PLACEHOLDER = "KEY"  # where the README's docker command puts the key it reads
@@ -40,7 +41,7 @@ KEY_LINE = ("(umask 077; openssl rand -base64 32 > ../triton-admin-key)  # the k
 def render_readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True,
                   entry: str | None = None) -> str:
     """The repository's README.md: its models, tensors, how each server runs them, and the container's command.
-    ``entry``: the image entry's name, where the repository has one (its preprocessing needs Pillow)."""
+    ``entry``: the raw entry's name, where the repository has one (its preprocessing needs Pillow, or tokenizers)."""
     pre = manifest.get("preprocessing")
     dims = manifest.get("dims", {})
     tensors = [f"Input `{t['name']}`: {t['dtype']} {t['shape']}" + (f" — {pre['contract']}" if pre else "") + "."
@@ -81,6 +82,12 @@ def render_readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, containe
         image = IMAGES_TAG
         build = f"docker build -f deploy/triton-images.Dockerfile -t {IMAGES_TAG} deploy/  # from torchship's folder\n"
         entry_note = (
+            f"\n\n`{entry}` takes a text as it is (a `TYPE_UINT8` vector of its UTF-8 bytes), tokenizes it in the "
+            f"server with the export's tokenizer, then runs the model behind it: an ensemble of `{entry}_pre` (python "
+            f"backend, which tokenizes with the `tokenizers` package) and that model. The official image lacks that "
+            f"package, so the command runs `{IMAGES_TAG}`, the official image with it added; `torchship repo "
+            "--no-text-entry` builds the repository without the entry, for the official image as it is."
+        ) if entry.endswith(TEXT_SUFFIX) else (
             f"\n\n`{entry}` takes an image file as it is (a `TYPE_UINT8` vector of its bytes: JPEG, PNG, WebP, ...) "
             f"and prepares it in the server as training did, then runs the model behind it: an ensemble of "
             f"`{entry}_pre` (python backend, which decodes with Pillow) and that model. The official image has no "

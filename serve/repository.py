@@ -37,7 +37,7 @@ from .config import (
     RepoConfig,
     placement,
 )
-from .image_entry import wants_image_entry, write_image_entry
+from .entries import wants_image_entry, write_image_entry, write_text_entry
 from .model_config import CONFIG, DTYPES, EMBEDDED_CONFIG, TENSOR_NAMES, aoti_tensor_names, config_dims, config_text
 from .repo_readme import render_readme
 from .servable import not_served, not_served_text, servable_formats, served_artifacts  # noqa: F401 (re-exported)
@@ -217,18 +217,20 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
             # which the embedded server's backends and torchship serve check before loading them
             (vdir / PROVENANCE).write_text(json.dumps({**origin, "files": files}, indent=2) + "\n")
         entries = []
+        # in front of the ONNX model where it is served, else the first
+        target = names["onnx"] if "onnx" in formats else names[formats[0]]
+        cores = cfg.cores or usable_cpus() if kind == mc.ModelInstanceGroup.KIND_GPU else \
+            cfg.instance_count * cfg.threads  # it prepares on the CPU, one request per instance at a time
         if wants_image_entry(manifest, cfg.image_entry):
-            # in front of the ONNX model where it is served, else the first
-            target = names["onnx"] if "onnx" in formats else names[formats[0]]
-            cores = cfg.cores or usable_cpus() if kind == mc.ModelInstanceGroup.KIND_GPU else \
-                cfg.instance_count * cfg.threads  # it decodes on the CPU, one image per instance at a time
             entries = write_image_entry(tmp, manifest, target, max_batch, cfg.version, cores)
+        if manifest.get("text") if cfg.text_entry is None else cfg.text_entry:
+            entries = write_text_entry(tmp, manifest, target, max_batch, cfg.version, d, cores)
         container_aoti = "aoti" not in formats or "aoti" in have
         gpu = kind == mc.ModelInstanceGroup.KIND_GPU
         (tmp / "README.md").write_text(render_readme(manifest, names, formats, cfg, gpu, container_aoti,
                                                        entries[-1] if entries else None))
     return {"models": {f: names[f] for f in formats}, "not_served": reasons, "path": str(out),
-            **({"image_entry": entries[-1]} if entries else {})}
+            **({"entry": entries[-1]} if entries else {})}
 
 
 def _sources(fmt: str, have: set[str]) -> set[str]:

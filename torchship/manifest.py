@@ -15,6 +15,7 @@ from .signature import Signature
 
 MANIFEST = "manifest.json"
 REFERENCE = "reference.npz"
+TOKENIZER = "tokenizer/tokenizer.json"  # a text model's tokenizer (export --tokenizer), which its text entry runs
 RAW_SET = "raw"  # the held-out files as a client sends them (export/raw/), and training's tensors of them
 PARITY_MD = "parity.md"
 FORMAT = "torchship.export/2"  # 2: a float64 reference and a bound per output
@@ -112,6 +113,8 @@ def check_hashes(export_dir: str | Path, manifest: dict[str, Any]) -> list[str]:
     d = Path(export_dir)
     problems: list[str] = []
     listed = {REFERENCE: manifest["reference"]["sha256"], **manifest["reference"].get(RAW_SET, {}).get("files", {})}
+    if manifest.get("text"):
+        listed[manifest["text"]["tokenizer"]] = manifest["text"]["sha256"]
     for a in manifest["artifacts"]:
         for rel, sha in artifact_files(a).items():
             listed[rel] = sha

@@ -40,3 +40,23 @@ def to_triton(name, a):
     t = pb_utils.Tensor.from_dlpack(name, capsule)
     _set_capsule_name(capsule, _USED)
     return t
+
+
+def answer_each(requests, model_name, input_name, prepare):
+    """A raw entry's preprocessing, one request at a time: ``prepare`` takes a request's bytes (its UINT8 vector)
+    and returns its output arrays by name; a ValueError it raises becomes that request's error response, naming
+    the model, and the others go on."""
+    responses = []
+    for r in requests:
+        t = pb_utils.get_input_tensor_by_name(r, input_name)
+        try:
+            if t is None:
+                raise ValueError(f"missing input '{input_name}'")
+            outputs = prepare(np.ascontiguousarray(to_numpy(t)).reshape(-1).tobytes())
+        except ValueError as e:
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[], error=pb_utils.TritonError(f"{model_name}: {e}")))
+            continue
+        responses.append(pb_utils.InferenceResponse(
+            output_tensors=[to_triton(k, np.ascontiguousarray(v)) for k, v in outputs.items()]))
+    return responses

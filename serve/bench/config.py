@@ -15,7 +15,7 @@ from ..config import ServeConfig, check_url
 # a bench that feeds a decision (torchship run's bench stage, repo --strategy without --bench): half-second windows
 # (torchship bench alone: one second), one request in flight and many (the batching gain is their ratio), and none
 # of the sweeps only an investigation reads (batching off, the no-op)
-SHORT_BENCH = {"window_s": 0.5, "concurrency": (1, 16), "batching_compare": (), "noop": False, "image_entry": False}
+SHORT_BENCH = {"window_s": 0.5, "concurrency": (1, 16), "batching_compare": (), "noop": False, "raw_entry": False}
 SOAK_BOUND_KIB = 64.0  # growth per 1000 requests past which the soak fails (see bench_soak)
 IN_PROCESS = ("eager", *FORMATS)
 
@@ -59,8 +59,9 @@ class BenchConfig:
         (), "extra max_queue_delay_microseconds values to sweep (embedded server only)"
     )
     noop: bool = opt(True, "also time a model that runs nothing: the round trip of the protocol and the backend alone")
-    image_entry: bool = opt(True, "also time the image entry (<name>_image) where it is served: the export's held-out "
-                                  "files sent as they are, beside the model behind it")
+    raw_entry: bool = opt(True, "also time the raw entry (<name>_image, or <name>_text) where it is served: the "
+                                "export's held-out files (images, or texts) sent as they are, beside the model "
+                                "behind it")
     rate: Optional[float] = opt(None, "also run an open-loop test at this many requests/s (Poisson arrivals)")
     duration_s: float = opt(5.0, "open-loop test duration in seconds")
     p99_budget_ms: Optional[float] = opt(None, "latency budget for the recommendation (p99, milliseconds)")

@@ -1,6 +1,7 @@
-"""The image entry under load: the export's held-out files sent as they are to ``<name>_image``, every
-response checked, beside the model behind it fed tensors. What a request holds on the wire for each, and the
-time the server spends preparing a file (Triton's statistics of the preprocessing model)."""
+"""The raw entry under load: the export's held-out files sent as they are to ``<name>_image`` (or its texts to
+``<name>_text``), every response checked, beside the model behind it fed tensors. What a request holds on the
+wire for each, and the time the server spends preparing a file (Triton's statistics of the preprocessing
+model)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torchship.markdown import cell, table
 from torchship.names import format_of
 
 from ..client import request_feeds
-from ..image_entry import IMAGE_INPUT, entry_names, entry_target
+from ..entries import entry_of, entry_target
 from .checks import checked_text, response_check
 from .inputs import BenchInputs, single_rows
 from .stats import settled_stats, stats_delta, stats_of
@@ -22,13 +23,14 @@ from .stats import settled_stats, stats_delta, stats_of
 
 @dataclass
 class EntryRun:
-    """The image entry's sweep, prepared: the held-out files as requests, and the check of their answers (held
+    """The raw entry's sweep, prepared: the held-out files as requests, and the check of their answers (held
     to the bound of the model behind the entry against eager on training's tensors of the same files; a reduced
     precision: to its own answers on the idle server, under its gate's SQNR floor). The sweep itself is
     bench_served's, with torchship's Python client: the files differ in size, which perf_analyzer's fixed
     inputs do not carry."""
 
     model: str
+    kind: str  # "image" or "text"
     pre: str  # its preprocessing model, whose statistics time the decoding
     target: str
     fmt: str | None
@@ -40,22 +42,25 @@ class EntryRun:
     @classmethod
     def prepare(cls, inputs: BenchInputs, client) -> "EntryRun":
         manifest = inputs.manifest
-        entry, pre = entry_names(manifest["name"])
+        entry = entry_of(manifest)
         files = [data for _, data in raw_files(inputs.export_dir, manifest)]
-        feeds = [{IMAGE_INPUT: np.frombuffer(data, np.uint8)[None]} for data in files]
-        target = entry_target(client.config(entry))
+        feeds = [{entry.input: np.frombuffer(data, np.uint8)[None]} for data in files]
+        target = entry_target(client.config(entry.name))
         fmt = format_of(target, manifest, client.config(target))
-        check = response_check(client, entry, manifest, fmt, inputs.raw_expected, feeds, len(feeds))
-        return cls(entry, pre, target, fmt, feeds, files, check, stats_of(client, pre))
+        check = response_check(client, entry.name, manifest, fmt, inputs.raw_expected, feeds, len(feeds))
+        return cls(entry.name, entry.kind, entry.pre, target, fmt, feeds, files, check, stats_of(client, entry.pre))
 
     def finish(self, client, rows: list[dict[str, Any]], inputs: BenchInputs) -> dict[str, Any]:
         """What the sweep measured, with what a request holds and the server's time preparing a file."""
         done = int(self.before.get("inference_stats", {}).get("success", {}).get("count", 0) or 0)
         after = settled_stats(client, self.pre, done + sum(r["sent"] for r in rows))
         sizes = sorted(request_feeds(self.model, f).ByteSize() for f in self.feeds)
-        tensor = single_rows(inputs.pool, 1)[0]
+        median = sorted(range(len(self.files)), key=lambda i: len(self.files[i]))[len(self.files) // 2]
+        tensor = single_rows(inputs.pool, 1)[0] if self.kind == "image" else \
+            tokens_of(inputs.manifest, inputs.raw_inputs, median)
         return {
             "model": self.model,
+            "kind": self.kind,
             "target": self.target,
             "format": self.fmt,
             "files": len(self.files),
@@ -67,13 +72,22 @@ class EntryRun:
         }
 
 
+def tokens_of(manifest: dict[str, Any], feeds: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    """The token tensors of the ``i``-th sample text as a client that tokenizes would send them: its row of the
+    tokenizer's tensors, cut to its own length."""
+    n = int(feeds[manifest["text"]["inputs"]["mask"]][i].sum()) if manifest["text"]["inputs"]["mask"] else None
+    return {k: v[i:i + 1, :n] for k, v in feeds.items()}
+
+
 def entry_lines(served: dict[str, Any]) -> list[str]:
-    """The report's section on the image entry: its figures beside the model behind it, and what a request holds."""
+    """The report's section on the raw entry: its figures beside the model behind it, and what a request holds."""
     e = served.get("entry")
     if not e:
         return []
+    text = e.get("kind") == "text"
+    title = "## The text entry" if text else "## The image entry"
     if "error" in e:
-        return ["## The image entry", "", f"{e['model']} could not be timed: {e['error']}", ""]
+        return [title, "", f"{e['model']} could not be timed: {e['error']}", ""]
     behind = served.get("models", {}).get(e["target"], {}).get("rows", [])
     rows = [
         [
@@ -88,22 +102,29 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
             checked_text(r),
         ]
         for m, holds, size, rs in (
-            (e["model"], "the image file", e["request_bytes"], e["rows"]),
-            (e["target"], "float32 tensor", e["tensor_request_bytes"], behind),
+            (e["model"], "the text" if text else "the image file", e["request_bytes"], e["rows"]),
+            (e["target"], "token tensors" if text else "float32 tensor", e["tensor_request_bytes"], behind),
         )
         for r in rs
     ]
     pre = e.get("preprocessing", {})
+    what = (f"takes the text as it is and tokenizes it in the server with the export's tokenizer, then runs "
+            f"`{e['target']}` ({e['format']}); here its requests carry the export's {e['files']} sample texts in turn "
+            f"(median {e['file_bytes']:,} bytes), each answer held to {e['target']}'s bound against eager on the "
+            f"tokenizer's tensors of the same text. Bytes a request: the median gRPC request as sent, against "
+            f"{e['tensor_request_bytes']:,} for the median text's token tensors, as a client that tokenizes sends them"
+            if text else
+            f"takes the image file as it is and prepares it in the server as training did, then runs "
+            f"`{e['target']}` ({e['format']}); here its requests carry the export's {e['files']} held-out files in "
+            f"turn (median {e['file_bytes']:,} bytes), each answer held to {e['target']}'s bound against eager on "
+            f"training's tensors of the same file. Bytes a request: the median gRPC request as sent, against "
+            f"{e['tensor_request_bytes']:,} for the tensor")
     return [
-        "## The image entry",
+        title,
         "",
-        f"`{e['model']}` takes the image file as it is and prepares it in the server as training did, then runs "
-        f"`{e['target']}` ({e['format']}); here its requests carry the export's {e['files']} held-out files in turn "
-        f"(median {e['file_bytes']:,} bytes), each answer held to {e['target']}'s bound against eager on training's "
-        f"tensors of the same file. Bytes a request: the median gRPC request as sent, against "
-        f"{e['tensor_request_bytes']:,} for the tensor ({e['tensor_request_bytes'] / e['request_bytes']:.1f}x). "
-        "The entry's requests go out from torchship's Python client (the files differ in size); the tensor "
-        "model's rows are the sweep's above.",
+        f"`{e['model']}` {what} ({e['tensor_request_bytes'] / e['request_bytes']:.1f}x). The entry's requests go "
+        "out from torchship's Python client (the files differ in size); the tensor model's rows are the sweep's "
+        "above" + (" (random token tensors at the bench's sequence length)." if text else "."),
         "",
         *table(
             [
@@ -120,7 +141,8 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
             rows,
         ),
         "",
-        f"- Preparing a file in the server (decode, resize, scale; Triton's statistics of the preprocessing model): "
+        f"- Preparing a {'text in the server (tokenize, pad' if text else 'file in the server (decode, resize, scale'}"
+        "; Triton's statistics of the preprocessing model): "
         f"{pre.get('compute_infer_us', 0):.0f} µs a request, plus {pre.get('queue_us', 0):.0f} µs queued "
         f"(average batch {pre.get('avg_batch', 0):.1f}).",
         "",

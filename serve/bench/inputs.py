@@ -11,7 +11,7 @@ import numpy as np
 
 from torchship.eager import eager_from_manifest
 from torchship.errors import TorchshipError
-from torchship.manifest import RAW_SET, Export, bench_inputs, reference_outputs
+from torchship.manifest import RAW_SET, Export, bench_inputs, reference_inputs, reference_outputs
 
 
 @dataclass
@@ -27,6 +27,7 @@ class BenchInputs:
         None  # the pool's reference outputs by output name (None: random inputs)
     )
     raw_expected: Optional[dict[str, np.ndarray]] = None  # eager on training's tensors of the held-out files
+    raw_inputs: Optional[dict[str, np.ndarray]] = None  # those tensors, by input name
 
 
 def load_inputs(export: Export, shape: dict[str, int] | None) -> BenchInputs:
@@ -39,6 +40,8 @@ def load_inputs(export: Export, shape: dict[str, int] | None) -> BenchInputs:
                          labels=None if shape else ref.get(f"labels/{manifest['reference'].get('samples')}"),
                          expected=reference_outputs(ref, manifest, key) if key else None,
                          raw_expected=reference_outputs(ref, manifest, RAW_SET) if RAW_SET in manifest["reference"]
+                         else None,
+                         raw_inputs=reference_inputs(ref, manifest, RAW_SET) if RAW_SET in manifest["reference"]
                          else None)
     try:
         inputs.eager = eager_from_manifest(manifest)

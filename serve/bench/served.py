@@ -19,7 +19,7 @@ from torchship.manifest import RAW_SET
 from torchship.names import format_of, model_names, models_of
 
 from ..client import TritonClient
-from ..image_entry import entry_names, is_image_model
+from ..entries import entry_of
 from ..model_config import read_config, repository_models, served_config_path
 from ..repository import servable_formats
 from .checks import ResponseCheck, keeper, response_check, tally
@@ -56,7 +56,8 @@ def start_own_server(cfg: BenchConfig, export, out: Path):
     repo = Path(cfg.repo) if cfg.repo else out / "repo"
     if not cfg.repo:
         build_repository(export, RepoConfig(out=str(repo), overwrite=True, cores=cfg.cores,
-                                            image_entry=None if cfg.image_entry else False))
+                                            image_entry=None if cfg.raw_entry else False,
+                                            text_entry=None if cfg.raw_entry else False))
     server = bench_server(dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")),
                           export.manifest, out)
     return server.start()
@@ -95,13 +96,13 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
     else:
         where, embedded = f"the repository built from {cfg.export_dir}", True
         known = sorted(model_names(manifest, servable_formats(manifest)).values())
-        known += [entry_names(manifest["name"])[0]] if cfg.image_entry and is_image_model(manifest) else []
+        known += [entry_of(manifest).name] if cfg.raw_entry and entry_of(manifest) else []
     missing = [m for m in cfg.models if m not in known]
     if missing:
         raise BenchError(f"--models {' '.join(missing)}: not in {where}; choose from {', '.join(known) or 'none'}")
-    entry = entry_names(manifest["name"])[0]
+    entry = entry_of(manifest).name if entry_of(manifest) else None
     timed_entry = (entry in known and RAW_SET in manifest["reference"] and (entry in cfg.models if cfg.models
-                                                                            else cfg.image_entry))
+                                                                            else cfg.raw_entry))
     models = [m for m in cfg.models if m != entry] if cfg.models else models_of(manifest, known)
     if not models and not timed_entry and error is None:
         raise BenchError(

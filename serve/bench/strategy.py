@@ -14,7 +14,7 @@ from torchship.names import FORMAT_PARAMETER, format_of, sources
 from torchship.parity import gate_words
 
 from ..config import parse_strategy
-from ..image_entry import retarget
+from ..entries import retarget
 from ..model_config import edit_configs, read_config, repository_models, served_config_path
 from ..repo_readme import readme_with_winner
 from .recommend import batching_edit, recommend

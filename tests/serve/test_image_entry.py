@@ -13,7 +13,7 @@ from sklearn.datasets import load_digits
 from serve.client import TritonClient
 from serve.config import RepoConfig, ServeConfig
 from serve.embedded import TritonServer
-from serve.image_entry import entry_names
+from serve.entries import entry_names
 from serve.model_config import CONFIG, read_config
 from serve.repository import build_repository
 from tests.conftest import run_cli
@@ -287,7 +287,7 @@ def test_the_entry_moved_in_front_of_a_model_that_batches_less_batches_no_more_t
     """Triton refuses an ensemble whose max batch exceeds a model in it: the strategy's winner may batch less."""
     import shutil
 
-    from serve.image_entry import retarget
+    from serve.entries import retarget
     from serve.model_config import config_text
 
     repo = tmp_path / "repo"

@@ -57,7 +57,7 @@ def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) ->
         "bench": _build_section(
             "bench",
             BenchConfig,
-            {**settings, "bench": {**SHORT_BENCH, "noop": True, "image_entry": True, **settings.get("bench", {})}},
+            {**settings, "bench": {**SHORT_BENCH, "noop": True, "raw_entry": True, **settings.get("bench", {})}},
             {"out": str(dirs["bench"]), "repo": str(dirs["repo"]), "export_dir": str(dirs["export"]), "serve": serve},
         ),
         "run": _build_section("run", RunConfig, settings, {}),
@@ -171,7 +171,7 @@ def stage_repo(run: Run, t0: float) -> None:
     from serve.repository import build_repository
 
     res = build_repository(run.export(), dataclasses.replace(run.cfg["repo"], overwrite=True))
-    entry = res.get("image_entry")
+    entry = res.get("entry")
     run.log(f"repository {res['path']}: {', '.join(res['models'].values())}"
             + (f"; {entry} takes image files as they are" if entry else ""))
     run.done("repo", t0, models=res["models"], **({"image_entry": entry_sizes(run.export(), entry)} if entry else {}))
@@ -230,7 +230,7 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
     is added to the repository under the export's plain name, loaded into the live server, and must pass
     served parity there before the run goes on."""
     from serve.bench.strategy import serve_by_strategy
-    from serve.image_entry import entry_names
+    from serve.entries import entry_names
     from serve.parity import check_served
 
     export = run.export()

@@ -7,9 +7,8 @@ It runs in the official container's python backend too (which needs Pillow: depl
 
 import json
 
-import triton_python_backend_utils as pb_utils
 from torchship_imageio import decode_image
-from torchship_tensors import to_numpy, to_triton
+from torchship_tensors import answer_each
 
 
 class TritonPythonModel:
@@ -23,21 +22,9 @@ class TritonPythonModel:
         self.output = cfg["output"][0]["name"]
 
     def execute(self, requests):
-        responses = []
-        for r in requests:
-            t = pb_utils.get_input_tensor_by_name(r, self.input)
-            try:
-                if t is None:
-                    raise ValueError(f"missing input '{self.input}'")
-                data = to_numpy(t).reshape(-1).tobytes()  # the file's bytes (a batch of one, ragged)
-                kwargs = {"max_pixels": self.max_pixels} if self.max_pixels else {}
-                chw = decode_image(data, self.pre, **kwargs)
-            except ValueError as e:
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[], error=pb_utils.TritonError(f"{self.name}: {e}")))
-                continue
-            responses.append(pb_utils.InferenceResponse(output_tensors=[to_triton(self.output, chw[None])]))
-        return responses
+        kwargs = {"max_pixels": self.max_pixels} if self.max_pixels else {}
+        return answer_each(requests, self.name, self.input,
+                           lambda data: {self.output: decode_image(data, self.pre, **kwargs)[None]})
 
     def finalize(self):
         pass
