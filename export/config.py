@@ -90,6 +90,12 @@ class ExportConfig:
     example_inputs: Optional[str] = opt(
         None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench"
     )
+    image_files: Optional[str] = opt(
+        None, "with --model, for a model that takes one RGB image [B, 3, H, W] in [0, 1] (normalizing itself): a "
+              "folder of its image files (JPEG, PNG, ...). The export records the preprocessing the served image "
+              "entry applies (RGB, bilinear resize, /255), keeps up to 16 of the files for infer --check, and takes "
+              "up to 64 as real samples where --example-inputs gives none", metavar="DIR"
+    )
     tokenizer: Optional[str] = opt(
         None, "a text model's Hugging Face tokenizer.json: kept with the export, it fills the token ids, attention "
               "mask and token type ids, and the repository serves <name>_text, which takes text and tokenizes it in "
@@ -180,6 +186,7 @@ class ExportConfig:
                 raise ConfigError(f"--model needs {' and '.join(missing)} (see torchship export --help)")
         else:
             stray = [f for f, v in (("--weights", self.weights), ("--input", self.inputs),
+                                    ("--image-files", self.image_files),
                                     ("--input-range", self.input_ranges), ("--output", self.outputs),
                                     ("--example-inputs", self.example_inputs), ("--model-arg", self.model_args)) if v]
             if stray:

@@ -25,6 +25,7 @@ from torchship.signature import Signature
 from . import exporters, quantize
 from .compile import Compiler, bucket_files, bucket_weights, tf32_field, workers_for
 from .config import ExportConfig
+from .images import add_image_files
 from .reference import build_reference, input_sets
 from .source import artifact_model, load_source
 from .text import load_text, write_text
@@ -50,6 +51,8 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     src = load_source(cfg, log)
     sig = src.signature
+    if cfg.image_files:
+        add_image_files(src, cfg.image_files, log)
     text = load_text(sig, cfg.tokenizer, cfg.text_samples, log) if cfg.tokenizer else None
     device = resolve_device(cfg.device)
     if not cfg.formats:
@@ -103,7 +106,8 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             f"{'float64' if ref.tolerances['rule'] == 'fp64' else 'float32 (' + ref.tolerances['why'] + ')'} "
             f"({time.perf_counter() - t0:.1f}s)")
         if raw is not None:
-            ref.arrays[f"labels/{RAW_SET}"] = raw.labels
+            if raw.labels is not None:
+                ref.arrays[f"labels/{RAW_SET}"] = raw.labels
             raw_files = _write_raw(tmp, raw)
         if text is not None:
             text_spec, raw_files = write_text(tmp, text)
@@ -216,7 +220,8 @@ def build_manifest(name: str, cfg: ExportConfig, device: str, src, tolerances: d
         manifest["preprocessing"] = {
             **pre, "normalization": "in_graph",
             "contract": f"float32 NCHW images in [0, 1] at {shape[1]}x{shape[2]}, {shape[0]} channels; "
-                        "the graph subtracts mean and divides by std itself"}
+                        + ("the graph subtracts mean and divides by std itself" if "mean" in pre else
+                           "the model normalizes them itself")}
     return manifest
 
 

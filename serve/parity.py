@@ -111,13 +111,14 @@ def check_entry(client: TritonClient, raw_entry: Entry, export: Export, raw: lis
     if quantized:  # a reduced precision: against its own answers on training's tensors, under its gate's floors
         return check_against_target(client, entry, target, export, answers, quantized["gate"], version, rows)
     failures = []
+    trained = raw_entry.kind == "image" and manifest["source"].get("kind") == "checkpoint"
     for _, o, row, failure in check_float_sets(manifest, ref, lambda key, o: answers.get(o), tol, entry,
                                                runs_tf32(manifest, fmt), {RAW_SET: len(raw)}):
         rows[RAW_SET if len(outputs) == 1 else f"{RAW_SET}/{o}"] = row
         if failure:
             failures.append(failure + f" (from the files in {export.dir / RAW_SET}, through the server's "
                                       f"{'tokenizer' if raw_entry.kind == 'text' else 'preprocessing'}, against "
-                                      f"{'the export' if raw_entry.kind == 'text' else 'training'}'s)")
+                                      f"{'training' if trained else 'the export'}'s)")
     return failures
 
 

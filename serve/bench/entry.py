@@ -143,7 +143,8 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
         "",
         f"- Preparing a {'text in the server (tokenize, pad' if text else 'file in the server (decode, resize, scale'}"
         "; Triton's statistics of the preprocessing model): "
-        f"{pre.get('compute_infer_us', 0):.0f} µs a request, plus {pre.get('queue_us', 0):.0f} µs queued "
-        f"(average batch {pre.get('avg_batch', 0):.1f}).",
+        f"{pre.get('busy_us', pre.get('compute_infer_us', 0)):.0f} µs a request (its executions' time over their "
+        f"requests; a request waited {pre.get('compute_infer_us', 0):.0f} µs for its batch, one file after another, "
+        f"plus {pre.get('queue_us', 0):.0f} µs queued; average batch {pre.get('avg_batch', 0):.1f}).",
         "",
     ]

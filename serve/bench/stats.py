@@ -229,6 +229,11 @@ def stats_delta(before: dict, after: dict) -> dict[str, float]:
         str(k): n - was.get(k, 0) for k, n in sorted(executions(after).items()) if n > was.get(k, 0)
     }
     out["server_us"] = sum(out[f"{p}_us"] for p in ("queue", "compute_input", "compute_infer", "compute_output"))
+
+    def busy(d):  # the model's compute, each execution counted once (a request's figure holds its batch-mates')
+        return sum(get(b, "compute_infer", "ns") for b in d.get("batch_stats", []))
+
+    out["busy_us"] = (busy(after) - busy(before)) / 1e3 / ok if ok else 0.0
     return out
 
 

@@ -298,3 +298,52 @@ def test_the_entry_moved_in_front_of_a_model_that_batches_less_batches_no_more_t
     (repo / "tiny_cnn_onnx" / CONFIG).write_text(config_text(c))
     assert before > 4 and retarget(repo, "tiny_cnn", "tiny_cnn_onnx")
     assert read_config(repo / ENTRY / CONFIG).max_batch_size == 4
+
+
+@pytest.mark.slow
+def test_a_weights_export_with_image_files_serves_an_entry_checked_from_those_files(tmp_path, capsys):
+    """export --model ... --image-files DIR: the preprocessing the entry applies is recorded, 16 of the files kept
+    and the rest read as real samples; the entry passes infer --check from the files, and a planted
+    nearest-neighbour resize fails it with exit 3."""
+    from torchship.manifest import read_manifest
+    from torchship.models import TinyCNN
+
+    torch.manual_seed(0)
+    torch.save(TinyCNN(num_classes=2).state_dict(), tmp_path / "w.pt")
+    data = photo_folder(tmp_path / "data", per_class=12)
+    out = tmp_path / "export"
+    assert run_cli("export", "--model", "torchship.models:TinyCNN", "--model-arg", "num_classes=2", "--weights",
+                   tmp_path / "w.pt", "--input", "images:float32:B,3,32,32", "--image-files", data, "--formats",
+                   "onnx", "--max-batch", "8", "--out", out) == 0
+    m = read_manifest(out)
+    assert m["preprocessing"]["image_size"] == [32, 32] and m["reference"]["raw"]["batch"] == 16
+    assert m["reference"]["samples"] == "examples" and m["reference"]["sets"]["examples"] == 24
+    build_repository(out, RepoConfig(out=str(tmp_path / "repo"), formats=("onnx",), cores=1))
+    entry, pre = entry_names(m["name"])
+    with TritonServer(ServeConfig(repo=str(tmp_path / "repo"))).start() as s:
+        capsys.readouterr()
+        assert run_cli("infer", "--url", s.url, "--check", out) == 0
+        assert f"| {entry} | raw | 16 |" in capsys.readouterr().out
+        plant(tmp_path / "repo" / pre / "1", *RGB_SKEWS["a nearest-neighbour resize"])
+        s.load(pre)
+        assert run_cli("infer", "--url", s.url, "--check", out, "--model", entry) == 3
+    assert f"{entry}: raw output 'output0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--input", "features:float32:B,20"], "must take one float32 RGB image input [B, 3, H, W]"),
+    (["--input", "images:float32:B,3,32,32", "--model", "torchship.models:TinyCNN"], "no image files in it"),
+])
+def test_image_files_for_a_model_that_takes_no_images_or_a_folder_without_any_are_refused(tmp_path, capsys, flags,
+                                                                                          message):
+    from tests.anymodel.models import mlp
+    from torchship.models import TinyCNN
+
+    model = "torchship.models:TinyCNN" if "--model" in flags else "tests.anymodel.models:mlp"
+    torch.save((TinyCNN() if "--model" in flags else mlp()).state_dict(), tmp_path / "w.pt")
+    (tmp_path / "empty").mkdir()
+    flags = [f for f in flags if f not in ("--model", "torchship.models:TinyCNN")]
+    assert run_cli("export", "--model", model, "--weights", tmp_path / "w.pt", *flags, "--image-files",
+                   tmp_path / "empty", "--out", tmp_path / "export") == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "export").exists()
