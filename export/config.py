@@ -99,11 +99,11 @@ class ExportConfig:
     tokenizer: Optional[str] = opt(
         None, "a text model's Hugging Face tokenizer.json: kept with the export, it fills the token ids, attention "
               "mask and token type ids, and the repository serves <name>_text, which takes text and tokenizes it in "
-              "the server"
+              "the server", metavar="FILE"
     )
     text_samples: Optional[str] = opt(
         None, "with --tokenizer: a UTF-8 file of sample texts, one per line (up to 16 kept), which infer --check sends "
-              "to the text entry and holds to eager on the tokenizer's tensors of them"
+              "to the text entry and holds to eager on the tokenizer's tensors of them", metavar="FILE"
     )
     out: str = opt("runs/export", "export directory to create")
     formats: tuple[str, ...] = opt((), "formats to export: " + ", ".join(FORMATS) + ". Default: torchscript and onnx "
