@@ -66,6 +66,25 @@ def tree_rss(root: int) -> int:
     return total
 
 
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user and system) ``root`` and its live descendants have used so far (0 where /proc is not)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    for p in processes():
+        children.setdefault(p.ppid, []).append(p.pid)
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+        stack.extend(children.get(pid, []))
+    return total / tick
+
+
 class RssSampler:
     """Peak resident memory of a process (``root``, default this one) and all its descendants together,
     sampled every ``interval`` seconds while in its with block."""

@@ -40,14 +40,15 @@ def decode_text(data: bytes, max_bytes: int = MAX_BYTES) -> str:
                          "encoded") from None
 
 
+PAD_MULTIPLE = 16  # the server pads a text to a multiple of this many tokens
+
+
 def bucket(length: int, spec: dict[str, Any]) -> int:
-    """The length a sequence of ``length`` tokens is padded to in the server: the next power of two (at least 8),
-    within the exported range, so requests of near lengths batch together."""
+    """The length a sequence of ``length`` tokens is padded to in the server: the next multiple of PAD_MULTIPLE,
+    within the exported range, so requests of near lengths batch together while the padding the model computes
+    stays small."""
     lo, hi = int(spec["min_length"]), int(spec["max_length"])
-    n = 8
-    while n < length:
-        n *= 2
-    return max(lo, min(n, hi))
+    return max(lo, min(-(-length // PAD_MULTIPLE) * PAD_MULTIPLE, hi))
 
 
 def encode(tok, texts: list[str], spec: dict[str, Any], bucketed: bool = False) -> dict[str, np.ndarray]:

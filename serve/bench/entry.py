@@ -27,7 +27,9 @@ class EntryRun:
     to the bound of the model behind the entry against eager on training's tensors of the same files; a reduced
     precision: to its own answers on the idle server, under its gate's SQNR floor). The sweep itself is
     bench_served's, with torchship's Python client: the files differ in size, which perf_analyzer's fixed
-    inputs do not carry."""
+    inputs do not carry. A text entry's texts differ in length, and so in what the model computes: the model
+    behind it is swept again with the token tensors of the same texts (``tensor_feeds``), each at its own
+    length, as a client that tokenizes sends them."""
 
     model: str
     kind: str  # "image" or "text"
@@ -38,6 +40,8 @@ class EntryRun:
     files: list[bytes]
     check: Any
     before: dict[str, Any]
+    tensor_feeds: list[dict[str, np.ndarray]] | None = None
+    tensor_check: Any = None
 
     @classmethod
     def prepare(cls, inputs: BenchInputs, client) -> "EntryRun":
@@ -48,16 +52,22 @@ class EntryRun:
         target = entry_target(client.config(entry.name))
         fmt = format_of(target, manifest, client.config(target))
         check = response_check(client, entry.name, manifest, fmt, inputs.raw_expected, feeds, len(feeds))
-        return cls(entry.name, entry.kind, entry.pre, target, fmt, feeds, files, check, stats_of(client, entry.pre))
+        run = cls(entry.name, entry.kind, entry.pre, target, fmt, feeds, files, check, stats_of(client, entry.pre))
+        if entry.kind == "text":
+            run.tensor_feeds = [tokens_of(manifest, inputs.raw_inputs, i) for i in range(len(files))]
+            run.tensor_check = response_check(client, target, manifest, fmt, inputs.raw_expected, run.tensor_feeds,
+                                              len(files))
+        return run
 
-    def finish(self, client, rows: list[dict[str, Any]], inputs: BenchInputs) -> dict[str, Any]:
-        """What the sweep measured, with what a request holds and the server's time preparing a file."""
+    def finish(self, client, rows: list[dict[str, Any]], inputs: BenchInputs,
+               tensor_rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What the sweep measured (and ``tensor_rows``: the model behind, on the texts' tensors), with what a
+        request holds and the server's time preparing a file."""
         done = int(self.before.get("inference_stats", {}).get("success", {}).get("count", 0) or 0)
         after = settled_stats(client, self.pre, done + sum(r["sent"] for r in rows))
         sizes = sorted(request_feeds(self.model, f).ByteSize() for f in self.feeds)
         median = sorted(range(len(self.files)), key=lambda i: len(self.files[i]))[len(self.files) // 2]
-        tensor = single_rows(inputs.pool, 1)[0] if self.kind == "image" else \
-            tokens_of(inputs.manifest, inputs.raw_inputs, median)
+        tensor = single_rows(inputs.pool, 1)[0] if self.tensor_feeds is None else self.tensor_feeds[median]
         return {
             "model": self.model,
             "kind": self.kind,
@@ -69,6 +79,7 @@ class EntryRun:
             "tensor_request_bytes": request_feeds(self.target, client.to_wire(self.target, tensor)).ByteSize(),
             "preprocessing": stats_delta(self.before, after),
             "rows": rows,
+            **({"tensor_rows": tensor_rows} if tensor_rows is not None else {}),
         }
 
 
@@ -88,7 +99,7 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
     title = "## The text entry" if text else "## The image entry"
     if "error" in e:
         return [title, "", f"{e['model']} could not be timed: {e['error']}", ""]
-    behind = served.get("models", {}).get(e["target"], {}).get("rows", [])
+    behind = e.get("tensor_rows") or served.get("models", {}).get(e["target"], {}).get("rows", [])
     rows = [
         [
             m,
@@ -99,6 +110,7 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
             cell(r.get("p99_ms")),
             cell(r["requests_per_s"], ".0f"),
             cell(r.get("client_cpu_us"), ".0f"),
+            cell(r.get("server_cpu_us"), ".0f"),
             checked_text(r),
         ]
         for m, holds, size, rs in (
@@ -123,8 +135,10 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
         title,
         "",
         f"`{e['model']}` {what} ({e['tensor_request_bytes'] / e['request_bytes']:.1f}x). The entry's requests go "
-        "out from torchship's Python client (the files differ in size); the tensor model's rows are the sweep's "
-        "above" + (" (random token tensors at the bench's sequence length)." if text else "."),
+        "out from torchship's Python client (the files differ in size); "
+        + ("the tensor model's rows here carry the same texts' token tensors, each at its own length (padded in "
+           "the server, the texts batch by their padded length)." if e.get("tensor_rows") else
+           "the tensor model's rows are the sweep's above."),
         "",
         *table(
             [
@@ -136,6 +150,7 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
                 "p99 ms",
                 "req/s",
                 "client CPU µs/req",
+                "server CPU µs/req",
                 "checked",
             ],
             rows,

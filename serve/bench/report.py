@@ -46,6 +46,7 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
             spread_text(r, stability),
             _f(r["server"]["avg_batch"]),
             _f(r.get("client_cpu_us"), ".0f"),
+            _f(r.get("server_cpu_us"), ".0f"),
             f"{r['ok']}/{r['sent']}",
             checked_text(r),
         ]
@@ -66,10 +67,11 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
         f"last three windows agree within {cfg.get('stability', 0):g} % (throughput and mean latency); its "
         "figures come from those three. A level's windows are a round apart, so the machine's drift over "
         "the sweep shows in its spread: how far apart the three windows' throughputs and mean latencies are. "
-        "Client CPU: the load generator's own CPU time per request. Measured/sent: requests in the last "
-        "three windows, and in all of the level's windows. Checked: responses compared with the reference "
-        "outputs of their inputs under the model's bound (a reduced-precision model: with its own answers on "
-        "the idle server, under its gate's SQNR floor); one wrong response fails the bench."
+        "Client CPU: the load generator's own CPU time per request; server CPU: tritonserver's and its backends' "
+        "(the embedded server; - for one at --url), over the requests Triton counted. Measured/sent: requests in "
+        "the last three windows, and in all of the level's windows. Checked: responses compared with the "
+        "reference outputs of their inputs under the model's bound (a reduced-precision model: with its own "
+        "answers on the idle server, under its gate's SQNR floor); one wrong response fails the bench."
         + (
             " perf_analyzer's percentiles are the mean of its three windows' own."
             if gen["name"] == "perf_analyzer"
@@ -86,7 +88,7 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
         "",
     ]
     lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "spread", "avg batch", "client CPU µs/req",
-                    "measured/sent", "checked"], rows) + [""]
+                    "server CPU µs/req", "measured/sent", "checked"], rows) + [""]
     for model, mm in served.get("models", {}).items():
         rs = mm["rows"]
         if len(rs) > 1 and rs[0]["requests_per_s"]:

@@ -17,6 +17,7 @@ from torchship.device import usable_cpus
 from torchship.errors import BenchError, TorchshipError
 from torchship.manifest import RAW_SET
 from torchship.names import format_of, model_names, models_of
+from torchship.procfs import tree_cpu_s
 
 from ..client import TritonClient
 from ..entries import entry_of
@@ -123,7 +124,8 @@ class LoadGenerator:
 
 
 def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg: BenchConfig, levels, bar,
-          client, gen: LoadGenerator, checks: dict[str, ResponseCheck] | None = None) -> dict[str, list[dict]]:
+          client, gen: LoadGenerator, checks: dict[str, ResponseCheck] | None = None,
+          server_pid: int | None = None) -> dict[str, list[dict]]:
     """Every model at every concurrency level, in rounds: a round runs one window (of at least --window-s
     seconds; with the Python client also of a third of --requests) of each (model, level) not yet settled,
     each after a short untimed warm-up, until a cell's last three windows agree within --stability (or
@@ -132,7 +134,8 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
     from its last three windows; its failures from every window. Every response of a window (perf_analyzer's
     windows: PACED_CHECKS known requests spread over it, one at a time) is checked against
     ``checks[model]`` once the window is over (checks.py), and counted in the level's checked and wrong.
-    Returns each model's rows, by level."""
+    ``server_pid``: the server's process (the embedded one), whose CPU time, its backends' included, each
+    window reads, as µs a request served. Returns each model's rows, by level."""
     batch = len(next(iter(inputs[0].values())))
     per_window = -(-cfg.requests // LAST)
     sent = {m: [client.to_wire(m, f) for f in inputs] for m in models}  # by the names each served model takes
@@ -154,6 +157,7 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
             before = settled_stats(client, model, count + len(warmed["latencies_s"]))
             check = (checks or {}).get(model)
             keep, kept = keeper()
+            cpu0 = tree_cpu_s(server_pid) if server_pid else 0.0
             if gen.name == "perf_analyzer":
                 from .perf_analyzer import too_short, wired_data
                 from .perf_analyzer import window as pa_window
@@ -170,6 +174,8 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
             else:
                 res = closed_loop(url, model, sent[model], c, per_window, cfg.window_s, keep if check else None)
                 after = settled_stats(client, model, served_count(before) + len(res["latencies_s"]))
+            if server_pid:  # read after the stats calls too: a few, beside the window's requests
+                res["server_cpu_s"] = tree_cpu_s(server_pid) - cpu0
             tally(check, kept, judged.setdefault((model, c), {}))
             delta = stats_delta(before, after)
             res["completed"] = res.get("completed", int(delta["requests"]))
@@ -195,6 +201,8 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
                    spread=how["spread"], drift=how["drift"], stable=how["stable"], load_generator=gen.name,
                    window_requests_per_s=[round(window_figures(w)[0], 2) for w in windows],
                    client_cpu_us=1e6 * sum(w["cpu_s"] for w in last) / max(1, measured))
+        if server_pid:
+            row["server_cpu_us"] = 1e6 * sum(w.get("server_cpu_s", 0.0) for w in last) / max(1, delta["requests"])
         if errors:
             row["first_error"] = errors[0][:300]
         instead = sum("python_instead" in w for w in windows)
@@ -233,11 +241,12 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
     gen, other, why = load_generators(cfg, inputs.pool, data)
     served["load_generator"] = {"name": gen.name, "why": why}
 
+    pid = server.proc.pid if server is not None and server.proc is not None else None
     checks = {m: response_check(client, m, manifest, format_of(m, manifest, client.config(m)), inputs.expected, singles,
                                 len(next(iter(inputs.pool.values())))) for m in models}
 
     def run(these: list[str], levels=cfg.concurrency, by: LoadGenerator = gen) -> dict[str, list[dict]]:
-        return sweep(url, these, singles, cfg, levels, bar, client, by, checks)
+        return sweep(url, these, singles, cfg, levels, bar, client, by, checks, pid)
 
     for model in models:
         cfgm = client.config(model)
@@ -276,8 +285,11 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
             try:
                 er = EntryRun.prepare(inputs, client)
                 rows = sweep(url, [er.model], er.feeds, cfg, sw.levels, bar, client, LoadGenerator("python"),
-                             {er.model: er.check})[er.model]
-                served["entry"] = er.finish(client, rows, inputs)
+                             {er.model: er.check}, pid)[er.model]
+                tensor_rows = None if er.tensor_feeds is None else sweep(
+                    url, [er.target], er.tensor_feeds, cfg, sw.levels, bar, client, LoadGenerator("python"),
+                    {er.target: er.tensor_check}, pid)[er.target]
+                served["entry"] = er.finish(client, rows, inputs, tensor_rows)
             except TorchshipError as e:
                 served["entry"] = {"model": plan.entry, "error": str(e)}
             save()

@@ -79,6 +79,8 @@ def test_results_and_report_are_well_formed(bench_run):
                 assert ordered(r) and 3 <= r["windows"] <= SHORT["max_windows"]
                 assert len(r["window_requests_per_s"]) == r["windows"]
                 assert r["client_cpu_us"] > 0 and r["spread"] >= 0
+                # the server's CPU a request: some, and no more than its cores could give at the rate measured
+                assert 0 < r["server_cpu_us"] * r["requests_per_s"] / 1e6 <= 1.25 * cores, (model, r)
                 assert r["server"]["requests"] == r["ok"]
                 assert r["server"]["compute_infer_us"] > 0
                 assert r["checked"] >= r["ok"] and r["wrong"] == 0, (model, r)  # every response, held to the bound
@@ -109,6 +111,29 @@ def test_results_and_report_are_well_formed(bench_run):
     assert entry["preprocessing"]["compute_infer_us"] > 0 and entry["preprocessing"]["requests"] > 0
     assert heads[3] == "## The image entry"
     assert f"| tiny_cnn_image | the image file | {entry['request_bytes']:,} |" in report
+
+
+def test_the_server_cpu_figure_counts_the_servers_backend_processes():
+    """tree_cpu_s sums a process and its descendants (the embedded server's backends are its children): a child
+    that burns 0.3 s of CPU adds that to its parent's figure, which this process alone does not."""
+    import subprocess
+    import sys
+    import time
+
+    from torchship.procfs import tree_cpu_s
+
+    me = os.getpid()
+    before, mine = tree_cpu_s(me), time.process_time()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint(1, flush=True)\n" \
+        "time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # it has burnt its 0.3 s and sleeps, alive
+        grown = tree_cpu_s(me) - before - (time.process_time() - mine)
+        assert grown >= 0.25 and tree_cpu_s(child.pid) >= 0.25, grown
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_the_report_says_how_much_a_bucketed_model_pads(bench_run):

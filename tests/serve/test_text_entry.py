@@ -41,8 +41,10 @@ def test_the_tokenizer_cuts_pads_and_masks_as_the_spec_says(tokenizer):
     assert ids[0, 0] == tok.token_to_id("[CLS]") and ids[0, n - 1] == tok.token_to_id("[SEP]")
     assert (ids[0, n:] == 0).all() and (mask[0, n:] == 0).all() and mask[1].all()  # padded; the long one cut
     assert ids[1, -1] == tok.token_to_id("[SEP]")  # cut to max_length with its closing token kept
-    assert [bucket(n, SPEC) for n in (1, 8, 9, 15, 40)] == [8, 8, 16, 16, 16]
-    assert encode(tok, ["Return the JSON object."], SPEC, bucketed=True)["input_ids"].shape == (1, 8)
+    assert [bucket(n, SPEC) for n in (1, 8, 16, 40)] == [16, 16, 16, 16]  # within the exported range
+    wide = {**SPEC, "max_length": 100}
+    assert [bucket(n, wide) for n in (1, 16, 17, 40, 99)] == [16, 16, 32, 48, 100]
+    assert encode(tok, ["Return the JSON object."], wide, bucketed=True)["input_ids"].shape == (1, 16)
 
 
 @pytest.mark.parametrize("data, why", [(b"", "holds no bytes"), (b"\xff\xfeabc", "not UTF-8"),
