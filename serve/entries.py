@@ -19,7 +19,16 @@ from torchship.errors import ConfigError
 from torchship.io import atomic_write_text, sha256_file
 from torchship.runtime import PROVENANCE
 
-from .model_config import CONFIG, DTYPES, config_dims, config_text, read_config
+from .model_config import (
+    CONFIG,
+    DTYPES,
+    EMBEDDED_CONFIG,
+    TENSOR_NAMES,
+    config_dims,
+    config_text,
+    edit_configs,
+    read_config,
+)
 
 IMAGE_INPUT = "image"  # the image entry's input: the file's bytes
 TEXT_INPUT = "text"  # the text entry's input: the text's UTF-8 bytes
@@ -157,13 +166,55 @@ def _write_ensemble(repo: Path, manifest: dict[str, Any], entry: Entry, target: 
         (repo / entry.name / "labels.txt").write_text("\n".join(manifest["classes"]) + "\n")
     first = ens.ensemble_scheduling.step.add(model_name=entry.pre, model_version=-1)
     first.input_map[entry.input] = entry.input
-    second = ens.ensemble_scheduling.step.add(model_name=target, model_version=-1)
     for t in tensors:
         first.output_map[t] = f"prepared_{t}"
-        second.input_map[t] = f"prepared_{t}"
+    ens.ensemble_scheduling.step.add(model_name=target, model_version=-1)
     for o in manifest["outputs"]:
-        second.output_map[o["name"]] = o["name"]
+        ens.ensemble_scheduling.step[1].output_map[o["name"]] = o["name"]
     (repo / entry.name / CONFIG).write_text(config_text(ens))
+    put_behind(repo / entry.name, repo, target)
+
+
+def put_behind(entry_dir: Path, repo: Path, target: str) -> None:
+    """Point the entry in ``entry_dir`` at ``target``: its config.pbtxt naming the target's tensors as the
+    container's config of it does, and where those names are not the embedded server's, an embedded.pbtxt naming
+    them as the embedded server's does (removed where they agree). Each file is whole at every step."""
+    renames = bool(read_config(repo / target / CONFIG).parameters[TENSOR_NAMES].string_value)
+    if renames and not (entry_dir / EMBEDDED_CONFIG).exists():
+        atomic_write_text(entry_dir / EMBEDDED_CONFIG, (entry_dir / CONFIG).read_text())
+    edit_configs(entry_dir, behind(repo, target), per_file=True)
+    if (entry_dir / EMBEDDED_CONFIG).exists() and \
+            (entry_dir / EMBEDDED_CONFIG).read_text() == (entry_dir / CONFIG).read_text():
+        (entry_dir / EMBEDDED_CONFIG).unlink()
+
+
+def behind(repo: Path, target: str):
+    """The edit of an entry's configs that puts ``target`` behind its preprocessing, each config (the container's
+    config.pbtxt, the embedded server's embedded.pbtxt) naming the target's tensors as that server's config of the
+    target does: the container's torch_aoti names an AOTInductor package's tensors ARGS[0], RESULT, ..."""
+    def edit(c: mc.ModelConfig, name: str) -> None:
+        own = read_config(served_file(repo / target, name))
+        served = {m: s for s, m in json.loads(own.parameters[TENSOR_NAMES].string_value or "{}").items()}
+        step = c.ensemble_scheduling.step[1]
+        prepared = [v for v in c.ensemble_scheduling.step[0].output_map.values()]
+        outputs = sorted(set(step.output_map.values()))
+        step.model_name = target
+        step.ClearField("input_map")
+        step.ClearField("output_map")
+        for p in prepared:
+            t = p.removeprefix("prepared_")
+            step.input_map[served.get(t, t)] = p
+        for o in outputs:
+            step.output_map[served.get(o, o)] = o
+        # Triton refuses an ensemble that batches beyond a model in it: the winner may batch less than the first
+        c.max_batch_size = min(c.max_batch_size, own.max_batch_size)
+    return edit
+
+
+def served_file(model_dir: Path, name: str) -> Path:
+    """The config of a model that a server reads where it reads ``name`` (CONFIG or EMBEDDED_CONFIG): that file,
+    or config.pbtxt where the model has no embedded.pbtxt."""
+    return model_dir / name if (model_dir / name).exists() else model_dir / CONFIG
 
 
 def entry_target(config: dict[str, Any]) -> str | None:
@@ -175,13 +226,9 @@ def entry_target(config: dict[str, Any]) -> str | None:
 
 def retarget(repo: Path, export_name: str, target: str) -> bool:
     """Point the raw entry of ``export_name`` in ``repo`` (where it has one) at the model ``target``."""
-    path = next((repo / (export_name + suffix) / CONFIG for suffix in (ENTRY_SUFFIX, TEXT_SUFFIX)
-                 if (repo / (export_name + suffix) / CONFIG).exists()), None)
-    if path is None:
+    d = next((repo / (export_name + suffix) for suffix in (ENTRY_SUFFIX, TEXT_SUFFIX)
+              if (repo / (export_name + suffix) / CONFIG).exists()), None)
+    if d is None:
         return False
-    c = read_config(path)
-    c.ensemble_scheduling.step[1].model_name = target
-    # Triton refuses an ensemble that batches beyond a model in it: the winner may batch less than the first target
-    c.max_batch_size = min(c.max_batch_size, read_config(repo / target / CONFIG).max_batch_size)
-    atomic_write_text(path, config_text(c))
+    put_behind(d, repo, target)
     return True

@@ -55,18 +55,19 @@ def served_config_path(model_dir: str | Path, live: Optional[dict] = None) -> Pa
     return d / CONFIG if live is not None and platform and live.get("platform") == platform else d / EMBEDDED_CONFIG
 
 
-def edit_configs(model_dir: str | Path, edit: Callable[[mc.ModelConfig], None], into: Optional[str | Path] = None
-                 ) -> list[Path]:
+def edit_configs(model_dir: str | Path, edit: Callable[..., None], into: Optional[str | Path] = None,
+                 per_file: bool = False) -> list[Path]:
     """Apply ``edit`` to each config of the model in ``model_dir`` (config.pbtxt, and embedded.pbtxt where it has
     one) and write them into ``into`` (default: the same folder), both or neither: each is written to a
-    temporary file first and renamed over its file only once both are written. Returns the files written."""
+    temporary file first and renamed over its file only once both are written. ``per_file``: ``edit`` takes the
+    file's name (CONFIG or EMBEDDED_CONFIG) too. Returns the files written."""
     src, dest = Path(model_dir), Path(into or model_dir)
     staged: list[tuple[str, Path]] = []
     try:
         for name in CONFIGS:
             if (src / name).exists():
                 c = read_config(src / name)
-                edit(c)
+                edit(c, name) if per_file else edit(c)
                 fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=dest)
                 with os.fdopen(fd, "w") as f:
                     f.write(config_text(c))

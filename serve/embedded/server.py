@@ -22,7 +22,7 @@ from torchship.runtime import version_file_problems
 
 from ..access import Access, forget, remember, restricted_flags, write_key
 from ..config import ServeConfig
-from ..model_config import EMBEDDED_CONFIG, read_config, repository_models, served_config_path, versions
+from ..model_config import CONFIG, EMBEDDED_CONFIG, read_config, repository_models, served_config_path, versions
 from .hidden import hide
 from .process import dying_with_parent, free_ports, listens_on, port_in_use, start_child
 from .shutdown import EXIT_TIMEOUT_S, live_at_exit, loaded_models, stall_note, unload_stalled
@@ -226,10 +226,13 @@ class TritonServer:
                     raise ServerError(f"tritonserver not live after {self.cfg.ready_timeout:.0f}s:\n{self.log_tail()}")
                 time.sleep(0.1)
             names = list(self.cfg.models or repository_models(self.repo))
-
-            with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:  # loads overlap their imports
-                for f in [pool.submit(self.load, n, None, deadline) for n in names]:
-                    f.result()
+            # an ensemble after the models in it: loading it first makes Triton load them itself, each from its
+            # config.pbtxt, which may be the container's (torch_aoti) rather than the embedded.pbtxt it runs here
+            ensembles = [n for n in names if read_config(self.repo / n / CONFIG).platform == "ensemble"]
+            for group in ([n for n in names if n not in ensembles], ensembles):
+                with ThreadPoolExecutor(max_workers=max(1, len(group))) as pool:  # loads overlap their imports
+                    for f in [pool.submit(self.load, n, None, deadline) for n in group]:
+                        f.result()
             self.loaded.sort()
             return self
         except BaseException:

@@ -301,6 +301,29 @@ def test_the_entry_moved_in_front_of_a_model_that_batches_less_batches_no_more_t
 
 
 @pytest.mark.slow
+def test_each_server_gets_the_entry_naming_the_tensors_as_its_config_of_the_model_behind_does(exported, tmp_path):
+    """The official container's torch_aoti names an AOTInductor package's tensors ARGS[0] and RESULT, the embedded
+    server's config images and logits: with the aoti model behind it, the entry's config.pbtxt maps the former,
+    its embedded.pbtxt the latter, and the embedded server runs it, checked from the files."""
+    from serve.entries import retarget
+    from serve.model_config import EMBEDDED_CONFIG
+    from serve.parity import check_served
+
+    repo = tmp_path / "repo"
+    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx", "aoti"), cores=1, image_entry=True))
+    assert retarget(repo, "tiny_cnn", "tiny_cnn_aoti")
+    container, embedded = (read_config(repo / ENTRY / f).ensemble_scheduling.step[1] for f in (CONFIG, EMBEDDED_CONFIG))
+    assert container.model_name == embedded.model_name == "tiny_cnn_aoti"
+    assert dict(container.input_map) == {"ARGS[0]": "prepared_images"} and dict(container.output_map) == {
+        "RESULT": "logits"}
+    assert dict(embedded.input_map) == {"images": "prepared_images"} and dict(embedded.output_map) == {
+        "logits": "logits"}
+    with TritonServer(ServeConfig(repo=str(repo))) as s:
+        report = check_served(s.url, exported, [ENTRY])
+    assert report["pass"] and report["models"][ENTRY]["raw"]["batch"] == 16
+
+
+@pytest.mark.slow
 def test_a_weights_export_with_image_files_serves_an_entry_checked_from_those_files(tmp_path, capsys):
     """export --model ... --image-files DIR: the preprocessing the entry applies is recorded, 16 of the files kept
     and the rest read as real samples; the entry passes infer --check from the files, and a planted
