@@ -66,23 +66,30 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds (user and system) ``root`` and its live descendants have used so far (0 where /proc is not)."""
+def tree_cpu(root: int) -> dict[int, float]:
+    """CPU seconds (user and system) each of ``root`` and its live descendants has used so far, by pid ({}
+    where /proc is not)."""
     tick = os.sysconf("SC_CLK_TCK")
     children: dict[int, list[int]] = {}
     for p in processes():
         children.setdefault(p.ppid, []).append(p.pid)
-    total, stack = 0, [root]
+    out, stack = {}, [root]
     while stack:
         pid = stack.pop()
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick
         except (OSError, IndexError, ValueError):
             pass
         stack.extend(children.get(pid, []))
-    return total / tick
+    return out
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds a process tree used between two tree_cpu readings: each live process's growth (all of it, for
+    one started since). A process that ended between them takes its last part with it; none counts below 0."""
+    return sum(max(0.0, s - before.get(pid, 0.0)) for pid, s in after.items())
 
 
 class RssSampler:

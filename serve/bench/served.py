@@ -17,7 +17,7 @@ from torchship.device import usable_cpus
 from torchship.errors import BenchError, TorchshipError
 from torchship.manifest import RAW_SET
 from torchship.names import format_of, model_names, models_of
-from torchship.procfs import tree_cpu_s
+from torchship.procfs import cpu_used, tree_cpu
 
 from ..client import TritonClient
 from ..entries import entry_of
@@ -157,7 +157,7 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
             before = settled_stats(client, model, count + len(warmed["latencies_s"]))
             check = (checks or {}).get(model)
             keep, kept = keeper()
-            cpu0 = tree_cpu_s(server_pid) if server_pid else 0.0
+            cpu0 = tree_cpu(server_pid) if server_pid else {}
             if gen.name == "perf_analyzer":
                 from .perf_analyzer import too_short, wired_data
                 from .perf_analyzer import window as pa_window
@@ -175,7 +175,7 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
                 res = closed_loop(url, model, sent[model], c, per_window, cfg.window_s, keep if check else None)
                 after = settled_stats(client, model, served_count(before) + len(res["latencies_s"]))
             if server_pid:  # read after the stats calls too: a few, beside the window's requests
-                res["server_cpu_s"] = tree_cpu_s(server_pid) - cpu0
+                res["server_cpu_s"] = cpu_used(cpu0, tree_cpu(server_pid))
             tally(check, kept, judged.setdefault((model, c), {}))
             delta = stats_delta(before, after)
             res["completed"] = res.get("completed", int(delta["requests"]))

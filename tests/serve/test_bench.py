@@ -114,26 +114,29 @@ def test_results_and_report_are_well_formed(bench_run):
 
 
 def test_the_server_cpu_figure_counts_the_servers_backend_processes():
-    """tree_cpu_s sums a process and its descendants (the embedded server's backends are its children): a child
-    that burns 0.3 s of CPU adds that to its parent's figure, which this process alone does not."""
+    """tree_cpu reads a process and its descendants (the embedded server's backends are its children): a child
+    that burns 0.3 s of CPU adds that to the tree's use, which this process alone does not; a process that ends
+    does not make the use negative."""
     import subprocess
     import sys
     import time
 
-    from torchship.procfs import tree_cpu_s
+    from torchship.procfs import cpu_used, tree_cpu
 
     me = os.getpid()
-    before, mine = tree_cpu_s(me), time.process_time()
+    before, mine = tree_cpu(me), time.process_time()
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint(1, flush=True)\n" \
         "time.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE)
     try:
         child.stdout.readline()  # it has burnt its 0.3 s and sleeps, alive
-        grown = tree_cpu_s(me) - before - (time.process_time() - mine)
-        assert grown >= 0.25 and tree_cpu_s(child.pid) >= 0.25, grown
+        during = tree_cpu(me)
+        grown = cpu_used(before, during) - (time.process_time() - mine)
+        assert grown >= 0.25 and during[child.pid] >= 0.25, grown
     finally:
         child.kill()
         child.wait()
+    assert 0 <= cpu_used(during, tree_cpu(me)) < 0.25  # the child gone: its time leaves, none is taken back
 
 
 def test_the_report_says_how_much_a_bucketed_model_pads(bench_run):

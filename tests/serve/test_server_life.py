@@ -95,8 +95,11 @@ def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported):
         channel.close()
     pgid = server.proc.pid
     server.stop()
-    assert server.stop_note and server.stop_note.startswith("tiny_cnn_onnx still loaded")
-    assert f"(server log: {server.log_path})" in server.stop_note
+    if "successfully unloaded 'tiny_cnn_onnx'" in server.log_path.read_text():
+        assert server.stop_note is None  # this time Triton unloaded it (seen once, the machine under load)
+    else:
+        assert server.stop_note and server.stop_note.startswith("tiny_cnn_onnx still loaded")
+        assert f"(server log: {server.log_path})" in server.stop_note
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
     server.log_path.unlink()
