@@ -192,14 +192,22 @@ def served_count(stats: dict) -> int:
 
 
 def settled_stats(client, model: str, count: int, timeout_s: float = 2.0) -> dict[str, Any]:
-    """Statistics once ``count`` successful requests are on the books. Triton records a request when
-    it releases it, which can be just after the client has its response."""
+    """Statistics once ``count`` successful requests are on the books, in the batch statistics too (where the
+    model keeps them; an ensemble does not). Triton records a request when it releases it, which can be just
+    after the client has its response, and its batch's execution a moment apart from that."""
     deadline = time.monotonic() + timeout_s
     while True:
         s = stats_of(client, model)
-        if served_count(s) >= count or time.monotonic() > deadline:  # failed requests never count
+        done = served_count(s)  # failed requests never count
+        if done >= count and (not s.get("batch_stats") or batched_count(s) >= done) or time.monotonic() > deadline:
             return s
         time.sleep(0.005)
+
+
+def batched_count(stats: dict[str, Any]) -> int:
+    """The requests a model's batch statistics hold: each execution's batch size, added up."""
+    return sum(int(b["batch_size"]) * int(b.get("compute_infer", {}).get("count", 0) or 0)
+               for b in stats.get("batch_stats", []))
 
 
 def stats_delta(before: dict, after: dict) -> dict[str, float]:
