@@ -22,12 +22,26 @@ def image_preprocessing(sig) -> dict[str, Any]:
     naming the input otherwise."""
     t = sig.inputs[0]
     dims = t.shape[1:]
-    if len(sig.inputs) != 1 or t.dtype != "float32" or len(dims) != 3 or dims[0] != 3 or \
-            not all(isinstance(d, int) for d in dims):
-        raise ConfigError("--image-files: the model must take one float32 RGB image input [B, 3, H, W] of a fixed "
-                          f"size; it takes {', '.join(f'{i.name} {i.dtype} {i.shape}' for i in sig.inputs)}")
-    return {"image_size": [int(dims[1]), int(dims[2])], "channels": 3, "layout": "NCHW", "dtype": "float32",
-            "value_range": [0.0, 1.0], "resize": "bilinear", "source_scale": "pixel / 255"}
+    if (
+        len(sig.inputs) != 1
+        or t.dtype != "float32"
+        or len(dims) != 3
+        or dims[0] != 3
+        or not all(isinstance(d, int) for d in dims)
+    ):
+        raise ConfigError(
+            "--image-files: the model must take one float32 RGB image input [B, 3, H, W] of a fixed "
+            f"size; it takes {', '.join(f'{i.name} {i.dtype} {i.shape}' for i in sig.inputs)}"
+        )
+    return {
+        "image_size": [int(dims[1]), int(dims[2])],
+        "channels": 3,
+        "layout": "NCHW",
+        "dtype": "float32",
+        "value_range": [0.0, 1.0],
+        "resize": "bilinear",
+        "source_scale": "pixel / 255",
+    }
 
 
 def image_files(folder: str | Path) -> list[Path]:
@@ -71,5 +85,7 @@ def add_image_files(src, folder: str, log=print) -> None:
     name = src.signature.inputs[0].name
     if not src.samples:
         src.samples = {name: tensors(spread(files, SAMPLE_FILES))}
-    log(f"image files: {len(files)} in {folder}; {len(kept)} kept as files ({total / 1024:.0f} KiB), "
-        f"{len(src.samples[name])} real samples")
+    log(
+        f"image files: {len(files)} in {folder}; {len(kept)} kept as files ({total / 1024:.0f} KiB), "
+        f"{len(src.samples[name])} real samples"
+    )

@@ -37,29 +37,45 @@ def text_spec(sig: Signature, tokenizer) -> dict[str, Any]:
     named (dynamic); a vocabulary larger than the ids' --input-range."""
     ints = [t for t in sig.inputs if not t.is_float]
     if len(ints) != len(sig.inputs) or not ints:
-        raise ConfigError(f"--tokenizer: the model's inputs must be token tensors (integer or bool), not "
-                          f"{', '.join(f'{t.name} ({t.dtype})' for t in sig.inputs if t.is_float)}")
+        raise ConfigError(
+            f"--tokenizer: the model's inputs must be token tensors (integer or bool), not "
+            f"{', '.join(f'{t.name} ({t.dtype})' for t in sig.inputs if t.is_float)}"
+        )
     mask = [t for t in ints if t.values == MASK or looks_like_mask(t.name)]
     types = [t for t in ints if "type" in t.name.lower() and t not in mask]
     ids = [t for t in ints if t not in mask and t not in types]
     if len(ids) != 1 or len(mask) > 1 or len(types) > 1:
-        raise ConfigError(f"--tokenizer fills token ids, an attention mask (named like *mask*) and token type ids "
-                          f"(named like *type*); the model takes {', '.join(t.name for t in sig.inputs)}")
+        raise ConfigError(
+            f"--tokenizer fills token ids, an attention mask (named like *mask*) and token type ids "
+            f"(named like *type*); the model takes {', '.join(t.name for t in sig.inputs)}"
+        )
     shapes = {tuple(t.shape) for t in ints}
     seq = ids[0].shape[1] if len(ids[0].shape) == 2 else None
     if len(shapes) != 1 or not isinstance(seq, str) or seq not in sig.dims:
-        raise ConfigError("--tokenizer: every input must be [B, S] with S a named sequence dim (--dim S=MIN..MAX); "
-                          f"given {', '.join(f'{t.name} {t.shape}' for t in ints)}")
+        raise ConfigError(
+            "--tokenizer: every input must be [B, S] with S a named sequence dim (--dim S=MIN..MAX); "
+            f"given {', '.join(f'{t.name} {t.shape}' for t in ints)}"
+        )
     lo, hi = sig.dims[seq]
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     if ids[0].range is not None and vocab > int(ids[0].range[1]) + 1:
-        raise ConfigError(f"--tokenizer: its vocabulary holds {vocab} tokens, more than {ids[0].name}'s range "
-                          f"0..{int(ids[0].range[1])} (the model's embedding); is it the model's own tokenizer?")
+        raise ConfigError(
+            f"--tokenizer: its vocabulary holds {vocab} tokens, more than {ids[0].name}'s range "
+            f"0..{int(ids[0].range[1])} (the model's embedding); is it the model's own tokenizer?"
+        )
     pad = tokenizer.padding["pad_id"] if tokenizer.padding else tokenizer.token_to_id("[PAD]") or 0
-    return {"inputs": {"ids": ids[0].name, "mask": mask[0].name if mask else None,
-                       "type_ids": types[0].name if types else None},
-            "dtypes": {t.name: t.dtype for t in ints}, "dim": seq, "min_length": lo, "max_length": hi,
-            "pad_id": int(pad)}
+    return {
+        "inputs": {
+            "ids": ids[0].name,
+            "mask": mask[0].name if mask else None,
+            "type_ids": types[0].name if types else None,
+        },
+        "dtypes": {t.name: t.dtype for t in ints},
+        "dim": seq,
+        "min_length": lo,
+        "max_length": hi,
+        "pad_id": int(pad),
+    }
 
 
 def load_text(sig: Signature, tokenizer: str, samples: str | None, log=print) -> TextSamples:

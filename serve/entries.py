@@ -36,10 +36,16 @@ ENTRY_SUFFIX, PRE_SUFFIX = "_image", "_image_pre"
 TEXT_SUFFIX, TEXT_PRE_SUFFIX = "_text", "_text_pre"
 SOURCES = Path(__file__).resolve().parent / "backends"
 ROOT = Path(__file__).resolve().parents[1]
-CARRIED = {"model.py": SOURCES / "image" / "model.py", "torchship_imageio.py": ROOT / "torchship" / "imageio.py",
-           "torchship_tensors.py": SOURCES / "torchship_tensors.py"}
-TEXT_CARRIED = {"model.py": SOURCES / "text" / "model.py", "torchship_textio.py": ROOT / "torchship" / "textio.py",
-                "torchship_tensors.py": SOURCES / "torchship_tensors.py"}
+CARRIED = {
+    "model.py": SOURCES / "image" / "model.py",
+    "torchship_imageio.py": ROOT / "torchship" / "imageio.py",
+    "torchship_tensors.py": SOURCES / "torchship_tensors.py",
+}
+TEXT_CARRIED = {
+    "model.py": SOURCES / "text" / "model.py",
+    "torchship_textio.py": ROOT / "torchship" / "textio.py",
+    "torchship_tensors.py": SOURCES / "torchship_tensors.py",
+}
 
 
 @dataclass(frozen=True)
@@ -87,15 +93,18 @@ def check_image_model(manifest: dict[str, Any]) -> None:
     """ConfigError unless the export is an image model: one float input, and the preprocessing its training
     recorded."""
     if not is_image_model(manifest):
-        raise ConfigError(f"--image-entry: {manifest['name']} is not an image model (its manifest records no image "
-                          "preprocessing, or it has more than one input); build the repository without it")
+        raise ConfigError(
+            f"--image-entry: {manifest['name']} is not an image model (its manifest records no image "
+            "preprocessing, or it has more than one input); build the repository without it"
+        )
 
 
 MAX_PRE_INSTANCES = 8  # each a process of its own; decoding costs a small part of what the model does
 
 
-def write_image_entry(repo: Path, manifest: dict[str, Any], target: str, max_batch: int, version: int,
-                      cores: int = 1) -> list[str]:
+def write_image_entry(
+    repo: Path, manifest: dict[str, Any], target: str, max_batch: int, version: int, cores: int = 1
+) -> list[str]:
     """Write the image entry and its preprocessing model into ``repo``, in front of the model ``target``; returns
     their names. The preprocessing decodes one image at a time per instance: one instance per core given (at
     most MAX_PRE_INSTANCES)."""
@@ -109,8 +118,9 @@ def write_image_entry(repo: Path, manifest: dict[str, Any], target: str, max_bat
     return [entry.pre, entry.name]
 
 
-def write_text_entry(repo: Path, manifest: dict[str, Any], target: str, max_batch: int, version: int,
-                     export_dir: Path, cores: int = 1) -> list[str]:
+def write_text_entry(
+    repo: Path, manifest: dict[str, Any], target: str, max_batch: int, version: int, export_dir: Path, cores: int = 1
+) -> list[str]:
     """Write the text entry and its tokenizing model (which carries the export's tokenizer.json) into ``repo``,
     in front of the model ``target``; returns their names. Each text becomes [1, L] token tensors, L the
     padded length (torchship.textio.bucket), so requests of near lengths batch together in the model."""
@@ -119,8 +129,10 @@ def write_text_entry(repo: Path, manifest: dict[str, Any], target: str, max_batc
         raise ConfigError(f"--text-entry: {manifest['name']} keeps no tokenizer; export it with --tokenizer")
     per_token = [o["name"] for o in manifest["outputs"] if spec["dim"] in o["shape"]]
     if per_token:
-        raise ConfigError(f"--text-entry: output {per_token[0]!r} runs along the sequence, whose padded length the "
-                          "server chooses; the text entry serves models whose outputs do not (build without it)")
+        raise ConfigError(
+            f"--text-entry: output {per_token[0]!r} runs along the sequence, whose padded length the "
+            "server chooses; the text entry serves models whose outputs do not (build without it)"
+        )
     names = [n for n in spec["inputs"].values() if n]
     pre = _pre_config(entry, max_batch, cores, {"text": json.dumps(spec)})
     for n in names:
@@ -152,8 +164,9 @@ def _write_pre(repo: Path, pre: mc.ModelConfig, version: int, carried: dict[str,
     (repo / pre.name / CONFIG).write_text(config_text(pre))
 
 
-def _write_ensemble(repo: Path, manifest: dict[str, Any], entry: Entry, target: str, tensors: list[str],
-                    max_batch: int, version: int) -> None:
+def _write_ensemble(
+    repo: Path, manifest: dict[str, Any], entry: Entry, target: str, tensors: list[str], max_batch: int, version: int
+) -> None:
     """The entry itself: an ensemble of its preprocessing model, whose outputs ``tensors`` are the model's inputs
     of those names, then ``target``."""
     ens = mc.ModelConfig(name=entry.name, platform="ensemble", max_batch_size=max_batch)
@@ -183,8 +196,9 @@ def put_behind(entry_dir: Path, repo: Path, target: str) -> None:
     if renames and not (entry_dir / EMBEDDED_CONFIG).exists():
         atomic_write_text(entry_dir / EMBEDDED_CONFIG, (entry_dir / CONFIG).read_text())
     edit_configs(entry_dir, behind(repo, target), per_file=True)
-    if (entry_dir / EMBEDDED_CONFIG).exists() and \
-            (entry_dir / EMBEDDED_CONFIG).read_text() == (entry_dir / CONFIG).read_text():
+    if (entry_dir / EMBEDDED_CONFIG).exists() and (entry_dir / EMBEDDED_CONFIG).read_text() == (
+        entry_dir / CONFIG
+    ).read_text():
         (entry_dir / EMBEDDED_CONFIG).unlink()
 
 
@@ -192,6 +206,7 @@ def behind(repo: Path, target: str):
     """The edit of an entry's configs that puts ``target`` behind its preprocessing, each config (the container's
     config.pbtxt, the embedded server's embedded.pbtxt) naming the target's tensors as that server's config of the
     target does: the container's torch_aoti names an AOTInductor package's tensors ARGS[0], RESULT, ..."""
+
     def edit(c: mc.ModelConfig, name: str) -> None:
         own = read_config(served_file(repo / target, name))
         served = {m: s for s, m in json.loads(own.parameters[TENSOR_NAMES].string_value or "{}").items()}
@@ -208,6 +223,7 @@ def behind(repo: Path, target: str):
             step.output_map[served.get(o, o)] = o
         # Triton refuses an ensemble that batches beyond a model in it: the winner may batch less than the first
         c.max_batch_size = min(c.max_batch_size, own.max_batch_size)
+
     return edit
 
 
@@ -226,8 +242,14 @@ def entry_target(config: dict[str, Any]) -> str | None:
 
 def retarget(repo: Path, export_name: str, target: str) -> bool:
     """Point the raw entry of ``export_name`` in ``repo`` (where it has one) at the model ``target``."""
-    d = next((repo / (export_name + suffix) for suffix in (ENTRY_SUFFIX, TEXT_SUFFIX)
-              if (repo / (export_name + suffix) / CONFIG).exists()), None)
+    d = next(
+        (
+            repo / (export_name + suffix)
+            for suffix in (ENTRY_SUFFIX, TEXT_SUFFIX)
+            if (repo / (export_name + suffix) / CONFIG).exists()
+        ),
+        None,
+    )
     if d is None:
         return False
     put_behind(d, repo, target)

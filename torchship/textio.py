@@ -31,13 +31,16 @@ def decode_text(data: bytes, max_bytes: int = MAX_BYTES) -> str:
     if not len(data):
         raise ValueError("the request holds no bytes: send the text, UTF-8 encoded")
     if len(data) > max_bytes:
-        raise ValueError(f"the text is {len(data):,} bytes, more than the {max_bytes:,} this server reads; "
-                         "send less (the model reads its first tokens only)")
+        raise ValueError(
+            f"the text is {len(data):,} bytes, more than the {max_bytes:,} this server reads; "
+            "send less (the model reads its first tokens only)"
+        )
     try:
         return bytes(data).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"the bytes are not UTF-8 text ({e.reason} at byte {e.start}); send the text UTF-8 "
-                         "encoded") from None
+        raise ValueError(
+            f"the bytes are not UTF-8 text ({e.reason} at byte {e.start}); send the text UTF-8 encoded"
+        ) from None
 
 
 PAD_MULTIPLE = 16  # the server pads a text to a multiple of this many tokens
@@ -62,8 +65,8 @@ def encode(tok, texts: list[str], spec: dict[str, Any], bucketed: bool = False) 
     mask = np.zeros((len(texts), width), np.int64)
     types = np.zeros((len(texts), width), np.int64)
     for i, e in enumerate(encodings):
-        ids[i, :len(e.ids)] = e.ids
-        mask[i, :len(e.ids)] = 1
-        types[i, :len(e.ids)] = e.type_ids
+        ids[i, : len(e.ids)] = e.ids
+        mask[i, : len(e.ids)] = 1
+        types[i, : len(e.ids)] = e.type_ids
     out = {names["ids"]: ids, names.get("mask"): mask, names.get("type_ids"): types}
     return {k: v.astype(dtypes[k]) for k, v in out.items() if k}

@@ -55,12 +55,14 @@ class EntryRun:
         run = cls(entry.name, entry.kind, entry.pre, target, fmt, feeds, files, check, stats_of(client, entry.pre))
         if entry.kind == "text":
             run.tensor_feeds = [tokens_of(manifest, inputs.raw_inputs, i) for i in range(len(files))]
-            run.tensor_check = response_check(client, target, manifest, fmt, inputs.raw_expected, run.tensor_feeds,
-                                              len(files))
+            run.tensor_check = response_check(
+                client, target, manifest, fmt, inputs.raw_expected, run.tensor_feeds, len(files)
+            )
         return run
 
-    def finish(self, client, rows: list[dict[str, Any]], inputs: BenchInputs,
-               tensor_rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def finish(
+        self, client, rows: list[dict[str, Any]], inputs: BenchInputs, tensor_rows: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """What the sweep measured (and ``tensor_rows``: the model behind, on the texts' tensors), with what a
         request holds and the server's time preparing a file."""
         done = int(self.before.get("inference_stats", {}).get("success", {}).get("count", 0) or 0)
@@ -87,7 +89,7 @@ def tokens_of(manifest: dict[str, Any], feeds: dict[str, np.ndarray], i: int) ->
     """The token tensors of the ``i``-th sample text as a client that tokenizes would send them: its row of the
     tokenizer's tensors, cut to its own length."""
     n = int(feeds[manifest["text"]["inputs"]["mask"]][i].sum()) if manifest["text"]["inputs"]["mask"] else None
-    return {k: v[i:i + 1, :n] for k, v in feeds.items()}
+    return {k: v[i : i + 1, :n] for k, v in feeds.items()}
 
 
 def entry_lines(served: dict[str, Any]) -> list[str]:
@@ -120,25 +122,30 @@ def entry_lines(served: dict[str, Any]) -> list[str]:
         for r in rs
     ]
     pre = e.get("preprocessing", {})
-    what = (f"takes the text as it is and tokenizes it in the server with the export's tokenizer, then runs "
-            f"`{e['target']}` ({e['format']}); here its requests carry the export's {e['files']} sample texts in turn "
-            f"(median {e['file_bytes']:,} bytes), each answer held to {e['target']}'s bound against eager on the "
-            f"tokenizer's tensors of the same text. Bytes a request: the median gRPC request as sent, against "
-            f"{e['tensor_request_bytes']:,} for the median text's token tensors, as a client that tokenizes sends them"
-            if text else
-            f"takes the image file as it is and prepares it in the server as training did, then runs "
-            f"`{e['target']}` ({e['format']}); here its requests carry the export's {e['files']} held-out files in "
-            f"turn (median {e['file_bytes']:,} bytes), each answer held to {e['target']}'s bound against eager on "
-            f"training's tensors of the same file. Bytes a request: the median gRPC request as sent, against "
-            f"{e['tensor_request_bytes']:,} for the tensor")
+    what = (
+        f"takes the text as it is and tokenizes it in the server with the export's tokenizer, then runs "
+        f"`{e['target']}` ({e['format']}); here its requests carry the export's {e['files']} sample texts in turn "
+        f"(median {e['file_bytes']:,} bytes), each answer held to {e['target']}'s bound against eager on the "
+        f"tokenizer's tensors of the same text. Bytes a request: the median gRPC request as sent, against "
+        f"{e['tensor_request_bytes']:,} for the median text's token tensors, as a client that tokenizes sends them"
+        if text
+        else f"takes the image file as it is and prepares it in the server as training did, then runs "
+        f"`{e['target']}` ({e['format']}); here its requests carry the export's {e['files']} held-out files in "
+        f"turn (median {e['file_bytes']:,} bytes), each answer held to {e['target']}'s bound against eager on "
+        f"training's tensors of the same file. Bytes a request: the median gRPC request as sent, against "
+        f"{e['tensor_request_bytes']:,} for the tensor"
+    )
     return [
         title,
         "",
         f"`{e['model']}` {what} ({e['tensor_request_bytes'] / e['request_bytes']:.1f}x). The entry's requests go "
         "out from torchship's Python client (the files differ in size); "
-        + ("the tensor model's rows here carry the same texts' token tensors, each at its own length (padded in "
-           "the server, the texts batch by their padded length)." if e.get("tensor_rows") else
-           "the tensor model's rows are the sweep's above."),
+        + (
+            "the tensor model's rows here carry the same texts' token tensors, each at its own length (padded in "
+            "the server, the texts batch by their padded length)."
+            if e.get("tensor_rows")
+            else "the tensor model's rows are the sweep's above."
+        ),
         "",
         *table(
             [

@@ -6,8 +6,24 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-CORPUS_MODULES = ("json", "csv", "collections", "functools", "itertools", "pathlib", "argparse", "logging",
-                  "subprocess", "threading", "email", "http", "textwrap", "string", "random", "datetime")
+CORPUS_MODULES = (
+    "json",
+    "csv",
+    "collections",
+    "functools",
+    "itertools",
+    "pathlib",
+    "argparse",
+    "logging",
+    "subprocess",
+    "threading",
+    "email",
+    "http",
+    "textwrap",
+    "string",
+    "random",
+    "datetime",
+)
 
 
 def corpus() -> list[str]:
@@ -18,8 +34,11 @@ def corpus() -> list[str]:
     for name in CORPUS_MODULES:
         m = importlib.import_module(name)
         docs.append(m.__doc__ or "")
-        docs += [getattr(m, a).__doc__ or "" for a in sorted(dir(m)) if not a.startswith("_")
-                 and callable(getattr(m, a, None))]
+        docs += [
+            getattr(m, a).__doc__ or ""
+            for a in sorted(dir(m))
+            if not a.startswith("_") and callable(getattr(m, a, None))
+        ]
     sentences = re.split(r"(?<=[.!?])\s+", " ".join(" ".join(d.split()) for d in docs))
     return [s for s in sentences if 20 <= len(s) <= 200]
 
@@ -33,11 +52,13 @@ def make_tokenizer(path: Path, vocab_size: int = 1000, lowercase: bool = False) 
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok.train_from_iterator(corpus(), trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special,
-                                                                show_progress=False))
+    tok.train_from_iterator(
+        corpus(), trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False)
+    )
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path

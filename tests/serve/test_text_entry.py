@@ -21,9 +21,14 @@ from torchship.textio import bucket, decode_text, encode, load_tokenizer
 pytest.importorskip("transformers")
 
 ENTRY, PRE = "hf_bert_text", "hf_bert_text_pre"
-SPEC = {"inputs": {"ids": "input_ids", "mask": "attention_mask", "type_ids": "token_type_ids"},
-        "dtypes": {"input_ids": "int64", "attention_mask": "int64", "token_type_ids": "int32"},
-        "dim": "S", "min_length": 1, "max_length": 16, "pad_id": 0}
+SPEC = {
+    "inputs": {"ids": "input_ids", "mask": "attention_mask", "type_ids": "token_type_ids"},
+    "dtypes": {"input_ids": "int64", "attention_mask": "int64", "token_type_ids": "int32"},
+    "dim": "S",
+    "min_length": 1,
+    "max_length": 16,
+    "pad_id": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +52,9 @@ def test_the_tokenizer_cuts_pads_and_masks_as_the_spec_says(tokenizer):
     assert encode(tok, ["Return the JSON object."], wide, bucketed=True)["input_ids"].shape == (1, 16)
 
 
-@pytest.mark.parametrize("data, why", [(b"", "holds no bytes"), (b"\xff\xfeabc", "not UTF-8"),
-                                       (b"x" * 33, "more than the 32")])
+@pytest.mark.parametrize(
+    "data, why", [(b"", "holds no bytes"), (b"\xff\xfeabc", "not UTF-8"), (b"x" * 33, "more than the 32")]
+)
 def test_bad_text_is_refused_with_the_reason(data, why):
     with pytest.raises(ValueError, match=why):
         decode_text(data, max_bytes=32)
@@ -59,8 +65,9 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tokenizer):
 
     from export.text import text_spec
 
-    sig = parse_signature(["input_ids:int64:B,S", "attention_mask:int64:B,S"], ["S=1..64"],
-                          ["input_ids=0..99", "attention_mask=mask"])
+    sig = parse_signature(
+        ["input_ids:int64:B,S", "attention_mask:int64:B,S"], ["S=1..64"], ["input_ids=0..99", "attention_mask=mask"]
+    )
     with pytest.raises(ConfigError, match="vocabulary holds 1000 tokens, more than input_ids's range 0..99"):
         text_spec(sig, Tokenizer.from_file(str(tokenizer)))
     sig = parse_signature(["input_ids:int64:B,S", "pixels:float32:B,S"], ["S=1..64"], ["input_ids=0..1999"])
@@ -80,9 +87,27 @@ def text_served(tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("text")
     torch.manual_seed(0)
     torch.save(hf_bert().state_dict(), tmp / "bert.pt")
-    assert run_cli("export", "--model", "tests.anymodel.models:hf_bert", "--weights", tmp / "bert.pt",
-                   *readme_text_flags(), "--tokenizer", tokenizer, "--text-samples", sample_texts(tmp / "texts.txt"),
-                   "--formats", "onnx", "--max-batch", "8", "--out", tmp / "export") == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            "tests.anymodel.models:hf_bert",
+            "--weights",
+            tmp / "bert.pt",
+            *readme_text_flags(),
+            "--tokenizer",
+            tokenizer,
+            "--text-samples",
+            sample_texts(tmp / "texts.txt"),
+            "--formats",
+            "onnx",
+            "--max-batch",
+            "8",
+            "--out",
+            tmp / "export",
+        )
+        == 0
+    )
     build_repository(tmp / "export", RepoConfig(out=str(tmp / "repo"), formats=("onnx",), cores=1))
     with TritonServer(ServeConfig(repo=str(tmp / "repo"))).start() as s:
         yield s, tmp / "export", tmp / "repo"
@@ -136,8 +161,22 @@ def test_infer_text_goes_to_the_entry_and_bad_text_is_refused_alone(text_served,
     captured = capsys.readouterr()
     assert f"sending the texts to {ENTRY}" in captured.err
     served = np.array(json.loads(captured.out)["results"][0]["outputs"]["logits"])
-    assert run_cli("infer", "--url", server.url, "--model", "hf_bert_onnx", "--no-raw", "--export", export,
-                   "--text", text, "--json") == 0
+    assert (
+        run_cli(
+            "infer",
+            "--url",
+            server.url,
+            "--model",
+            "hf_bert_onnx",
+            "--no-raw",
+            "--export",
+            export,
+            "--text",
+            text,
+            "--json",
+        )
+        == 0
+    )
     local = np.array(json.loads(capsys.readouterr().out)["results"][0]["outputs"]["logits"])
     np.testing.assert_allclose(served, local, atol=1e-6)
     assert run_cli("infer", "--url", server.url, "--model", "hf_bert_onnx", "--no-raw", "--text", text) == 2

@@ -24,8 +24,12 @@ class TritonPythonModel:
         self.input = cfg["input"][0]["name"]
 
     def execute(self, requests):
-        return answer_each(requests, self.name, self.input,
-                           lambda data: encode(self.tok, [decode_text(data)], self.spec, bucketed=True))
+        return answer_each(
+            requests,
+            self.name,
+            self.input,
+            lambda data: encode(self.tok, [decode_text(data)], self.spec, bucketed=True),
+        )
 
     def finalize(self):
         pass
