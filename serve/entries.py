@@ -28,6 +28,7 @@ from .model_config import (
     config_text,
     edit_configs,
     read_config,
+    served_config_path,
 )
 
 IMAGE_INPUT = "image"  # the image entry's input: the file's bytes
@@ -208,7 +209,7 @@ def behind(repo: Path, target: str):
     target does: the container's torch_aoti names an AOTInductor package's tensors ARGS[0], RESULT, ..."""
 
     def edit(c: mc.ModelConfig, name: str) -> None:
-        own = read_config(served_file(repo / target, name))
+        own = read_config(served_config_path(repo / target) if name == EMBEDDED_CONFIG else repo / target / CONFIG)
         served = {m: s for s, m in json.loads(own.parameters[TENSOR_NAMES].string_value or "{}").items()}
         step = c.ensemble_scheduling.step[1]
         prepared = [v for v in c.ensemble_scheduling.step[0].output_map.values()]
@@ -225,12 +226,6 @@ def behind(repo: Path, target: str):
         c.max_batch_size = min(c.max_batch_size, own.max_batch_size)
 
     return edit
-
-
-def served_file(model_dir: Path, name: str) -> Path:
-    """The config of a model that a server reads where it reads ``name`` (CONFIG or EMBEDDED_CONFIG): that file,
-    or config.pbtxt where the model has no embedded.pbtxt."""
-    return model_dir / name if (model_dir / name).exists() else model_dir / CONFIG
 
 
 def entry_target(config: dict[str, Any]) -> str | None:

@@ -13,11 +13,12 @@ class Proc(NamedTuple):
     ppid: int
     state: str  # R, S, D, Z (dead, not yet reaped), ...
     rss_bytes: int
+    cpu_s: float  # user and system CPU seconds used so far
 
 
 def processes() -> Iterator[Proc]:
     """Every process /proc lists now (those that end while it is read are skipped)."""
-    page = os.sysconf("SC_PAGE_SIZE")
+    page, tick = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_CLK_TCK")
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -28,7 +29,9 @@ def processes() -> Iterator[Proc]:
         try:
             with open(f"/proc/{d}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            yield Proc(int(d), int(fields[1]), fields[0], int(fields[21]) * page)
+            yield Proc(
+                int(d), int(fields[1]), fields[0], int(fields[21]) * page, (int(fields[11]) + int(fields[12])) / tick
+            )
         except (OSError, IndexError, ValueError):
             continue
 
@@ -51,39 +54,30 @@ def resident_bytes(pid: int) -> int:
         return 0
 
 
+def tree(root: int) -> list[Proc]:
+    """``root`` and all its live descendants, as /proc lists them now."""
+    children: dict[int, list[Proc]] = {}
+    found: dict[int, Proc] = {}
+    for p in processes():
+        children.setdefault(p.ppid, []).append(p)
+        found[p.pid] = p
+    out, stack = [], [found[root]] if root in found else []
+    while stack:
+        p = stack.pop()
+        out.append(p)
+        stack.extend(children.get(p.pid, []))
+    return out
+
+
 def tree_rss(root: int) -> int:
     """Resident bytes of ``root`` and all its descendants together."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for p in processes():
-        children.setdefault(p.ppid, []).append(p.pid)
-        rss[p.pid] = p.rss_bytes
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        total += rss.get(pid, 0)
-        stack.extend(children.get(pid, []))
-    return total
+    return sum(p.rss_bytes for p in tree(root))
 
 
 def tree_cpu(root: int) -> dict[int, float]:
     """CPU seconds (user and system) each of ``root`` and its live descendants has used so far, by pid ({}
     where /proc is not)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    for p in processes():
-        children.setdefault(p.ppid, []).append(p.pid)
-    out, stack = {}, [root]
-    while stack:
-        pid = stack.pop()
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[pid] = (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-        stack.extend(children.get(pid, []))
-    return out
+    return {p.pid: p.cpu_s for p in tree(root)}
 
 
 def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
