@@ -26,21 +26,26 @@ def noop_ceiling(results: dict[str, Any]) -> dict[str, Any]:
     return max(rows, key=lambda r: r["concurrency"]) if len(rows) > 1 else {}
 
 
-def side_by_side(results: dict[str, Any]) -> list[str]:
-    """Each served model beside its artifact run in this process: batch-1 latency, and best throughput."""
+def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) -> list[str]:
+    """Each served model beside its artifact run in this process: batch-1 latency, and best throughput; with
+    ``winner`` (torchship run's, its placement searched), the winner as served, from the search's figures."""
     ip = results.get("in_process", {}).get("rows", [])
     served = served_models(results)
+    measured = [(model, mm, mm["rows"], mm.get("instances"), mm.get("threads")) for model, mm in served.items()]
+    point = as_served(winner)
+    if point and winner["model"] in served:
+        measured.append((f"{winner['served_as']} (as served)", served[winner["model"]], *point))
     rows = []
-    for model, mm in served.items():
+    for model, mm, levels, instances, threads in measured:
         variant = served_artifact_of(model, mm)
         mine = [r for r in ip if r["variant"] == variant and r.get("n")]
-        if not mine or not mm["rows"]:
+        if not mine or not levels:
             continue
         one = next((r for r in mine if r["batch"] == 1), {})
-        c1 = next((r for r in mm["rows"] if r["concurrency"] == 1), {})
+        c1 = next((r for r in levels if r["concurrency"] == 1), {})
         best_ip = max(mine, key=lambda r: r["images_per_s"])  # samples/s; the key keeps its first name
-        best_sv = max(mm["rows"], key=lambda r: r["requests_per_s"])
-        placed = f", {mm['instances']} x {mm['threads']}" if "instances" in mm else ""
+        best_sv = max(levels, key=lambda r: r["requests_per_s"])
+        placed = f", {instances} x {threads}" if instances else ""
         rows.append([model, variant, _f(one.get("p50_ms")), _f(c1.get("p50_ms")),
                      f"{best_ip['images_per_s']:.0f} (batch {best_ip['batch']})",
                      f"{best_sv['requests_per_s']:.0f} (concurrency {best_sv['concurrency']}{placed})",
@@ -67,6 +72,9 @@ def side_by_side(results: dict[str, Any]) -> list[str]:
         ],
         rows,
     )
+    if point and any(r[0].endswith("(as served)") for r in rows):
+        lines += ["", f"{winner['served_as']} (as served): `{winner['model']}` at the instances x threads the search "
+                      "chose, from the search's own windows."]
     ceiling = noop_ceiling(results)
     if ceiling:
         lines += [
@@ -77,6 +85,15 @@ def side_by_side(results: dict[str, Any]) -> list[str]:
             "round trip, not by its own speed.",
         ]
     return lines + [""]
+
+
+def as_served(winner: dict[str, Any] | None) -> tuple[list[dict[str, Any]], int, int] | None:
+    """The rows, instances and threads the placement search measured at the point it chose for ``winner``."""
+    placement = (winner or {}).get("placement") or {}
+    chosen = placement.get("chosen")
+    point = next((g for g in placement.get("grid", []) if chosen and (g["instances"], g["threads"]) ==
+                  (chosen["instances"], chosen["threads"])), None)
+    return (point["rows"], point["instances"], point["threads"]) if point else None
 
 
 def cross_check_lines(served: dict[str, Any], results: dict[str, Any]) -> list[str]:

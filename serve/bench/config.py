@@ -13,9 +13,10 @@ from torchship.runtime import FORMATS
 from ..config import ServeConfig, check_url
 
 # a bench that feeds a decision (torchship run's bench stage, repo --strategy without --bench): half-second windows
-# (torchship bench alone: one second), one request in flight and many (the batching gain is their ratio), and none
-# of the sweeps only an investigation reads (batching off, the no-op)
-SHORT_BENCH = {"window_s": 0.5, "concurrency": (1, 16), "batching_compare": (), "noop": False, "raw_entry": False}
+# (torchship bench alone: one second), one request in flight and many (the batching gain is their ratio), then
+# enough to fill batches of 32 on two instances (the batch the in-process throughput is read at), and none of the
+# sweeps only an investigation reads (batching off, the no-op)
+SHORT_BENCH = {"window_s": 0.5, "concurrency": (1, 16, 64), "batching_compare": (), "noop": False, "raw_entry": False}
 SOAK_BOUND_KIB = 64.0  # growth per 1000 requests past which the soak fails (see bench_soak)
 IN_PROCESS = ("eager", *FORMATS)
 

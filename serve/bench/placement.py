@@ -83,6 +83,8 @@ def grid_table(placement: dict[str, Any]) -> list[str]:
     """The grid measured, as markdown rows: instances x threads, each level's throughput and latency."""
     from torchship.markdown import table
 
+    from .beside import GENERATORS
+
     if "grid" not in placement:
         return [f"Instances x threads: {placement.get('skipped', 'not searched')}.", ""]
     chosen = placement["chosen"]
@@ -94,7 +96,8 @@ def grid_table(placement: dict[str, Any]) -> list[str]:
     return (
         [
             f"Instances x intra-op threads on {placement['cores']} core(s), each measured in half-second windows until "
-            "three agree, every response checked:",
+            f"three agree, sent by {GENERATORS[placement.get('load_generator', 'python')]} and checked as the bench "
+            "checks:",
             "",
         ]
         + table(["instances x threads", "in flight", "req/s", "p50 ms", "p99 ms", "checked"], rows)

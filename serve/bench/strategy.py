@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +198,10 @@ def search_placement(export_dir, repo: str | Path, model: str, strategy: str, co
 
 def search(server, model: str, export, strategy: str, cores: int, log=print) -> dict[str, Any]:
     """Measure ``model`` (served by ``server``, an embedded TritonServer) at each of candidates(``cores``) with
-    SHORT_BENCH's levels, every response checked, and keep the one ``strategy`` prefers: it is written into the
-    model's configs and loaded. Returns {"grid": [{instances, threads, rows}], "chosen": {...}, "why": words}.
+    SHORT_BENCH's levels, sent and checked as the bench's sweep does (the load generator that costs the shared
+    cores least: a costlier client on the same cores narrows the gaps between points, and served in production
+    the client runs elsewhere), and keep the one ``strategy`` prefers: it is written into the model's configs and
+    loaded. Returns {"grid": [{instances, threads, rows}], "chosen": {...}, "why": words, "load_generator": name}.
     A GPU model is left as it is (one instance per GPU). ParityError if a response was wrong."""
     from torchship.errors import ParityError
 
@@ -206,14 +209,14 @@ def search(server, model: str, export, strategy: str, cores: int, log=print) -> 
     from .config import SHORT_BENCH, BenchConfig
     from .inputs import load_inputs, single_rows
     from .placement import candidates, choose, on_gpu, placement_edit, placement_of, why
-    from .served import LoadGenerator, sweep
+    from .served import load_generators, sweep
 
     path = served_config_path(server.repo / model)
     base = read_config(path)
     if on_gpu(base):
         return {"skipped": "GPU instances: one per GPU, the threads only for operators on the CPU"}
     kind, budget = parse_strategy(strategy)
-    cfg = BenchConfig(export_dir=str(export.dir), **{**SHORT_BENCH, "concurrency": (1, 16)}, cross_check=False,
+    cfg = BenchConfig(export_dir=str(export.dir), **SHORT_BENCH, cross_check=False,
                       progress=False, plots=False)
     inputs = load_inputs(export, None)
     singles = single_rows(inputs.pool, 64)
@@ -221,13 +224,15 @@ def search(server, model: str, export, strategy: str, cores: int, log=print) -> 
     check = response_check(client, model, export.manifest, format_of(model, export.manifest, client.config(model)),
                            inputs.expected, singles, len(next(iter(inputs.pool.values()))))
     grid = []
+    data = Path(tempfile.mkdtemp(prefix="torchship-placement-")) / "input.json"
+    gen, _, _ = load_generators(cfg, inputs.pool, data)
     try:
         for instances, threads in candidates(cores):
             c = read_config(path)
             placement_edit(instances, threads)(c)
             server.load(model, client=client, override=c)
-            rows = sweep(server.url, [model], singles, cfg, cfg.concurrency, None, client, LoadGenerator("python"),
-                         {model: check})[model]
+            rows = sweep(server.url, [model], singles, cfg, cfg.concurrency, None, client, gen, {model: check},
+                         server.proc.pid if server.proc is not None else None)[model]
             wrong = [f"{model} at {instances} instance(s) x {threads} thread(s), {r['concurrency']} in flight: "
                      f"{r['wrong']} of {r['checked']} checked responses wrong (first: {r.get('first_wrong')})"
                      for r in rows if r.get("wrong")]
@@ -250,5 +255,6 @@ def search(server, model: str, export, strategy: str, cores: int, log=print) -> 
         server.load(model, client=client, override=read_config(path))
     finally:
         client.close()
+        shutil.rmtree(data.parent, ignore_errors=True)
     return {"cores": cores, "grid": grid, "chosen": {"instances": chosen["instances"], "threads": chosen["threads"]},
-            "why": why(grid, chosen, strategy, fit)}
+            "why": why(grid, chosen, strategy, fit), "load_generator": gen.name}

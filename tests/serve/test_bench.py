@@ -168,6 +168,28 @@ def test_in_process_beside_served_pairs_each_model_with_its_own_artifact(bench_r
     assert f"| tiny_cnn_onnx | onnx | {onnx['p50_ms']:.2f} |" in "\n".join(side_by_side(results))
 
 
+def test_the_winner_as_served_is_set_beside_in_process_at_the_point_the_search_chose(bench_run):
+    """torchship run's summary: the winner as it ends up served (the instances x threads the search chose, from the
+    search's windows), beside the same artifact in-process; not the sweep's figures nor another grid point's."""
+    from serve.bench.beside import side_by_side
+
+    results, _ = bench_run
+    onnx = results["served"]["models"]["tiny_cnn_onnx"]["rows"]
+    faster = [{**r, "requests_per_s": 3 * r["requests_per_s"]} for r in onnx]
+    slower = [{**r, "requests_per_s": r["requests_per_s"] / 3} for r in onnx]
+    grid = [{"instances": 1, "threads": 2, "rows": slower}, {"instances": 2, "threads": 1, "rows": faster}]
+    winner = {"model": "tiny_cnn_onnx", "served_as": "tiny_cnn",
+              "placement": {"grid": grid, "chosen": {"instances": 2, "threads": 1}}}
+    lines = side_by_side(results, winner)
+    row = next(line.split(" | ") for line in lines if line.startswith("| tiny_cnn (as served) |"))
+    best_ip = max(r["images_per_s"] for r in results["in_process"]["rows"] if r["variant"] == "onnx")
+    top = max(faster, key=lambda r: r["requests_per_s"])
+    assert row[1] == "onnx" and row[5] == f"{top['requests_per_s']:.0f} (concurrency {top['concurrency']}, 2 x 1)"
+    assert row[6].rstrip(" |") == f"{100 * top['requests_per_s'] / best_ip:.0f} %"
+    assert not any("(as served)" in line for line in side_by_side(results))  # no search, no such row
+    assert not any("(as served)" in line for line in side_by_side(results, {**winner, "placement": {}}))
+
+
 @pytest.mark.slow
 def test_a_model_served_from_the_plain_aoti_package_appears_in_every_table(exported, tmp_path):
     """Where only the dynamic aoti package verified (no bucket archive), the server runs model.pt2: the bench records

@@ -85,7 +85,7 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
         if b:
             from serve.bench.entry import entry_lines
 
-            lines += side_by_side(b) + entry_lines(b.get("served", {}))
+            lines += side_by_side(b, record["stages"]["bench"].get("winner")) + entry_lines(b.get("served", {}))
     lines += [
         "",
         f"Run folder: {run_dir}  ·  summary: {run_dir / 'summary.md'}  ·  bench report: "
