@@ -160,11 +160,12 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
 
 def serve_by_strategy(export_dir, repo: str | Path, strategy: str, manifest: dict[str, Any],
                       results: dict[str, Any] | None = None, only_winner: bool = False, log=print,
-                      cores: int | None = None, server=None) -> tuple[dict[str, Any], Path]:
+                      cores: int | None = None, server=None, bench=None) -> tuple[dict[str, Any], Path]:
     """Pick the winner of ``strategy`` from ``results`` (a bench's results.json) or, without them, from a short
     served bench of ``repo`` written beside it as REPO-bench; with ``cores``, search its instances x threads
     within them (search, on ``server`` where given, else on an embedded server of its own); and serve
-    it under the export's plain name. ``export_dir``: the export (a directory, or an Export held already).
+    it under the export's plain name; ``bench`` (a BenchConfig, torchship run's) says how the search measures.
+    ``export_dir``: the export (a directory, or an Export held already).
     Returns (the winner, its model folder)."""
     if results is None:
         out = Path(repo).with_name(Path(repo).name + "-bench")
@@ -175,14 +176,14 @@ def serve_by_strategy(export_dir, repo: str | Path, strategy: str, manifest: dic
         raise ConfigError(f"the winner {winner['model']} is not in this repository (it serves "
                           f"{', '.join(repository_models(repo))})")
     if cores:
-        winner["placement"] = search_placement(export_dir, repo, winner["model"], strategy, cores, server, log)
+        winner["placement"] = search_placement(export_dir, repo, winner["model"], strategy, cores, server, log, bench)
         if "why" in winner["placement"]:
             winner["why"] += f"; runs as {winner['placement']['why']}"
     return winner, serve_winner(repo, winner, manifest, only_winner)
 
 
 def search_placement(export_dir, repo: str | Path, model: str, strategy: str, cores: int, server=None,
-                     log=print) -> dict[str, Any]:
+                     log=print, bench=None) -> dict[str, Any]:
     """search for ``model`` on ``server``, or on an embedded server of its own that loads it alone."""
     from torchship.manifest import Export
 
@@ -191,17 +192,23 @@ def search_placement(export_dir, repo: str | Path, model: str, strategy: str, co
 
     export = Export.of(export_dir)
     if server is not None:
-        return search(server, model, export, strategy, cores, log=log)
+        return search(server, model, export, strategy, cores, log=log, bench=bench)
     with TritonServer(ServeConfig(repo=str(repo), models=(model,))).start() as own:
-        return search(own, model, export, strategy, cores, log=log)
+        return search(own, model, export, strategy, cores, log=log, bench=bench)
 
 
-def search(server, model: str, export, strategy: str, cores: int, log=print) -> dict[str, Any]:
+# what the search takes from a bench's settings: who sends, and how long and how often it measures
+MEASURED_AS = ("load_generator", "perf_analyzer", "window_s", "requests", "stability", "max_windows")
+
+
+def search(server, model: str, export, strategy: str, cores: int, log=print, bench=None) -> dict[str, Any]:
     """Measure ``model`` (served by ``server``, an embedded TritonServer) at each of candidates(``cores``) with
     SHORT_BENCH's levels, sent and checked as the bench's sweep does (the load generator that costs the shared
     cores least: a costlier client on the same cores narrows the gaps between points, and served in production
     the client runs elsewhere), and keep the one ``strategy`` prefers: it is written into the model's configs and
-    loaded. Returns {"grid": [{instances, threads, rows}], "chosen": {...}, "why": words, "load_generator": name}.
+    loaded; ``bench`` (a BenchConfig), where given, sets the load generator and the windows (the levels stay
+    SHORT_BENCH's). Returns {"grid": [{instances, threads, rows}], "chosen": {...}, "why": words, "load_generator":
+    name}.
     A GPU model is left as it is (one instance per GPU). ParityError if a response was wrong."""
     from torchship.errors import ParityError
 
@@ -216,8 +223,9 @@ def search(server, model: str, export, strategy: str, cores: int, log=print) -> 
     if on_gpu(base):
         return {"skipped": "GPU instances: one per GPU, the threads only for operators on the CPU"}
     kind, budget = parse_strategy(strategy)
-    cfg = BenchConfig(export_dir=str(export.dir), **SHORT_BENCH, cross_check=False,
-                      progress=False, plots=False)
+    how = {k: getattr(bench, k) for k in MEASURED_AS} if bench is not None else {}
+    cfg = BenchConfig(export_dir=str(export.dir), **{**SHORT_BENCH, **how}, cross_check=False, progress=False,
+                      plots=False)
     inputs = load_inputs(export, None)
     singles = single_rows(inputs.pool, 64)
     client = server.client()

@@ -151,6 +151,12 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     winner = rec["stages"]["bench"]["winner"]  # max-throughput by default, served under the plain name after the bench
     assert winner["strategy"] == "max-throughput" and winner["served_as"] == "tiny_cnn" and winner["runner_up"]
     assert f"serves {winner['model']} as tiny_cnn (max-throughput)" in rec["gates"]["bench"]["detail"]
+    # its instances x threads measured as the run's [bench] says: tiny.toml's Python client, every response checked
+    grid = winner["placement"]["grid"]
+    assert winner["placement"]["load_generator"] == "python" and grid
+    assert all(r["checked"] >= r["ok"] > 0 and r["wrong"] == 0 for g in grid for r in g["rows"])
+    summary_text = (run_dir / "summary.md").read_text()
+    assert "| tiny_cnn (as served) |" in summary_text and "sent by torchship's Python client" in summary_text
     parity = json.loads((run_dir / "served_parity.json").read_text())
     assert parity["pass"] and sorted(parity["models"]) == sorted([*served_models, "tiny_cnn_image"])
     assert list(parity["models"]["tiny_cnn_image"]) == ["raw"]  # checked from the export's held-out files

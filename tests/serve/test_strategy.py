@@ -71,7 +71,10 @@ def test_a_budget_nothing_meets_and_a_bad_strategy_are_refused():
 
 
 @pytest.mark.slow
-def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_export, tmp_path, capsys):
+def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_export, tmp_path, capsys, monkeypatch):
+    import serve.bench.config
+
+    monkeypatch.setitem(serve.bench.config.SHORT_BENCH, "window_s", 0.1)  # the search, in shorter windows
     bench = tmp_path / "results.json"
     bench.write_text(json.dumps(FAST_INT8))
     repo = tmp_path / "repo"

@@ -237,7 +237,7 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
     server = run.served()
     winner, dest = serve_by_strategy(export, run.dirs["repo"], run.cfg["repo"].strategy or DEFAULT_STRATEGY,
                                      export.manifest, results, run.cfg["repo"].only_winner, log=run.log,
-                                     cores=run.cfg["repo"].search_cores(), server=server)
+                                     cores=run.cfg["repo"].search_cores(), server=server, bench=run.cfg["bench"])
     server.load(dest.name)
     checked = [dest.name]
     entry = entry_names(export.manifest["name"])[0]
