@@ -18,7 +18,7 @@ from ..config import parse_strategy
 from ..entries import retarget
 from ..model_config import edit_configs, read_config, repository_models, served_config_path
 from ..repo_readme import readme_with_winner
-from .recommend import batching_edit, recommend
+from .recommend import batching_edit, recommend, saturation
 from .results import served_models
 
 
@@ -71,7 +71,8 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
 def best_row(rows: list[dict[str, Any]], kind: str, budget: float | None) -> tuple[float, dict[str, Any]] | None:
     """(score, row): the row of a served sweep that a strategy of ``kind`` (parse_strategy) prefers, higher
     scores better: min-latency the lowest p50 at the fewest in flight, the others the highest throughput
-    (p99-budget: of the rows within ``budget``). None where no row qualifies."""
+    (p99-budget: of the rows within ``budget``), its row the fewest in flight that reach it (recommend.saturation).
+    None where no row qualifies."""
     rows = [r for r in rows if r.get("n") and not r.get("failed")]
     if kind == "min-latency":
         rows = [min(rows, key=lambda r: r["concurrency"])] if rows else []
@@ -86,7 +87,7 @@ def best_row(rows: list[dict[str, Any]], kind: str, budget: float | None) -> tup
     if not rows:
         return None
     best = max(rows, key=score)
-    return score(best), best
+    return score(best), (best if kind == "min-latency" else saturation(rows))
 
 
 def precision_of(manifest: dict[str, Any], fmt: str | None) -> tuple[str, dict[str, Any] | None]:

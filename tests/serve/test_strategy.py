@@ -48,6 +48,24 @@ def test_the_strategy_picks_from_the_figures(res, strategy, model, runner_up):
     assert w["format"] == model[len("tiny_cnn_"):] and w["why"].startswith(f"{strategy}: ") and "runner-up" in w["why"]
 
 
+def test_max_throughput_is_read_where_the_server_saturates_not_deeper_in_the_queue():
+    """Throughput level from 16 to 64 in flight (within 5 %): the winner's figures, the recommendation's batch
+    and its p99 are those at 16; a clear gain at 64 (more than 5 %) still takes 64."""
+    from serve.bench.recommend import recommend
+
+    flat = results([row(1, 30, 33.0, 44.0), row(16, 34, 463.0, 491.0)],
+                   [row(1, 77, 13.0, 20.0), row(16, 95, 157.0, 221.0), row(64, 98, 600.0, 660.0)])
+    w = pick(flat, "max-throughput", MANIFEST)
+    assert w["model"] == "tiny_cnn_onnx_int8" and w["row"]["concurrency"] == 16 and w["row"]["p99_ms"] == 221.0
+    def int8_only(res):
+        return {"served": {"models": {"tiny_cnn_onnx_int8": res["served"]["models"]["tiny_cnn_onnx_int8"]}}}
+    rec = recommend(int8_only(flat), None, 32)
+    assert (rec["model"], rec["at_concurrency"], rec["max_batch_size"]) == ("tiny_cnn_onnx_int8", 16, 16)
+    deeper = results([row(1, 30, 33.0, 44.0)], [row(16, 1750, 9.0, 21.0), row(64, 3488, 17.0, 36.0)])
+    assert pick(deeper, "max-throughput", MANIFEST)["row"]["concurrency"] == 64
+    assert recommend(int8_only(deeper), None, 32)["at_concurrency"] == 64
+
+
 def test_more_instances_win_only_by_more_than_the_noise():
     from serve.bench.placement import choose
 
