@@ -234,8 +234,8 @@ def search(server, model: str, export, strategy: str, cores: int, log=print, ben
                            inputs.expected, singles, len(next(iter(inputs.pool.values()))))
     grid = []
     data = Path(tempfile.mkdtemp(prefix="torchship-placement-")) / "input.json"
-    gen, _, _ = load_generators(cfg, inputs.pool, data)
     try:
+        gen, _, _ = load_generators(cfg, inputs.pool, data)
         for instances, threads in candidates(cores):
             c = read_config(path)
             placement_edit(instances, threads)(c)
