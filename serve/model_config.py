@@ -55,8 +55,9 @@ def served_config_path(model_dir: str | Path, live: Optional[dict] = None) -> Pa
     return d / CONFIG if live is not None and platform and live.get("platform") == platform else d / EMBEDDED_CONFIG
 
 
-def edit_configs(model_dir: str | Path, edit: Callable[..., None], into: Optional[str | Path] = None,
-                 per_file: bool = False) -> list[Path]:
+def edit_configs(
+    model_dir: str | Path, edit: Callable[..., None], into: Optional[str | Path] = None, per_file: bool = False
+) -> list[Path]:
     """Apply ``edit`` to each config of the model in ``model_dir`` (config.pbtxt, and embedded.pbtxt where it has
     one) and write them into ``into`` (default: the same folder), both or neither: each is written to a
     temporary file first and renamed over its file only once both are written. ``per_file``: ``edit`` takes the
@@ -106,5 +107,7 @@ def aoti_tensor_names(manifest: dict[str, Any]) -> dict[str, str]:
     from the package's call specification), by the manifest's: the forward's positional arguments ARGS[0],
     ARGS[1], ...; its result RESULT, or RESULT[0], RESULT[1], ... for several outputs (returned as a tuple)."""
     outs = manifest["outputs"]
-    return {**{t["name"]: f"ARGS[{i}]" for i, t in enumerate(manifest["inputs"])},
-            **{t["name"]: "RESULT" if len(outs) == 1 else f"RESULT[{i}]" for i, t in enumerate(outs)}}
+    return {
+        **{t["name"]: f"ARGS[{i}]" for i, t in enumerate(manifest["inputs"])},
+        **{t["name"]: "RESULT" if len(outs) == 1 else f"RESULT[{i}]" for i, t in enumerate(outs)},
+    }

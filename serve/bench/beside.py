@@ -14,7 +14,6 @@ from .results import served_models
 GENERATORS = {"python": "torchship's Python client", "perf_analyzer": "perf_analyzer"}
 
 
-
 def served_artifact_of(model: str, mm: dict[str, Any]) -> str | None:
     """The artifact a served model ran, as the bench recorded it (results from before it did: its name's format)."""
     return mm.get("artifact") or format_of(model)
@@ -46,10 +45,17 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
         best_ip = max(mine, key=lambda r: r["images_per_s"])  # samples/s; the key keeps its first name
         best_sv = max(levels, key=lambda r: r["requests_per_s"])
         placed = f", {instances} x {threads}" if instances else ""
-        rows.append([model, variant, _f(one.get("p50_ms")), _f(c1.get("p50_ms")),
-                     f"{best_ip['images_per_s']:.0f} (batch {best_ip['batch']})",
-                     f"{best_sv['requests_per_s']:.0f} (concurrency {best_sv['concurrency']}{placed})",
-                     f"{100 * best_sv['requests_per_s'] / best_ip['images_per_s']:.0f} %"])
+        rows.append(
+            [
+                model,
+                variant,
+                _f(one.get("p50_ms")),
+                _f(c1.get("p50_ms")),
+                f"{best_ip['images_per_s']:.0f} (batch {best_ip['batch']})",
+                f"{best_sv['requests_per_s']:.0f} (concurrency {best_sv['concurrency']}{placed})",
+                f"{100 * best_sv['requests_per_s'] / best_ip['images_per_s']:.0f} %",
+            ]
+        )
     if not rows:
         return []
     threads = results.get("in_process", {}).get("threads")
@@ -73,8 +79,11 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
         rows,
     )
     if point and any(r[0].endswith("(as served)") for r in rows):
-        lines += ["", f"{winner['served_as']} (as served): `{winner['model']}` at the instances x threads the search "
-                      "chose, from the search's own windows."]
+        lines += [
+            "",
+            f"{winner['served_as']} (as served): `{winner['model']}` at the instances x threads the search "
+            "chose, from the search's own windows.",
+        ]
     ceiling = noop_ceiling(results)
     if ceiling:
         lines += [
@@ -91,8 +100,14 @@ def as_served(winner: dict[str, Any] | None) -> tuple[list[dict[str, Any]], int,
     """The rows, instances and threads the placement search measured at the point it chose for ``winner``."""
     placement = (winner or {}).get("placement") or {}
     chosen = placement.get("chosen")
-    point = next((g for g in placement.get("grid", []) if chosen and (g["instances"], g["threads"]) ==
-                  (chosen["instances"], chosen["threads"])), None)
+    point = next(
+        (
+            g
+            for g in placement.get("grid", [])
+            if chosen and (g["instances"], g["threads"]) == (chosen["instances"], chosen["threads"])
+        ),
+        None,
+    )
     return (point["rows"], point["instances"], point["threads"]) if point else None
 
 
@@ -146,8 +161,14 @@ def ratio_lines(model: str, rows: list[dict[str, Any] | None], results: dict[str
     if not ip or not rows:
         return []
     best = max(r["images_per_s"] for r in ip)
-    each = ", ".join(f"{100 * r['requests_per_s'] / best:.0f} % with {GENERATORS[r.get('load_generator', 'python')]} "
-                     f"({_f(r.get('client_cpu_us'), '.0f')} µs of client CPU per request)" for r in rows)
+    each = ", ".join(
+        f"{100 * r['requests_per_s'] / best:.0f} % with {GENERATORS[r.get('load_generator', 'python')]} "
+        f"({_f(r.get('client_cpu_us'), '.0f')} µs of client CPU per request)"
+        for r in rows
+    )
     threads = results.get("in_process", {}).get("threads")
-    return [f"- served over in-process at concurrency {rows[0]['concurrency']} ({variant}, best in-process {best:.0f} "
-            f"samples/s on {threads} thread(s)): {each}; the client runs on the same cores as the server", ""]
+    return [
+        f"- served over in-process at concurrency {rows[0]['concurrency']} ({variant}, best in-process {best:.0f} "
+        f"samples/s on {threads} thread(s)): {each}; the client runs on the same cores as the server",
+        "",
+    ]

@@ -36,8 +36,11 @@ class BenchConfig:
     iters: int = opt(60, "timed runs per in-process variant and batch size (split into interleaved blocks)")
     blocks: int = opt(6, "interleaved blocks: each variant runs iters/blocks times per block, in turn")
     warmup: int = opt(5, "untimed runs per variant and batch size before timing")
-    cores: Optional[int] = opt(None, "CPU cores the bench's own repository gives its models, and the in-process runs' "
-                                     "threads (default: those this process may run on, its CPU affinity)")
+    cores: Optional[int] = opt(
+        None,
+        "CPU cores the bench's own repository gives its models, and the in-process runs' "
+        "threads (default: those this process may run on, its CPU affinity)",
+    )
     threads: Optional[int] = opt(
         None, "intra-op threads for in-process runs (default: the cores, as the served models get)"
     )
@@ -60,9 +63,12 @@ class BenchConfig:
         (), "extra max_queue_delay_microseconds values to sweep (embedded server only)"
     )
     noop: bool = opt(True, "also time a model that runs nothing: the round trip of the protocol and the backend alone")
-    raw_entry: bool = opt(True, "also time the raw entry (<name>_image, or <name>_text) where it is served: the "
-                                "export's held-out files (images, or texts) sent as they are, beside the model "
-                                "behind it")
+    raw_entry: bool = opt(
+        True,
+        "also time the raw entry (<name>_image, or <name>_text) where it is served: the "
+        "export's held-out files (images, or texts) sent as they are, beside the model "
+        "behind it",
+    )
     rate: Optional[float] = opt(None, "also run an open-loop test at this many requests/s (Poisson arrivals)")
     duration_s: float = opt(5.0, "open-loop test duration in seconds")
     p99_budget_ms: Optional[float] = opt(None, "latency budget for the recommendation (p99, milliseconds)")
@@ -78,8 +84,13 @@ class BenchConfig:
     perf_analyzer: Optional[str] = opt(
         None, "path to perf_analyzer (default: $TORCHSHIP_PERF_ANALYZER, the torchship cache, then PATH)"
     )
-    shape: tuple[str, ...] = opt((), "NAME=SIZE for a dynamic dim of the inputs, e.g. S=64: the size the bench runs at "
-                                     "(default: the real samples' own; repeatable)", flag="--shape", append=True)
+    shape: tuple[str, ...] = opt(
+        (),
+        "NAME=SIZE for a dynamic dim of the inputs, e.g. S=64: the size the bench runs at "
+        "(default: the real samples' own; repeatable)",
+        flag="--shape",
+        append=True,
+    )
     soak: Optional[str] = opt(
         None,
         "instead of the sweeps: hold each served model at the highest --concurrency for this "
@@ -87,9 +98,12 @@ class BenchConfig:
         "server and of each backend process; fails past --soak-bound-kib",
         metavar="DURATION",
     )
-    soak_bound_kib: float = opt(SOAK_BOUND_KIB, "the soak's bound: KiB a process may grow per 1000 requests, after the "
-                                                "first quarter of them (meant for soaks of minutes: a soak of seconds "
-                                                "can still be filling the runtimes' arenas)")
+    soak_bound_kib: float = opt(
+        SOAK_BOUND_KIB,
+        "the soak's bound: KiB a process may grow per 1000 requests, after the "
+        "first quarter of them (meant for soaks of minutes: a soak of seconds "
+        "can still be filling the runtimes' arenas)",
+    )
     skip_in_process: bool = opt(False, "skip the in-process part")
     skip_served: bool = opt(False, "skip the served part")
     plots: bool = opt(True, "draw the matplotlib plots")

@@ -33,6 +33,7 @@ def served_placement(config: dict[str, Any]) -> tuple[int, int]:
 
 def placement_edit(instances: int, threads: int) -> Callable[[mc.ModelConfig], None]:
     """The config edit that gives a model ``instances`` CPU instances of ``threads`` intra-op threads each."""
+
     def edit(c: mc.ModelConfig) -> None:
         for g in c.instance_group:
             if g.kind != mc.ModelInstanceGroup.KIND_GPU:
@@ -40,6 +41,7 @@ def placement_edit(instances: int, threads: int) -> Callable[[mc.ModelConfig], N
         for key in THREAD_PARAMETERS:
             if key in c.parameters:
                 c.parameters[key].string_value = str(threads)
+
     return edit
 
 
@@ -61,11 +63,16 @@ def choose(fit: list[dict[str, Any]]) -> dict[str, Any]:
 
 def why(grid: list[dict[str, Any]], chosen: dict[str, Any], strategy: str, fit: list) -> str:
     """The choice in words: each point's figure beside the winner's."""
+
     def figure(g: dict[str, Any]) -> str:
         r = next((r for r in g["rows"] if r["concurrency"] == g["at"]), None)
-        return (f"{g['instances']}x{g['threads']}: " + (f"{r['requests_per_s']:.0f} req/s, p50 {r['p50_ms']:.2f} ms, "
-                                                          f"p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight"
-                                                          if r else "outside the budget"))
+        return f"{g['instances']}x{g['threads']}: " + (
+            f"{r['requests_per_s']:.0f} req/s, p50 {r['p50_ms']:.2f} ms, "
+            f"p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight"
+            if r
+            else "outside the budget"
+        )
+
     best = max(fit, key=lambda g: g["score"]) if fit else None
     head = (
         f"no point met {strategy}; the repository's {chosen['instances']} x {chosen['threads']} kept"
@@ -73,7 +80,7 @@ def why(grid: list[dict[str, Any]], chosen: dict[str, Any], strategy: str, fit: 
         else f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s), best under {strategy}"
         if best is chosen
         else f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s): within {100 * MIN_GAIN:.0f} % of "
-             "the best "
+        "the best "
         f"under {strategy} with fewer instances (each holds its own runtime and weights)"
     )
     return head + " (" + "; ".join(figure(g) for g in grid) + ")"
@@ -88,11 +95,19 @@ def grid_table(placement: dict[str, Any]) -> list[str]:
     if "grid" not in placement:
         return [f"Instances x threads: {placement.get('skipped', 'not searched')}.", ""]
     chosen = placement["chosen"]
-    rows = [[f"{g['instances']} x {g['threads']}" + (" (chosen)" if (g["instances"], g["threads"]) ==
-                                                      (chosen["instances"], chosen["threads"]) else ""),
-             str(r["concurrency"]), f"{r['requests_per_s']:.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
-             f"{r.get('checked', 0)}, {r.get('wrong', 0)} wrong"]
-            for g in placement["grid"] for r in g["rows"]]
+    rows = [
+        [
+            f"{g['instances']} x {g['threads']}"
+            + (" (chosen)" if (g["instances"], g["threads"]) == (chosen["instances"], chosen["threads"]) else ""),
+            str(r["concurrency"]),
+            f"{r['requests_per_s']:.0f}",
+            f"{r['p50_ms']:.2f}",
+            f"{r['p99_ms']:.2f}",
+            f"{r.get('checked', 0)}, {r.get('wrong', 0)} wrong",
+        ]
+        for g in placement["grid"]
+        for r in g["rows"]
+    ]
     return (
         [
             f"Instances x intra-op threads on {placement['cores']} core(s), each measured in half-second windows until "

@@ -38,15 +38,19 @@ def recommend(results: dict, budget_ms: float | None, max_batch: int) -> dict[st
     ok = [c for c in cands if budget_ms is None or c[3]["p99_ms"] <= budget_ms]
     if not ok:
         best = min(cands, key=lambda c: c[3]["p99_ms"])
-        return {"error": f"no configuration meets p99 <= {budget_ms:g} ms; the lowest p99 measured was "
-                         f"{best[3]['p99_ms']:.2f} ms ({best[0]}, concurrency {best[3]['concurrency']})",
-                "budget_ms": budget_ms}
+        return {
+            "error": f"no configuration meets p99 <= {budget_ms:g} ms; the lowest p99 measured was "
+            f"{best[3]['p99_ms']:.2f} ms ({best[0]}, concurrency {best[3]['concurrency']})",
+            "budget_ms": budget_ms,
+        }
     model, batching, delay, r = saturation(ok, lambda c: c[3])
     c = r["concurrency"]
     mbs = min(max_batch, 1 << max(0, (c - 1).bit_length())) if batching == "on" else max_batch
     if batching == "on":
-        why_batch = (f"{c} requests in flight form batches of at most {c}, so max_batch_size {mbs}"
-                     f"{' (the export caps it at ' + str(max_batch) + ')' if mbs < c else ''}")
+        why_batch = (
+            f"{c} requests in flight form batches of at most {c}, so max_batch_size {mbs}"
+            f"{' (the export caps it at ' + str(max_batch) + ')' if mbs < c else ''}"
+        )
     else:
         why_batch = "requests ran one by one faster than the dynamic batcher merged them at this load"
     placed = served.get("models", {}).get(model, {})
@@ -74,6 +78,7 @@ def recommend(results: dict, budget_ms: float | None, max_batch: int) -> dict[st
 def batching_edit(rec: dict[str, Any]):
     """The config edit that applies a recommendation's batching (max_batch_size, dynamic batching and its queue
     delay); a batch-1 config stays batch-1."""
+
     def edit(c) -> None:
         if c.max_batch_size == 0:
             return
@@ -94,6 +99,7 @@ def batching_edit(rec: dict[str, Any]):
             c.dynamic_batching.max_queue_delay_microseconds = rec["max_queue_delay_microseconds"]
         else:
             c.ClearField("dynamic_batching")
+
     return edit
 
 

@@ -24,14 +24,29 @@ def summarize(lat_s: list[float] | np.ndarray) -> dict[str, float]:
     if a.size == 0:
         return {"n": 0}
     p = np.percentile(a, [50, 90, 95, 99])
-    return {"n": int(a.size), "p50_ms": p[0], "p90_ms": p[1], "p95_ms": p[2], "p99_ms": p[3],
-            "mean_ms": float(a.mean()), "std_ms": float(a.std()), "min_ms": float(a.min()), "max_ms": float(a.max())}
+    return {
+        "n": int(a.size),
+        "p50_ms": p[0],
+        "p90_ms": p[1],
+        "p95_ms": p[2],
+        "p99_ms": p[3],
+        "mean_ms": float(a.mean()),
+        "std_ms": float(a.std()),
+        "min_ms": float(a.min()),
+        "max_ms": float(a.max()),
+    }
 
 
 # the report's software versions: module -> the distributions that install it, the first one installed wins
-VERSIONED = {"torch": ("torch",), "torchvision": ("torchvision",), "onnx": ("onnx",),
-             "onnxruntime": ("onnxruntime-gpu", "onnxruntime"), "tritonclient": ("tritonclient",), "numpy": ("numpy",),
-             "grpc": ("grpcio",)}
+VERSIONED = {
+    "torch": ("torch",),
+    "torchvision": ("torchvision",),
+    "onnx": ("onnx",),
+    "onnxruntime": ("onnxruntime-gpu", "onnxruntime"),
+    "tritonclient": ("tritonclient",),
+    "numpy": ("numpy",),
+    "grpc": ("grpcio",),
+}
 
 
 def _installed(dist: str) -> str | None:
@@ -46,8 +61,14 @@ def machine_info() -> dict[str, Any]:
     """The machine, its accelerator and the software versions, for the report's first line."""
     import torch
 
-    info: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-                            "python": sys.version.split()[0], "git_revision": git_revision(), "versions": {}}
+    info: dict[str, Any] = {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "git_revision": git_revision(),
+        "versions": {},
+    }
     for (
         mod,
         dists,
@@ -62,7 +83,10 @@ def machine_info() -> dict[str, Any]:
         try:
             info["nvidia_smi"] = subprocess.run(
                 ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=10).stdout.strip()
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             pass
     return info
@@ -96,7 +120,7 @@ def _device_peak(device: str, threads: int, seconds: float) -> dict[str, Any]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     candidates: dict[str, list[tuple[str, Callable[[], Any] | None, int]]] = {"fp32": [], "bf16": [], "int8": []}
     with torch_threads(threads):
-        for n in ((8192,) if cuda else (1024, 2048)):
+        for n in (8192,) if cuda else (1024, 2048):
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
                 a, b = (torch.rand(n, n, device=device, dtype=dtype) for _ in range(2))
                 candidates[name].append((f"torch matmul {n}^3", lambda a=a, b=b: a @ b, n))
@@ -109,7 +133,7 @@ def _device_peak(device: str, threads: int, seconds: float) -> dict[str, Any]:
             )
         out: dict[str, Any] = {}
         for name, kernels in candidates.items():
-            measured = [(_best(fn, 2 * n ** 3, seconds, sync), label) for label, fn, n in kernels if fn is not None]
+            measured = [(_best(fn, 2 * n**3, seconds, sync), label) for label, fn, n in kernels if fn is not None]
             if measured:
                 out[f"{name}_flops"], out[f"{name}_kernel"] = max(measured)
     return out
@@ -126,16 +150,30 @@ def _ort_matmul(n: int, threads: int, int8: bool) -> Callable[[], Any] | None:
         return None
     rng = np.random.default_rng(0)
     if int8:
-        x, w, op, a_type, w_type, c_type = (rng.integers(0, 255, (n, n), dtype=np.uint8),
-                                            rng.integers(-127, 127, (n, n), dtype=np.int8), "MatMulInteger",
-                                            TensorProto.UINT8, TensorProto.INT8, TensorProto.INT32)
+        x, w, op, a_type, w_type, c_type = (
+            rng.integers(0, 255, (n, n), dtype=np.uint8),
+            rng.integers(-127, 127, (n, n), dtype=np.int8),
+            "MatMulInteger",
+            TensorProto.UINT8,
+            TensorProto.INT8,
+            TensorProto.INT32,
+        )
     else:
-        x, w, op, a_type, w_type, c_type = (rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32),
-                                            "MatMul", TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.FLOAT)
-    graph = helper.make_graph([helper.make_node(op, ["A", "B"], ["C"])], "probe",
-                              [helper.make_tensor_value_info("A", a_type, [n, n])],
-                              [helper.make_tensor_value_info("C", c_type, [n, n])],
-                              [helper.make_tensor("B", w_type, [n, n], w.tobytes(), raw=True)])
+        x, w, op, a_type, w_type, c_type = (
+            rng.random((n, n), dtype=np.float32),
+            rng.random((n, n), dtype=np.float32),
+            "MatMul",
+            TensorProto.FLOAT,
+            TensorProto.FLOAT,
+            TensorProto.FLOAT,
+        )
+    graph = helper.make_graph(
+        [helper.make_node(op, ["A", "B"], ["C"])],
+        "probe",
+        [helper.make_tensor_value_info("A", a_type, [n, n])],
+        [helper.make_tensor_value_info("C", c_type, [n, n])],
+        [helper.make_tensor("B", w_type, [n, n], w.tobytes(), raw=True)],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = max(1, threads), 1
@@ -206,14 +244,17 @@ def settled_stats(client, model: str, count: int, timeout_s: float = 2.0) -> dic
 
 def batched_count(stats: dict[str, Any]) -> int:
     """The requests a model's batch statistics hold: each execution's batch size, added up."""
-    return sum(int(b["batch_size"]) * int(b.get("compute_infer", {}).get("count", 0) or 0)
-               for b in stats.get("batch_stats", []))
+    return sum(
+        int(b["batch_size"]) * int(b.get("compute_infer", {}).get("count", 0) or 0)
+        for b in stats.get("batch_stats", [])
+    )
 
 
 def stats_delta(before: dict, after: dict) -> dict[str, float]:
     """Triton's server-side time per request (µs) between two statistics snapshots: queue, compute
     input, compute infer, compute output, the average batch the dynamic batcher formed, and how many
     executions it ran at each batch size."""
+
     def get(d, *path):
         for p in path:
             d = d.get(p, {}) if isinstance(d, dict) else {}
@@ -229,6 +270,7 @@ def stats_delta(before: dict, after: dict) -> dict[str, float]:
     out["requests"] = ok
     out["executions"] = exe
     out["avg_batch"] = inf / exe if exe else 0.0
+
     def executions(d):  # batch size -> executions at that size
         return {int(b["batch_size"]): int(get(b, "compute_infer", "count")) for b in d.get("batch_stats", [])}
 
@@ -250,8 +292,10 @@ def merge_deltas(deltas: list[dict]) -> dict[str, Any]:
     average batch over all executions, executions per batch size added up."""
     ok = sum(d["requests"] for d in deltas)
     exe = sum(d["executions"] for d in deltas)
-    out: dict[str, Any] = {f"{p}_us": sum(d[f"{p}_us"] * d["requests"] for d in deltas) / ok if ok else 0.0
-                           for p in ("queue", "compute_input", "compute_infer", "compute_output", "server")}
+    out: dict[str, Any] = {
+        f"{p}_us": sum(d[f"{p}_us"] * d["requests"] for d in deltas) / ok if ok else 0.0
+        for p in ("queue", "compute_input", "compute_infer", "compute_output", "server")
+    }
     counts: dict[str, int] = {}
     for d in deltas:
         for b, n in d["batch_executions"].items():

@@ -29,8 +29,10 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
     served = served_models(results)
     mine = {m: v for m, v in served.items() if format_of(m, manifest)}
     if not mine:
-        raise ConfigError(f"the bench results hold no served model of {manifest['name']!r} (they have "
-                          f"{', '.join(served) or 'none'}); bench this export's repository first")
+        raise ConfigError(
+            f"the bench results hold no served model of {manifest['name']!r} (they have "
+            f"{', '.join(served) or 'none'}); bench this export's repository first"
+        )
     ranked = []
     for model, m in mine.items():
         best = best_row(m["rows"], kind, budget)
@@ -41,12 +43,17 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
         raise ConfigError(f"no served model meets p99 <= {budget:g} ms (the lowest p99 measured was {lowest:.2f} ms)")
     ranked.sort(key=lambda t: t[0], reverse=True)
     _, model, row = ranked[0]
-    rec = recommend({"served": {"models": {model: mine[model]}}}, budget, manifest["max_batch"]) \
-        if kind != "min-latency" else {}
+    rec = (
+        recommend({"served": {"models": {model: mine[model]}}}, budget, manifest["max_batch"])
+        if kind != "min-latency"
+        else {}
+    )
 
     def figures(r: dict[str, Any]) -> str:
-        return (f"{r['requests_per_s']:.0f} req/s at p99 {r['p99_ms']:.2f} ms, p50 {r['p50_ms']:.2f} ms, "
-                f"{r['concurrency']} in flight")
+        return (
+            f"{r['requests_per_s']:.0f} req/s at p99 {r['p99_ms']:.2f} ms, p50 {r['p50_ms']:.2f} ms, "
+            f"{r['concurrency']} in flight"
+        )
 
     goal = {
         "max-throughput": "the highest served throughput",
@@ -56,9 +63,16 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any]) -> di
     fmt = format_of(model, manifest)
     precision, gate = precision_of(manifest, fmt)
     words = precision + (f", {gate_words(gate)}" if gate else "")
-    out = {"strategy": strategy, "model": model, "format": fmt, "precision": precision, "figures": figures(row),
-           "row": {k: row[k] for k in ("concurrency", "requests_per_s", "p50_ms", "p99_ms")},
-           "why": f"{strategy}: {goal}: {model} ({words}), {figures(row)}", **({"gate": gate} if gate else {})}
+    out = {
+        "strategy": strategy,
+        "model": model,
+        "format": fmt,
+        "precision": precision,
+        "figures": figures(row),
+        "row": {k: row[k] for k in ("concurrency", "requests_per_s", "p50_ms", "p99_ms")},
+        "why": f"{strategy}: {goal}: {model} ({words}), {figures(row)}",
+        **({"gate": gate} if gate else {}),
+    }
     if rec and "error" not in rec:
         out["batching"] = {k: rec[k] for k in ("dynamic_batching", "max_batch_size", "max_queue_delay_microseconds")}
     if len(ranked) > 1:
@@ -84,6 +98,7 @@ def best_row(rows: list[dict[str, Any]], kind: str, budget: float | None) -> tup
 
         def score(r: dict[str, Any]) -> float:
             return r["requests_per_s"]
+
     if not rows:
         return None
     best = max(rows, key=score)
@@ -117,8 +132,15 @@ def short_bench(export_dir, repo: str | Path, out: Path, log=print) -> dict[str,
     from .run import run_bench
 
     export = Export.of(export_dir)
-    cfg = BenchConfig(export_dir=str(export.dir), repo=str(repo), out=str(out), skip_in_process=True,
-                      cross_check=False, plots=False, **SHORT_BENCH)
+    cfg = BenchConfig(
+        export_dir=str(export.dir),
+        repo=str(repo),
+        out=str(out),
+        skip_in_process=True,
+        cross_check=False,
+        plots=False,
+        **SHORT_BENCH,
+    )
     return run_bench(cfg, log=log, export=export)
 
 
@@ -142,6 +164,7 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
         c.parameters[FORMAT_PARAMETER].string_value = winner["format"]
         if batching:
             batching(c)
+
     edit_configs(src, as_winner, into=staging)
     (staging / "winner.json").write_text(json.dumps(winner, indent=2) + "\n")
     dest = repo / name
@@ -159,9 +182,18 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
     return dest
 
 
-def serve_by_strategy(export_dir, repo: str | Path, strategy: str, manifest: dict[str, Any],
-                      results: dict[str, Any] | None = None, only_winner: bool = False, log=print,
-                      cores: int | None = None, server=None, bench=None) -> tuple[dict[str, Any], Path]:
+def serve_by_strategy(
+    export_dir,
+    repo: str | Path,
+    strategy: str,
+    manifest: dict[str, Any],
+    results: dict[str, Any] | None = None,
+    only_winner: bool = False,
+    log=print,
+    cores: int | None = None,
+    server=None,
+    bench=None,
+) -> tuple[dict[str, Any], Path]:
     """Pick the winner of ``strategy`` from ``results`` (a bench's results.json) or, without them, from a short
     served bench of ``repo`` written beside it as REPO-bench; with ``cores``, search its instances x threads
     within them (search, on ``server`` where given, else on an embedded server of its own); and serve
@@ -174,8 +206,9 @@ def serve_by_strategy(export_dir, repo: str | Path, strategy: str, manifest: dic
         results = short_bench(export_dir, repo, out, log=log)
     winner = pick(results, strategy, manifest)
     if not (Path(repo) / winner["model"]).is_dir():
-        raise ConfigError(f"the winner {winner['model']} is not in this repository (it serves "
-                          f"{', '.join(repository_models(repo))})")
+        raise ConfigError(
+            f"the winner {winner['model']} is not in this repository (it serves {', '.join(repository_models(repo))})"
+        )
     if cores:
         winner["placement"] = search_placement(export_dir, repo, winner["model"], strategy, cores, server, log, bench)
         if "why" in winner["placement"]:
@@ -183,8 +216,9 @@ def serve_by_strategy(export_dir, repo: str | Path, strategy: str, manifest: dic
     return winner, serve_winner(repo, winner, manifest, only_winner)
 
 
-def search_placement(export_dir, repo: str | Path, model: str, strategy: str, cores: int, server=None,
-                     log=print, bench=None) -> dict[str, Any]:
+def search_placement(
+    export_dir, repo: str | Path, model: str, strategy: str, cores: int, server=None, log=print, bench=None
+) -> dict[str, Any]:
     """search for ``model`` on ``server``, or on an embedded server of its own that loads it alone."""
     from torchship.manifest import Export
 
@@ -225,13 +259,21 @@ def search(server, model: str, export, strategy: str, cores: int, log=print, ben
         return {"skipped": "GPU instances: one per GPU, the threads only for operators on the CPU"}
     kind, budget = parse_strategy(strategy)
     how = {k: getattr(bench, k) for k in MEASURED_AS} if bench is not None else {}
-    cfg = BenchConfig(export_dir=str(export.dir), **{**SHORT_BENCH, **how}, cross_check=False, progress=False,
-                      plots=False)
+    cfg = BenchConfig(
+        export_dir=str(export.dir), **{**SHORT_BENCH, **how}, cross_check=False, progress=False, plots=False
+    )
     inputs = load_inputs(export, None)
     singles = single_rows(inputs.pool, 64)
     client = server.client()
-    check = response_check(client, model, export.manifest, format_of(model, export.manifest, client.config(model)),
-                           inputs.expected, singles, len(next(iter(inputs.pool.values()))))
+    check = response_check(
+        client,
+        model,
+        export.manifest,
+        format_of(model, export.manifest, client.config(model)),
+        inputs.expected,
+        singles,
+        len(next(iter(inputs.pool.values()))),
+    )
     grid = []
     data = Path(tempfile.mkdtemp(prefix="torchship-placement-")) / "input.json"
     try:
@@ -240,16 +282,36 @@ def search(server, model: str, export, strategy: str, cores: int, log=print, ben
             c = read_config(path)
             placement_edit(instances, threads)(c)
             server.load(model, client=client, override=c)
-            rows = sweep(server.url, [model], singles, cfg, cfg.concurrency, None, client, gen, {model: check},
-                         server.proc.pid if server.proc is not None else None)[model]
-            wrong = [f"{model} at {instances} instance(s) x {threads} thread(s), {r['concurrency']} in flight: "
-                     f"{r['wrong']} of {r['checked']} checked responses wrong (first: {r.get('first_wrong')})"
-                     for r in rows if r.get("wrong")]
+            rows = sweep(
+                server.url,
+                [model],
+                singles,
+                cfg,
+                cfg.concurrency,
+                None,
+                client,
+                gen,
+                {model: check},
+                server.proc.pid if server.proc is not None else None,
+            )[model]
+            wrong = [
+                f"{model} at {instances} instance(s) x {threads} thread(s), {r['concurrency']} in flight: "
+                f"{r['wrong']} of {r['checked']} checked responses wrong (first: {r.get('first_wrong')})"
+                for r in rows
+                if r.get("wrong")
+            ]
             if wrong:
                 raise ParityError(wrong, what="served outputs under load, in the instances x threads search")
             best = best_row(rows, kind, budget)
-            grid.append({"instances": instances, "threads": threads, "rows": rows,
-                         "score": best[0] if best else None, "at": best[1]["concurrency"] if best else None})
+            grid.append(
+                {
+                    "instances": instances,
+                    "threads": threads,
+                    "rows": rows,
+                    "score": best[0] if best else None,
+                    "at": best[1]["concurrency"] if best else None,
+                }
+            )
             log(
                 f"placement {model}: {instances} instance(s) x {threads} thread(s): "
                 + ", ".join(
@@ -265,5 +327,10 @@ def search(server, model: str, export, strategy: str, cores: int, log=print, ben
     finally:
         client.close()
         shutil.rmtree(data.parent, ignore_errors=True)
-    return {"cores": cores, "grid": grid, "chosen": {"instances": chosen["instances"], "threads": chosen["threads"]},
-            "why": why(grid, chosen, strategy, fit), "load_generator": gen.name}
+    return {
+        "cores": cores,
+        "grid": grid,
+        "chosen": {"instances": chosen["instances"], "threads": chosen["threads"]},
+        "why": why(grid, chosen, strategy, fit),
+        "load_generator": gen.name,
+    }

@@ -51,6 +51,7 @@ def counted_run(tmp_path_factory):
     def counted_configs(*a, **k):
         reads["stage configs"] += 1
         return configs(*a, **k)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torchship.manifest, "read_json", counted_parse)
         mp.setattr(torchship.manifest, "_load_npz", counted_load)
@@ -73,6 +74,7 @@ def counted_run(tmp_path_factory):
             )
             attacks["marker written"] = (d.parent / "marker").exists()
             return check(url, *a, **k)
+
         mp.setattr(serve.parity, "check_served", attacked_then_checked)
         assert run_cli("run", "--out", d, "--config", CONFIG) == 0
     return d, reads, attacks
@@ -102,12 +104,34 @@ def test_a_run_from_a_later_stage_reads_each_hand_over_once(run_dir, tmp_path, m
     shutil.copytree(run_dir, d)
     counts = {"manifest": 0, "reference": 0}
     parse, load = torchship.manifest.read_json, torchship.manifest._load_npz
-    monkeypatch.setattr(torchship.manifest, "read_json", lambda p, *a, **k: counts.__setitem__(
-        "manifest", counts["manifest"] + (Path(p).name == "manifest.json")) or parse(p, *a, **k))
-    monkeypatch.setattr(torchship.manifest, "_load_npz", lambda p: counts.__setitem__(
-        "reference", counts["reference"] + (Path(p).name == "reference.npz")) or load(p))
-    assert run_cli("run", "--out", d, "--config", CONFIG, "--from", "repo", "--set", 'repo.formats=["onnx"]',
-                   "--set", 'bench.variants=["onnx"]') == 0
+    monkeypatch.setattr(
+        torchship.manifest,
+        "read_json",
+        lambda p, *a, **k: (
+            counts.__setitem__("manifest", counts["manifest"] + (Path(p).name == "manifest.json")) or parse(p, *a, **k)
+        ),
+    )
+    monkeypatch.setattr(
+        torchship.manifest,
+        "_load_npz",
+        lambda p: counts.__setitem__("reference", counts["reference"] + (Path(p).name == "reference.npz")) or load(p),
+    )
+    assert (
+        run_cli(
+            "run",
+            "--out",
+            d,
+            "--config",
+            CONFIG,
+            "--from",
+            "repo",
+            "--set",
+            'repo.formats=["onnx"]',
+            "--set",
+            'bench.variants=["onnx"]',
+        )
+        == 0
+    )
     assert counts == {"manifest": 1, "reference": 1}, counts
 
 
@@ -145,9 +169,14 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         for rel, sha in a["files"].items():
             assert sha256_file(run_dir / "export" / rel) == sha
     served_models = sorted(model_names(m, servable_formats(m)).values())
-    assert sorted(p.name for p in (run_dir / "model_repository").iterdir() if p.is_dir()) == sorted([
-        "tiny_cnn", "tiny_cnn_image", "tiny_cnn_image_pre", *served_models,  # the image entry, by default
-    ])
+    assert sorted(p.name for p in (run_dir / "model_repository").iterdir() if p.is_dir()) == sorted(
+        [
+            "tiny_cnn",
+            "tiny_cnn_image",
+            "tiny_cnn_image_pre",
+            *served_models,  # the image entry, by default
+        ]
+    )
     winner = rec["stages"]["bench"]["winner"]  # max-throughput by default, served under the plain name after the bench
     assert winner["strategy"] == "max-throughput" and winner["served_as"] == "tiny_cnn" and winner["runner_up"]
     assert f"serves {winner['model']} as tiny_cnn (max-throughput)" in rec["gates"]["bench"]["detail"]
@@ -202,10 +231,30 @@ def test_run_trains_and_serves_a_text_model_from_your_own_factories(tmp_path):
     """torchship run --arch F --data F for a model that is not an image classifier: trained on its data
     factory, exported from the checkpoint's recorded signature, served, checked and benched."""
     d = tmp_path / "run"
-    assert run_cli("run", "--out", d, "--config", CONFIG, "--arch", "tests.anymodel.models:text_classifier",
-                   "--data", "tests.anymodel.models:topic_texts", "--epochs", "1",
-                   "--set", 'train.model_arg=["dim=16"]', "--set", 'export.formats=["onnx","torchscript"]',
-                   "--set", 'bench.variants=["onnx"]', "--set", "bench.concurrency=[1]") == 0
+    assert (
+        run_cli(
+            "run",
+            "--out",
+            d,
+            "--config",
+            CONFIG,
+            "--arch",
+            "tests.anymodel.models:text_classifier",
+            "--data",
+            "tests.anymodel.models:topic_texts",
+            "--epochs",
+            "1",
+            "--set",
+            'train.model_arg=["dim=16"]',
+            "--set",
+            'export.formats=["onnx","torchscript"]',
+            "--set",
+            'bench.variants=["onnx"]',
+            "--set",
+            "bench.concurrency=[1]",
+        )
+        == 0
+    )
     rec = json.loads((d / "run.json").read_text())
     assert rec["outcome"] == {"status": "passed"}
     m = json.loads((d / "export/manifest.json").read_text())
@@ -222,9 +271,24 @@ def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
     before = {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")}
     log_before = (run_dir / "train/train.log").read_text()
     # the serve section reaches the run's server: a Triton argument passed on as it is
-    assert run_cli("run", "--out", run_dir, "--config", CONFIG, "--from", "export",
-                   "--set", 'serve.triton_args=["--log-verbose=1"]',
-                   "--set", 'export.formats=["onnx","torchscript"]', "--set", "bench.variants=[\"onnx\"]") == 0
+    assert (
+        run_cli(
+            "run",
+            "--out",
+            run_dir,
+            "--config",
+            CONFIG,
+            "--from",
+            "export",
+            "--set",
+            'serve.triton_args=["--log-verbose=1"]',
+            "--set",
+            'export.formats=["onnx","torchscript"]',
+            "--set",
+            'bench.variants=["onnx"]',
+        )
+        == 0
+    )
     assert "Process for ModelInferHandler" in (run_dir / "logs/tritonserver.log").read_text()  # logged at verbose 1
     assert {p.name: p.stat().st_mtime_ns for p in ckpts.rglob("*")} == before
     assert (run_dir / "train/train.log").read_text() == log_before
@@ -287,8 +351,10 @@ def test_an_interrupted_run_says_so(run_dir, tmp_path, monkeypatch, capsys):
     summary = (bad / "summary.md").read_text()
     assert "all gates passed" not in summary and "**interrupted** in the bench stage" in summary
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"torchship run: interrupted in the bench stage: the stages after it did not run; go on with "
-                   f"torchship run --out {bad} --from bench"], err
+    assert err == [
+        f"torchship run: interrupted in the bench stage: the stages after it did not run; go on with "
+        f"torchship run --out {bad} --from bench"
+    ], err
 
 
 def processes_naming(text: str) -> list[int]:
@@ -337,8 +403,15 @@ def test_ctrl_c_ends_with_one_line_and_leaves_no_process(tmp_path, stage, waits_
     # handler here instead, the child starts with the default action, as a command typed at a terminal does.
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            cwd=Path(__file__).resolve().parents[2],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     finally:
         signal.signal(signal.SIGINT, inherited)
     seen, deadline = [], time.monotonic() + 240

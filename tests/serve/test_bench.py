@@ -125,8 +125,10 @@ def test_the_server_cpu_figure_counts_the_servers_backend_processes():
 
     me = os.getpid()
     before, mine = tree_cpu(me), time.process_time()
-    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint(1, flush=True)\n" \
+    burn = (
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint(1, flush=True)\n"
         "time.sleep(30)"
+    )
     child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE)
     try:
         child.stdout.readline()  # it has burnt its 0.3 s and sleeps, alive
@@ -150,8 +152,10 @@ def test_the_report_says_how_much_a_bucketed_model_pads(bench_run):
     for r in aoti["rows"]:
         sent = sum(int(b) * n for b, n in r["server"]["batch_executions"].items())
         assert sent == r["server"]["requests"]  # every request in exactly one execution
-    assert "- tiny_cnn_aoti: computes in static-batch buckets (1, 8), each batch padded up to the next; images " \
-           "computed per image sent, by concurrency: 1: 1.00, 4: " in (out / "report.md").read_text()
+    assert (
+        "- tiny_cnn_aoti: computes in static-batch buckets (1, 8), each batch padded up to the next; images "
+        "computed per image sent, by concurrency: 1: 1.00, 4: " in (out / "report.md").read_text()
+    )
     assert computed_per_request([1, 8, 32], {"1": 4, "8": 2, "32": 1}) == 1.0
     assert computed_per_request([1, 8, 32], {"2": 10}) == 4.0
     assert computed_per_request([1, 8, 32], {"40": 1, "3": 1}) == (32 + 8 + 8) / 43
@@ -178,8 +182,11 @@ def test_the_winner_as_served_is_set_beside_in_process_at_the_point_the_search_c
     faster = [{**r, "requests_per_s": 3 * r["requests_per_s"]} for r in onnx]
     slower = [{**r, "requests_per_s": r["requests_per_s"] / 3} for r in onnx]
     grid = [{"instances": 1, "threads": 2, "rows": slower}, {"instances": 2, "threads": 1, "rows": faster}]
-    winner = {"model": "tiny_cnn_onnx", "served_as": "tiny_cnn",
-              "placement": {"grid": grid, "chosen": {"instances": 2, "threads": 1}}}
+    winner = {
+        "model": "tiny_cnn_onnx",
+        "served_as": "tiny_cnn",
+        "placement": {"grid": grid, "chosen": {"instances": 2, "threads": 1}},
+    }
     lines = side_by_side(results, winner)
     row = next(line.split(" | ") for line in lines if line.startswith("| tiny_cnn (as served) |"))
     best_ip = max(r["images_per_s"] for r in results["in_process"]["rows"] if r["variant"] == "onnx")
@@ -202,9 +209,19 @@ def test_a_model_served_from_the_plain_aoti_package_appears_in_every_table(expor
     m = read_manifest(d)
     m["artifacts"] = [a for a in m["artifacts"] if a["format"] != "aoti_buckets"]
     write_manifest(d, m)
-    cfg = build(BenchConfig, {**SHORT, "variants": ["aoti"], "batch_sizes": [1], "concurrency": [1], "noop": False,
-                              "batching_compare": [], "plots": False},
-                {"export_dir": str(d), "out": str(tmp_path / "bench"), "models": ["tiny_cnn_aoti"]})
+    cfg = build(
+        BenchConfig,
+        {
+            **SHORT,
+            "variants": ["aoti"],
+            "batch_sizes": [1],
+            "concurrency": [1],
+            "noop": False,
+            "batching_compare": [],
+            "plots": False,
+        },
+        {"export_dir": str(d), "out": str(tmp_path / "bench"), "models": ["tiny_cnn_aoti"]},
+    )
     results = run_bench(cfg, log=lambda *a: None)
     mm = results["served"]["models"]["tiny_cnn_aoti"]
     assert (mm["format"], mm["artifact"]) == ("aoti", "aoti")
@@ -242,8 +259,11 @@ def test_one_run_reads_the_reference_once_and_rebuilds_eager_once(exported, serv
         return sha(path, *a, **k)
 
     # with the progress bar, as torchship run and the CLI run it: its total is planned before anything is timed
-    cfg = build(BenchConfig, {**SHORT, "batch_sizes": [1], "concurrency": [1], "requests": 4, "progress": True},
-                {"export_dir": str(exported), "out": str(tmp_path), "url": server.url, "models": ["tiny_cnn_onnx"]})
+    cfg = build(
+        BenchConfig,
+        {**SHORT, "batch_sizes": [1], "concurrency": [1], "requests": 4, "progress": True},
+        {"export_dir": str(exported), "out": str(tmp_path), "url": server.url, "models": ["tiny_cnn_onnx"]},
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Path, "read_bytes", counted_read)
         mp.setattr(torchship.manifest, "sha256_file", counted_sha)
@@ -278,9 +298,18 @@ def test_perf_analyzer_sends_the_sweep_and_the_python_client_cross_checks(export
     """--load-generator perf_analyzer: the levels are perf_analyzer's windows (Triton counted every request
     it sent), settled under the same rule; the Python client repeats concurrency 1 and the highest level,
     and the report sets the two side by side with the served/in-process ratio for each."""
-    cfg = build(BenchConfig, {**SHORT, "batch_sizes": [1], "variants": ["onnx"], "load_generator": "perf_analyzer",
-                              "cross_check": True, "batching_compare": []},
-                {"export_dir": str(exported), "out": str(tmp_path), "url": server.url, "models": ["tiny_cnn_onnx"]})
+    cfg = build(
+        BenchConfig,
+        {
+            **SHORT,
+            "batch_sizes": [1],
+            "variants": ["onnx"],
+            "load_generator": "perf_analyzer",
+            "cross_check": True,
+            "batching_compare": [],
+        },
+        {"export_dir": str(exported), "out": str(tmp_path), "url": server.url, "models": ["tiny_cnn_onnx"]},
+    )
     results = run_bench(cfg, log=lambda *a: None)
     served = results["served"]
     assert served["load_generator"]["name"] == "perf_analyzer"
@@ -302,8 +331,11 @@ def test_perf_analyzer_sends_the_sweep_and_the_python_client_cross_checks(export
 
 
 def test_perf_analyzer_asked_for_but_missing_is_refused(exported, tmp_path):
-    cfg = build(BenchConfig, {**SHORT, "load_generator": "perf_analyzer", "skip_in_process": True},
-                {"export_dir": str(exported), "out": str(tmp_path), "perf_analyzer": str(tmp_path / "nowhere")})
+    cfg = build(
+        BenchConfig,
+        {**SHORT, "load_generator": "perf_analyzer", "skip_in_process": True},
+        {"export_dir": str(exported), "out": str(tmp_path), "perf_analyzer": str(tmp_path / "nowhere")},
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("serve.bench.perf_analyzer.locate", lambda explicit=None: None)
         with pytest.raises(BenchError, match="perf_analyzer not found; python -m serve.bench.perf_analyzer install"):
@@ -315,14 +347,17 @@ def _one_row(p50: float, spread: float | None) -> dict:
     return {"in_process": {"rows": [{**row, **({"spread": spread} if spread is not None else {})}]}}
 
 
-@pytest.mark.parametrize("old_spread, new_spread, new_p50, regression", [
-    (0.10, 0.05, 10.8, False),   # 8 % slower, inside the 10 % one run measured: noise
-    (0.10, 0.05, 11.5, True),    # 15 % slower, beyond both spreads
-    (0.02, 0.02, 10.5, True),    # 5 % beyond a 2 % spread: a regression a fixed 20 % rule would miss
-    (0.30, 0.02, 12.0, False),   # 20 % inside an unsteady old run's 30 %
-    (None, None, 11.9, False),   # results without spreads: the 1.2 fallback
-    (None, None, 12.1, True),
-])
+@pytest.mark.parametrize(
+    "old_spread, new_spread, new_p50, regression",
+    [
+        (0.10, 0.05, 10.8, False),  # 8 % slower, inside the 10 % one run measured: noise
+        (0.10, 0.05, 11.5, True),  # 15 % slower, beyond both spreads
+        (0.02, 0.02, 10.5, True),  # 5 % beyond a 2 % spread: a regression a fixed 20 % rule would miss
+        (0.30, 0.02, 12.0, False),  # 20 % inside an unsteady old run's 30 %
+        (None, None, 11.9, False),  # results without spreads: the 1.2 fallback
+        (None, None, 12.1, True),
+    ],
+)
 def test_compare_calls_a_change_beyond_the_spread_a_regression(old_spread, new_spread, new_p50, regression):
     rows, regressions = compare(_one_row(10.0, old_spread), _one_row(new_p50, new_spread))
     assert {r["key"].rsplit("/", 1)[1] for r in regressions} == (
@@ -366,8 +401,10 @@ def test_compare_detects_a_planted_2x_slowdown(bench_run, exported, tmp_path, ca
     assert run_cli("bench", "--compare", out / "results.json", tmp_path / "other.json") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the results are of different models (tiny_cnn " in err[0], err
-    for bad, says in ((tmp_path / "none.json", "no such results file"),
-                      (exported / "manifest.json", "unknown format 'torchship.export/2'")):
+    for bad, says in (
+        (tmp_path / "none.json", "no such results file"),
+        (exported / "manifest.json", "unknown format 'torchship.export/2'"),
+    ):
         assert run_cli("bench", "--compare", out / "results.json", bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and str(bad) in err[0] and says in err[0], err
@@ -379,8 +416,16 @@ def test_unreachable_server_keeps_partial_results(exported, tmp_path, monkeypatc
     from serve.embedded.process import free_ports
 
     monkeypatch.setattr(serve.bench.served, "READY_WAIT_S", 2.0)
-    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "variants": ["onnx"],
-                                     "url": f"127.0.0.1:{free_ports()[0]}"})
+    cfg = build(
+        BenchConfig,
+        SHORT,
+        {
+            "export_dir": str(exported),
+            "out": str(tmp_path),
+            "variants": ["onnx"],
+            "url": f"127.0.0.1:{free_ports()[0]}",
+        },
+    )
     with pytest.raises(ServerError, match="partial results kept"):
         run_bench(cfg, log=lambda *a: None)
     kept = json.loads((tmp_path / "results.json").read_text())
@@ -404,8 +449,18 @@ def test_unknown_model_is_refused_before_anything_runs(exported, repo, server, t
 def test_budget_no_configuration_meets(exported, server, tmp_path, capsys):
     """Against an already-running server: a budget nothing meets is an error that keeps the results, and
     the sweeps that need the embedded server (batching off, by default) are reported as not done."""
-    cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(tmp_path), "skip_in_process": True,
-                                     "url": server.url, "models": ["tiny_cnn_onnx"], "p99_budget_ms": 0.001})
+    cfg = build(
+        BenchConfig,
+        SHORT,
+        {
+            "export_dir": str(exported),
+            "out": str(tmp_path),
+            "skip_in_process": True,
+            "url": server.url,
+            "models": ["tiny_cnn_onnx"],
+            "p99_budget_ms": 0.001,
+        },
+    )
     with pytest.raises(BenchError, match="no configuration meets p99 <= 0.001 ms"):
         run_bench(cfg, log=lambda *a: None)
     served = json.loads((tmp_path / "results.json").read_text())["served"]
@@ -431,8 +486,20 @@ def test_one_at_a_time_counts_each_refusal_and_goes_on(server):
 def test_bench_passes_triton_arguments_to_its_server(exported, tmp_path, capsys):
     """--triton-arg reaches the bench's own embedded server as it is: a flag tritonserver does not know
     stops it, and the error shows Triton's own words."""
-    assert run_cli("bench", exported, "--out", tmp_path, "--skip-in-process", "--no-cross-check", "--no-plots",
-                   "--no-progress", "--triton-arg=--no-such-triton-flag") == 2
+    assert (
+        run_cli(
+            "bench",
+            exported,
+            "--out",
+            tmp_path,
+            "--skip-in-process",
+            "--no-cross-check",
+            "--no-plots",
+            "--no-progress",
+            "--triton-arg=--no-such-triton-flag",
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "no-such-triton-flag" in err and "partial results kept" in err, err
 
@@ -451,9 +518,19 @@ def test_a_server_stop_note_reaches_the_bench_log_results_and_report(exported, t
         return code
 
     monkeypatch.setattr(TritonServer, "stop", stop_with_note)
-    cfg = build(BenchConfig, {**SHORT, "skip_in_process": True, "concurrency": [1], "requests": 2,
-                              "models": ["tiny_cnn_onnx"], "batching_compare": [], "plots": False},
-                {"export_dir": str(exported), "out": str(tmp_path)})
+    cfg = build(
+        BenchConfig,
+        {
+            **SHORT,
+            "skip_in_process": True,
+            "concurrency": [1],
+            "requests": 2,
+            "models": ["tiny_cnn_onnx"],
+            "batching_compare": [],
+            "plots": False,
+        },
+        {"export_dir": str(exported), "out": str(tmp_path)},
+    )
     lines = []
     results = run_bench(cfg, log=lines.append)
     assert results["server_stop_note"] == "tiny_cnn_onnx still loaded (planted)"
@@ -494,9 +571,18 @@ def test_a_backend_that_corrupts_one_row_of_a_batch_is_caught_under_load(exporte
     (planted / "onnxruntime" / "model.py").write_text(CORRUPTING)
     monkeypatch.setattr(server_module, "backend_dir", lambda: planted)
     out = tmp_path / "bench"
-    cfg = build(BenchConfig, {**SHORT, "skip_in_process": True, "models": ["tiny_cnn_onnx"], "concurrency": [1, 16],
-                              "batching_compare": [], "plots": False},
-                {"export_dir": str(exported), "repo": str(repo), "out": str(out)})
+    cfg = build(
+        BenchConfig,
+        {
+            **SHORT,
+            "skip_in_process": True,
+            "models": ["tiny_cnn_onnx"],
+            "concurrency": [1, 16],
+            "batching_compare": [],
+            "plots": False,
+        },
+        {"export_dir": str(exported), "repo": str(repo), "out": str(out)},
+    )
     with pytest.raises(ParityError, match=r"tiny_cnn_onnx at concurrency 16: \d+ of \d+ checked responses wrong") as e:
         run_bench(cfg, log=lambda *a: None)
     assert "at concurrency 1:" not in str(e.value) and "beyond" in str(e.value)
@@ -509,11 +595,18 @@ def test_a_backend_that_corrupts_one_row_of_a_batch_is_caught_under_load(exporte
 def test_no_variant_reads_above_its_roof_and_the_report_says_what_set_it():
     from serve.bench.report import probe_share, roofs
 
-    lim = {"flops_per_sample": 1e9, "fp32_flops": 100e9, "fp32_kernel": "torch matmul 2048^3", "int8_flops": 400e9,
-           "int8_kernel": "onnxruntime MatMulInteger u8 x s8 2048^3"}
-    rows = [{"variant": "onnx", "batch": 32, "images_per_s": 150.0},  # 150 GFLOP/s: faster than the fp32 probe
-            {"variant": "torchscript", "batch": 32, "images_per_s": 75.0},
-            {"variant": "onnx_int8", "batch": 32, "images_per_s": 200.0}]
+    lim = {
+        "flops_per_sample": 1e9,
+        "fp32_flops": 100e9,
+        "fp32_kernel": "torch matmul 2048^3",
+        "int8_flops": 400e9,
+        "int8_kernel": "onnxruntime MatMulInteger u8 x s8 2048^3",
+    }
+    rows = [
+        {"variant": "onnx", "batch": 32, "images_per_s": 150.0},  # 150 GFLOP/s: faster than the fp32 probe
+        {"variant": "torchscript", "batch": 32, "images_per_s": 75.0},
+        {"variant": "onnx_int8", "batch": 32, "images_per_s": 200.0},
+    ]
     roof = roofs(rows, lim, "float32")
     assert roof["fp32_flops"] == (150e9, "onnx itself at batch 32, faster than the probe's kernels")
     assert roof["int8_flops"] == (400e9, "onnxruntime MatMulInteger u8 x s8 2048^3")
@@ -563,8 +656,9 @@ def test_auto_sends_large_requests_with_the_cheaper_python_client(tmp_path):
     assert (first.name, other.name) == ("perf_analyzer", "python")
     first, other, why = load_generators(cfg, large, tmp_path / "b.json")
     assert (first.name, other.name) == ("python", "perf_analyzer") and "requests of 588 KiB, above 64 KiB" in why
-    first, _, _ = load_generators(BenchConfig(perf_analyzer=str(fake), load_generator="perf_analyzer"), large,
-                                  tmp_path / "c.json")
+    first, _, _ = load_generators(
+        BenchConfig(perf_analyzer=str(fake), load_generator="perf_analyzer"), large, tmp_path / "c.json"
+    )
     assert first.name == "perf_analyzer"  # asked for by name: sent by it
 
 
@@ -573,12 +667,15 @@ def test_a_perf_analyzer_window_too_short_is_measured_again_not_counted_as_faile
     any bound: retried longer, then measured by the Python client, never counted as a failed request."""
     from serve.bench.perf_analyzer import python_window, too_short
 
-    assert too_short("perf_analyzer exited 3: No valid requests recorded within time interval. Please use a larger "
-                     "time window.")
+    assert too_short(
+        "perf_analyzer exited 3: No valid requests recorded within time interval. Please use a larger time window."
+    )
     assert too_short("perf_analyzer exited 2: Failed to obtain stable measurement within 3 measurement windows")
     assert not too_short("perf_analyzer exited 99: Failed to retrieve results from inference request.")
-    w = python_window({"latencies_s": [0.001] * 99 + [0.01], "errors": [], "wall_s": 0.5, "cpu_s": 0.02,
-                       "completed": 100}, "No valid requests recorded")
+    w = python_window(
+        {"latencies_s": [0.001] * 99 + [0.01], "errors": [], "wall_s": 0.5, "cpu_s": 0.02, "completed": 100},
+        "No valid requests recorded",
+    )
     assert w["requests_per_s"] == 200 and w["p50_ms"] == pytest.approx(1.0) and w["p99_ms"] == pytest.approx(10.0)
     assert w["errors"] == [] and w["python_instead"] == "No valid requests recorded"
 

@@ -56,9 +56,10 @@ def served_pair(url: str, files: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """(the image entry's logits for ``files``, the tensor model's logits for the same digits as training
     prepared them)."""
     client = TritonClient(url)
-    raw = np.concatenate([client.infer_all(ENTRY, {"image": np.frombuffer(f, np.uint8)[None]})["logits"]
-                          for f in files])
-    tensors = client.infer_batches("tiny_cnn_onnx", {"images": trained_inputs()[:len(files)]})["logits"]
+    raw = np.concatenate(
+        [client.infer_all(ENTRY, {"image": np.frombuffer(f, np.uint8)[None]})["logits"] for f in files]
+    )
+    tensors = client.infer_batches("tiny_cnn_onnx", {"images": trained_inputs()[: len(files)]})["logits"]
     client.close()
     return raw, tensors
 
@@ -67,12 +68,25 @@ def http_top1(host_port: str, data: bytes) -> int:
     """The class index the entry answers for ``data`` over plain HTTP (the request docs/serving.md shows)."""
     import urllib.request
 
-    header = json.dumps({"inputs": [{"name": "image", "shape": [1, len(data)], "datatype": "UINT8",
-                                     "parameters": {"binary_data_size": len(data)}}],
-                         "outputs": [{"name": "logits", "parameters": {"classification": 1}}]}).encode()
-    req = urllib.request.Request(f"http://{host_port}/v2/models/{ENTRY}/infer", data=header + data, method="POST",
-                                 headers={"Inference-Header-Content-Length": str(len(header)),
-                                          "Content-Type": "application/octet-stream"})
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "shape": [1, len(data)],
+                    "datatype": "UINT8",
+                    "parameters": {"binary_data_size": len(data)},
+                }
+            ],
+            "outputs": [{"name": "logits", "parameters": {"classification": 1}}],
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"http://{host_port}/v2/models/{ENTRY}/infer",
+        data=header + data,
+        method="POST",
+        headers={"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         body = json.loads(r.read())
     return int(body["outputs"][0]["data"][0].split(":")[1])
@@ -83,8 +97,19 @@ def test_the_decoder_prepares_a_file_exactly_as_training_did():
     got = np.stack([decode_image(png(d), pre) for d in DIGITS])
     np.testing.assert_array_equal(got, trained_inputs())  # Pillow's float bilinear is torch's, bit for bit
     # planted skews, each caught by the same comparison: a nearest-neighbour resize, a missing scale, swapped channels
-    nearest = np.stack([np.repeat(np.asarray(Image.open(io.BytesIO(png(d))).convert("F").resize(
-        (32, 32), Image.NEAREST), np.float32)[None] / 16.0, 3, 0) for d in DIGITS])
+    nearest = np.stack(
+        [
+            np.repeat(
+                np.asarray(Image.open(io.BytesIO(png(d))).convert("F").resize((32, 32), Image.NEAREST), np.float32)[
+                    None
+                ]
+                / 16.0,
+                3,
+                0,
+            )
+            for d in DIGITS
+        ]
+    )
     unscaled = np.stack([decode_image(png(d), {**pre, "source_scale": "pixel / 1"}) for d in DIGITS])
     rgb = {"image_size": [32, 32], "source_scale": "pixel / 255"}
     photo = np.random.default_rng(0).integers(0, 256, (40, 48, 3), np.uint8)
@@ -95,16 +120,20 @@ def test_the_decoder_prepares_a_file_exactly_as_training_did():
     # 8-bit photos: RGB, resized in 8 bits, / 255, as the ImageFolder data set reads them (grayscale, RGBA too)
     assert straight.shape == (3, 32, 32) and 0.0 <= straight.min() and straight.max() <= 1.0
     for mode, a in (("L", photo[..., 0]), ("RGBA", np.dstack([photo, photo[..., :1]]))):
-        np.testing.assert_array_equal(decode_image(png(a, mode), rgb),
-                                      image_array(Image.open(io.BytesIO(png(a, mode))), rgb))
+        np.testing.assert_array_equal(
+            decode_image(png(a, mode), rgb), image_array(Image.open(io.BytesIO(png(a, mode))), rgb)
+        )
 
 
-@pytest.mark.parametrize("data, why", [
-    (b"", "holds no bytes"),
-    (b"not an image at all", "not an image Pillow can read"),
-    (truncated(), "damaged or truncated"),
-    (png(np.zeros((300, 400))), "300 pixels, more than the 0.1 megapixels"),  # max_pixels 100,000 below
-])
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (b"", "holds no bytes"),
+        (b"not an image at all", "not an image Pillow can read"),
+        (truncated(), "damaged or truncated"),
+        (png(np.zeros((300, 400))), "300 pixels, more than the 0.1 megapixels"),  # max_pixels 100,000 below
+    ],
+)
 def test_bad_files_are_refused_with_the_reason(data, why):
     with pytest.raises(ValueError, match=why):
         decode_image(data, {"image_size": [32, 32], "source_scale": "pixel / 255"}, max_pixels=100_000)
@@ -120,11 +149,15 @@ def test_the_served_entry_answers_as_the_model_does_on_trainings_preprocessing(i
         np.testing.assert_allclose(raw, tensors, atol=1e-5)
         client = TritonClient(s.url)
         # each bad request is refused alone, with its reason; the server answers the next
-        for data, why in ((b"", "holds no bytes"), (b"GIF89a garbage", "not an image"),
-                          (truncated(), "damaged or truncated")):
+        for data, why in (
+            (b"", "holds no bytes"),
+            (b"GIF89a garbage", "not an image"),
+            (truncated(), "damaged or truncated"),
+        ):
             with pytest.raises(ClientError, match=why):
-                client.infer_all(ENTRY, {"image": np.frombuffer(data, np.uint8)[None] if data else
-                                         np.zeros((1, 0), np.uint8)})
+                client.infer_all(
+                    ENTRY, {"image": np.frombuffer(data, np.uint8)[None] if data else np.zeros((1, 0), np.uint8)}
+                )
         # a 12-megapixel photo straight from a phone is served
         grad = np.linspace(0, 255, 4000, dtype=np.float32)
         big = np.dstack([np.tile(grad, (3000, 1))] * 3).astype(np.uint8)
@@ -176,8 +209,13 @@ def test_a_planted_nearest_neighbour_resize_in_the_server_fails_the_check(image_
     assert f"{ENTRY}: raw output 'logits'" in capsys.readouterr().err
 
 
-PHOTO_KINDS = (("jpg", "RGB", "JPEG"), ("png", "RGB", "PNG"), ("webp", "RGB", "WEBP"), ("gray.png", "L", "PNG"),
-               ("rgba.png", "RGBA", "PNG"))
+PHOTO_KINDS = (
+    ("jpg", "RGB", "JPEG"),
+    ("png", "RGB", "PNG"),
+    ("webp", "RGB", "WEBP"),
+    ("gray.png", "L", "PNG"),
+    ("rgba.png", "RGBA", "PNG"),
+)
 
 
 def photo_folder(root, per_class: int = 20, seed: int = 0):
@@ -193,7 +231,7 @@ def photo_folder(root, per_class: int = 20, seed: int = 0):
             side = int(g.integers(min(h, w) // 3, min(h, w) + 1))
             y, x = int(g.integers(0, h - side + 1)), int(g.integers(0, w - side + 1))
             size = int(g.integers(40, 121))
-            crop = Image.fromarray(photo[y:y + side, x:x + side]).resize((size, size), Image.BILINEAR)
+            crop = Image.fromarray(photo[y : y + side, x : x + side]).resize((size, size), Image.BILINEAR)
             suffix, mode, fmt = PHOTO_KINDS[k % len(PHOTO_KINDS)]
             crop.convert(mode).save(root / c / f"{k:02d}.{suffix}", format=fmt)
     return root
@@ -211,19 +249,40 @@ def photo_served(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("photos")
     data = photo_folder(tmp / "data")
-    train(build(TrainConfig, {"arch": "tiny_cnn", "data": str(data), "image_size": 32, "epochs": 2, "batch_size": 8,
-                              "val_fraction": 0.5, "out": str(tmp / "train"), "progress": False, "seed": 0,
-                              "amp": "off"}))
-    run_export(build(ExportConfig, {"checkpoint": str(tmp / "train"), "out": str(tmp / "export"), "max_batch": 8,
-                                    "formats": ["onnx"]}), log=lambda *a: None)
+    train(
+        build(
+            TrainConfig,
+            {
+                "arch": "tiny_cnn",
+                "data": str(data),
+                "image_size": 32,
+                "epochs": 2,
+                "batch_size": 8,
+                "val_fraction": 0.5,
+                "out": str(tmp / "train"),
+                "progress": False,
+                "seed": 0,
+                "amp": "off",
+            },
+        )
+    )
+    run_export(
+        build(
+            ExportConfig,
+            {"checkpoint": str(tmp / "train"), "out": str(tmp / "export"), "max_batch": 8, "formats": ["onnx"]},
+        ),
+        log=lambda *a: None,
+    )
     build_repository(tmp / "export", RepoConfig(out=str(tmp / "repo"), formats=("onnx",), cores=1, image_entry=True))
     with TritonServer(ServeConfig(repo=str(tmp / "repo"))).start() as s:
         yield s, tmp / "export", tmp / "repo"
 
 
 RGB_SKEWS = {  # what a client or server that prepared photos otherwise than training did would hold
-    "a nearest-neighbour resize": ('convert("RGB").resize((w, h), Image.BILINEAR)',
-                                   'convert("RGB").resize((w, h), Image.NEAREST)'),
+    "a nearest-neighbour resize": (
+        'convert("RGB").resize((w, h), Image.BILINEAR)',
+        'convert("RGB").resize((w, h), Image.NEAREST)',
+    ),
     "a missing /255": ("dtype=np.float32) / 255.0", "dtype=np.float32)"),
     "channels swapped": ("hwc.transpose(2, 0, 1)", "hwc[..., ::-1].transpose(2, 0, 1)"),
 }
@@ -260,14 +319,14 @@ def test_an_image_entry_for_a_model_that_takes_no_images_is_refused(exported, tm
     export = Export(exported)
     manifest = {**export.manifest, "preprocessing": None}
     with pytest.raises(ConfigError, match="is not an image model"):
-        build_repository(Export(exported, manifest), RepoConfig(out=str(tmp_path / "r"), formats=("onnx",),
-                                                               image_entry=True))
+        build_repository(
+            Export(exported, manifest), RepoConfig(out=str(tmp_path / "r"), formats=("onnx",), image_entry=True)
+        )
     assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow
-def test_an_entry_in_front_of_an_int8_model_is_checked_against_that_models_own_answers(int8_export, tmp_path,
-                                                                                        capsys):
+def test_an_entry_in_front_of_an_int8_model_is_checked_against_that_models_own_answers(int8_export, tmp_path, capsys):
     """Behind the entry, a reduced precision: the files' answers are held to its answers on training's tensors of
     the same files (the same top-1, the gate's SQNR floor); a skew planted in the server fails it."""
     repo = tmp_path / "repo"
@@ -276,8 +335,11 @@ def test_an_entry_in_front_of_an_int8_model_is_checked_against_that_models_own_a
     with TritonServer(ServeConfig(repo=str(repo))).start() as s:
         assert run_cli("infer", "--url", s.url, "--check", int8_export) == 0
         assert f"| {ENTRY} | raw | 16 |" in capsys.readouterr().out
-        plant(repo / PRE / "1", 'convert("F").resize((w, h), Image.BILINEAR)',
-              'convert("F").resize((w, h), Image.NEAREST)')
+        plant(
+            repo / PRE / "1",
+            'convert("F").resize((w, h), Image.BILINEAR)',
+            'convert("F").resize((w, h), Image.NEAREST)',
+        )
         s.load(PRE)
         assert run_cli("infer", "--url", s.url, "--check", int8_export, "--model", ENTRY) == 3
         assert f"{ENTRY}: raw" in capsys.readouterr().err
@@ -315,9 +377,11 @@ def test_each_server_gets_the_entry_naming_the_tensors_as_its_config_of_the_mode
     container, embedded = (read_config(repo / ENTRY / f).ensemble_scheduling.step[1] for f in (CONFIG, EMBEDDED_CONFIG))
     assert container.model_name == embedded.model_name == "tiny_cnn_aoti"
     assert dict(container.input_map) == {"ARGS[0]": "prepared_images"} and dict(container.output_map) == {
-        "RESULT": "logits"}
+        "RESULT": "logits"
+    }
     assert dict(embedded.input_map) == {"images": "prepared_images"} and dict(embedded.output_map) == {
-        "logits": "logits"}
+        "logits": "logits"
+    }
     with TritonServer(ServeConfig(repo=str(repo))) as s:
         report = check_served(s.url, exported, [ENTRY])
     assert report["pass"] and report["models"][ENTRY]["raw"]["batch"] == 16
@@ -335,9 +399,28 @@ def test_a_weights_export_with_image_files_serves_an_entry_checked_from_those_fi
     torch.save(TinyCNN(num_classes=2).state_dict(), tmp_path / "w.pt")
     data = photo_folder(tmp_path / "data", per_class=12)
     out = tmp_path / "export"
-    assert run_cli("export", "--model", "torchship.models:TinyCNN", "--model-arg", "num_classes=2", "--weights",
-                   tmp_path / "w.pt", "--input", "images:float32:B,3,32,32", "--image-files", data, "--formats",
-                   "onnx", "--max-batch", "8", "--out", out) == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            "torchship.models:TinyCNN",
+            "--model-arg",
+            "num_classes=2",
+            "--weights",
+            tmp_path / "w.pt",
+            "--input",
+            "images:float32:B,3,32,32",
+            "--image-files",
+            data,
+            "--formats",
+            "onnx",
+            "--max-batch",
+            "8",
+            "--out",
+            out,
+        )
+        == 0
+    )
     m = read_manifest(out)
     assert m["preprocessing"]["image_size"] == [32, 32] and m["reference"]["raw"]["batch"] == 16
     assert m["reference"]["samples"] == "examples" and m["reference"]["sets"]["examples"] == 24
@@ -353,12 +436,16 @@ def test_a_weights_export_with_image_files_serves_an_entry_checked_from_those_fi
     assert f"{entry}: raw output 'output0'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--input", "features:float32:B,20"], "must take one float32 RGB image input [B, 3, H, W]"),
-    (["--input", "images:float32:B,3,32,32", "--model", "torchship.models:TinyCNN"], "no image files in it"),
-])
-def test_image_files_for_a_model_that_takes_no_images_or_a_folder_without_any_are_refused(tmp_path, capsys, flags,
-                                                                                          message):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--input", "features:float32:B,20"], "must take one float32 RGB image input [B, 3, H, W]"),
+        (["--input", "images:float32:B,3,32,32", "--model", "torchship.models:TinyCNN"], "no image files in it"),
+    ],
+)
+def test_image_files_for_a_model_that_takes_no_images_or_a_folder_without_any_are_refused(
+    tmp_path, capsys, flags, message
+):
     from tests.anymodel.models import mlp
     from torchship.models import TinyCNN
 
@@ -366,7 +453,20 @@ def test_image_files_for_a_model_that_takes_no_images_or_a_folder_without_any_ar
     torch.save((TinyCNN() if "--model" in flags else mlp()).state_dict(), tmp_path / "w.pt")
     (tmp_path / "empty").mkdir()
     flags = [f for f in flags if f not in ("--model", "torchship.models:TinyCNN")]
-    assert run_cli("export", "--model", model, "--weights", tmp_path / "w.pt", *flags, "--image-files",
-                   tmp_path / "empty", "--out", tmp_path / "export") == 2
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            model,
+            "--weights",
+            tmp_path / "w.pt",
+            *flags,
+            "--image-files",
+            tmp_path / "empty",
+            "--out",
+            tmp_path / "export",
+        )
+        == 2
+    )
     assert message in capsys.readouterr().err
     assert not (tmp_path / "export").exists()

@@ -35,8 +35,12 @@ def test_explicit_model_control_unload_and_load(server, exported):
         client.infer("tiny_cnn_torchscript", np.zeros((1, 3, 32, 32), np.float32))
     server.load("tiny_cnn_torchscript")
     x = np.random.default_rng(1).random((3, 3, 32, 32), dtype=np.float32)
-    np.testing.assert_allclose(client.infer("tiny_cnn_torchscript", x),
-                               in_process(exported, "torchscript").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        client.infer("tiny_cnn_torchscript", x),
+        in_process(exported, "torchscript").run({"images": x})["logits"],
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.slow
@@ -108,9 +112,11 @@ def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported):
 def test_unload_stall_is_read_from_the_log():
     from serve.embedded.shutdown import UNLOAD_STALL_TICKS, live_at_exit, loaded_models, unload_stalled
 
-    head = ("Signal (15) received.\n\"Timeout 20: Found 1 model versions that have in-flight inferences\"\n"
-            "\"All models are stopped, unloading models\"\n")
-    tick = "\"Timeout {}: Found {} live models and {} in-flight non-inference requests\"\n"
+    head = (
+        'Signal (15) received.\n"Timeout 20: Found 1 model versions that have in-flight inferences"\n'
+        '"All models are stopped, unloading models"\n'
+    )
+    tick = '"Timeout {}: Found {} live models and {} in-flight non-inference requests"\n'
     stalled = head + "".join(tick.format(20 - i, 1, 0) for i in range(UNLOAD_STALL_TICKS))
     assert unload_stalled(stalled) == 1
     assert unload_stalled(head + "".join(tick.format(20 - i, 1, 0) for i in range(UNLOAD_STALL_TICKS - 1))) == 0
@@ -197,6 +203,7 @@ def test_serve_refuses_a_port_in_use_before_starting(repo, capsys):
 class FirstFreePort:
     """A socket whose bind to port 0 gets the lowest port that no open one holds: a port allocator that,
     like Linux now and then, hands out a port again as soon as it is closed."""
+
     held: set[int] = set()
 
     def __init__(self, *args):
@@ -231,8 +238,11 @@ def test_each_endpoint_gets_its_own_port(repo, capsys, monkeypatch):
     requests and metrics requests at the same address and port')."""
     import serve.embedded.process as srv
 
-    monkeypatch.setattr(srv, "socket", types.SimpleNamespace(socket=FirstFreePort, SOL_SOCKET=socket.SOL_SOCKET,
-                                                             SO_REUSEADDR=socket.SO_REUSEADDR))
+    monkeypatch.setattr(
+        srv,
+        "socket",
+        types.SimpleNamespace(socket=FirstFreePort, SOL_SOCKET=socket.SOL_SOCKET, SO_REUSEADDR=socket.SO_REUSEADDR),
+    )
     s = TritonServer(ServeConfig(repo=str(repo)))
     assert sorted((s.grpc_port, s.http_port, s.metrics_port)) == [50000, 50001, 50002]
     s = TritonServer(ServeConfig(repo=str(repo), http_port=50000))
@@ -307,6 +317,7 @@ def test_a_given_port_taken_after_the_check_is_named(repo, tmp_path, monkeypatch
             server.start()
     assert server.grpc_port == port and server.proc.poll() is not None
     assert list(tmp_path.glob("tritonserver-*.log")) == [server.log_path]
+
 
 @pytest.mark.slow
 def test_the_server_starts_without_running_this_process_fork_handlers(repo, exported):
@@ -406,8 +417,9 @@ s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",),
 print(s.proc.pid, flush=True)
 time.sleep(600)
 """)
-    holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              cwd=str(Path(__file__).resolve().parents[2]))
+    holder = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parents[2])
+    )
     server_pid = int(holder.stdout.readline())
     os.kill(server_pid, 0)  # it is up
     holder.kill()

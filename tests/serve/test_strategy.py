@@ -23,8 +23,15 @@ def row(c, rps, p50, p99):
 
 
 def results(onnx, int8):
-    return {"served": {"models": {"tiny_cnn_onnx": {"rows": onnx}, "tiny_cnn_onnx_int8": {"rows": int8},
-                                  "_torchship_noop": {"rows": [row(1, 5000, 0.2, 0.3)]}}}}
+    return {
+        "served": {
+            "models": {
+                "tiny_cnn_onnx": {"rows": onnx},
+                "tiny_cnn_onnx_int8": {"rows": int8},
+                "_torchship_noop": {"rows": [row(1, 5000, 0.2, 0.3)]},
+            }
+        }
+    }
 
 
 FAST_INT8 = results(
@@ -35,17 +42,20 @@ LOW_LATENCY_ONNX = results(
 )
 
 
-@pytest.mark.parametrize("res, strategy, model, runner_up", [
-    (FAST_INT8, "max-throughput", "tiny_cnn_onnx_int8", "tiny_cnn_onnx"),
-    (FAST_INT8, "min-latency", "tiny_cnn_onnx_int8", "tiny_cnn_onnx"),
-    (LOW_LATENCY_ONNX, "max-throughput", "tiny_cnn_onnx_int8", "tiny_cnn_onnx"),
-    (LOW_LATENCY_ONNX, "min-latency", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"),
-    (LOW_LATENCY_ONNX, "p99-budget=50", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"),  # int8's 900 req/s has p99 60 ms
-])
+@pytest.mark.parametrize(
+    "res, strategy, model, runner_up",
+    [
+        (FAST_INT8, "max-throughput", "tiny_cnn_onnx_int8", "tiny_cnn_onnx"),
+        (FAST_INT8, "min-latency", "tiny_cnn_onnx_int8", "tiny_cnn_onnx"),
+        (LOW_LATENCY_ONNX, "max-throughput", "tiny_cnn_onnx_int8", "tiny_cnn_onnx"),
+        (LOW_LATENCY_ONNX, "min-latency", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"),
+        (LOW_LATENCY_ONNX, "p99-budget=50", "tiny_cnn_onnx", "tiny_cnn_onnx_int8"),  # int8's 900 req/s has p99 60 ms
+    ],
+)
 def test_the_strategy_picks_from_the_figures(res, strategy, model, runner_up):
     w = pick(res, strategy, MANIFEST)
     assert (w["model"], w["runner_up"]["model"]) == (model, runner_up)
-    assert w["format"] == model[len("tiny_cnn_"):] and w["why"].startswith(f"{strategy}: ") and "runner-up" in w["why"]
+    assert w["format"] == model[len("tiny_cnn_") :] and w["why"].startswith(f"{strategy}: ") and "runner-up" in w["why"]
 
 
 def test_max_throughput_is_read_where_the_server_saturates_not_deeper_in_the_queue():
@@ -53,12 +63,16 @@ def test_max_throughput_is_read_where_the_server_saturates_not_deeper_in_the_que
     and its p99 are those at 16; a clear gain at 64 (more than 5 %) still takes 64."""
     from serve.bench.recommend import recommend
 
-    flat = results([row(1, 30, 33.0, 44.0), row(16, 34, 463.0, 491.0)],
-                   [row(1, 77, 13.0, 20.0), row(16, 95, 157.0, 221.0), row(64, 98, 600.0, 660.0)])
+    flat = results(
+        [row(1, 30, 33.0, 44.0), row(16, 34, 463.0, 491.0)],
+        [row(1, 77, 13.0, 20.0), row(16, 95, 157.0, 221.0), row(64, 98, 600.0, 660.0)],
+    )
     w = pick(flat, "max-throughput", MANIFEST)
     assert w["model"] == "tiny_cnn_onnx_int8" and w["row"]["concurrency"] == 16 and w["row"]["p99_ms"] == 221.0
+
     def int8_only(res):
         return {"served": {"models": {"tiny_cnn_onnx_int8": res["served"]["models"]["tiny_cnn_onnx_int8"]}}}
+
     rec = recommend(int8_only(flat), None, 32)
     assert (rec["model"], rec["at_concurrency"], rec["max_batch_size"]) == ("tiny_cnn_onnx_int8", 16, 16)
     deeper = results([row(1, 30, 33.0, 44.0)], [row(16, 1750, 9.0, 21.0), row(64, 3488, 17.0, 36.0)])
@@ -71,13 +85,16 @@ def test_more_instances_win_only_by_more_than_the_noise():
 
     def g(i, score):
         return {"instances": i, "threads": 2 // i, "score": score}
+
     assert choose([g(1, 1715.0), g(2, 1738.0)])["instances"] == 1  # 1 % more for a second process: no
     assert choose([g(1, 1500.0), g(2, 1738.0)])["instances"] == 2  # 16 % more: yes
     assert choose([g(1, -2.21), g(2, -2.45)])["instances"] == 1  # min-latency scores (-p50): the same rule
     from serve.bench.placement import why
+
     grid = [{**g(1, None), "at": None, "rows": []}, {**g(2, None), "at": None, "rows": []}]
     assert why(grid, {"instances": 1, "threads": 2}, "p99-budget=1", []).startswith(
-        "no point met p99-budget=1; the repository's 1 x 2 kept (1x2: outside the budget; 2x1: outside the budget)")
+        "no point met p99-budget=1; the repository's 1 x 2 kept (1x2: outside the budget; 2x1: outside the budget)"
+    )
 
 
 def test_a_budget_nothing_meets_and_a_bad_strategy_are_refused():
@@ -195,5 +212,7 @@ def test_a_smaller_max_batch_takes_the_warm_up_down_with_it(exported, tmp_path):
     assert [w.batch_size for w in c.model_warmup] == [1, 8]
     batching_edit({"max_batch_size": 4, "dynamic_batching": True, "max_queue_delay_microseconds": 0})(c)
     assert c.max_batch_size == 4 and [(w.name, w.batch_size) for w in c.model_warmup] == [
-        ("real_sample_batch_1", 1), ("real_sample_batch_4", 4)]
+        ("real_sample_batch_1", 1),
+        ("real_sample_batch_4", 4),
+    ]
     assert all(w.inputs["images"].input_data_file == "images" for w in c.model_warmup)

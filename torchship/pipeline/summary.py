@@ -26,8 +26,10 @@ def outcome_line(run_dir: Path, outcome: dict[str, Any], markdown: bool = True) 
     if status == "interrupted":
         return f"{b}interrupted{b} in the {where} stage: the stages after it did not run; go on with {q}{again}{q}"
     error = outcome.get("error", "unknown error").splitlines()[0]
-    return (f"{b}stopped by an error{b} in the {where} stage ({error}); the stages after it did not run; once fixed, "
-            f"go on with {q}{again}{q}")
+    return (
+        f"{b}stopped by an error{b} in the {where} stage ({error}); the stages after it did not run; once fixed, "
+        f"go on with {q}{again}{q}"
+    )
 
 
 def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | None = None) -> str:
@@ -38,10 +40,20 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
         if name == "train":
             result = f"{st['arch']}, {st['world_size']} rank(s), amp {st['amp']}: " + result
         rows.append([name, st["seconds"], result])
-    rows.append(["total", record.get("total_seconds", ""),
-                 f"peak RSS of the whole run (all processes): {record.get('peak_rss_bytes', 0) / 2**30:.2f} GiB"])
-    lines = [f"# torchship run: {run_dir}", "", outcome_line(run_dir, record.get("outcome", {})), "",
-             *table(["stage", "seconds", "result"], rows)]
+    rows.append(
+        [
+            "total",
+            record.get("total_seconds", ""),
+            f"peak RSS of the whole run (all processes): {record.get('peak_rss_bytes', 0) / 2**30:.2f} GiB",
+        ]
+    )
+    lines = [
+        f"# torchship run: {run_dir}",
+        "",
+        outcome_line(run_dir, record.get("outcome", {})),
+        "",
+        *table(["stage", "seconds", "result"], rows),
+    ]
     # the summary is written after a failure too: a file that cannot be read is named, not raised
     manifest = manifest or _readable(lines, run_dir / "export" / MANIFEST, read_manifest, run_dir / "export")
     v = manifest.get("verification")
@@ -52,13 +64,29 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
                 gated.append([name, gate_line(e, manifest), "pass" if e["pass"] else "FAIL"])
                 continue
             worst, limit, multiple, top = artifact_summary(e, v["tolerances"])
-            rows.append([name, f"{worst:.2e}", f"{limit:.2e}", "-" if multiple is None else f"{multiple:.2f}", top,
-                         "pass" if e["pass"] else "FAIL"])
-        lines += ["", "## Parity against the float64 reference (worst case over held-out and random batches)", "",
-                  *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], rows)]
+            rows.append(
+                [
+                    name,
+                    f"{worst:.2e}",
+                    f"{limit:.2e}",
+                    "-" if multiple is None else f"{multiple:.2f}",
+                    top,
+                    "pass" if e["pass"] else "FAIL",
+                ]
+            )
+        lines += [
+            "",
+            "## Parity against the float64 reference (worst case over held-out and random batches)",
+            "",
+            *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], rows),
+        ]
         if gated:
-            lines += ["", "Reduced precisions, held to the accuracy gate on the real samples instead:", "",
-                      *table(["artifact", "on the real samples", "result"], gated)]
+            lines += [
+                "",
+                "Reduced precisions, held to the accuracy gate on the real samples instead:",
+                "",
+                *table(["artifact", "on the real samples", "result"], gated),
+            ]
     entry = record["stages"].get("repo", {}).get("image_entry")
     if entry:
         lines += ["", entry_line(entry, record["stages"].get("bench", {}).get("winner"))]
@@ -80,8 +108,11 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
                     lines += grid_table(winner["placement"])
             rec = b.get("recommendation", {})
             if "model" in rec:
-                lines += [f"Recommendation: `{rec['model']}` with max_batch_size {rec['max_batch_size']}: "
-                          f"{rec['requests_per_s']:.0f} req/s at p99 {rec['p99_ms']:.2f} ms.", ""]
+                lines += [
+                    f"Recommendation: `{rec['model']}` with max_batch_size {rec['max_batch_size']}: "
+                    f"{rec['requests_per_s']:.0f} req/s at p99 {rec['p99_ms']:.2f} ms.",
+                    "",
+                ]
         if b:
             from serve.bench.entry import entry_lines
 
@@ -100,11 +131,15 @@ def entry_line(entry: dict[str, Any], winner: dict[str, Any] | None) -> str:
     behind = f"`{winner['served_as']}` ({winner['model']})" if winner else "the model"
     size = ""
     if entry.get("file_bytes"):
-        size = (f": a request holds the file, {entry['file_bytes']:,} bytes (the median of the export's held-out "
-                f"files), where the float32 tensor is {entry['tensor_bytes']:,} bytes "
-                f"({entry['tensor_bytes'] / entry['file_bytes']:.0f}x)")
-    return (f"Image entry: `{entry['model']}` takes an image file as it is and prepares it in the server as "
-            f"training did, then runs {behind}{size}.")
+        size = (
+            f": a request holds the file, {entry['file_bytes']:,} bytes (the median of the export's held-out "
+            f"files), where the float32 tensor is {entry['tensor_bytes']:,} bytes "
+            f"({entry['tensor_bytes'] / entry['file_bytes']:.0f}x)"
+        )
+    return (
+        f"Image entry: `{entry['model']}` takes an image file as it is and prepares it in the server as "
+        f"training did, then runs {behind}{size}."
+    )
 
 
 def gate_line(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
