@@ -12,9 +12,13 @@ from .config import ExportConfig
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", nargs="?", default="",
-                   help="checkpoint directory, its model.pt, or a training output directory (uses its best); "
-                        "or leave it out and give --model, --weights and --input")
+    p.add_argument(
+        "checkpoint",
+        nargs="?",
+        default="",
+        help="checkpoint directory, its model.pt, or a training output directory (uses its best); "
+        "or leave it out and give --model, --weights and --input",
+    )
     add_dataclass_arguments(p, ExportConfig)
 
 
@@ -43,9 +47,14 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per verification process")
     p.add_argument("--only", nargs="+", default=None, metavar="ARTIFACT", help="verify only these artifacts")
-    p.add_argument("--optional", nargs="+", default=None, metavar="FORMAT",
-                   help="formats that may fail without failing the command, besides those the export marked optional "
-                        "(default: none besides those); any other format failing exits 3")
+    p.add_argument(
+        "--optional",
+        nargs="+",
+        default=None,
+        metavar="FORMAT",
+        help="formats that may fail without failing the command, besides those the export marked optional "
+        "(default: none besides those); any other format failing exits 3",
+    )
 
 
 def main_verify(ns: argparse.Namespace) -> int:

@@ -38,9 +38,11 @@ def bucket_weights(choice: str, device: str, model_bytes: int, buckets) -> tuple
         return "shared", "prepacking is for oneDNN's CPU kernels"
     copies = model_bytes * len(buckets)
     if copies > PREPACK_LIMIT:
-        return "shared", f"a prepacked copy per bucket would take {copies / 2 ** 30:.1f} GiB"
-    return "prepacked", (f"one copy per bucket, {len(buckets)} x {model_bytes / 1e6:.0f} MB: on a CPU the unpacked "
-                         "shared weights run batches above 1 several times slower")
+        return "shared", f"a prepacked copy per bucket would take {copies / 2**30:.1f} GiB"
+    return "prepacked", (
+        f"one copy per bucket, {len(buckets)} x {model_bytes / 1e6:.0f} MB: on a CPU the unpacked "
+        "shared weights run batches above 1 several times slower"
+    )
 
 
 def workers_for(model_bytes: int) -> int:
@@ -83,19 +85,30 @@ def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
             calibration, source = quantize.calibration_samples(
                 cfg.calibration, src.samples, [t.name for t in sig.inputs]
             )
-            extra = quantize.aoti_int8(model, exporters.example(sig, 2, device), Path(out), sig, cfg.max_batch,
-                                       cfg.threads, calibration, source, quantize.int8_scheme())
+            extra = quantize.aoti_int8(
+                model,
+                exporters.example(sig, 2, device),
+                Path(out),
+                sig,
+                cfg.max_batch,
+                cfg.threads,
+                calibration,
+                source,
+                quantize.int8_scheme(),
+            )
             return {"seconds": time.perf_counter() - t0, "extra": extra}
         shared = cfg.bucket_weights == "shared"
         files = exporters.compile_bucket(model, sig, batch, cfg.threads, device, shared)
         weights = [f for f in files if not isinstance(f, str)]
         if shared:
             torch.save({k: t for w in weights for k, (t, _) in w.items()}, out)
-        return {"seconds": time.perf_counter() - t0, "files": [f for f in files if isinstance(f, str)],
-                "weights": out if shared else None}
+        return {
+            "seconds": time.perf_counter() - t0,
+            "files": [f for f in files if isinstance(f, str)],
+            "weights": out if shared else None,
+        }
     except Exception as e:  # reported as this format's failure; the exception itself may not pickle
-        return {"error": first_line(e),
-                "traceback": traceback.format_exc()[-4000:]}
+        return {"error": first_line(e), "traceback": traceback.format_exc()[-4000:]}
     finally:
         stack.close()
 

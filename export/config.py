@@ -91,28 +91,37 @@ class ExportConfig:
         None, "an npz of real inputs keyed by input name, used by verification, warm-up and bench"
     )
     image_files: Optional[str] = opt(
-        None, "with --model, for a model that takes one RGB image [B, 3, H, W] in [0, 1] (normalizing itself): a "
-              "folder of its image files (JPEG, PNG, ...). The export records the preprocessing the served image "
-              "entry applies (RGB, bilinear resize, /255), keeps up to 16 of the files for infer --check, and takes "
-              "up to 64 as real samples where --example-inputs gives none", metavar="DIR"
+        None,
+        "with --model, for a model that takes one RGB image [B, 3, H, W] in [0, 1] (normalizing itself): a "
+        "folder of its image files (JPEG, PNG, ...). The export records the preprocessing the served image "
+        "entry applies (RGB, bilinear resize, /255), keeps up to 16 of the files for infer --check, and takes "
+        "up to 64 as real samples where --example-inputs gives none",
+        metavar="DIR",
     )
     tokenizer: Optional[str] = opt(
-        None, "a text model's Hugging Face tokenizer.json: kept with the export, it fills the token ids, attention "
-              "mask and token type ids, and the repository serves <name>_text, which takes text and tokenizes it in "
-              "the server", metavar="FILE"
+        None,
+        "a text model's Hugging Face tokenizer.json: kept with the export, it fills the token ids, attention "
+        "mask and token type ids, and the repository serves <name>_text, which takes text and tokenizes it in "
+        "the server",
+        metavar="FILE",
     )
     text_samples: Optional[str] = opt(
-        None, "with --tokenizer: a UTF-8 file of sample texts, one per line (up to 16 kept), which infer --check sends "
-              "to the text entry and holds to eager on the tokenizer's tensors of them", metavar="FILE"
+        None,
+        "with --tokenizer: a UTF-8 file of sample texts, one per line (up to 16 kept), which infer --check sends "
+        "to the text entry and holds to eager on the tokenizer's tensors of them",
+        metavar="FILE",
     )
     out: str = opt("runs/export", "export directory to create")
-    formats: tuple[str, ...] = opt((), "formats to export: " + ", ".join(FORMATS) + ". Default: torchscript and onnx "
-                                       "in float32; on CUDA also aoti (the official container's torch_aoti); on a CPU "
-                                       "also aoti_int8 where it multiplies 8-bit integers natively (VNNI, AMX-INT8) "
-                                       "and aoti_bf16 where it computes bfloat16 natively (AVX512-BF16, AMX), each "
-                                       "gated on accuracy against float32 and left unserved if it fails. onnx_int8: "
-                                       "ONNX Runtime INT8; aoti_int8: torchao PT2E INT8 compiled by AOTInductor; "
-                                       "aoti_bf16: AOTInductor in bfloat16 behind float32 inputs and outputs")
+    formats: tuple[str, ...] = opt(
+        (),
+        "formats to export: " + ", ".join(FORMATS) + ". Default: torchscript and onnx "
+        "in float32; on CUDA also aoti (the official container's torch_aoti); on a CPU "
+        "also aoti_int8 where it multiplies 8-bit integers natively (VNNI, AMX-INT8) "
+        "and aoti_bf16 where it computes bfloat16 natively (AVX512-BF16, AMX), each "
+        "gated on accuracy against float32 and left unserved if it fails. onnx_int8: "
+        "ONNX Runtime INT8; aoti_int8: torchao PT2E INT8 compiled by AOTInductor; "
+        "aoti_bf16: AOTInductor in bfloat16 behind float32 inputs and outputs",
+    )
     calibration: Optional[str] = opt(
         None,
         "onnx_int8, aoti_int8: an npz of real inputs keyed by input name to calibrate on (default: the "
@@ -185,10 +194,19 @@ class ExportConfig:
             if missing:
                 raise ConfigError(f"--model needs {' and '.join(missing)} (see torchship export --help)")
         else:
-            stray = [f for f, v in (("--weights", self.weights), ("--input", self.inputs),
-                                    ("--image-files", self.image_files),
-                                    ("--input-range", self.input_ranges), ("--output", self.outputs),
-                                    ("--example-inputs", self.example_inputs), ("--model-arg", self.model_args)) if v]
+            stray = [
+                f
+                for f, v in (
+                    ("--weights", self.weights),
+                    ("--input", self.inputs),
+                    ("--image-files", self.image_files),
+                    ("--input-range", self.input_ranges),
+                    ("--output", self.outputs),
+                    ("--example-inputs", self.example_inputs),
+                    ("--model-arg", self.model_args),
+                )
+                if v
+            ]
             if stray:
                 raise ConfigError(f"{stray[0]} goes with --model; a torchship checkpoint records its own signature")
             if not self.checkpoint:
@@ -243,9 +261,10 @@ class ExportConfig:
         if self.threads < 1:
             raise ConfigError("--threads must be at least 1")
         if self.tf32 and (self.dtype != "float32" or self.device == "cpu"):
-            raise ConfigError("--tf32 applies to float32 on CUDA; leave it out" +
-                              (f" with --dtype {self.dtype}" if self.dtype != "float32" else " with --device cpu"))
-
+            raise ConfigError(
+                "--tf32 applies to float32 on CUDA; leave it out"
+                + (f" with --dtype {self.dtype}" if self.dtype != "float32" else " with --device cpu")
+            )
 
     def for_device(self, device: str, real_samples: bool = True) -> tuple["ExportConfig", str]:
         """(this config with --formats resolved for ``device``, a line saying what was chosen and why):
@@ -259,8 +278,11 @@ class ExportConfig:
         reduced = [f for f in formats if f in (*INT8_FORMATS, *BF16_FORMATS)]
         if reduced and (not real_samples or self.dtype != "float32"):
             formats = tuple(f for f in formats if f not in reduced)
-            why += (f"; {', '.join(reduced)} left out: " + ("no real samples to calibrate and gate them on (give "
-                    "--example-inputs)" if not real_samples else f"--dtype {self.dtype} is already reduced"))
+            why += f"; {', '.join(reduced)} left out: " + (
+                "no real samples to calibrate and gate them on (give --example-inputs)"
+                if not real_samples
+                else f"--dtype {self.dtype} is already reduced"
+            )
             reduced = []
         stray = [f for f in self.optional if f not in formats]
         if stray:

@@ -99,8 +99,11 @@ def compile_package(ep, path: Path) -> None:
         torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs={})
 
 
-SHARED_OPTIONS = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
-                  "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
+SHARED_OPTIONS = {
+    "aot_inductor.package": True,
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+}
 
 
 def compile_bucket(model: torch.nn.Module, sig: Signature, batch: int, threads: int, device: str, shared: bool) -> list:
@@ -150,8 +153,14 @@ def _share_constants(compiled: dict[int, list]) -> int:
             kept = {}
             for name, (t, _) in f.items():
                 first = seen.setdefault(name, t)
-                same = first is not t and first.dtype == t.dtype and first.shape == t.shape and \
-                    first.stride() == t.stride() and first.device == t.device and torch.equal(first, t)
+                same = (
+                    first is not t
+                    and first.dtype == t.dtype
+                    and first.shape == t.shape
+                    and first.stride() == t.stride()
+                    and first.device == t.device
+                    and torch.equal(first, t)
+                )
                 kept[name] = (first if same else t, TensorProperties(first if same else t))
                 shared += same
             files[i] = Weights(kept)
@@ -172,9 +181,15 @@ def onnx(
     nbytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     external = nbytes >= ONNX_EXTERNAL_BYTES
     with quiet():
-        prog = torch.onnx.export(model, ex, dynamo=True, input_names=[t.name for t in sig.inputs],
-                                 output_names=[t.name for t in sig.outputs],
-                                 dynamic_shapes=dynamic_shapes(sig, max_batch), **kwargs)
+        prog = torch.onnx.export(
+            model,
+            ex,
+            dynamo=True,
+            input_names=[t.name for t in sig.inputs],
+            output_names=[t.name for t in sig.outputs],
+            dynamic_shapes=dynamic_shapes(sig, max_batch),
+            **kwargs,
+        )
         prog.optimize()
         prog.save(str(path), external_data=external)
     del prog
@@ -183,5 +198,9 @@ def onnx(
     opset_used = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
     batch = m.graph.input[0].type.tensor_type.shape.dim[0]
     data = sorted({e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"})
-    return {"opset": opset_used, "ir_version": m.ir_version, "batch_dim_param": batch.dim_param or None,
-            "external_data": data}
+    return {
+        "opset": opset_used,
+        "ir_version": m.ir_version,
+        "batch_dim_param": batch.dim_param or None,
+        "external_data": data,
+    }

@@ -67,8 +67,11 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
         choice, why = bucket_weights(cfg.bucket_weights, device, nbytes, cfg.buckets)
         cfg = dataclasses.replace(cfg, bucket_weights=choice)
         log(f"aoti_buckets: {choice} weights ({why})")
-    with staging_dir(out, overwrite=cfg.overwrite) as tmp, \
-            Compiler(cfg, device, workers_for(nbytes), tmp / ".compile") as compiler, ExitStack() as stack:
+    with (
+        staging_dir(out, overwrite=cfg.overwrite) as tmp,
+        Compiler(cfg, device, workers_for(nbytes), tmp / ".compile") as compiler,
+        ExitStack() as stack,
+    ):
         for fmt in cfg.formats:
             (tmp / fmt).mkdir()
         arts = Artifacts(tmp, cfg, device, log)
@@ -76,6 +79,7 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
 
         def pace() -> None:  # a running compile holds a core: this process takes what is left (OpenMP slows badly
             torch.set_num_threads(max(1, usable_cpus() - compiler.busy()))  # when oversubscribed), more once done
+
         stack.enter_context(torch_threads(torch.get_num_threads()))  # put back afterwards
         pace()
         t0 = time.perf_counter()
@@ -100,11 +104,16 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             pace=pace,
         )
         _check_degenerate(ref.degenerate, cfg.allow_degenerate, log)
-        tolerances = ref.tolerances if cfg.atol is None and cfg.rtol is None else \
-            parity.given([t.name for t in sig.outputs], cfg.atol, cfg.rtol, ref.tolerances)
-        log(f"reference: {len(inputs)} input sets, eager in "
+        tolerances = (
+            ref.tolerances
+            if cfg.atol is None and cfg.rtol is None
+            else parity.given([t.name for t in sig.outputs], cfg.atol, cfg.rtol, ref.tolerances)
+        )
+        log(
+            f"reference: {len(inputs)} input sets, eager in "
             f"{'float64' if ref.tolerances['rule'] == 'fp64' else 'float32 (' + ref.tolerances['why'] + ')'} "
-            f"({time.perf_counter() - t0:.1f}s)")
+            f"({time.perf_counter() - t0:.1f}s)"
+        )
         if raw is not None:
             if raw.labels is not None:
                 ref.arrays[f"labels/{RAW_SET}"] = raw.labels
@@ -157,8 +166,11 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
         return export
     required = [f for f in manifest["export_failures"] if f["format"] not in cfg.optional]
     if required:
-        raise ParityError([f"{f['format']}: cannot be exported: {f['error']}" for f in required],
-                          what=f"export to {out}", hint=OPTIONAL_HINT)
+        raise ParityError(
+            [f"{f['format']}: cannot be exported: {f['error']}" for f in required],
+            what=f"export to {out}",
+            hint=OPTIONAL_HINT,
+        )
     return export
 
 
@@ -171,10 +183,19 @@ class Artifacts:
         self.failures: list[dict[str, str]] = []
 
     def record(self, fmt: str, files: list[str], extra: dict[str, Any], secs: float) -> None:
-        entry = {"name": fmt, "format": fmt, "file": files[0], "files": {f: sha256_file(self.tmp / f) for f in files},
-                 "bytes": sum((self.tmp / f).stat().st_size for f in files), "dtype": self.cfg.dtype,
-                 "device": self.device, "torch_version": torch.__version__, "export_seconds": round(secs, 2),
-                 "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
+        entry = {
+            "name": fmt,
+            "format": fmt,
+            "file": files[0],
+            "files": {f: sha256_file(self.tmp / f) for f in files},
+            "bytes": sum((self.tmp / f).stat().st_size for f in files),
+            "dtype": self.cfg.dtype,
+            "device": self.device,
+            "torch_version": torch.__version__,
+            "export_seconds": round(secs, 2),
+            "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **extra,
+        }
         self.artifacts.append(entry)
         self.log(f"  {fmt}: {', '.join(files)} ({size(entry['bytes'])}, {secs:.1f}s)")
 
@@ -184,8 +205,17 @@ class Artifacts:
         self.log(f"  {fmt} FAILED: {reason} (other formats continue)")
 
 
-def build_manifest(name: str, cfg: ExportConfig, device: str, src, tolerances: dict[str, Any], ref, info: dict,
-                   arts: Artifacts, reference_sha256: str) -> dict[str, Any]:
+def build_manifest(
+    name: str,
+    cfg: ExportConfig,
+    device: str,
+    src,
+    tolerances: dict[str, Any],
+    ref,
+    info: dict,
+    arts: Artifacts,
+    reference_sha256: str,
+) -> dict[str, Any]:
     """manifest.json's contents: what was exported from what, its signature, the reference and its bounds, and
     each artifact (or why its format failed)."""
     manifest = {
@@ -218,10 +248,15 @@ def build_manifest(name: str, cfg: ExportConfig, device: str, src, tolerances: d
     if src.preprocessing:
         pre, shape = src.preprocessing, src.signature.inputs[0].shape[1:]
         manifest["preprocessing"] = {
-            **pre, "normalization": "in_graph",
+            **pre,
+            "normalization": "in_graph",
             "contract": f"float32 NCHW images in [0, 1] at {shape[1]}x{shape[2]}, {shape[0]} channels; "
-                        + ("the graph subtracts mean and divides by std itself" if "mean" in pre else
-                           "the model normalizes them itself")}
+            + (
+                "the graph subtracts mean and divides by std itself"
+                if "mean" in pre
+                else "the model normalizes them itself"
+            ),
+        }
     return manifest
 
 
@@ -251,11 +286,15 @@ def _check_degenerate(outputs: list[str], allowed: bool, log) -> None:
     """Refuse a reference against which any artifact would pass, unless --allow-degenerate."""
     if not outputs:
         return
-    what = (f"eager's output {', '.join(repr(o) for o in outputs)} is the same for every reference input "
-            "(constant or all zero), so verification cannot tell a right artifact from a wrong one")
+    what = (
+        f"eager's output {', '.join(repr(o) for o in outputs)} is the same for every reference input "
+        "(constant or all zero), so verification cannot tell a right artifact from a wrong one"
+    )
     if not allowed:
-        raise DegenerateError(f"{what}; export real weights, give real inputs with --example-inputs, or pass "
-                              "--allow-degenerate to go on with a blind check")
+        raise DegenerateError(
+            f"{what}; export real weights, give real inputs with --example-inputs, or pass "
+            "--allow-degenerate to go on with a blind check"
+        )
     log(f"warning: {what} (--allow-degenerate)")
 
 
@@ -285,27 +324,38 @@ def _compiled(
     if fmt in ("aoti_int8", "aoti_bf16"):
         return {**results[0]["extra"], **_gated(cfg, "int8" if fmt == "aoti_int8" else "bfloat16")}
     shared = exporters.package_buckets({b: bucket_files(r) for b, r in results.items()}, tmp / fmt / "model.pt2")
-    return {"freezing": True, "compile_threads": cfg.threads, "weights": cfg.bucket_weights, "shared_constants": shared,
-            "buckets": list(cfg.buckets), "batch": {"buckets": list(cfg.buckets)}, **tf32_field(cfg, device)}
+    return {
+        "freezing": True,
+        "compile_threads": cfg.threads,
+        "weights": cfg.bucket_weights,
+        "shared_constants": shared,
+        "buckets": list(cfg.buckets),
+        "batch": {"buckets": list(cfg.buckets)},
+        **tf32_field(cfg, device),
+    }
 
 
-def _export_one(fmt: str, model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray],
-                log=print) -> tuple[list[str], dict[str, Any]]:
+def _export_one(
+    fmt: str, model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray], log=print
+) -> tuple[list[str], dict[str, Any]]:
     if fmt == "torchscript":
         return [f"{fmt}/model.pt"], exporters.torchscript(model, ex, tmp / fmt / "model.pt")
     if fmt == "exported_program":
         return [f"{fmt}/model.pt2"], exporters.exported_program(model, ex, tmp / fmt / "model.pt2", sig, cfg.max_batch)
     if fmt == "onnx":
         extra = exporters.onnx(model, ex, tmp / fmt / "model.onnx", sig, cfg.max_batch, cfg.opset)
-        return [f"{fmt}/model.onnx", *(f"{fmt}/{f}" for f in extra["external_data"])], \
-            {**extra, "batch": {"min": 1, "max": cfg.max_batch}}
+        return [f"{fmt}/model.onnx", *(f"{fmt}/{f}" for f in extra["external_data"])], {
+            **extra,
+            "batch": {"min": 1, "max": cfg.max_batch},
+        }
     if fmt == "onnx_int8":
         return _onnx_int8(model, ex, tmp, cfg, sig, samples, log)
     raise ConfigError(f"unknown format {fmt}")
 
 
-def _onnx_int8(model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray],
-               log) -> tuple[list[str], dict[str, Any]]:
+def _onnx_int8(
+    model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray], log
+) -> tuple[list[str], dict[str, Any]]:
     """onnx_int8/model.onnx: the fp32 ONNX model (the onnx artifact's file where it was exported already)
     quantized for this CPU; the gate it will be verified under goes into its manifest entry."""
     names = [t.name for t in sig.inputs]
@@ -332,5 +382,8 @@ def _onnx_int8(model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples:
 def _gated(cfg: ExportConfig, dtype: str) -> dict[str, Any]:
     """The manifest fields every reduced-precision artifact (INT8, bf16) carries: what it computes in, the gate it is
     verified under instead of a rounding bound, and its batch range."""
-    return {"dtype": dtype, "gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop},
-            "batch": {"min": 1, "max": cfg.max_batch}}
+    return {
+        "dtype": dtype,
+        "gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop},
+        "batch": {"min": 1, "max": cfg.max_batch},
+    }

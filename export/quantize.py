@@ -29,15 +29,30 @@ def int8_scheme(flags: set[str] | None = None) -> dict[str, Any]:
     vnni = next((f for f in NATIVE_INT8_FLAGS if f in flags), None)
     base = {"activations": "uint8", "weights": "int8", "per_channel": True}
     if vnni:
-        return {**base, "reduce_range": False, "cpu": vnni, "pays": True,
-                "why": f"{vnni}: u8 x s8 products sum in 32 bits in one instruction"}
+        return {
+            **base,
+            "reduce_range": False,
+            "cpu": vnni,
+            "pays": True,
+            "why": f"{vnni}: u8 x s8 products sum in 32 bits in one instruction",
+        }
     simd = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else None
     if simd:
-        return {**base, "reduce_range": True, "cpu": simd, "pays": True,
-                "why": f"no VNNI ({simd}): u8 x s8 products pass through saturating 16-bit sums, so one side keeps "
-                       "7 bits; a CPU with VNNI runs INT8 faster still"}
-    return {**base, "reduce_range": True, "cpu": "no AVX2", "pays": False,
-            "why": "no AVX2 or VNNI: ONNX Runtime has no fast INT8 path on this CPU, so INT8 will not pay here"}
+        return {
+            **base,
+            "reduce_range": True,
+            "cpu": simd,
+            "pays": True,
+            "why": f"no VNNI ({simd}): u8 x s8 products pass through saturating 16-bit sums, so one side keeps "
+            "7 bits; a CPU with VNNI runs INT8 faster still",
+        }
+    return {
+        **base,
+        "reduce_range": True,
+        "cpu": "no AVX2",
+        "pays": False,
+        "why": "no AVX2 or VNNI: ONNX Runtime has no fast INT8 path on this CPU, so INT8 will not pay here",
+    }
 
 
 def calibration_samples(
@@ -60,8 +75,10 @@ def calibration_samples(
     elif samples:
         got, source = samples, "the export's real samples"
     else:
-        raise ConfigError("onnx_int8 needs real inputs to calibrate on: give --calibration FILE.npz (keyed by input "
-                          "name), or --example-inputs")
+        raise ConfigError(
+            "onnx_int8 needs real inputs to calibrate on: give --calibration FILE.npz (keyed by input "
+            "name), or --example-inputs"
+        )
     sizes = {len(v) for v in got.values()}
     if len(sizes) != 1 or 0 in sizes:
         raise ConfigError(f"calibration inputs from {source}: the arrays hold different numbers of samples, or none")
@@ -72,8 +89,11 @@ def calibration_samples(
 def log_line(fmt: str, extra: dict[str, Any]) -> str:
     """The export log's line on how an INT8 artifact was quantized, and why so on this CPU."""
     q = extra["quantization"]
-    calibrated = f", calibrated on {q['calibration']['samples']} samples from {q['calibration']['source']}" \
-        if q["calibration"] else ""
+    calibrated = (
+        f", calibrated on {q['calibration']['samples']} samples from {q['calibration']['source']}"
+        if q["calibration"]
+        else ""
+    )
     kernels = f", {extra['quantized_kernels']} INT8 kernel calls" if extra.get("quantized_kernels") else ""
     return f"  {fmt}: {q['method']} quantization{calibrated}{kernels}; {q['why']}"
 
@@ -85,8 +105,14 @@ def is_convolutional(model_path: Path) -> bool:
     return any(n.op_type == "Conv" for n in m.graph.node)
 
 
-def onnx_int8(fp32: Path, out: Path, calibration: dict[str, np.ndarray] | None, source: str, scheme: dict[str, Any],
-              external: bool) -> dict[str, Any]:
+def onnx_int8(
+    fp32: Path,
+    out: Path,
+    calibration: dict[str, np.ndarray] | None,
+    source: str,
+    scheme: dict[str, Any],
+    external: bool,
+) -> dict[str, Any]:
     """Quantize the fp32 ONNX model ``fp32`` into ``out``: static QDQ calibrated on ``calibration`` (min/max) for
     a convolutional model, dynamic (weights only; activations quantized as they come) otherwise. Returns the
     manifest's extra fields."""
@@ -97,21 +123,44 @@ def onnx_int8(fp32: Path, out: Path, calibration: dict[str, np.ndarray] | None, 
     static = is_convolutional(fp32)
     with tempfile.TemporaryDirectory(prefix="torchship-int8-") as tmp:
         pre = Path(tmp) / "pre.onnx"
-        quant_pre_process(str(fp32 if external else _without_shapes(fp32, Path(tmp) / "fp32.onnx")), str(pre),
-                          skip_symbolic_shape=True, save_as_external_data=external)
+        quant_pre_process(
+            str(fp32 if external else _without_shapes(fp32, Path(tmp) / "fp32.onnx")),
+            str(pre),
+            skip_symbolic_shape=True,
+            save_as_external_data=external,
+        )
         if static:
             if calibration is None:
                 raise ConfigError("static INT8 needs calibration inputs")
-            quantize_static(str(pre), str(out), _Reader(calibration), quant_format=QuantFormat.QDQ,
-                            per_channel=scheme["per_channel"], reduce_range=scheme["reduce_range"],
-                            activation_type=types[scheme["activations"]], weight_type=types[scheme["weights"]],
-                            use_external_data_format=external)
+            quantize_static(
+                str(pre),
+                str(out),
+                _Reader(calibration),
+                quant_format=QuantFormat.QDQ,
+                per_channel=scheme["per_channel"],
+                reduce_range=scheme["reduce_range"],
+                activation_type=types[scheme["activations"]],
+                weight_type=types[scheme["weights"]],
+                use_external_data_format=external,
+            )
         else:
-            quantize_dynamic(str(pre), str(out), per_channel=scheme["per_channel"], reduce_range=scheme["reduce_range"],
-                             weight_type=types[scheme["weights"]], use_external_data_format=external)
+            quantize_dynamic(
+                str(pre),
+                str(out),
+                per_channel=scheme["per_channel"],
+                reduce_range=scheme["reduce_range"],
+                weight_type=types[scheme["weights"]],
+                use_external_data_format=external,
+            )
     n = len(next(iter(calibration.values()))) if static and calibration else 0
-    return {"quantization": {**scheme, "method": "static" if static else "dynamic", "narrowed": "weights",
-                             "calibration": {"samples": n, "source": source} if static else None}}
+    return {
+        "quantization": {
+            **scheme,
+            "method": "static" if static else "dynamic",
+            "narrowed": "weights",
+            "calibration": {"samples": n, "source": source} if static else None,
+        }
+    }
 
 
 def _without_shapes(src: Path, dst: Path) -> Path:
@@ -134,7 +183,7 @@ class _Reader:
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         i = next(self.it, None)
-        return None if i is None else {k: v[i:i + 1] for k, v in self.inputs.items()}
+        return None if i is None else {k: v[i : i + 1] for k, v in self.inputs.items()}
 
     def rewind(self) -> None:
         self.it = iter(range(len(next(iter(self.inputs.values())))))
@@ -178,12 +227,14 @@ def aoti_int8(
         prepared = prepare_pt2e(captured, xiq.X86InductorQuantizer().set_global(config))
         n = len(next(iter(calibration.values())))
         for i in range(0, n, max_batch):
-            prepared(*(torch.from_numpy(calibration[t.name][i:i + max_batch]) for t in sig.inputs))
+            prepared(*(torch.from_numpy(calibration[t.name][i : i + max_batch]) for t in sig.inputs))
         compile_package(torch.export.export(convert_pt2e(prepared), ex, dynamic_shapes=dims), path)
     kernels = quantized_kernels(path)
     if not kernels:
-        raise RuntimeError("the compiled package calls no INT8 kernel: AOTInductor compiled the quantized model back "
-                           "to fp32 (freezing off?)")
+        raise RuntimeError(
+            "the compiled package calls no INT8 kernel: AOTInductor compiled the quantized model back "
+            "to fp32 (freezing off?)"
+        )
     return {
         "freezing": True,
         "compile_threads": threads,
@@ -201,5 +252,6 @@ def aoti_int8(
 def quantized_kernels(package: Path) -> int:
     """How many calls of oneDNN INT8 kernels the generated code inside an AOTInductor package makes."""
     with zipfile.ZipFile(package) as z:
-        return sum(len(QUANTIZED_CALL.findall(z.read(n).decode(errors="ignore")))
-                   for n in z.namelist() if n.endswith(".cpp"))
+        return sum(
+            len(QUANTIZED_CALL.findall(z.read(n).decode(errors="ignore"))) for n in z.namelist() if n.endswith(".cpp")
+        )

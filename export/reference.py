@@ -25,8 +25,9 @@ class Reference:
     degenerate: list[str]  # outputs whose every sample is the same on every set
 
 
-def input_sets(sig: Signature, samples: dict[str, np.ndarray], sample_set: str, odd_batch: int, max_batch: int,
-               seed: int) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, Any]]]:
+def input_sets(
+    sig: Signature, samples: dict[str, np.ndarray], sample_set: str, odd_batch: int, max_batch: int, seed: int
+) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, Any]]]:
     """The reference inputs: the real samples, then random batches of 1, odd and max at each dynamic-dim case."""
     sets: dict[str, dict[str, np.ndarray]] = {}
     info: dict[str, dict[str, Any]] = {}
@@ -44,6 +45,7 @@ def input_sets(sig: Signature, samples: dict[str, np.ndarray], sample_set: str, 
 
 def _fp64_fn(model: torch.nn.Module, device: str):
     """``model`` in float64 (float inputs cast up), returning its outputs unrounded."""
+
     def fn(xs: list[np.ndarray]) -> list[np.ndarray]:
         args = [torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in xs]
         args = [a.double() if a.is_floating_point() else a for a in args]
@@ -51,11 +53,13 @@ def _fp64_fn(model: torch.nn.Module, device: str):
             out = model(*args)
         outs = out if isinstance(out, (list, tuple)) else [out]
         return [o.detach().cpu().numpy() for o in outs]
+
     return fn
 
 
-def _run(fn, sets: dict[str, dict[str, np.ndarray]], names: list[str], outputs: list[str], max_batch: int,
-         pace=None) -> dict[str, list[np.ndarray]]:
+def _run(
+    fn, sets: dict[str, dict[str, np.ndarray]], names: list[str], outputs: list[str], max_batch: int, pace=None
+) -> dict[str, list[np.ndarray]]:
     """``fn`` on every set, in chunks of at most ``max_batch``; ``pace()`` (where given) before each chunk, to take
     the cores the compiles beside it leave free."""
     got: dict[str, list[np.ndarray]] = {o: [] for o in outputs}
@@ -86,9 +90,20 @@ def fp64_outputs(
     return got, ""
 
 
-def build_reference(eager: torch.nn.Module, exported: torch.nn.Module, sig: Signature, sets, info, dtype: str,
-                    max_batch: int, device: str, labels: np.ndarray | None, sample_set: str, tf32: bool = False,
-                    pace=None) -> Reference:
+def build_reference(
+    eager: torch.nn.Module,
+    exported: torch.nn.Module,
+    sig: Signature,
+    sets,
+    info,
+    dtype: str,
+    max_batch: int,
+    device: str,
+    labels: np.ndarray | None,
+    sample_set: str,
+    tf32: bool = False,
+    pace=None,
+) -> Reference:
     """Run eager (``eager``: the float32 model) in float64 and ``exported`` (the module the artifacts are
     made from, in ``dtype``) on every set, and derive each output's bound from the two. On CUDA, float32
     runs in IEEE float32 (TF32 off), so that the bound is a float32 bound; with ``tf32`` eager runs once more

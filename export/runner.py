@@ -31,8 +31,11 @@ def main(spec_path: str) -> int:
         outs = {}
         names = spec["inputs"]
         for key in spec["sets"]:
-            got = runtime.in_chunks(lambda xs: list(r.run(dict(zip(names, xs))).values()),
-                                    [ref[f"input/{key}/{n}"] for n in names], spec["max_batch"])
+            got = runtime.in_chunks(
+                lambda xs: list(r.run(dict(zip(names, xs))).values()),
+                [ref[f"input/{key}/{n}"] for n in names],
+                spec["max_batch"],
+            )
             for name, out in zip(spec["outputs"], got):
                 outs[f"{key}/{name}"] = out
         np.savez(spec["out"], **outs)

@@ -47,14 +47,26 @@ def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = 
     if not pre or "mean" not in pre:
         raise CheckpointError(f"{ckdir / ck.META} records no preprocessing (mean/std); cannot build the input contract")
     shape = list(meta["input_shape"])
-    sig = Signature([TensorSpec("images", "float32", [BATCH, *shape])],
-                    [TensorSpec("logits", "float32", [BATCH, meta["num_classes"]])])
-    src = Source(WithPreprocessing(model, pre["mean"], pre["std"]).eval(), sig,
-                 export_name(meta["arch"]),
-                 {"kind": "checkpoint", "path": str(ckdir.resolve()), "weights_sha256": meta.get("weights_sha256"),
-                  "arch": meta["arch"], "model_args": meta.get("model_args", {}), "metrics": meta.get("metrics", {}),
-                  "git_revision": meta.get("git_revision")},
-                 classes=meta["classes"], preprocessing=pre)
+    sig = Signature(
+        [TensorSpec("images", "float32", [BATCH, *shape])],
+        [TensorSpec("logits", "float32", [BATCH, meta["num_classes"]])],
+    )
+    src = Source(
+        WithPreprocessing(model, pre["mean"], pre["std"]).eval(),
+        sig,
+        export_name(meta["arch"]),
+        {
+            "kind": "checkpoint",
+            "path": str(ckdir.resolve()),
+            "weights_sha256": meta.get("weights_sha256"),
+            "arch": meta["arch"],
+            "model_args": meta.get("model_args", {}),
+            "metrics": meta.get("metrics", {}),
+            "git_revision": meta.get("git_revision"),
+        },
+        classes=meta["classes"],
+        preprocessing=pre,
+    )
     if (ckdir / ck.HELDOUT).exists():
         with np.load(ckdir / ck.HELDOUT) as held:
             src.samples, src.labels = {"images": held["images"].astype(np.float32)}, held["labels"]
@@ -74,12 +86,23 @@ def _from_data_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.nn.Mod
         sig.dims[name] = span
     by_keyword = meta.get("inputs_by") == "keyword"
     deployable, keys = _deployable(model.eval(), sig, (), by_keyword)
-    src = Source(deployable, sig, export_name(meta["arch"]),
-                 {"kind": "checkpoint", "path": str(ckdir.resolve()), "weights_sha256": meta.get("weights_sha256"),
-                  "arch": meta["arch"], "model_args": meta.get("model_args", {}), "metrics": meta.get("metrics", {}),
-                  "data": meta.get("data", {}).get("factory"), "git_revision": meta.get("git_revision"),
-                  "output_keys": keys},
-                 classes=meta.get("classes"))
+    src = Source(
+        deployable,
+        sig,
+        export_name(meta["arch"]),
+        {
+            "kind": "checkpoint",
+            "path": str(ckdir.resolve()),
+            "weights_sha256": meta.get("weights_sha256"),
+            "arch": meta["arch"],
+            "model_args": meta.get("model_args", {}),
+            "metrics": meta.get("metrics", {}),
+            "data": meta.get("data", {}).get("factory"),
+            "git_revision": meta.get("git_revision"),
+            "output_keys": keys,
+        },
+        classes=meta.get("classes"),
+    )
     if (ckdir / ck.HELDOUT).exists():
         with np.load(ckdir / ck.HELDOUT) as held:
             src.samples = {t.name: held[f"input/{t.name}"] for t in sig.inputs}
@@ -104,8 +127,17 @@ def _deployable(model: torch.nn.Module, sig: Signature, outputs, by_keyword: boo
     return named(model, [t.name for t in sig.inputs], keys, by_keyword), keys
 
 
-def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights: str, inputs, dims, ranges,
-                 outputs, example_inputs: Optional[str], log=print) -> Source:
+def from_weights(
+    factory: str,
+    model_args: list[str] | tuple[str, ...],
+    weights: str,
+    inputs,
+    dims,
+    ranges,
+    outputs,
+    example_inputs: Optional[str],
+    log=print,
+) -> Source:
     """A user's model: ``factory(**model_args)`` with ``weights`` loaded strictly, and the signature given."""
     sig = parse_signature(inputs, dims, ranges)
     for note in sig.notes:
@@ -118,9 +150,21 @@ def from_weights(factory: str, model_args: list[str] | tuple[str, ...], weights:
     deployable, keys = _deployable(model, sig, outputs)
     from torchship.io import sha256_file
 
-    return Source(deployable, sig, export_name(factory),
-                  {"kind": "weights", "model": factory, "model_args": args, "weights": str(Path(weights).resolve()),
-                   "weights_sha256": sha256_file(weights), "output_keys": keys}, samples=samples, sample_set="examples")
+    return Source(
+        deployable,
+        sig,
+        export_name(factory),
+        {
+            "kind": "weights",
+            "model": factory,
+            "model_args": args,
+            "weights": str(Path(weights).resolve()),
+            "weights_sha256": sha256_file(weights),
+            "output_keys": keys,
+        },
+        samples=samples,
+        sample_set="examples",
+    )
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -146,8 +190,17 @@ def load_source(cfg, log=print) -> Source:
     """The model to export and its signature (``cfg``: an ExportConfig): from a torchship checkpoint, or from
     --model and --weights."""
     if cfg.model:
-        return from_weights(cfg.model, cfg.model_args, cfg.weights, cfg.inputs, cfg.dims, cfg.input_ranges,
-                            cfg.outputs, cfg.example_inputs, log)
+        return from_weights(
+            cfg.model,
+            cfg.model_args,
+            cfg.weights,
+            cfg.inputs,
+            cfg.dims,
+            cfg.input_ranges,
+            cfg.outputs,
+            cfg.example_inputs,
+            log,
+        )
     return from_checkpoint(cfg.checkpoint, cfg.dims)
 
 
@@ -213,8 +266,9 @@ def _probe_outputs(model, sig: Signature, by_keyword: bool) -> list:
             outs.append(_call(model, sig, feeds, by_keyword))
         except Exception as e:
             shapes = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in feeds.items())
-            raise ConfigError(f"the model fails on inputs of the given signature ({shapes}): {first_line(e, 200)}; "
-                              "check --input") from None
+            raise ConfigError(
+                f"the model fails on inputs of the given signature ({shapes}): {first_line(e, 200)}; check --input"
+            ) from None
     return [(o, values) for o, values in zip(outs, (first, second))]
 
 
@@ -231,8 +285,10 @@ def _output_specs(probe: list, names: Optional[list[str]]) -> list[TensorSpec]:
     ta, tb = _flat_outputs(a), _flat_outputs(b)
     bad = [type(t).__name__ for t in ta if not isinstance(t, torch.Tensor)]
     if bad:
-        raise ConfigError(f"forward returns a {bad[0]} among its outputs; it must return tensors (a tensor, a tuple "
-                          "or list of them, or a dict of them)")
+        raise ConfigError(
+            f"forward returns a {bad[0]} among its outputs; it must return tensors (a tensor, a tuple "
+            "or list of them, or a dict of them)"
+        )
     names = names or [f"output{i}" for i in range(len(ta))]
     if len(names) != len(ta):
         raise ConfigError(f"--output names {len(names)} outputs, the model returns {len(ta)}")

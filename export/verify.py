@@ -44,10 +44,19 @@ def exit_text(code: int) -> str:
 
 
 def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, threads: int, tmp: Path) -> dict:
-    spec = {"export_dir": str(export_dir), "artifact": a, "reference": REFERENCE, "device": device, "threads": threads,
-            "inputs": [i["name"] for i in manifest["inputs"]], "outputs": [o["name"] for o in manifest["outputs"]],
-            "sets": list(manifest["reference"]["sets"]), "max_batch": manifest["max_batch"],
-            "out": str(tmp / f"{a['name']}.npz"), "result": str(tmp / f"{a['name']}.json")}
+    spec = {
+        "export_dir": str(export_dir),
+        "artifact": a,
+        "reference": REFERENCE,
+        "device": device,
+        "threads": threads,
+        "inputs": [i["name"] for i in manifest["inputs"]],
+        "outputs": [o["name"] for o in manifest["outputs"]],
+        "sets": list(manifest["reference"]["sets"]),
+        "max_batch": manifest["max_batch"],
+        "out": str(tmp / f"{a['name']}.npz"),
+        "result": str(tmp / f"{a['name']}.json"),
+    }
     spec_path = tmp / f"{a['name']}.spec.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
@@ -61,7 +70,7 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
         else {
             "ok": False,
             "error": f"runner {exit_text(proc.returncode)}: "
-                     f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}",
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}",
         }
     )
     res["seconds"] = time.perf_counter() - t0
@@ -70,9 +79,15 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
     return res
 
 
-def verify_export(export_dir: "str | Path | Export", device: str | None = None, threads: int = 1,
-                  tolerances: dict[str, Any] | None = None, only: list[str] | None = None,
-                  optional: list[str] | None = None, log=print) -> dict[str, Any]:
+def verify_export(
+    export_dir: "str | Path | Export",
+    device: str | None = None,
+    threads: int = 1,
+    tolerances: dict[str, Any] | None = None,
+    only: list[str] | None = None,
+    optional: list[str] | None = None,
+    log=print,
+) -> dict[str, Any]:
     """Verify every artifact of an export directory (or those in ``only``) against its reference; write the
     results into its manifest and parity.md.
 
@@ -105,12 +120,15 @@ def verify_export(export_dir: "str | Path | Export", device: str | None = None, 
     out_names = [o["name"] for o in manifest["outputs"]]
     results: dict[str, Any] = {}
     now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    with tempfile.TemporaryDirectory(prefix="torchship-verify-") as tmp, \
-            ThreadPoolExecutor(max_workers=max(1, min(2, usable_cpus() // threads))) as pool:
+    with (
+        tempfile.TemporaryDirectory(prefix="torchship-verify-") as tmp,
+        ThreadPoolExecutor(max_workers=max(1, min(2, usable_cpus() // threads))) as pool,
+    ):
         futures = {a["name"]: pool.submit(_run_artifact, d, manifest, a, device, threads, Path(tmp)) for a in arts}
         for a in arts:
-            results[a["name"]] = _judge(a, futures[a["name"]].result(), manifest, ref, tol, in_names, out_names,
-                                        device, now)
+            results[a["name"]] = _judge(
+                a, futures[a["name"]].result(), manifest, ref, tol, in_names, out_names, device, now
+            )
     # a verdict is never lost: --only replaces the verdicts of the artifacts it ran and keeps the others'
     earlier = verdicts(manifest)
     entries = {a["name"]: results.get(a["name"], earlier.get(a["name"])) for a in manifest["artifacts"]}
@@ -119,15 +137,24 @@ def verify_export(export_dir: "str | Path | Export", device: str | None = None, 
     failures = _failures(manifest, entries, set(results))
     required = [msg for fmt, msg in failures if fmt not in may_fail]
     passed = [n for n, e in entries.items() if e["pass"] and n not in stale_names(manifest, entries)]
-    verification = {"verified_at": now, "device": device, "tolerances": tol,
-                    "pass": not required and bool(passed), "failures": [msg for _, msg in failures],
-                    "optional": sorted(may_fail), "artifacts": entries}
+    verification = {
+        "verified_at": now,
+        "device": device,
+        "tolerances": tol,
+        "pass": not required and bool(passed),
+        "failures": [msg for _, msg in failures],
+        "optional": sorted(may_fail),
+        "artifacts": entries,
+    }
     manifest["verification"] = verification
     write_manifest(d, manifest)
     atomic_write_text(d / PARITY_MD, parity_markdown(manifest))
     if required or not passed:
-        raise ParityError(required or [msg for _, msg in failures], what=f"verification of {d}",
-                          hint=f"{d / PARITY_MD} has every figure; {OPTIONAL_HINT}")
+        raise ParityError(
+            required or [msg for _, msg in failures],
+            what=f"verification of {d}",
+            hint=f"{d / PARITY_MD} has every figure; {OPTIONAL_HINT}",
+        )
     for name, entry in results.items():
         real = entry["sets"].get(manifest["reference"].get("samples") or "", {})
         if entry.get("quantized") and "top1_agreement" in real:
@@ -153,20 +180,29 @@ def verify_export(export_dir: "str | Path | Export", device: str | None = None, 
     return verification
 
 
-def _judge(a: dict, res: dict, manifest: dict, ref, tol: dict, in_names: list[str], out_names: list[str], device: str,
-           now: str) -> dict[str, Any]:
+def _judge(
+    a: dict, res: dict, manifest: dict, ref, tol: dict, in_names: list[str], out_names: list[str], device: str, now: str
+) -> dict[str, Any]:
     """One artifact's verdict from what its fresh process returned: names, then shapes, then values (or the
     accuracy gate of a quantized artifact). The entry keeps its failure messages, so that a later
     ``verify --only`` of another artifact can report them again."""
     name = a["name"]
-    entry: dict[str, Any] = {"format": a["format"], "verified_at": now, "device": device,
-                             "seconds": round(res["seconds"], 2), "sets": {}, "pass": True,
-                             "peak_rss_bytes": res.get("peak_rss_bytes"), "failures": [],
-                             "made_on": {"reference": manifest["reference"]["sha256"], "files": dict(a["files"])}}
+    entry: dict[str, Any] = {
+        "format": a["format"],
+        "verified_at": now,
+        "device": device,
+        "seconds": round(res["seconds"], 2),
+        "sets": {},
+        "pass": True,
+        "peak_rss_bytes": res.get("peak_rss_bytes"),
+        "failures": [],
+        "made_on": {"reference": manifest["reference"]["sha256"], "files": dict(a["files"])},
+    }
 
     def fail(msg: str) -> None:
         entry["failures"].append(msg)
         entry["pass"] = False
+
     if not res.get("ok"):
         entry["error"] = res.get("error")
         fail(f"{name}: failed to load or run in a fresh process: {res.get('error')}")
@@ -177,15 +213,17 @@ def _judge(a: dict, res: dict, manifest: dict, ref, tol: dict, in_names: list[st
         fail(f"{name}: output names {res['output_names']} != manifest {out_names}")
     if a.get("gate"):  # a reduced precision (INT8, bf16): held to the accuracy gate, not a rounding bound
         entry["quantized"] = True
-        for msg in parity.check_quantized_sets(manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"),
-                                               a["gate"], name, entry["sets"]):
+        for msg in parity.check_quantized_sets(
+            manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"), a["gate"], name, entry["sets"]
+        ):
             fail(msg)
         return entry
     tf32 = bool(a.get("tf32"))
     if tf32:
         entry["tf32"] = True
-    for key, o, row, failure in parity.check_float_sets(manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"),
-                                                        tol, name, tf32):
+    for key, o, row, failure in parity.check_float_sets(
+        manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"), tol, name, tf32
+    ):
         entry["sets"][f"{key}/{o}"] = {**row, "output": o}
         if failure:
             fail(failure)
@@ -219,10 +257,14 @@ def _failures(manifest: dict, entries: dict[str, dict], now: set[str]) -> list[t
 def parity_markdown(manifest: dict[str, Any]) -> str:
     v = manifest["verification"]
     tol = v["tolerances"]
-    lines = [f"# Parity: {manifest['name']} artifacts against the reference", "",
-             f"Verified {v['verified_at']} on {v['device']}; each artifact loaded in a fresh process. "
-             f"{parity.describe(tol)} Pass: every output within its bound, and on real samples the same top-1 "
-             "class, or one within the bound of it in the reference.", ""]
+    lines = [
+        f"# Parity: {manifest['name']} artifacts against the reference",
+        "",
+        f"Verified {v['verified_at']} on {v['device']}; each artifact loaded in a fresh process. "
+        f"{parity.describe(tol)} Pass: every output within its bound, and on real samples the same top-1 "
+        "class, or one within the bound of it in the reference.",
+        "",
+    ]
     masks = [t["name"] for t in manifest["inputs"] if t.get("values") == "mask"]
     if masks:
         lines += [
@@ -234,8 +276,11 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
             "",
         ]
     if manifest["reference"].get("degenerate"):
-        lines += [f"**Blind check:** eager's output {', '.join(manifest['reference']['degenerate'])} is the same for "
-                  "every reference input (exported with --allow-degenerate).", ""]
+        lines += [
+            f"**Blind check:** eager's output {', '.join(manifest['reference']['degenerate'])} is the same for "
+            "every reference input (exported with --allow-degenerate).",
+            "",
+        ]
     outputs = []
     for o, t in tol["outputs"].items():
         eager = f"{t['eager_error']:.2e}" if "eager_error" in t else "-"
@@ -254,9 +299,16 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         worst, bound, multiple, agree = parity.artifact_summary(entry, tol)
         optional = " (optional)" if not entry["pass"] and entry["format"] in v["optional"] else ""
         stale = name in by_name and verdict_state(manifest, by_name[name]) == STALE
-        artifacts.append([name + (" (TF32)" if entry.get("tf32") else ""), f"{worst:.2e}", f"{bound:.2e}",
-                          "-" if multiple is None else f"{multiple:.2f}", agree,
-                          f"NOT CURRENT: {STALE}" if stale else ("pass" if entry["pass"] else "FAIL") + optional])
+        artifacts.append(
+            [
+                name + (" (TF32)" if entry.get("tf32") else ""),
+                f"{worst:.2e}",
+                f"{bound:.2e}",
+                "-" if multiple is None else f"{multiple:.2f}",
+                agree,
+                f"NOT CURRENT: {STALE}" if stale else ("pass" if entry["pass"] else "FAIL") + optional,
+            ]
+        )
         if entry.get("tf32"):
             strict = max((r["strict_bound"] for r in entry["sets"].values() if "strict_bound" in r), default=0.0)
             tf32_notes.append(
@@ -275,31 +327,66 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts),
     ]
     lines += [line for note in tf32_notes for line in ("", note)]
-    lines += ["", "What each artifact cost (export: the seconds to make it, an AOTInductor package's compile included; "
-              "verify: loading and running it in a fresh process):", "", *table(
-                  ["artifact", "export s", "on disk", "verify s", "verify peak RSS"],
-                  [[a["name"], f"{a['export_seconds']:.1f}" if "export_seconds" in a else "-",
+    lines += [
+        "",
+        "What each artifact cost (export: the seconds to make it, an AOTInductor package's compile included; "
+        "verify: loading and running it in a fresh process):",
+        "",
+        *table(
+            ["artifact", "export s", "on disk", "verify s", "verify peak RSS"],
+            [
+                [
+                    a["name"],
+                    f"{a['export_seconds']:.1f}" if "export_seconds" in a else "-",
                     size(a["bytes"]) if "bytes" in a else "-",
                     f"{v['artifacts'][a['name']]['seconds']:.1f}" if a["name"] in v["artifacts"] else "-",
-                    f"{v['artifacts'][a['name']]['peak_rss_bytes'] / 2 ** 30:.2f} GiB"
-                    if (v["artifacts"].get(a["name"]) or {}).get("peak_rss_bytes") else "-"]
-                   for a in manifest["artifacts"]])]
+                    f"{v['artifacts'][a['name']]['peak_rss_bytes'] / 2**30:.2f} GiB"
+                    if (v["artifacts"].get(a["name"]) or {}).get("peak_rss_bytes")
+                    else "-",
+                ]
+                for a in manifest["artifacts"]
+            ],
+        ),
+    ]
     if quantized:
-        lines += ["", "Reduced-precision artifacts (INT8, bfloat16) are held to an accuracy gate on the real samples "
-                  "instead of a rounding bound (accuracy within the allowed drop of eager's where labels exist, else "
-                  "top-1 agreement; an SQNR floor for other outputs); on random inputs, outside what INT8 was "
-                  "calibrated on, only their shapes and finiteness are checked.", "",
-                  *table(["artifact", "method", "calibrated on", "accuracy (eager)", "drop, points (allowed)",
-                          "top-1 agree with eager", "SQNR dB", "result"], quantized)]
+        lines += [
+            "",
+            "Reduced-precision artifacts (INT8, bfloat16) are held to an accuracy gate on the real samples "
+            "instead of a rounding bound (accuracy within the allowed drop of eager's where labels exist, else "
+            "top-1 agreement; an SQNR floor for other outputs); on random inputs, outside what INT8 was "
+            "calibrated on, only their shapes and finiteness are checked.",
+            "",
+            *table(
+                [
+                    "artifact",
+                    "method",
+                    "calibrated on",
+                    "accuracy (eager)",
+                    "drop, points (allowed)",
+                    "top-1 agree with eager",
+                    "SQNR dB",
+                    "result",
+                ],
+                quantized,
+            ),
+        ]
     sets = []
     for name, entry in v["artifacts"].items():
         if entry.get("quantized"):
             continue
         for key, row in entry["sets"].items():
-            sets.append([name, f"{key.split('/')[0]} {row['output']}", row["batch"],
-                         f"{row['max_abs']:.2e}" if "max_abs" in row else "-", f"{row['bound']:.2e}",
-                         f"{row['max_rel']:.2e}" if "max_rel" in row else "-", row.get("top1_agree", ""),
-                         "pass" if row["pass"] else "FAIL"])
+            sets.append(
+                [
+                    name,
+                    f"{key.split('/')[0]} {row['output']}",
+                    row["batch"],
+                    f"{row['max_abs']:.2e}" if "max_abs" in row else "-",
+                    f"{row['bound']:.2e}",
+                    f"{row['max_rel']:.2e}" if "max_rel" in row else "-",
+                    row.get("top1_agree", ""),
+                    "pass" if row["pass"] else "FAIL",
+                ]
+            )
     lines += [
         "",
         "Per input set:",
@@ -334,6 +421,13 @@ def quantized_row(name: str, a: dict[str, Any], entry: dict[str, Any], real: str
         if q
         else f"computes in {a.get('dtype', 'bfloat16')} behind float32 inputs and outputs"
     )
-    return [name, how,
-            f"{cal['samples']} samples ({cal['source']})" if cal else "-", acc, drop, agree, sqnr,
-            "pass" if entry["pass"] else "FAIL"]
+    return [
+        name,
+        how,
+        f"{cal['samples']} samples ({cal['source']})" if cal else "-",
+        acc,
+        drop,
+        agree,
+        sqnr,
+        "pass" if entry["pass"] else "FAIL",
+    ]

@@ -55,13 +55,17 @@ class Access:
             return None
         import grpc
 
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.tls_ca, "--tls-ca"),
-                                            private_key=_read(self.tls_key, "--tls-key"),
-                                            certificate_chain=_read(self.tls_cert, "--tls-cert"))
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.tls_ca, "--tls-ca"),
+            private_key=_read(self.tls_key, "--tls-key"),
+            certificate_chain=_read(self.tls_cert, "--tls-cert"),
+        )
 
     def __repr__(self) -> str:  # never print the key
-        return (f"Access(key={'set' if self.key else None}, key_source={self.key_source!r}, tls_ca={self.tls_ca!r}, "
-                f"tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r})")
+        return (
+            f"Access(key={'set' if self.key else None}, key_source={self.key_source!r}, tls_ca={self.tls_ca!r}, "
+            f"tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r})"
+        )
 
 
 def _read(path: Optional[str], flag: str) -> Optional[bytes]:
@@ -102,8 +106,13 @@ def access_for(url: str) -> Access:
     return Access()
 
 
-def with_flags(url: str, key_file: Optional[str] = None, tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
-               tls_key: Optional[str] = None) -> Access:
+def with_flags(
+    url: str,
+    key_file: Optional[str] = None,
+    tls_ca: Optional[str] = None,
+    tls_cert: Optional[str] = None,
+    tls_key: Optional[str] = None,
+) -> Access:
     """The access a client command's flags ask for at ``url``, remembered for this process: --key-file over
     the defaults of access_for(), and the TLS files. ConfigError naming the flag when one is unusable."""
     if bool(tls_cert) != bool(tls_key):
@@ -153,9 +162,11 @@ def write_key(url: str, key: str) -> Path:
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = d.stat()
     if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
-        raise ServerError(f"{d} holds the servers' control keys and must belong to this user alone (mode 700); "
-                          f"it is mode {stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}: fix it, or set "
-                          "XDG_RUNTIME_DIR to a private folder")
+        raise ServerError(
+            f"{d} holds the servers' control keys and must belong to this user alone (mode 700); "
+            f"it is mode {stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}: fix it, or set "
+            "XDG_RUNTIME_DIR to a private folder"
+        )
     prune_keys(d)
     return atomic_write_text(key_path(url), key + "\n", mode=0o600)
 
@@ -183,11 +194,15 @@ def prune_keys(folder: Path) -> None:
 def refusal_hint(url: str, access: Access) -> str:
     """What to do when the server at ``url`` refused a control call for want of its key."""
     if access.key:
-        return (f"the server at {url} refused the key from {access.key_source}: it is not this server's (a torchship "
-                "serve makes a new key at each start); give the current one with --key-file FILE or "
-                f"${KEY_ENV}")
-    return (f"the server at {url} answers model control only to its key; give it with --key-file FILE or ${KEY_ENV} "
-            f"(torchship serve keeps it in {key_dir()}, one file per address)")
+        return (
+            f"the server at {url} refused the key from {access.key_source}: it is not this server's (a torchship "
+            "serve makes a new key at each start); give the current one with --key-file FILE or "
+            f"${KEY_ENV}"
+        )
+    return (
+        f"the server at {url} answers model control only to its key; give it with --key-file FILE or ${KEY_ENV} "
+        f"(torchship serve keeps it in {key_dir()}, one file per address)"
+    )
 
 
 ACCESS_FLAGS = ("key_file", "tls_ca", "tls_cert", "tls_key")
@@ -196,13 +211,25 @@ ACCESS_FLAGS = ("key_file", "tls_ca", "tls_cert", "tls_key")
 def add_access_arguments(p) -> None:
     """--key-file and the client's TLS files, for a command that talks to the server at --url."""
     g = p.add_argument_group("access to the server at --url")
-    g.add_argument("--key-file", default=None, metavar="FILE",
-                   help=f"file holding the server's control key, for model load and unload (default: ${KEY_ENV}, "
-                        f"${KEY_FILE_ENV}, else the key torchship serve keeps for that address on this machine)")
-    g.add_argument("--tls-ca", default=None, metavar="PEM", help="speak TLS, verifying the server's certificate "
-                                                                 "against this CA (a server started with --tls-cert)")
-    g.add_argument("--tls-cert", default=None, metavar="PEM", help="with --tls-key: this client's certificate, for a "
-                                                                   "server that asks for one (--tls-client-ca)")
+    g.add_argument(
+        "--key-file",
+        default=None,
+        metavar="FILE",
+        help=f"file holding the server's control key, for model load and unload (default: ${KEY_ENV}, "
+        f"${KEY_FILE_ENV}, else the key torchship serve keeps for that address on this machine)",
+    )
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="speak TLS, verifying the server's certificate against this CA (a server started with --tls-cert)",
+    )
+    g.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PEM",
+        help="with --tls-key: this client's certificate, for a server that asks for one (--tls-client-ca)",
+    )
     g.add_argument("--tls-key", default=None, metavar="PEM", help="with --tls-cert: its private key")
 
 
@@ -212,7 +239,9 @@ def access_from_arguments(ns, url: Optional[str]) -> Optional[Access]:
     given = [f"--{f.replace('_', '-')}" for f in ACCESS_FLAGS if getattr(ns, f, None)]
     if url is None:
         if given:
-            raise ConfigError(f"{' and '.join(given)} go with --url (a running server); a server this command starts "
-                              "itself needs neither")
+            raise ConfigError(
+                f"{' and '.join(given)} go with --url (a running server); a server this command starts "
+                "itself needs neither"
+            )
         return None
     return with_flags(url, *(getattr(ns, f, None) for f in ACCESS_FLAGS))

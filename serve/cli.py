@@ -17,8 +17,10 @@ from .config import InferConfig, RepoConfig, ServeConfig, check_url
 
 
 def add_repo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("export_dir", help="export directory (with manifest.json) written by torchship export; with "
-                                      "--history, a repository")
+    p.add_argument(
+        "export_dir",
+        help="export directory (with manifest.json) written by torchship export; with --history, a repository",
+    )
     p.add_argument(
         "--into",
         default=None,
@@ -28,10 +30,14 @@ def add_repo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keep", type=int, default=3, help="with --into: versions kept on disk per model (the live one always)"
     )
-    p.add_argument("--new-signature", action="store_true", help="with --into: accept inputs or outputs that differ "
-                                                                 "from the served ones")
-    p.add_argument("--history", action="store_true", help="list a repository's versions, which is live and where each "
-                                                          "came from")
+    p.add_argument(
+        "--new-signature",
+        action="store_true",
+        help="with --into: accept inputs or outputs that differ from the served ones",
+    )
+    p.add_argument(
+        "--history", action="store_true", help="list a repository's versions, which is live and where each came from"
+    )
     add_dataclass_arguments(p, RepoConfig)
 
 
@@ -51,9 +57,24 @@ def repo_history(repo: str) -> int:
     from .versions import history
 
     rows = history(repo)
-    print("\n".join(table(["model", "version", "live", "export", "weights sha256", "added"],
-                          [[r["model"], r["version"], "live" if r["live"] else "", r.get("export", "-"),
-                            (r.get("weights_sha256") or "-")[:12], r.get("added", "-")] for r in rows])))
+    print(
+        "\n".join(
+            table(
+                ["model", "version", "live", "export", "weights sha256", "added"],
+                [
+                    [
+                        r["model"],
+                        r["version"],
+                        "live" if r["live"] else "",
+                        r.get("export", "-"),
+                        (r.get("weights_sha256") or "-")[:12],
+                        r.get("added", "-"),
+                    ]
+                    for r in rows
+                ],
+            )
+        )
+    )
     return 0
 
 
@@ -89,14 +110,26 @@ def repo_build(ns: argparse.Namespace) -> int:
 
     entry = res.get("entry")
     if entry and entry.endswith(TEXT_SUFFIX):
-        print(f"text entry: {entry} takes a text's UTF-8 bytes (UINT8) and tokenizes it in the server: "
-              f"torchship infer --url HOST:PORT --model {entry} --text \"...\"")
+        print(
+            f"text entry: {entry} takes a text's UTF-8 bytes (UINT8) and tokenizes it in the server: "
+            f'torchship infer --url HOST:PORT --model {entry} --text "..."'
+        )
     elif entry:
-        print(f"image entry: {entry} takes an image file's bytes (UINT8) and prepares it in the server: "
-              f"torchship infer --url HOST:PORT --model {entry} photo.jpg")
+        print(
+            f"image entry: {entry} takes an image file's bytes (UINT8) and prepares it in the server: "
+            f"torchship infer --url HOST:PORT --model {entry} photo.jpg"
+        )
     if cfg.strategy:
-        winner, dest = serve_by_strategy(export, res["path"], cfg.strategy, manifest, results, cfg.only_winner,
-                                         log=lambda line: print(line, flush=True), cores=cfg.search_cores())
+        winner, dest = serve_by_strategy(
+            export,
+            res["path"],
+            cfg.strategy,
+            manifest,
+            results,
+            cfg.only_winner,
+            log=lambda line: print(line, flush=True),
+            cores=cfg.search_cores(),
+        )
         print(f"served as {dest.name}: {winner['why']}")
     print(f"serve it: torchship serve {res['path']}   (official container: see {res['path']}/README.md)")
     return 0
@@ -124,8 +157,10 @@ def main_serve(ns: argparse.Namespace) -> int:
         print(f"models: {', '.join(info['models'])}")
         kept = "" if cfg.log else ", removed after a clean stop: --log FILE keeps one"
         print(f"log: {info['log']}   (Ctrl-C to stop; in-flight requests are drained{kept})")
-        print(f"control key: {info['key_file']}   (model load/unload, logging, shared memory and trace answer only "
-              "to it; torchship's commands on this machine find it there)")
+        print(
+            f"control key: {info['key_file']}   (model load/unload, logging, shared memory and trace answer only "
+            "to it; torchship's commands on this machine find it there)"
+        )
         tls_flags = f" --tls-ca {cfg.tls_ca or cfg.tls_cert}" if info["tls"] else ""
         tls_flags += " --tls-cert CERT --tls-key KEY" if info["mutual_tls"] else ""
         print(
@@ -181,10 +216,17 @@ def read_bench(path: str) -> dict:
 def add_rollout_arguments(p: argparse.ArgumentParser, rollback: bool = False) -> None:
     p.add_argument("repo", help="the repository the server at --url serves (on a shared volume for a container)")
     p.add_argument("--url", required=True, help="gRPC HOST:PORT of the running Triton (explicit model control)")
-    p.add_argument("--check", default=None, help="export directory whose reference the new version's served outputs "
-                                                  "must match before it takes traffic")
-    p.add_argument("--models", nargs="+", default=None, help="models to switch (default: every model with a version "
-                                                              "other than the live one to switch to)")
+    p.add_argument(
+        "--check",
+        default=None,
+        help="export directory whose reference the new version's served outputs must match before it takes traffic",
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        help="models to switch (default: every model with a version other than the live one to switch to)",
+    )
     if rollback:
         p.add_argument(
             "--to", type=int, default=None, help="version to go back to (default: the one before the live one)"
@@ -207,8 +249,12 @@ def main_rollout(ns: argparse.Namespace) -> int:
     if not repo.is_dir():
         raise ConfigError(f"{repo}: no such repository")
     back = ns.command == "rollback"
-    models = ns.models or [m for m in repository_models(repo) if not is_candidate(m) and (
-        len(versions(repo / m)) > 1 if back else versions(repo / m)[-1] != live_version(repo / m))]
+    models = ns.models or [
+        m
+        for m in repository_models(repo)
+        if not is_candidate(m)
+        and (len(versions(repo / m)) > 1 if back else versions(repo / m)[-1] != live_version(repo / m))
+    ]
     if not models:
         print(f"{repo}: nothing to {'roll back' if back else 'roll out'} (every model's newest version is live)")
         return 0

@@ -66,7 +66,7 @@ class TritonClient:
             except InferenceServerException as e:
                 said = f"{e.status()} {e.message()}"
                 if "handshake failed" in said.lower():  # TLS: the certificates do not fit, and waiting will not help
-                    why = said[said.lower().index("handshake failed"):].split(",")[0].strip()
+                    why = said[said.lower().index("handshake failed") :].split(",")[0].strip()
                     raise AccessError(
                         f"no TLS connection to {self.url} ({why}): check that --tls-ca is the CA that "
                         "signed the server's certificate, and give --tls-cert and --tls-key if the server "
@@ -76,26 +76,32 @@ class TritonClient:
                 if (
                     hung_up == 2 and self.access.tls
                 ):  # twice, so that a gRPC server closing one connection is not taken for it
-                    raise AccessError(f"no TLS connection to {self.url}: check that --tls-ca is the CA that signed the "
-                                      "server's certificate (whose subjectAltName must name the --url host), and give "
-                                      "--tls-cert and --tls-key if the server asks for a client certificate") from None
+                    raise AccessError(
+                        f"no TLS connection to {self.url}: check that --tls-ca is the CA that signed the "
+                        "server's certificate (whose subjectAltName must name the --url host), and give "
+                        "--tls-cert and --tls-key if the server asks for a client certificate"
+                    ) from None
                 if hung_up == 2 and speaks_tls(self.url):
                     raise AccessError(
                         f"{self.url} serves gRPC over TLS: give --tls-ca with the CA that signed its "
                         "certificate (and --tls-cert and --tls-key if it asks for a client certificate)"
                     ) from None
                 if hung_up == 2:
-                    raise ServerError(f"{self.url} is not a gRPC endpoint: something there accepts connections "
-                                      "but hangs up on gRPC (Triton's HTTP or metrics port, or a TLS endpoint?); "
-                                      "--url takes Triton's gRPC port (8001 in the official container, printed "
-                                      "by torchship serve)") from None
+                    raise ServerError(
+                        f"{self.url} is not a gRPC endpoint: something there accepts connections "
+                        "but hangs up on gRPC (Triton's HTTP or metrics port, or a TLS endpoint?); "
+                        "--url takes Triton's gRPC port (8001 in the official container, printed "
+                        "by torchship serve)"
+                    ) from None
                 silent = "DEADLINE_EXCEEDED" in said
             except Exception:
                 silent, hung_up = False, 0
             if time.monotonic() > deadline:
                 if silent:
-                    raise ServerError(f"no gRPC answer from {self.url} within {timeout_s:.0f}s: something accepts "
-                                      "connections there but does not answer; is it Triton's gRPC port?")
+                    raise ServerError(
+                        f"no gRPC answer from {self.url} within {timeout_s:.0f}s: something accepts "
+                        "connections there but does not answer; is it Triton's gRPC port?"
+                    )
                 raise ServerError(f"Triton at {self.url} is not ready after {timeout_s:.0f}s; is the server running?")
             time.sleep(0.2)
 
@@ -111,8 +117,14 @@ class TritonClient:
         repository's. Bounded by ``timeout_s`` where given. ClientError carrying Triton's message if it fails."""
         from google.protobuf import json_format
 
-        self._call(f"load {model}", self.client.load_model, model, headers=self.control_headers,
-                   config=json_format.MessageToJson(config) if config is not None else None, client_timeout=timeout_s)
+        self._call(
+            f"load {model}",
+            self.client.load_model,
+            model,
+            headers=self.control_headers,
+            config=json_format.MessageToJson(config) if config is not None else None,
+            client_timeout=timeout_s,
+        )
 
     def unload(self, model: str) -> None:
         """Unload every version of ``model`` (requests in flight complete first)."""
@@ -170,8 +182,16 @@ class TritonClient:
         """0 for a model without batching (its dims include the batch of 1)."""
         return int(self.config(model).get("max_batch_size", 0))
 
-    def infer(self, model: str, x: np.ndarray, version: str = "", top_k: int = 0, input_name: str | None = None,
-              output: str | None = None, stream: "InferStream | None" = None) -> np.ndarray:
+    def infer(
+        self,
+        model: str,
+        x: np.ndarray,
+        version: str = "",
+        top_k: int = 0,
+        input_name: str | None = None,
+        output: str | None = None,
+        stream: "InferStream | None" = None,
+    ) -> np.ndarray:
         """Send one batch; returns the output array (or, with top_k, Triton's 'score:index:label' rows).
         The request is one ModelInferRequest built straight from the array and sent on tritonclient's
         generated gRPC stub (no InferInput/InferResult objects and one copy of the payload less): as a
@@ -182,15 +202,24 @@ class TritonClient:
         name = wire.get(input_name, input_name) if input_name else cfg["input"][0]["name"]
         return decode(self._send(model, request(model, x, name, out, version, top_k), stream), out)
 
-    def infer_all(self, model: str, feeds: dict[str, np.ndarray], version: str = "",
-                  stream: "InferStream | None" = None) -> dict[str, np.ndarray]:
+    def infer_all(
+        self, model: str, feeds: dict[str, np.ndarray], version: str = "", stream: "InferStream | None" = None
+    ) -> dict[str, np.ndarray]:
         """Send one batch of every input by name; returns every output by name (the manifest's names, which
         the served model's may differ from: to_wire)."""
-        return self.from_wire(model, decode_all(self._send(model, request_feeds(model, self.to_wire(model, feeds),
-                                                                               version=version), stream)))
+        return self.from_wire(
+            model,
+            decode_all(self._send(model, request_feeds(model, self.to_wire(model, feeds), version=version), stream)),
+        )
 
-    def classify(self, model: str, feeds: dict[str, np.ndarray], top_k: int, version: str = "",
-                 stream: "InferStream | None" = None) -> np.ndarray:
+    def classify(
+        self,
+        model: str,
+        feeds: dict[str, np.ndarray],
+        top_k: int,
+        version: str = "",
+        stream: "InferStream | None" = None,
+    ) -> np.ndarray:
         """The top_k classes of the model's first output per row, as Triton's classification extension
         gives them ('score:index:label' strings)."""
         out = self.config(model)["output"][0]["name"]
@@ -233,6 +262,7 @@ class TritonClient:
         def run(xs):
             got = self.infer_all(model, dict(zip(names, xs)), version)
             return [got[o] for o in outs]
+
         return dict(zip(outs, in_chunks(run, [feeds[n] for n in names], self.max_batch(model) or 1)))
 
     def statistics(self, model: str = "") -> dict[str, Any]:
@@ -267,8 +297,11 @@ MAX_MESSAGE = 2**31 - 1  # what tritonclient's own channel allows; the server en
 # After a refused connection gRPC waits a second before it tries again by default, so a client that reaches a
 # starting server a moment too early would wait that second; here the first retry comes after 0.1 s. (The
 # minimum backoff stays: gRPC also takes it as the time a connection may take to answer.)
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE),
-                   ("grpc.initial_reconnect_backoff_ms", 100)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+]
 
 
 def infer_channel(url: str, access: Access | None = None):

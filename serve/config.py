@@ -70,10 +70,12 @@ class RepoConfig:
     instance_kind: Literal["auto", "cpu", "gpu"] = opt(
         "auto", "instance_group kind: KIND_GPU when serving on GPU (auto: if CUDA is visible)"
     )
-    cores: Optional[int] = opt(None, "CPU cores the served models may use (default: those this process may run on, "
-                                     "its CPU affinity)")
-    instance_count: Optional[int] = opt(None, "model instances per device (default: 1; with --threads, as many as "
-                                              "the cores hold)")
+    cores: Optional[int] = opt(
+        None, "CPU cores the served models may use (default: those this process may run on, its CPU affinity)"
+    )
+    instance_count: Optional[int] = opt(
+        None, "model instances per device (default: 1; with --threads, as many as the cores hold)"
+    )
     threads: Optional[int] = opt(
         None, "intra-op threads per instance (default: the cores shared out among the instances)"
     )
@@ -82,8 +84,9 @@ class RepoConfig:
         "none", "ONNX Runtime GPU execution accelerator to configure"
     )
     trt_fp16: Optional[bool] = opt(None, "with --ort-accelerator tensorrt: allow FP16 engines (default: allowed)")
-    trt_cache: Optional[str] = opt(None, f"with --ort-accelerator tensorrt: engine cache directory inside the server "
-                                         f"(default: {TRT_CACHE})")
+    trt_cache: Optional[str] = opt(
+        None, f"with --ort-accelerator tensorrt: engine cache directory inside the server (default: {TRT_CACHE})"
+    )
     max_batch: Optional[int] = opt(None, "max_batch_size (default: the export's max batch)")
     overwrite: bool = opt(False, "replace an existing repository directory")
     strategy: Optional[str] = opt(
@@ -92,15 +95,22 @@ class RepoConfig:
         "or p99-budget=MS, judged on --bench's served figures (without --bench: a short "
         "served bench of the new repository, written beside it as OUT-bench)",
     )
-    bench: Optional[str] = opt(None, "with --strategy: the results.json of a torchship bench of this export "
-                                     "(default: run a short one)")
+    bench: Optional[str] = opt(
+        None, "with --strategy: the results.json of a torchship bench of this export (default: run a short one)"
+    )
     only_winner: bool = opt(False, "with --strategy: serve the winner alone, without the per-format models")
-    image_entry: Optional[bool] = opt(None, "also serve <name>_image, which takes an encoded image file (JPEG, PNG, "
-                                            "WebP, ...) as its bytes and prepares it in the server as training did "
-                                            "(default: for an image model, one whose export records its preprocessing)")
-    text_entry: Optional[bool] = opt(None, "also serve <name>_text, which takes a text as its UTF-8 bytes and "
-                                           "tokenizes it in the server with the export's tokenizer (default: for an "
-                                           "export made with --tokenizer)")
+    image_entry: Optional[bool] = opt(
+        None,
+        "also serve <name>_image, which takes an encoded image file (JPEG, PNG, "
+        "WebP, ...) as its bytes and prepares it in the server as training did "
+        "(default: for an image model, one whose export records its preprocessing)",
+    )
+    text_entry: Optional[bool] = opt(
+        None,
+        "also serve <name>_text, which takes a text as its UTF-8 bytes and "
+        "tokenizes it in the server with the export's tokenizer (default: for an "
+        "export made with --tokenizer)",
+    )
 
     def __post_init__(self) -> None:
         if self.strategy is not None:
@@ -120,12 +130,20 @@ class RepoConfig:
             raise ConfigError("--max-batch must be at least 1 (leave it out for the export's max batch)")
         if self.cores is not None and self.instance_count is not None and self.threads is not None:
             placement(self.cores, self.instance_count, self.threads)
-        trt = [flag for flag, v in ((f"--{'' if self.trt_fp16 else 'no-'}trt-fp16", self.trt_fp16),
-                                    ("--trt-cache", self.trt_cache)) if v is not None]
+        trt = [
+            flag
+            for flag, v in (
+                (f"--{'' if self.trt_fp16 else 'no-'}trt-fp16", self.trt_fp16),
+                ("--trt-cache", self.trt_cache),
+            )
+            if v is not None
+        ]
         if trt and self.ort_accelerator != "tensorrt":
             one = len(trt) == 1
-            raise ConfigError(f"{' and '.join(trt)} {'applies' if one else 'apply'} to TensorRT engines only; add "
-                              f"--ort-accelerator tensorrt, or leave {'it' if one else 'them'} out")
+            raise ConfigError(
+                f"{' and '.join(trt)} {'applies' if one else 'apply'} to TensorRT engines only; add "
+                f"--ort-accelerator tensorrt, or leave {'it' if one else 'them'} out"
+            )
 
     def search_cores(self) -> Optional[int]:
         """The cores --strategy searches the winner's instances x threads within: --cores or this machine's, or
@@ -139,8 +157,12 @@ class RepoConfig:
         return None if self.cores and self.cores > here else (self.cores or here)
 
 
-def placement(cores: int, instances: Optional[int] = None, threads: Optional[int] = None,
-              flags: str = "--instance-count and --threads") -> tuple[int, int]:
+def placement(
+    cores: int,
+    instances: Optional[int] = None,
+    threads: Optional[int] = None,
+    flags: str = "--instance-count and --threads",
+) -> tuple[int, int]:
     """(instances, intra-op threads per instance) for CPU instances on ``cores`` cores: what is given, the rest
     filled in so that together they use every core (one instance with every core when neither is given).
     ConfigError where the instances' threads together exceed the cores: they would take turns on them."""
@@ -173,19 +195,31 @@ class ServeConfig:
         "reload a model whose backend process died (it reports not ready meanwhile); one line per heal, "
         "counted in LOG.heals.json",
     )
-    triton_args: tuple[str, ...] = opt((), "extra tritonserver arguments, passed on as they are (repeatable: "
-                                           "--triton-arg=--host-policy=cpu,cpu-cores=1-1 --triton-arg=--log-verbose=1)",
-                                       flag="--triton-arg", append=True)
-    tls_cert: Optional[str] = opt(None, "serve gRPC over TLS with this certificate (PEM; for a client at 127.0.0.1 its "
-                                        "subjectAltName must name IP:127.0.0.1); with --tls-key", metavar="PEM")
+    triton_args: tuple[str, ...] = opt(
+        (),
+        "extra tritonserver arguments, passed on as they are (repeatable: "
+        "--triton-arg=--host-policy=cpu,cpu-cores=1-1 --triton-arg=--log-verbose=1)",
+        flag="--triton-arg",
+        append=True,
+    )
+    tls_cert: Optional[str] = opt(
+        None,
+        "serve gRPC over TLS with this certificate (PEM; for a client at 127.0.0.1 its "
+        "subjectAltName must name IP:127.0.0.1); with --tls-key",
+        metavar="PEM",
+    )
     tls_key: Optional[str] = opt(None, "the private key of --tls-cert (PEM)", metavar="PEM")
     tls_client_ca: Optional[str] = opt(
         None,
         "with --tls-cert: mutual TLS, accepting only clients whose certificate this CA signed (PEM)",
         metavar="PEM",
     )
-    tls_ca: Optional[str] = opt(None, "with --tls-cert: the CA that signed it, for torchship's own calls to the server "
-                                      "(default: --tls-cert itself, as for a self-signed certificate)", metavar="PEM")
+    tls_ca: Optional[str] = opt(
+        None,
+        "with --tls-cert: the CA that signed it, for torchship's own calls to the server "
+        "(default: --tls-cert itself, as for a self-signed certificate)",
+        metavar="PEM",
+    )
     tls_own_cert: Optional[str] = opt(
         None,
         "with --tls-client-ca: a client certificate that CA signed, which torchship's "
@@ -204,17 +238,26 @@ class ServeConfig:
         if (self.tls_client_ca or self.tls_ca) and not self.tls_cert:
             raise ConfigError("--tls-client-ca and --tls-ca go with --tls-cert and --tls-key")
         if bool(self.tls_client_ca) != bool(self.tls_own_cert and self.tls_own_key):
-            raise ConfigError("mutual TLS needs --tls-client-ca with --tls-own-cert and --tls-own-key (a certificate "
-                              "that CA signed, for torchship's own calls to the server), and these need it")
-        check_files({f"--{f.replace('_', '-')}": getattr(self, f) for f in ("tls_cert", "tls_key", "tls_client_ca",
-                                                                              "tls_ca", "tls_own_cert", "tls_own_key")})
+            raise ConfigError(
+                "mutual TLS needs --tls-client-ca with --tls-own-cert and --tls-own-key (a certificate "
+                "that CA signed, for torchship's own calls to the server), and these need it"
+            )
+        check_files(
+            {
+                f"--{f.replace('_', '-')}": getattr(self, f)
+                for f in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_own_cert", "tls_own_key")
+            }
+        )
 
     def tls_flags(self) -> list[str]:
         """tritonserver's options for gRPC over TLS (none without --tls-cert). Triton's HTTP endpoint has no TLS."""
         if not self.tls_cert:
             return []
-        flags = ["--grpc-use-ssl=true", f"--grpc-server-cert={Path(self.tls_cert).resolve()}",
-                 f"--grpc-server-key={Path(self.tls_key).resolve()}"]
+        flags = [
+            "--grpc-use-ssl=true",
+            f"--grpc-server-cert={Path(self.tls_cert).resolve()}",
+            f"--grpc-server-key={Path(self.tls_key).resolve()}",
+        ]
         if self.tls_client_ca:
             flags += ["--grpc-use-ssl-mutual=true", f"--grpc-root-cert={Path(self.tls_client_ca).resolve()}"]
         return flags
@@ -227,21 +270,35 @@ class InferConfig:
     model: Optional[str] = opt(None, "model name (default: every served model with --check, else the first)")
     version: str = opt("", "model version (default: the server's latest)")
     top_k: int = opt(3, "classes to print per input, for a classifier (Triton's classification extension)")
-    check: Optional[str] = opt(None, "send the export's reference inputs to every served model (and its held-out "
-                                     "files, as they are, to the image entry) and compare the answers with eager; "
-                                     "exit 3 on a mismatch", metavar="EXPORT_DIR")
+    check: Optional[str] = opt(
+        None,
+        "send the export's reference inputs to every served model (and its held-out "
+        "files, as they are, to the image entry) and compare the answers with eager; "
+        "exit 3 on a mismatch",
+        metavar="EXPORT_DIR",
+    )
     heldout: Optional[str] = opt(None, "send -n held-out samples of this export", metavar="EXPORT_DIR")
     n: int = opt(4, "with --heldout: how many samples", flag="-n")
     concurrency: int = opt(1, "requests in flight at once (async gRPC)")
     stream: bool = opt(False, "send the requests one at a time over one bidirectional gRPC stream (ModelStreamInfer)")
     json: bool = opt(False, "print results as JSON")
-    raw: bool = opt(True, "send image files as they are to the image entry in front of the model where the server "
-                          "has one, and --text to the text entry (--no-raw: prepare them here and send the tensors)")
-    text: tuple[str, ...] = opt((), "a text to send, one request each (repeatable): to the text entry in front of the "
-                                    "model where the server has one, else tokenized here with --export's tokenizer",
-                                append=True)
-    export: Optional[str] = opt(None, "with --text: the export whose tokenizer makes the token tensors here, where the "
-                                      "server has no text entry (or with --no-raw)", metavar="EXPORT_DIR")
+    raw: bool = opt(
+        True,
+        "send image files as they are to the image entry in front of the model where the server "
+        "has one, and --text to the text entry (--no-raw: prepare them here and send the tensors)",
+    )
+    text: tuple[str, ...] = opt(
+        (),
+        "a text to send, one request each (repeatable): to the text entry in front of the "
+        "model where the server has one, else tokenized here with --export's tokenizer",
+        append=True,
+    )
+    export: Optional[str] = opt(
+        None,
+        "with --text: the export whose tokenizer makes the token tensors here, where the "
+        "server has no text entry (or with --no-raw)",
+        metavar="EXPORT_DIR",
+    )
 
     def __post_init__(self) -> None:
         check_url(self.url)

@@ -45,8 +45,11 @@ def run_infer(ns: InferConfig) -> int:
         images = ns.raw and ns.files and all(is_image_file(f) for f in ns.files)
         entry = raw_entry(client, model, ready, IMAGE_INPUT) if images else None
         if entry and entry != model:  # the server prepares the image as training did: the file goes as it is
-            print(f"torchship infer: sending the files as they are to {entry}, the image entry in front of {model} "
-                  "(--no-raw sends tensors)", file=sys.stderr)
+            print(
+                f"torchship infer: sending the files as they are to {entry}, the image entry in front of {model} "
+                "(--no-raw sends tensors)",
+                file=sys.stderr,
+            )
             model = entry
         cfg = client.config(model)
         requests = _gather(ns, cfg, heldout)
@@ -57,8 +60,14 @@ def run_infer(ns: InferConfig) -> int:
         row: dict[str, Any] = {"input": name}
         if top is not None:  # Triton returns min(top_k, classes) 'score:index:label' entries per row
             entries = [t.decode() if isinstance(t, bytes) else str(t) for t in np.asarray(top).reshape(-1)]
-            row["top_k"] = [{"score": float(t.split(":")[0]), "index": int(t.split(":")[1]),
-                             "label": t.split(":", 2)[2] if t.count(":") >= 2 else ""} for t in entries]
+            row["top_k"] = [
+                {
+                    "score": float(t.split(":")[0]),
+                    "index": int(t.split(":")[1]),
+                    "label": t.split(":", 2)[2] if t.count(":") >= 2 else "",
+                }
+                for t in entries
+            ]
         if outputs is not None:
             row["outputs"] = {k: v.tolist() for k, v in outputs.items()}
         if label is not None:
@@ -73,8 +82,10 @@ def run_infer(ns: InferConfig) -> int:
             parts.append(", ".join(f"{t['label'] or t['index']} ({t['score']:.3f})" for t in r["top_k"]))
         for k, v in r.get("outputs", {}).items():
             flat = np.asarray(v).reshape(-1)
-            parts.append(f"{k} {list(np.shape(v))} [{', '.join(f'{x:.4g}' for x in flat[:SHOWN])}"
-                         f"{', ...' if flat.size > SHOWN else ''}]")
+            parts.append(
+                f"{k} {list(np.shape(v))} [{', '.join(f'{x:.4g}' for x in flat[:SHOWN])}"
+                f"{', ...' if flat.size > SHOWN else ''}]"
+            )
         truth = f"   [true: {r['true_label']}]" if "true_label" in r else ""
         print(f"{r['input']}: {'   '.join(parts)}{truth}")
     return 0
@@ -83,16 +94,21 @@ def run_infer(ns: InferConfig) -> int:
 def is_image_model(cfg: dict[str, Any]) -> bool:
     """One float input laid out NCHW (what image files and .npy arrays are sent to), or an image entry."""
     ins = cfg["input"]
-    return (len(ins) == 1 and ins[0].get("data_type") == "TYPE_FP32" and ins[0].get("format") == "FORMAT_NCHW") \
-        or takes_files(cfg)
+    return (
+        len(ins) == 1 and ins[0].get("data_type") == "TYPE_FP32" and ins[0].get("format") == "FORMAT_NCHW"
+    ) or takes_files(cfg)
 
 
 def takes_files(cfg: dict[str, Any], name: str = IMAGE_INPUT) -> bool:
     """A raw entry (torchship repo): one UINT8 vector named ``name``, an encoded image file's bytes as they are
     (``image``), or a text's UTF-8 bytes (``text``)."""
     ins = cfg["input"]
-    return len(ins) == 1 and ins[0].get("data_type") == "TYPE_UINT8" and [int(d) for d in ins[0]["dims"]] == [-1] \
+    return (
+        len(ins) == 1
+        and ins[0].get("data_type") == "TYPE_UINT8"
+        and [int(d) for d in ins[0]["dims"]] == [-1]
         and ins[0]["name"] == name
+    )
 
 
 def is_image_file(f: str) -> bool:
@@ -120,17 +136,22 @@ def _text_requests(ns, client, model: str, ready) -> tuple[str, list[tuple[str, 
     entry = raw_entry(client, model, ready, TEXT_INPUT) if ns.raw else None
     if entry:
         if entry != model:
-            print(f"torchship infer: sending the texts to {entry}, the text entry in front of {model}, which "
-                  "tokenizes them (--no-raw sends tensors)", file=sys.stderr)
-        return entry, [(_shown(t), {TEXT_INPUT: np.frombuffer(t.encode("utf-8"), np.uint8)[None]}, None)
-                       for t in ns.text]
+            print(
+                f"torchship infer: sending the texts to {entry}, the text entry in front of {model}, which "
+                "tokenizes them (--no-raw sends tensors)",
+                file=sys.stderr,
+            )
+        return entry, [
+            (_shown(t), {TEXT_INPUT: np.frombuffer(t.encode("utf-8"), np.uint8)[None]}, None) for t in ns.text
+        ]
     if takes_files(client.config(model), TEXT_INPUT):
         raise ClientError(f"--no-raw: {model} is a text entry, which takes text; name the model behind it")
     if not ns.export:
-        raise ClientError(("--no-raw tokenizes here: " if not ns.raw else
-                           f"{model} at {ns.url} has no text entry in front of it; ") +
-                          "give --export EXPORT_DIR to tokenize with its tokenizer" +
-                          ("" if not ns.raw else ", or serve a repository built from an export made with --tokenizer"))
+        raise ClientError(
+            ("--no-raw tokenizes here: " if not ns.raw else f"{model} at {ns.url} has no text entry in front of it; ")
+            + "give --export EXPORT_DIR to tokenize with its tokenizer"
+            + ("" if not ns.raw else ", or serve a repository built from an export made with --tokenizer")
+        )
     from torchship.manifest import Export
     from torchship.textio import encode, load_tokenizer
 
@@ -188,14 +209,20 @@ def _npz_request(p: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
         feeds = {k: z[k] for k in z.files}
     missing, unknown = [n for n in names if n not in feeds], [k for k in feeds if k not in names]
     if missing or unknown:
-        raise ShapeError(f"{p}: " + "; ".join(
-            ([f"no array for input(s) {', '.join(missing)}"] if missing else []) +
-            ([f"array(s) {', '.join(unknown)} name no input"] if unknown else [])) +
-            f" (model {cfg['name']} takes {', '.join(names)})")
+        raise ShapeError(
+            f"{p}: "
+            + "; ".join(
+                ([f"no array for input(s) {', '.join(missing)}"] if missing else [])
+                + ([f"array(s) {', '.join(unknown)} name no input"] if unknown else [])
+            )
+            + f" (model {cfg['name']} takes {', '.join(names)})"
+        )
     rows = {len(v) if v.ndim else 0 for v in feeds.values()}
     if 0 in rows or len(rows) != 1:
-        raise ShapeError(f"{p}: every array needs the batch first, and the same number of rows "
-                         f"(shapes: {', '.join(f'{k} {list(v.shape)}' for k, v in feeds.items())})")
+        raise ShapeError(
+            f"{p}: every array needs the batch first, and the same number of rows "
+            f"(shapes: {', '.join(f'{k} {list(v.shape)}' for k, v in feeds.items())})"
+        )
     return {n: feeds[n] for n in names}
 
 
@@ -218,8 +245,10 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
             out.append((p.name, {first: np.frombuffer(p.read_bytes(), np.uint8)[None]}, None))
             continue
         if not image:
-            raise ShapeError(f"{p}: model {cfg['name']} takes {', '.join(i['name'] for i in cfg['input'])}, not an "
-                             "image; give one .npz per request, keyed by input name (numpy.savez)")
+            raise ShapeError(
+                f"{p}: model {cfg['name']} takes {', '.join(i['name'] for i in cfg['input'])}, not an "
+                "image; give one .npz per request, keyed by input name (numpy.savez)"
+            )
         if p.suffix == ".npy":
             arr = _load(p)
             arr = arr[None] if arr.ndim == 3 else arr
@@ -228,8 +257,10 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
                     f"{p}: shape {list(arr.shape)} does not match the model input [N, {', '.join(map(str, chw))}]"
                 )
             if arr.dtype.kind != "f":  # 0-255 pixels cast to float would be served as nonsense without an error
-                raise ShapeError(f"{p}: dtype {arr.dtype} is not floating point; save float32 pixel values in [0, 1] "
-                                 "(divide 8-bit images by 255) or pass the image file itself")
+                raise ShapeError(
+                    f"{p}: dtype {arr.dtype} is not floating point; save float32 pixel values in [0, 1] "
+                    "(divide 8-bit images by 255) or pass the image file itself"
+                )
             out += [(f"{p.name}[{i}]", {first: row[None].astype(np.float32)}, None) for i, row in enumerate(arr)]
         else:
             out.append((p.name, {first: load_image_file(p, chw[-1])[None]}, None))
@@ -246,7 +277,7 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
             print(f"torchship infer: {ns.heldout} holds {n} {what} samples; sending those", file=sys.stderr)
         for i in range(min(ns.n, n)):
             label = heldout["classes"][int(labels[i])] if labels is not None and heldout.get("classes") else None
-            out.append((f"{key}[{i}]", {k: v[i:i + 1] for k, v in feeds.items()}, label))
+            out.append((f"{key}[{i}]", {k: v[i : i + 1] for k, v in feeds.items()}, label))
     return out
 
 

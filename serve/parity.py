@@ -17,8 +17,13 @@ from .client import TritonClient
 from .entries import Entry, entry_of, entry_target
 
 
-def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[str] | None = None,
-                 tolerances: dict[str, Any] | None = None, version: str = "") -> dict[str, Any]:
+def check_served(
+    url: str,
+    export_dir: "str | Path | Export",
+    models: Sequence[str] | None = None,
+    tolerances: dict[str, Any] | None = None,
+    version: str = "",
+) -> dict[str, Any]:
     """Send the export's reference inputs to every served model of this export (or ``models``) and compare
     with the reference outputs under the bounds the manifest records (or ``tolerances``, in its form), as
     verify does in-process. ``version``: that version of each model (default: the one unversioned requests reach).
@@ -34,8 +39,12 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
     raw_entry = entry_of(manifest)
     entry = raw_entry.name if raw_entry else None
     raw = raw_files(d, manifest) if RAW_SET in manifest["reference"] and entry in ready else []
-    models = list(models or models_of(manifest, ready) + [m for m in ready if m == manifest["name"]]
-                  + [m for m in ready if m == entry and raw])
+    models = list(
+        models
+        or models_of(manifest, ready)
+        + [m for m in ready if m == manifest["name"]]
+        + [m for m in ready if m == entry and raw]
+    )
     if not models:
         raise ClientError(f"no model of {manifest['name']!r} is ready at {url} (served: {', '.join(ready) or 'none'})")
     results: dict[str, Any] = {}
@@ -60,6 +69,7 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
                 failures.append(f"{model}: {key}: {e}")
                 rows[key] = {"batch": batch, "pass": False, "error": str(e)}
         if not quantized:
+
             def got(key: str, o: str, answers: dict = answers):
                 return answers[key].get(o)
 
@@ -88,22 +98,32 @@ def check_served(url: str, export_dir: "str | Path | Export", models: Sequence[s
     return report
 
 
-def check_entry(client: TritonClient, raw_entry: Entry, export: Export, raw: list[tuple[str, bytes]],
-                tol: dict[str, Any], version: str, rows: dict[str, Any]) -> list[str]:
+def check_entry(
+    client: TritonClient,
+    raw_entry: Entry,
+    export: Export,
+    raw: list[tuple[str, bytes]],
+    tol: dict[str, Any],
+    version: str,
+    rows: dict[str, Any],
+) -> list[str]:
     """A raw entry from the file to the answer: each held-out file (image, or text) sent as it is, the answers
     held to the bound (or the gate) of the model behind the entry against eager on the tensors training (the
     tokenizer) made of those same files. Fills ``rows``; returns the failures."""
     manifest, ref, entry = export.manifest, export.reference(), raw_entry.name
     if not raw:
-        return [f"{entry}: {export.dir} keeps no held-out files to send it (" +
-                ("export with --text-samples)" if raw_entry.kind == "text" else "export from a checkpoint of images)")]
+        return [
+            f"{entry}: {export.dir} keeps no held-out files to send it ("
+            + ("export with --text-samples)" if raw_entry.kind == "text" else "export from a checkpoint of images)")
+        ]
     target = entry_target(client.config(entry))
     fmt = format_of(target, manifest, client.config(target))
     quantized = next((a for a in manifest["artifacts"] if a["format"] == fmt and a.get("gate")), None)
     outputs = [o["name"] for o in manifest["outputs"]]
     try:
-        got = [client.infer_all(entry, {raw_entry.input: np.frombuffer(data, np.uint8)[None]}, version)
-               for _, data in raw]
+        got = [
+            client.infer_all(entry, {raw_entry.input: np.frombuffer(data, np.uint8)[None]}, version) for _, data in raw
+        ]
     except (ClientError, ShapeError) as e:
         rows[RAW_SET] = {"batch": len(raw), "pass": False, "error": str(e)}
         return [f"{entry}: {RAW_SET}: {e}"]
@@ -112,19 +132,29 @@ def check_entry(client: TritonClient, raw_entry: Entry, export: Export, raw: lis
         return check_against_target(client, entry, target, export, answers, quantized["gate"], version, rows)
     failures = []
     trained = raw_entry.kind == "image" and manifest["source"].get("kind") == "checkpoint"
-    for _, o, row, failure in check_float_sets(manifest, ref, lambda key, o: answers.get(o), tol, entry,
-                                               runs_tf32(manifest, fmt), {RAW_SET: len(raw)}):
+    for _, o, row, failure in check_float_sets(
+        manifest, ref, lambda key, o: answers.get(o), tol, entry, runs_tf32(manifest, fmt), {RAW_SET: len(raw)}
+    ):
         rows[RAW_SET if len(outputs) == 1 else f"{RAW_SET}/{o}"] = row
         if failure:
-            failures.append(failure + f" (from the files in {export.dir / RAW_SET}, through the server's "
-                                      f"{'tokenizer' if raw_entry.kind == 'text' else 'preprocessing'}, against "
-                                      f"{'training' if trained else 'the export'}'s)")
+            failures.append(
+                failure + f" (from the files in {export.dir / RAW_SET}, through the server's "
+                f"{'tokenizer' if raw_entry.kind == 'text' else 'preprocessing'}, against "
+                f"{'training' if trained else 'the export'}'s)"
+            )
     return failures
 
 
-def check_against_target(client: TritonClient, entry: str, target: str, export: Export,
-                         answers: dict[str, np.ndarray], gate: dict[str, Any], version: str,
-                         rows: dict[str, Any]) -> list[str]:
+def check_against_target(
+    client: TritonClient,
+    entry: str,
+    target: str,
+    export: Export,
+    answers: dict[str, np.ndarray],
+    gate: dict[str, Any],
+    version: str,
+    rows: dict[str, Any],
+) -> list[str]:
     """A reduced-precision model behind the entry: the entry's answers on the files against the model's own on
     the tensors training made of them (the gate held it to eager already): the same top-1 on every file, and
     each float output at least the gate's SQNR floor from them."""
@@ -134,12 +164,28 @@ def check_against_target(client: TritonClient, entry: str, target: str, export: 
     agree = float(np.mean(answers[first].argmax(-1) == mine[first].argmax(-1))) if answers[first].ndim == 2 else 1.0
     sqnr = {o: round(sqnr_db(answers[o], mine[o]), 2) for o in answers if answers[o].dtype.kind == "f"}
     floor = gate.get("min_sqnr_db", 0.0)
-    failures = [f"{entry}: {RAW_SET}: top-1 differs from {target}'s on training's tensors of the same files for "
-                f"{round((1 - agree) * len(answers[first]))} of {len(answers[first])}"] if agree < 1.0 else []
-    failures += [f"{entry}: {RAW_SET} output {o!r}: SQNR {v:.1f} dB against {target}'s answers on training's tensors "
-                 f"of the same files, below {floor:g} dB" for o, v in sqnr.items() if v < floor]
-    rows[RAW_SET] = {"batch": len(answers[first]), "gate": dict(gate), "sqnr_db": sqnr,
-                     "top1_agreement": round(agree, 4), "pass": not failures, "output": first}
+    failures = (
+        [
+            f"{entry}: {RAW_SET}: top-1 differs from {target}'s on training's tensors of the same files for "
+            f"{round((1 - agree) * len(answers[first]))} of {len(answers[first])}"
+        ]
+        if agree < 1.0
+        else []
+    )
+    failures += [
+        f"{entry}: {RAW_SET} output {o!r}: SQNR {v:.1f} dB against {target}'s answers on training's tensors "
+        f"of the same files, below {floor:g} dB"
+        for o, v in sqnr.items()
+        if v < floor
+    ]
+    rows[RAW_SET] = {
+        "batch": len(answers[first]),
+        "gate": dict(gate),
+        "sqnr_db": sqnr,
+        "top1_agreement": round(agree, 4),
+        "pass": not failures,
+        "output": first,
+    }
     return failures
 
 

@@ -24,8 +24,11 @@ WINNER_HEADING = "## Served by strategy"
 def readme_with_winner(text: str, name: str, winner: dict[str, Any]) -> str:
     """The repository README ``text`` with its section on the model served under the export's plain name (from
     that model's winner.json) written, or written again in place of an earlier one."""
-    section = (f"`{name}` serves `{winner['model']}` ({winner['format']}, {winner.get('precision', 'float32')}"
-               + (f"; {gate_words(winner['gate'])}" if winner.get("gate") else "") + f"). Why: {winner['why']}.\n")
+    section = (
+        f"`{name}` serves `{winner['model']}` ({winner['format']}, {winner.get('precision', 'float32')}"
+        + (f"; {gate_words(winner['gate'])}" if winner.get("gate") else "")
+        + f"). Why: {winner['why']}.\n"
+    )
     if winner.get("placement"):
         from .bench.placement import grid_table
 
@@ -34,18 +37,23 @@ def readme_with_winner(text: str, name: str, winner: dict[str, Any]) -> str:
 
 
 IMAGES_TAG = "torchship-triton-images"  # the official image with Pillow: deploy/triton-images.Dockerfile
-KEY_LINE = ("(umask 077; openssl rand -base64 32 > ../triton-admin-key)  # the key model control answers to; "
-            "outside the repository")
+KEY_LINE = (
+    "(umask 077; openssl rand -base64 32 > ../triton-admin-key)  # the key model control answers to; "
+    "outside the repository"
+)
 
 
-def render_readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True,
-                  entry: str | None = None) -> str:
+def render_readme(
+    manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True, entry: str | None = None
+) -> str:
     """The repository's README.md: its models, tensors, how each server runs them, and the container's command.
     ``entry``: the raw entry's name, where the repository has one (its preprocessing needs Pillow, or tokenizers)."""
     pre = manifest.get("preprocessing")
     dims = manifest.get("dims", {})
-    tensors = [f"Input `{t['name']}`: {t['dtype']} {t['shape']}" + (f" — {pre['contract']}" if pre else "") + "."
-               for t in manifest["inputs"]]
+    tensors = [
+        f"Input `{t['name']}`: {t['dtype']} {t['shape']}" + (f" — {pre['contract']}" if pre else "") + "."
+        for t in manifest["inputs"]
+    ]
     tensors += [
         f"Output `{t['name']}`: {t['dtype']} {t['shape']}"
         + (", with class labels for Triton's classification extension" if manifest.get("classes") and i == 0 else "")
@@ -56,22 +64,30 @@ def render_readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, containe
     rows = "\n".join(
         table(["model", "format", "platform"], [[f"`{names[f]}`", f, f"`{FORMATS[f].platform}`"] for f in formats])
     )
-    buckets_only = "" if container_aoti else (
-        f"\n\n**`{names['aoti']}` holds only the bucket archive** (the export has no verified `aoti` package), which "
-        "the container's `torch_aoti` cannot load; export the `aoti` format too to serve this model there.")
+    buckets_only = (
+        ""
+        if container_aoti
+        else (
+            f"\n\n**`{names['aoti']}` holds only the bucket archive** (the export has no verified `aoti` package), "
+            "which the container's `torch_aoti` cannot load; export the `aoti` format too to serve this model there."
+        )
+    )
     aoti = [f for f in formats if FORMATS[f].platform == "torch_aoti"]
     named = " and ".join(f"`{names[f]}/config.pbtxt`" for f in aoti) or f"`{manifest['name']}_aoti/config.pbtxt`"
     wire = ", ".join(f"`{k}` is `{v}`" for k, v in aoti_tensor_names(manifest).items())
     packages = [f"`{names[f]}`" for f in ("aoti_int8", "aoti_bf16") if f in aoti]
-    int8 = ("" if not packages else
-            f" {' and '.join(packages)} {'is' if len(packages) == 1 else 'are'} batched the same way over "
-            f"{'its' if len(packages) == 1 else 'their'} one dynamic-batch package, without padding.")
+    int8 = (
+        ""
+        if not packages
+        else f" {' and '.join(packages)} {'is' if len(packages) == 1 else 'are'} batched the same way over "
+        f"{'its' if len(packages) == 1 else 'their'} one dynamic-batch package, without padding."
+    )
     kind_note = (
         "The models run on GPU 0 (`KIND_GPU` instances), so `torchship serve` below needs a CUDA GPU too; "
         "`torchship repo --instance-kind cpu` builds the same repository for a machine without one."
         if gpu
         else f"The models run on the CPU (`KIND_CPU` instances), in the container too: {cfg.instance_count} "
-             "instance(s) "
+        "instance(s) "
         f"of {cfg.threads} intra-op thread(s) each, {cfg.instance_count * cfg.threads} core(s) in all (`torchship "
         "repo --cores N` builds it for a machine of N cores). `torchship repo --instance-kind gpu` builds the same "
         "repository with the models on GPU 0."
@@ -82,17 +98,23 @@ def render_readme(manifest, names, formats, cfg: RepoConfig, gpu: bool, containe
         image = IMAGES_TAG
         build = f"docker build -f deploy/triton-images.Dockerfile -t {IMAGES_TAG} deploy/  # from torchship's folder\n"
         entry_note = (
-            f"\n\n`{entry}` takes a text as it is (a `TYPE_UINT8` vector of its UTF-8 bytes), tokenizes it in the "
-            f"server with the export's tokenizer, then runs the model behind it: an ensemble of `{entry}_pre` (python "
-            f"backend, which tokenizes with the `tokenizers` package) and that model. The official image lacks that "
-            f"package, so the command runs `{IMAGES_TAG}`, the official image with it added; `torchship repo "
-            "--no-text-entry` builds the repository without the entry, for the official image as it is."
-        ) if entry.endswith(TEXT_SUFFIX) else (
-            f"\n\n`{entry}` takes an image file as it is (a `TYPE_UINT8` vector of its bytes: JPEG, PNG, WebP, ...) "
-            f"and prepares it in the server as training did, then runs the model behind it: an ensemble of "
-            f"`{entry}_pre` (python backend, which decodes with Pillow) and that model. The official image has no "
-            f"Pillow, so the command runs `{IMAGES_TAG}`, the official image with Pillow added; `torchship repo "
-            "--no-image-entry` builds the repository without the entry, for the official image as it is.")
+            (
+                f"\n\n`{entry}` takes a text as it is (a `TYPE_UINT8` vector of its UTF-8 bytes), tokenizes it in the "
+                f"server with the export's tokenizer, then runs the model behind it: an ensemble of `{entry}_pre` "
+                f"(python backend, which tokenizes with the `tokenizers` package) and that model. The official image "
+                f"lacks that package, so the command runs `{IMAGES_TAG}`, the official image with it added; "
+                "`torchship repo --no-text-entry` builds the repository without the entry, for the official image as "
+                "it is."
+            )
+            if entry.endswith(TEXT_SUFFIX)
+            else (
+                f"\n\n`{entry}` takes an image file as it is (a `TYPE_UINT8` vector of its bytes: JPEG, PNG, WebP, "
+                f"...) and prepares it in the server as training did, then runs the model behind it: an ensemble of "
+                f"`{entry}_pre` (python backend, which decodes with Pillow) and that model. The official image has no "
+                f"Pillow, so the command runs `{IMAGES_TAG}`, the official image with Pillow added; `torchship repo "
+                "--no-image-entry` builds the repository without the entry, for the official image as it is."
+            )
+        )
     return f"""# Triton model repository: {manifest["name"]}
 
 Generated by `torchship repo` from an export manifest ({manifest["created"]}, torch {manifest["torch_version"]}).

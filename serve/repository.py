@@ -56,8 +56,15 @@ def _param(config: mc.ModelConfig, key: str, value: Any) -> None:
     config.parameters[key].string_value = str(value)
 
 
-def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch: int, kind: int,
-                 container_aoti: bool = False, warmup: dict[str, np.ndarray] | None = None) -> mc.ModelConfig:
+def build_config(
+    manifest: dict[str, Any],
+    fmt: str,
+    cfg: RepoConfig,
+    max_batch: int,
+    kind: int,
+    container_aoti: bool = False,
+    warmup: dict[str, np.ndarray] | None = None,
+) -> mc.ModelConfig:
     """The config.pbtxt of one model, with instances of ``kind`` (_instance_kind). ``container_aoti``: the
     official container's torch_aoti model (Triton 26.07 on batches it), its tensors named as that backend names
     them (aoti_tensor_names), the manifest's names recorded beside them for clients (TENSOR_NAMES).
@@ -111,8 +118,13 @@ def build_config(manifest: dict[str, Any], fmt: str, cfg: RepoConfig, max_batch:
     return c
 
 
-def warm_batches(c: mc.ModelConfig, manifest: dict[str, Any], warmup: dict[str, np.ndarray], sizes: Sequence[int],
-                 rename: dict[str, str] | None = None) -> None:
+def warm_batches(
+    c: mc.ModelConfig,
+    manifest: dict[str, Any],
+    warmup: dict[str, np.ndarray],
+    sizes: Sequence[int],
+    rename: dict[str, str] | None = None,
+) -> None:
     """Triton's warm-up, run on every instance at load before it is ready: the real sample (``warmup``) repeated to each
     of ``sizes``, so that the first requests that batch that large do not meet a cold runtime (ONNX Runtime sizes its
     buffers, oneDNN and AOTInductor their kernels, on the first run at a shape)."""
@@ -130,8 +142,10 @@ def warm_batches(c: mc.ModelConfig, manifest: dict[str, Any], warmup: dict[str, 
 def dim_ranges(manifest: dict[str, Any]) -> dict[str, list]:
     """input -> per non-batch dim, [name, min, max] for a dynamic one, else None."""
     dims = manifest.get("dims", {})
-    return {t["name"]: [[d, dims[d]["min"], dims[d]["max"]] if d in dims else None for d in t["shape"][1:]]
-            for t in manifest["inputs"]}
+    return {
+        t["name"]: [[d, dims[d]["min"], dims[d]["max"]] if d in dims else None for d in t["shape"][1:]]
+        for t in manifest["inputs"]
+    }
 
 
 def warmup_sample(manifest: dict[str, Any], ref: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -146,9 +160,13 @@ def provenance(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str, An
 
     d = Path(export_dir)
     source = manifest.get("source", {})
-    return {"export": str(d.resolve()), "manifest_sha256": sha256_file(d / MANIFEST),
-            "checkpoint": source.get("path"), "weights_sha256": source.get("weights_sha256"),
-            "added": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {
+        "export": str(d.resolve()),
+        "manifest_sha256": sha256_file(d / MANIFEST),
+        "checkpoint": source.get("path"),
+        "weights_sha256": source.get("weights_sha256"),
+        "added": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict[str, Any]:
@@ -170,12 +188,22 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
         why = not_served_text(d, reasons) or f"it has none of the formats {', '.join(cfg.formats)}"
         raise ArtifactError(f"{d}: nothing to serve: {why}")
     have = passed_formats(manifest)
-    problems = [] if export.files_checked else [
-        p for f in formats for a in manifest["artifacts"] if a["format"] in _sources(f, have)
-        for p in [file_problem(d, rel, sha) for rel, sha in a["files"].items()] if p]
+    problems = (
+        []
+        if export.files_checked
+        else [
+            p
+            for f in formats
+            for a in manifest["artifacts"]
+            if a["format"] in _sources(f, have)
+            for p in [file_problem(d, rel, sha) for rel, sha in a["files"].items()]
+            if p
+        ]
+    )
     if problems:
-        raise ArtifactError(f"{d}: " + "; ".join(problems) + "; export again (verification ran on the files the "
-                            "manifest lists)")
+        raise ArtifactError(
+            f"{d}: " + "; ".join(problems) + "; export again (verification ran on the files the manifest lists)"
+        )
     out = check_out_dir(cfg.out, cfg.overwrite, ArtifactError)
     if cfg.ort_accelerator != "none" and kind != mc.ModelInstanceGroup.KIND_GPU:
         why = (
@@ -219,18 +247,24 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
         entries = []
         # in front of the ONNX model where it is served, else the first
         target = names["onnx"] if "onnx" in formats else names[formats[0]]
-        cores = cfg.cores or usable_cpus() if kind == mc.ModelInstanceGroup.KIND_GPU else \
-            cfg.instance_count * cfg.threads  # it prepares on the CPU, one request per instance at a time
+        cores = (
+            cfg.cores or usable_cpus() if kind == mc.ModelInstanceGroup.KIND_GPU else cfg.instance_count * cfg.threads
+        )  # it prepares on the CPU, one request per instance at a time
         if wants_image_entry(manifest, cfg.image_entry):
             entries = write_image_entry(tmp, manifest, target, max_batch, cfg.version, cores)
         if manifest.get("text") if cfg.text_entry is None else cfg.text_entry:
             entries = write_text_entry(tmp, manifest, target, max_batch, cfg.version, d, cores)
         container_aoti = "aoti" not in formats or "aoti" in have
         gpu = kind == mc.ModelInstanceGroup.KIND_GPU
-        (tmp / "README.md").write_text(render_readme(manifest, names, formats, cfg, gpu, container_aoti,
-                                                       entries[-1] if entries else None))
-    return {"models": {f: names[f] for f in formats}, "not_served": reasons, "path": str(out),
-            **({"entry": entries[-1]} if entries else {})}
+        (tmp / "README.md").write_text(
+            render_readme(manifest, names, formats, cfg, gpu, container_aoti, entries[-1] if entries else None)
+        )
+    return {
+        "models": {f: names[f] for f in formats},
+        "not_served": reasons,
+        "path": str(out),
+        **({"entry": entries[-1]} if entries else {}),
+    }
 
 
 def _sources(fmt: str, have: set[str]) -> set[str]:
@@ -249,8 +283,17 @@ def _embedded(manifest, fmt: str, cfg: RepoConfig, max_batch: int, kind: int, wa
     return emb
 
 
-def _write_aoti_package(d: Path, manifest, fmt: str, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
-                        warm: dict[str, np.ndarray]) -> dict[str, str]:
+def _write_aoti_package(
+    d: Path,
+    manifest,
+    fmt: str,
+    cfg: RepoConfig,
+    max_batch: int,
+    kind: int,
+    mdir: Path,
+    vdir: Path,
+    warm: dict[str, np.ndarray],
+) -> dict[str, str]:
     """model.pt2, a dynamic-batch reduced-precision package (aoti_int8, aoti_bf16), batched up to ``max_batch``
     in the official container (as _aoti) and by the embedded server (embedded.pbtxt), which runs each batch as
     it comes, without padding."""
@@ -262,16 +305,26 @@ def _write_aoti_package(d: Path, manifest, fmt: str, cfg: RepoConfig, max_batch:
     return files
 
 
-def _write_aoti(d: Path, manifest, cfg: RepoConfig, max_batch: int, kind: int, mdir: Path, vdir: Path,
-                warm: dict[str, np.ndarray], have: set[str]) -> dict[str, str]:
+def _write_aoti(
+    d: Path,
+    manifest,
+    cfg: RepoConfig,
+    max_batch: int,
+    kind: int,
+    mdir: Path,
+    vdir: Path,
+    warm: dict[str, np.ndarray],
+    have: set[str],
+) -> dict[str, str]:
     """model.pt2 (the dynamic-batch package, for the official container) and, for the embedded server,
     buckets.pt2 with embedded.pbtxt batching over its static-batch models up to ``max_batch``."""
     emb = _embedded(manifest, "aoti", cfg, max_batch, kind, warm)
     files: dict[str, str] = {}
     if "aoti" in have:
         files.update(copy_artifact(d, artifact(manifest, "aoti"), vdir, "model.pt2"))
-        (mdir / CONFIG).write_text(config_text(build_config(manifest, "aoti", cfg, max_batch, kind,
-                                                                    container_aoti=True, warmup=warm)))
+        (mdir / CONFIG).write_text(
+            config_text(build_config(manifest, "aoti", cfg, max_batch, kind, container_aoti=True, warmup=warm))
+        )
     if "aoti_buckets" in have:
         b = artifact(manifest, "aoti_buckets")
         sizes = sorted(int(s) for s in b["buckets"] if int(s) <= max_batch)

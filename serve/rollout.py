@@ -33,8 +33,9 @@ def is_candidate(model: str) -> bool:
     return model.endswith(CANDIDATE)
 
 
-def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None, check: Optional[str | Path] = None,
-           log=print) -> dict[str, Any]:
+def switch(
+    url: str, repo: str | Path, model: str, target: Optional[int] = None, check: Optional[str | Path] = None, log=print
+) -> dict[str, Any]:
     """Make version ``target`` (default: the highest on disk) of ``model`` the one that answers, on the server
     at ``url`` serving ``repo``: load it under a candidate name, check its served outputs against ``check``'s
     reference (an export directory) if given, then reload ``model`` with ``target`` alone and record it in the
@@ -60,8 +61,10 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
         live_config = client.config(model)  # what the server at url loaded: the embedded stand-in's or the container's
         cdir = Path(repo) / candidate(model)
         try:
-            steps.run(f"version {target} loaded as {cdir.name} beside live version {live}",
-                      lambda: load_candidate(client, d, target, live_config))
+            steps.run(
+                f"version {target} loaded as {cdir.name} beside live version {live}",
+                lambda: load_candidate(client, d, target, live_config),
+            )
             if check is not None:
                 steps.run(
                     f"served parity of version {target} PASS", lambda: check_served(url, check, models=[cdir.name])
@@ -73,15 +76,18 @@ def switch(url: str, repo: str | Path, model: str, target: Optional[int] = None,
         _drop_candidate(client, cdir.name, cdir)
         base = read_config(served_config_path(d, live_config))
         try:
-            steps.run(f"switched to version {target}; version {live} unloaded after its requests in flight",
-                      lambda: both_then_one(client, model, base, live, target))
+            steps.run(
+                f"switched to version {target}; version {live} unloaded after its requests in flight",
+                lambda: both_then_one(client, model, base, live, target),
+            )
         except KeyboardInterrupt:  # the server finishes the switch or not on its own: wait for one version to be left
             serving = _settle(client, model, (live, target))
             set_live(d, serving)
             raise RolloutError(f"{model}: interrupted during the switch; version {serving} serves") from None
         except TorchshipError as e:
-            raise ServerError(f"{model}: the switch to version {target} failed ({e}); ask the server which version is "
-                              "ready") from None
+            raise ServerError(
+                f"{model}: the switch to version {target} failed ({e}); ask the server which version is ready"
+            ) from None
     set_live(d, target)
     return {"model": model, "live": target, "was": live, "changed": True, "steps": steps.seconds}
 
@@ -118,6 +124,7 @@ def load_candidate(client: TritonClient, d: Path, target: int, live_config: dict
         c.name = cand
         c.version_policy.specific.versions[:] = [target]
         c.parameters[FORMAT_PARAMETER].string_value = fmt
+
     edit_configs(d, as_candidate, into=cdir)
     client.load(cand, read_config(served_config_path(cdir, live_config)))
 

@@ -55,7 +55,8 @@ def not_served(
         if f in served or not sources:
             continue
         out[f] = made_elsewhere(manifest, f, device) or "; ".join(
-            [why_not_passed(manifest, f)] + [f"{a} {why_not_passed(manifest, a)}" for a in sources if a != f])
+            [why_not_passed(manifest, f)] + [f"{a} {why_not_passed(manifest, a)}" for a in sources if a != f]
+        )
     return out
 
 

@@ -30,8 +30,10 @@ def live_version(model_dir: Path) -> int:
 
 def live(version: int):
     """The config edit that makes ``version`` the one a (re)started server loads."""
+
     def edit(c) -> None:
         c.version_policy.specific.versions[:] = [version]
+
     return edit
 
 
@@ -48,8 +50,9 @@ def served_tensors(model_dir: Path) -> list[tuple]:
     ]
 
 
-def add_version(export_dir: str | Path, repo: str | Path, cfg: RepoConfig, keep: int = 3, new_signature: bool = False,
-                log=print) -> dict[str, int]:
+def add_version(
+    export_dir: str | Path, repo: str | Path, cfg: RepoConfig, keep: int = 3, new_signature: bool = False, log=print
+) -> dict[str, int]:
     """Add ``export_dir`` as the next version of each of its models in ``repo`` (a model the repository lacks
     is added at version 1). The live version stays live (rollout switches); versions beyond the last ``keep``
     are removed, never the live one. A model whose tensors differ from the served ones is refused (ArtifactError)
@@ -60,8 +63,12 @@ def add_version(export_dir: str | Path, repo: str | Path, cfg: RepoConfig, keep:
         raise ArtifactError(f"--into {repo}: no such repository (build one with torchship repo EXPORT --out {repo})")
     with tempfile.TemporaryDirectory(prefix=".torchship-version-", dir=repo) as tmp:
         built = Path(tmp) / "repo"
-        res = build_repository(export_dir, dataclasses.replace(cfg, out=str(built), overwrite=True, version=1,
-                                                               strategy=None, bench=None, only_winner=False))
+        res = build_repository(
+            export_dir,
+            dataclasses.replace(
+                cfg, out=str(built), overwrite=True, version=1, strategy=None, bench=None, only_winner=False
+            ),
+        )
         plan: dict[str, int] = {}
         for model in res["models"].values():
             dest = repo / model
@@ -93,8 +100,12 @@ def add_version(export_dir: str | Path, repo: str | Path, cfg: RepoConfig, keep:
 
 def _differ(old: list[tuple], new: list[tuple]) -> str:
     gone = [t[0] for t in old if t not in new]
-    return "served " + ", ".join(str(t) for t in old if t[0] in gone) + "; new " + \
-        ", ".join(str(t) for t in new if t[0] in gone or t not in old)
+    return (
+        "served "
+        + ", ".join(str(t) for t in old if t[0] in gone)
+        + "; new "
+        + ", ".join(str(t) for t in new if t[0] in gone or t not in old)
+    )
 
 
 def history(repo: str | Path) -> list[dict[str, Any]]:
@@ -106,6 +117,7 @@ def history(repo: str | Path) -> list[dict[str, Any]]:
         live = live_version(d)
         for v in versions(d):
             p = d / str(v) / PROVENANCE
-            rows.append({"model": model, "version": v, "live": v == live,
-                         **(json.loads(p.read_text()) if p.exists() else {})})
+            rows.append(
+                {"model": model, "version": v, "live": v == live, **(json.loads(p.read_text()) if p.exists() else {})}
+            )
     return rows

@@ -69,8 +69,22 @@ def trained(tmp_path_factory) -> Path:
     from train.loop import train
 
     def make(out):
-        train(build(TrainConfig, {"arch": "tiny_cnn", "epochs": 6, "lr": 3e-2, "batch_size": 32, "out": str(out),
-                                  "progress": False, "seed": 0, "amp": "off"}))
+        train(
+            build(
+                TrainConfig,
+                {
+                    "arch": "tiny_cnn",
+                    "epochs": 6,
+                    "lr": 3e-2,
+                    "batch_size": 32,
+                    "out": str(out),
+                    "progress": False,
+                    "seed": 0,
+                    "amp": "off",
+                },
+            )
+        )
+
     from torchship import checkpoint as ck
 
     return ck.resolve_checkpoint(once(tmp_path_factory, "trained", make), which="best")
@@ -117,9 +131,20 @@ def int8_export(trained, tmp_path_factory) -> Path:
     from torchship.config import build
 
     def make(d):
-        run_export(build(ExportConfig, {"checkpoint": str(trained), "out": str(d / "export"), "max_batch": 8,
-                                        "formats": ["onnx", "onnx_int8", "aoti_int8"], "max_accuracy_drop": 2.0}),
-                   log=lambda *a: None)
+        run_export(
+            build(
+                ExportConfig,
+                {
+                    "checkpoint": str(trained),
+                    "out": str(d / "export"),
+                    "max_batch": 8,
+                    "formats": ["onnx", "onnx_int8", "aoti_int8"],
+                    "max_accuracy_drop": 2.0,
+                },
+            ),
+            log=lambda *a: None,
+        )
+
     return once(tmp_path_factory, "int8", make) / "export"
 
 
@@ -128,16 +153,27 @@ def zero_calibrated(trained, tmp_path_factory) -> tuple[int, str, Path]:
     """The INT8 tests' planted fault: both INT8 formats calibrated on all-zero images, so their activation ranges
     collapse. (exit code, stderr, export directory): export writes the directory even when verification fails."""
 
-
     def make(tmp):
         zeros = tmp / "zeros.npz"
         with np.load(trained / "heldout.npz") as held:
             np.savez(zeros, images=np.zeros_like(held["images"][:32], dtype=np.float32))
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            code = run_cli("export", trained, "--out", tmp / "export", "--formats", "onnx_int8", "aoti_int8",
-                           "--max-batch", "8", "--calibration", zeros)
+            code = run_cli(
+                "export",
+                trained,
+                "--out",
+                tmp / "export",
+                "--formats",
+                "onnx_int8",
+                "aoti_int8",
+                "--max-batch",
+                "8",
+                "--calibration",
+                zeros,
+            )
         (tmp / "outcome.json").write_text(json.dumps({"code": code, "stderr": err.getvalue()}))
+
     tmp = once(tmp_path_factory, "zeros", make)
     outcome = json.loads((tmp / "outcome.json").read_text())
     return outcome["code"], outcome["stderr"], tmp / "export"

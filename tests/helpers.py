@@ -66,15 +66,19 @@ def alter_onnx_weight(path, change) -> None:
 
 def scale(factor: float, part: float = 1.0):
     """A change for alter_onnx_weight: the first ``part`` of the weight's values times ``factor``."""
+
     def change(arr) -> None:
         arr.flat[: int(arr.size * part)] *= factor
+
     return change
 
 
 def perturb_onnx(d, delta: float) -> None:
     """Add ``delta`` to one weight of the export's ONNX model (its largest initializer) and rehash it."""
+
     def add(arr) -> None:
         arr.flat[0] += delta
+
     alter_onnx_weight(d / "onnx/model.onnx", add)
     rehash(d, "onnx/model.onnx")
 
@@ -90,8 +94,12 @@ def in_process(exported, fmt):
 
 def assert_onnx_served(url, exported, x) -> None:
     """The served tiny_cnn_onnx at ``url`` answers ``x`` as ONNX Runtime does in this process."""
-    np.testing.assert_allclose(TritonClient(url).infer("tiny_cnn_onnx", x),
-                               in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        TritonClient(url).infer("tiny_cnn_onnx", x),
+        in_process(exported, "onnx").run({"images": x})["logits"],
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def refused_then_served(stream, exported) -> None:
@@ -102,19 +110,30 @@ def refused_then_served(stream, exported) -> None:
     with pytest.raises(ClientError, match="unexpected shape|shape"):
         stream(request("tiny_cnn_onnx", np.zeros((1, 3, 16, 16), np.float32), "images"))
     x = np.random.default_rng(9).random((1, 3, 32, 32), dtype=np.float32)
-    np.testing.assert_allclose(decode(stream(request("tiny_cnn_onnx", x, "images")), "logits"),
-                               in_process(exported, "onnx").run({"images": x})["logits"], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        decode(stream(request("tiny_cnn_onnx", x, "images")), "logits"),
+        in_process(exported, "onnx").run({"images": x})["logits"],
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
-EVIL_CONFIG = {"name": "evil", "backend": "python", "max_batch_size": 0,
-               "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
-               "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [1]}]}
-EVIL_CODE = ("import pathlib\npathlib.Path({marker!r}).write_text('code from a load request ran in the server')\n"
-             "class TritonPythonModel:\n    def execute(self, requests):\n        return []\n")
+EVIL_CONFIG = {
+    "name": "evil",
+    "backend": "python",
+    "max_batch_size": 0,
+    "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
+    "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [1]}],
+}
+EVIL_CODE = (
+    "import pathlib\npathlib.Path({marker!r}).write_text('code from a load request ran in the server')\n"
+    "class TritonPythonModel:\n    def execute(self, requests):\n        return []\n"
+)
 
 
-def plant_attacks(grpc_url: str, http_url: str, marker, log_file, victim: str, grpc_headers=None,
-                  http_headers=None) -> dict[str, str]:
+def plant_attacks(
+    grpc_url: str, http_url: str, marker, log_file, victim: str, grpc_headers=None, http_headers=None
+) -> dict[str, str]:
     """The control-plane attacks a process with network access to the server tries, over gRPC and HTTP: load a
     python model whose code writes ``marker``, unload the ``victim`` model, turn on verbose logging, and send the
     server's log to ``log_file``. What the server answered to each, by name: "accepted", "restricted" (refused for
@@ -167,13 +186,31 @@ def plant_attacks(grpc_url: str, http_url: str, marker, log_file, victim: str, g
 def make_certs(folder) -> dict[str, str]:
     """A CA and, signed by it, a server certificate for 127.0.0.1 and localhost and a client certificate, made
     with the openssl command: {"ca", "server_cert", "server_key", "client_cert", "client_key"}: PEM paths."""
+
     def run(*args):
         subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
-        "-subj", "/CN=torchship test CA", "-keyout", "ca.key", "-out", "ca.pem")
-    for who, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
-                     ("client", "extendedKeyUsage=clientAuth")):
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=torchship test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
+    for who, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
         (folder / f"{who}.ext").write_text(ext + "\n")
         run(
             "req",
@@ -189,8 +226,23 @@ def make_certs(folder) -> dict[str, str]:
             "-out",
             f"{who}.csr",
         )
-        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
-            "-extfile", f"{who}.ext", "-out", f"{who}.pem")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{who}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            f"{who}.ext",
+            "-out",
+            f"{who}.pem",
+        )
     return {
         "ca": str(folder / "ca.pem"),
         "server_cert": str(folder / "server.pem"),

@@ -32,7 +32,7 @@ def main() -> None:
             for _ in range(50):
                 a @ b
             n += 50
-        rate = 2 * 256 ** 3 * n / (time.perf_counter() - t0) / 1e9
+        rate = 2 * 256**3 * n / (time.perf_counter() - t0) / 1e9
         total1, stolen1 = cpu_times()
         rates.append(rate)
         print(f"{rate:6.1f} GFLOP/s   steal {100 * (stolen1 - stolen0) / max(1, total1 - total0):4.1f} %", flush=True)

@@ -22,7 +22,7 @@ def imports(path: Path, root: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             found |= {base} | {f"{base}.{a.name}" for a in node.names}
     return found
@@ -33,11 +33,18 @@ def top(name: str) -> str:
 
 
 def violations(owner: str, allowed: set[str], root: Path = ROOT) -> list[str]:
-    files = [p for p in sorted((root / owner).rglob("*.py"))
-             if owner != "torchship" or "pipeline" not in p.relative_to(root / "torchship").parts]
+    files = [
+        p
+        for p in sorted((root / owner).rglob("*.py"))
+        if owner != "torchship" or "pipeline" not in p.relative_to(root / "torchship").parts
+    ]
     assert files, owner
-    return [f"{p.relative_to(root)} imports {m}" for p in files for m in sorted(imports(p, root))
-            if top(m) in {*STAGES, "torchship", PIPELINE} and top(m) not in allowed]
+    return [
+        f"{p.relative_to(root)} imports {m}"
+        for p in files
+        for m in sorted(imports(p, root))
+        if top(m) in {*STAGES, "torchship", PIPELINE} and top(m) not in allowed
+    ]
 
 
 def test_the_contracts_import_no_stage_and_not_the_pipeline():
@@ -58,10 +65,14 @@ def test_the_check_sees_an_import_that_runs_up(tmp_path):
     )
     (tmp_path / "torchship" / "manifest.py").write_text("from .io import x\nfrom .pipeline import run\n")
     (tmp_path / "torchship" / "pipeline" / "run.py").write_text("from export.pipeline import run_export\n")
-    assert violations("serve", {"serve", "torchship"}, tmp_path) == ["serve/bench/run.py imports export.source",
-                                                                   "serve/bench/run.py imports export.source.s"]
-    assert violations("torchship", {"torchship"}, tmp_path) == ["torchship/manifest.py imports torchship.pipeline",
-                                                               "torchship/manifest.py imports torchship.pipeline.run"]
+    assert violations("serve", {"serve", "torchship"}, tmp_path) == [
+        "serve/bench/run.py imports export.source",
+        "serve/bench/run.py imports export.source.s",
+    ]
+    assert violations("torchship", {"torchship"}, tmp_path) == [
+        "torchship/manifest.py imports torchship.pipeline",
+        "torchship/manifest.py imports torchship.pipeline.run",
+    ]
 
 
 def module_of(name: str, root: Path) -> str | None:
@@ -80,13 +91,18 @@ def cycles(package: str, root: Path = ROOT) -> list[list[str]]:
     graph: dict[str, set[str]] = {}
     for p in sorted((root / package).rglob("*.py")):
         me = ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-        graph[me] = {m for name in imports(p, root) if name.split(".")[0] == package
-                     for m in [module_of(name, root)] if m and m != me and not me.startswith(m + ".")}
+        graph[me] = {
+            m
+            for name in imports(p, root)
+            if name.split(".")[0] == package
+            for m in [module_of(name, root)]
+            if m and m != me and not me.startswith(m + ".")
+        }
     found, done = [], set()
 
     def walk(node: str, path: list[str]) -> None:
         if node in path:
-            cycle = path[path.index(node):]
+            cycle = path[path.index(node) :]
             if set(cycle) not in [set(c) for c in found]:
                 found.append(cycle)
             return
@@ -95,6 +111,7 @@ def cycles(package: str, root: Path = ROOT) -> list[list[str]]:
         for nxt in sorted(graph.get(node, ())):
             walk(nxt, path + [node])
         done.add(node)
+
     for node in sorted(graph):
         walk(node, [])
     return found

@@ -35,6 +35,7 @@ def test_the_check_fails_a_generator_that_can_draw_an_empty_row():
     def planted(rng, shape):  # lengths from 0: what a uniform 0/1 mask amounts to at S=1
         lengths = rng.integers(0, shape[-1], size=shape[0], endpoint=True)
         return (np.arange(shape[-1])[None] < lengths[:, None]).astype(np.int64)
+
     with pytest.raises(AssertionError, match="a row with no 1"):
         tokenizer_like(planted)
 

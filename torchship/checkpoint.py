@@ -29,7 +29,6 @@ INDEX = "index.json"
 FORMAT = "torchship.checkpoint/1"
 
 
-
 def read_index(ckpt_root: Path) -> dict[str, Any]:
     path = ckpt_root / INDEX
     if not path.exists():
@@ -63,8 +62,12 @@ def resolve_checkpoint(path: str | os.PathLike, which: str = "best") -> Path:
 
 
 def load_meta(ckpt_dir: Path) -> dict[str, Any]:
-    return read_json(ckpt_dir / META, CheckpointError, FORMAT,
-                     missing=f"checkpoint {ckpt_dir} has no {META}: the model cannot be rebuilt without it")
+    return read_json(
+        ckpt_dir / META,
+        CheckpointError,
+        FORMAT,
+        missing=f"checkpoint {ckpt_dir} has no {META}: the model cannot be rebuilt without it",
+    )
 
 
 def load_weights(ckpt_dir: Path, check_hash: bool = True) -> dict[str, torch.Tensor]:

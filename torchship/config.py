@@ -19,14 +19,21 @@ from typing import Any, Literal
 from .errors import ConfigError
 
 
-def opt(default: Any, help: str, *, flag: str | None = None, cli: bool = True, append: bool = False,
-        metavar: str | None = None, **kw: Any) -> Any:
+def opt(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    cli: bool = True,
+    append: bool = False,
+    metavar: str | None = None,
+    **kw: Any,
+) -> Any:
     """A config field with its help text (say the unit) and, optionally, its flag name and the name its
     value is shown by in --help; ``append``: a sequence given as one value per flag (``--flag=A --flag=B``),
     for values that may start with '-'."""
     md = {"help": help, "flag": flag, "cli": cli, "append": append, "metavar": metavar}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):  # mutable: a fresh copy per instance
-
         return dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d), metadata=md, **kw)
     return dataclasses.field(default=default, metadata=md, **kw)
 
@@ -52,8 +59,11 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, exclude:
             continue
         tp, optional = _unwrap_optional(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "") + " (default: %(default)s)",
-                                  "default": argparse.SUPPRESS}
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "help": f.metadata.get("help", "") + " (default: %(default)s)",
+            "default": argparse.SUPPRESS,
+        }
         origin = typing.get_origin(tp)
         if tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

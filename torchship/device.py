@@ -60,10 +60,14 @@ def native_precisions(flags: set[str] | None = None) -> dict[str, tuple[bool, st
     flags = cpu_flags() if flags is None else flags
     int8 = next((f for f in NATIVE_INT8_FLAGS if f in flags), None)
     bf16 = next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
-    return {"int8": (True, f"{int8} multiplies 8-bit integers natively") if int8 else
-                    (False, "no VNNI or AMX-INT8: 8-bit products go through saturating 16-bit sums"),
-            "bf16": (True, f"{bf16} computes bfloat16 natively") if bf16 else
-                    (False, "no AVX512-BF16 or AMX: bfloat16 would be emulated, many times slower")}
+    return {
+        "int8": (True, f"{int8} multiplies 8-bit integers natively")
+        if int8
+        else (False, "no VNNI or AMX-INT8: 8-bit products go through saturating 16-bit sums"),
+        "bf16": (True, f"{bf16} computes bfloat16 natively")
+        if bf16
+        else (False, "no AVX512-BF16 or AMX: bfloat16 would be emulated, many times slower"),
+    }
 
 
 def resolve_amp(amp: str, device: str) -> tuple[str, str]:
@@ -87,8 +91,10 @@ def resolve_amp(amp: str, device: str) -> tuple[str, str]:
             "this CPU has no native bf16 (no AVX512-BF16 or AMX), where bf16 autocast is emulated and much slower",
         )
     if amp == "bf16" and not flag:
-        return "bf16", ("warning: this CPU has no native bf16 (no AVX512-BF16 or AMX): bf16 autocast is emulated "
-                        "and can be tens of times slower than --amp off")
+        return "bf16", (
+            "warning: this CPU has no native bf16 (no AVX512-BF16 or AMX): bf16 autocast is emulated "
+            "and can be tens of times slower than --amp off"
+        )
     return amp, "as asked"
 
 

@@ -33,8 +33,9 @@ class Flat(torch.nn.Module):
         return out
 
 
-def named(inner: torch.nn.Module, input_names: list[str], keys: Optional[list] = None,
-          by_keyword: bool = False) -> torch.nn.Module:
+def named(
+    inner: torch.nn.Module, input_names: list[str], keys: Optional[list] = None, by_keyword: bool = False
+) -> torch.nn.Module:
     """``inner`` behind a forward whose parameters carry the input names, so that every exporter names
     the graph inputs after them (TorchScript's schema, ExportedProgram's signature, ONNX's inputs).
     ``by_keyword``: pass them on as keyword arguments (a model trained on dict samples), else in order."""
@@ -56,7 +57,7 @@ def strip_prefixes(sd: dict[str, torch.Tensor], log=print) -> dict[str, torch.Te
             changed = False
             for p in PREFIXES:
                 if k.startswith(p):
-                    k, changed = k[len(p):], True
+                    k, changed = k[len(p) :], True
                     stripped.add(p)
         out[k] = v
     if stripped:
@@ -82,8 +83,10 @@ def load_weights_file(path: str | Path, log=print) -> dict[str, torch.Tensor]:
         log(f"weights: using the 'state_dict' entry of {p.name}")
         sd = sd["state_dict"]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"--weights {p} holds a {type(sd).__name__} that is not a state_dict of tensors "
-                              "(save it with torch.save(model.state_dict(), PATH))")
+        raise CheckpointError(
+            f"--weights {p} holds a {type(sd).__name__} that is not a state_dict of tensors "
+            "(save it with torch.save(model.state_dict(), PATH))"
+        )
     return strip_prefixes(sd, log)
 
 

@@ -48,12 +48,16 @@ def decode_image(data: bytes, pre: dict[str, Any], max_pixels: int = MAX_PIXELS)
         with Image.open(io.BytesIO(bytes(data))) as im:
             w, h = im.size
             if w * h > max_pixels:
-                raise ValueError(f"the image is {w} x {h} pixels, more than the {max_pixels / 1e6:g} megapixels "
-                                 "this server decodes (a decompression bomb?); send it smaller")
+                raise ValueError(
+                    f"the image is {w} x {h} pixels, more than the {max_pixels / 1e6:g} megapixels "
+                    "this server decodes (a decompression bomb?); send it smaller"
+                )
             im.load()
             return image_array(im, pre)
     except UnidentifiedImageError:
-        raise ValueError(f"{len(data)} bytes that are not an image Pillow can read (send a JPEG, PNG, WebP, BMP, "
-                         "GIF or TIFF file as it is)") from None
+        raise ValueError(
+            f"{len(data)} bytes that are not an image Pillow can read (send a JPEG, PNG, WebP, BMP, "
+            "GIF or TIFF file as it is)"
+        ) from None
     except (OSError, SyntaxError) as e:  # Pillow's truncated or damaged file
         raise ValueError(f"a damaged or truncated image: {e}") from None

@@ -22,14 +22,14 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 class Preprocessing:
     """How images were prepared for the model, recorded in its checkpoint and export manifest."""
 
-    image_size: list[int]          # [height, width] after resizing, pixels
-    channels: int                  # channels fed to the model (grayscale is replicated to 3)
-    mean: list[float]              # per-channel mean subtracted from [0, 1] pixels
-    std: list[float]               # per-channel std the result is divided by
+    image_size: list[int]  # [height, width] after resizing, pixels
+    channels: int  # channels fed to the model (grayscale is replicated to 3)
+    mean: list[float]  # per-channel mean subtracted from [0, 1] pixels
+    std: list[float]  # per-channel std the result is divided by
     layout: str = "NCHW"
     dtype: str = "float32"
     value_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    resize: str = "bilinear"       # interpolation used to reach image_size
+    resize: str = "bilinear"  # interpolation used to reach image_size
     source_scale: str = "pixel / 255"  # how raw pixels become [0, 1]
 
     def to_dict(self) -> dict[str, Any]:
@@ -48,16 +48,24 @@ class RawSamples:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The samples as heldout.npz keeps them."""
-        return {"raw/names": np.array(self.names), "raw/images": self.inputs, "raw/labels": self.labels,
-                **{f"raw/file/{i}": np.frombuffer(f, np.uint8) for i, f in enumerate(self.files)}}
+        return {
+            "raw/names": np.array(self.names),
+            "raw/images": self.inputs,
+            "raw/labels": self.labels,
+            **{f"raw/file/{i}": np.frombuffer(f, np.uint8) for i, f in enumerate(self.files)},
+        }
 
     @classmethod
     def from_arrays(cls, z) -> Optional["RawSamples"]:
         if "raw/names" not in z:
             return None
         names = [str(n) for n in z["raw/names"]]
-        return cls(names, [z[f"raw/file/{i}"].tobytes() for i in range(len(names))],
-                   z["raw/images"].astype(np.float32), z["raw/labels"])
+        return cls(
+            names,
+            [z[f"raw/file/{i}"].tobytes() for i in range(len(names))],
+            z["raw/images"].astype(np.float32),
+            z["raw/labels"],
+        )
 
 
 class ImageFolderDataset(Dataset):

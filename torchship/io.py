@@ -64,8 +64,9 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def read_json(path: str | os.PathLike, error: type[Exception], fmt: str | None = None,
-              missing: str | None = None, fix: str = "") -> dict[str, Any]:
+def read_json(
+    path: str | os.PathLike, error: type[Exception], fmt: str | None = None, missing: str | None = None, fix: str = ""
+) -> dict[str, Any]:
     """The JSON object in the file at ``path``. Raises ``error`` naming the file when it is missing
     (``missing`` is then the whole message), unreadable, not JSON, not an object, or (with ``fmt``) not
     tagged ``"format": fmt``; ``fix`` is appended to the last three messages."""
@@ -134,6 +135,7 @@ def git_revision(cwd: str | os.PathLike | None = None) -> str | None:
     if out.returncode != 0:
         return None
     rev = out.stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                           capture_output=True, text=True, timeout=5).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
+    ).stdout.strip()
     return rev + ("-dirty" if dirty else "")

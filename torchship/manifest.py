@@ -68,16 +68,28 @@ def read_manifest(export_dir: str | Path) -> Manifest:
     d = Path(export_dir)
     if not d.is_dir():
         raise ArtifactError(f"{d} is not an export directory (run torchship export first)")
-    m = read_json(d / MANIFEST, ArtifactError, FORMAT, fix="; export again",
-                  missing=f"{d} has no {MANIFEST}: not an export directory, or an interrupted export")
+    m = read_json(
+        d / MANIFEST,
+        ArtifactError,
+        FORMAT,
+        fix="; export again",
+        missing=f"{d} has no {MANIFEST}: not an export directory, or an interrupted export",
+    )
     _check_fields(d / MANIFEST, m)
     return m
 
 
 # what the stages after export read from a manifest, so that a hand-edited one is refused here, naming the
 # field, rather than failing with a KeyError in whichever stage reads it first
-_FIELDS = {"name": str, "inputs": list, "outputs": list, "max_batch": int, "tolerances": dict, "reference": dict,
-           "artifacts": list}
+_FIELDS = {
+    "name": str,
+    "inputs": list,
+    "outputs": list,
+    "max_batch": int,
+    "tolerances": dict,
+    "reference": dict,
+    "artifacts": list,
+}
 _TENSOR = {"name": str, "dtype": str, "shape": list}
 _ARTIFACT = {"name": str, "format": str, "file": str, "files": dict}
 _KINDS = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
@@ -140,8 +152,13 @@ class Export:
     each file is read once per run. ``files_checked``: every file the manifest lists (the reference included)
     was hashed against it already (by the export that wrote them, or a check earlier in this process)."""
 
-    def __init__(self, export_dir: str | Path, manifest: dict[str, Any] | None = None,
-                 reference: dict[str, np.ndarray] | None = None, files_checked: bool = False):
+    def __init__(
+        self,
+        export_dir: str | Path,
+        manifest: dict[str, Any] | None = None,
+        reference: dict[str, np.ndarray] | None = None,
+        files_checked: bool = False,
+    ):
         self.dir = Path(export_dir)
         self.manifest = manifest if manifest is not None else read_manifest(self.dir)
         self._reference = reference
@@ -177,8 +194,9 @@ def read_reference(export_dir: str | Path, manifest: dict[str, Any]) -> dict[str
         raise ArtifactError(f"{d}: {REFERENCE} is missing; export again")
     data = (d / REFERENCE).read_bytes()  # one read serves the hash and the arrays
     if hashlib.sha256(data).hexdigest() != manifest["reference"].get("sha256"):
-        raise ArtifactError(f"{d}: {REFERENCE} was altered or truncated (sha256 differs from the manifest); "
-                            "export again")
+        raise ArtifactError(
+            f"{d}: {REFERENCE} was altered or truncated (sha256 differs from the manifest); export again"
+        )
     return _load_npz(io.BytesIO(data))
 
 
@@ -228,8 +246,9 @@ def check_shape(manifest: dict[str, Any], shape: dict[str, int]) -> None:
             )
 
 
-def bench_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any],
-                 shape: dict[str, int] | None = None) -> tuple[dict[str, np.ndarray], str, Optional[str]]:
+def bench_inputs(
+    ref: dict[str, np.ndarray], manifest: dict[str, Any], shape: dict[str, int] | None = None
+) -> tuple[dict[str, np.ndarray], str, Optional[str]]:
     """Inputs for a benchmark, by input name, a line saying what they are, and the reference set they are
     (None for random inputs, which have no reference outputs). Without ``shape``: the real samples
     (sample_set). With it (a size per dynamic dim): the reference set of those sizes, real samples first,
@@ -247,8 +266,11 @@ def bench_inputs(ref: dict[str, np.ndarray], manifest: dict[str, Any],
             return feeds, _described(key, manifest), key
     values = {**{k: hi for k, (lo, hi) in sig.dims.items()}, **shape}
     where = ", ".join(f"{k}={v}" for k, v in values.items())
-    return (sig.random_inputs(np.random.default_rng(0), 64, values),
-            f"random inputs at {where} (no reference set has that size), drawn as verification draws them", None)
+    return (
+        sig.random_inputs(np.random.default_rng(0), 64, values),
+        f"random inputs at {where} (no reference set has that size), drawn as verification draws them",
+        None,
+    )
 
 
 def reference_outputs(ref: dict[str, np.ndarray], manifest: dict[str, Any], key: str) -> dict[str, np.ndarray]:
@@ -268,8 +290,12 @@ def verdicts(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return dict((manifest.get("verification") or {}).get("artifacts", {}))
 
 
-PASSED, FAILED, UNVERIFIED, STALE = "passed verification", "failed verification", "not verified", \
-    "verified on other files (the artifact or the reference changed since)"
+PASSED, FAILED, UNVERIFIED, STALE = (
+    "passed verification",
+    "failed verification",
+    "not verified",
+    "verified on other files (the artifact or the reference changed since)",
+)
 
 
 def verdict_state(manifest: dict[str, Any], a: dict[str, Any]) -> str:

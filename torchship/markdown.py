@@ -8,8 +8,11 @@ from typing import Any, Iterable, Sequence
 
 def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     """A markdown table's lines: the header, its separator, then a line per row (each cell as str())."""
-    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header),
-            *(f"| {' | '.join(str(c) for c in row)} |" for row in rows)]
+    return [
+        f"| {' | '.join(header)} |",
+        "|" + "---|" * len(header),
+        *(f"| {' | '.join(str(c) for c in row)} |" for row in rows),
+    ]
 
 
 def size(n: float) -> str:

@@ -22,9 +22,13 @@ class TinyCNN(nn.Module):
     def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 16):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(inplace=True),
             nn.AdaptiveAvgPool2d(1),
         )
         self.classifier = nn.Linear(2 * width, num_classes)
@@ -86,8 +90,9 @@ def import_factory(spec: str, flag: str) -> Callable[..., Any]:
         raise ConfigError(f"{flag} {spec}: cannot import it ({e}); is the package on PYTHONPATH?") from None
 
 
-def call_factory(spec: str, flag: str, kwargs: dict[str, Any] | None = None, error: type = ConfigError,
-                 hint: str = "") -> Any:
+def call_factory(
+    spec: str, flag: str, kwargs: dict[str, Any] | None = None, error: type = ConfigError, hint: str = ""
+) -> Any:
     """What the ``package.module:function`` named by ``spec`` returns for ``kwargs``; ``error`` naming ``flag``
     when it cannot be imported (ConfigError) or raises."""
     fn = import_factory(spec, flag)
@@ -116,13 +121,16 @@ def check_arch(arch: str) -> Callable[..., nn.Module] | None:
     if ":" in arch:
         return import_factory(arch, "--arch")
     if arch != "tiny_cnn" and arch not in TORCHVISION_ARCHS:
-        raise ConfigError(f"--arch {arch!r} is unknown; use one of {', '.join(TORCHVISION_ARCHS + ('tiny_cnn',))} "
-                          "or package.module:factory")
+        raise ConfigError(
+            f"--arch {arch!r} is unknown; use one of {', '.join(TORCHVISION_ARCHS + ('tiny_cnn',))} "
+            "or package.module:factory"
+        )
     return None
 
 
-def build_model(arch: str, num_classes: int | None, in_channels: int | None = 3,
-                extra: dict[str, Any] | None = None) -> nn.Module:
+def build_model(
+    arch: str, num_classes: int | None, in_channels: int | None = 3, extra: dict[str, Any] | None = None
+) -> nn.Module:
     """Build an untrained model. A package.module:factory is called with ``num_classes`` (image data) or,
     when it is None (your own data), with ``extra`` alone. Raises ConfigError for an unknown name or a
     broken factory."""

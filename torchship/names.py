@@ -67,7 +67,7 @@ def format_of(model: str, manifest: Optional[dict[str, Any]] = None, config: Any
             return p.get("string_value") if isinstance(p, dict) else p.string_value
     if manifest is not None:
         prefix = f"{manifest['name']}_"
-        fmt = model[len(prefix):] if model.startswith(prefix) else None
+        fmt = model[len(prefix) :] if model.startswith(prefix) else None
         return fmt if fmt in SERVED_FORMATS else None
     return next((f for f in sorted(SERVED_FORMATS, key=len, reverse=True) if model.endswith("_" + f)), None)
 

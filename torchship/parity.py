@@ -16,13 +16,14 @@ from .signature import looks_like_mask
 
 MULTIPLE = 10.0  # an artifact may round this many times as much as eager itself
 FLOOR_EPS = 8.0  # the bound never drops below this many machine epsilons of the output's largest value
-EPS = {"float32": float(np.finfo(np.float32).eps), "float16": float(np.finfo(np.float16).eps), "bfloat16": 2.0 ** -7}
+EPS = {"float32": float(np.finfo(np.float32).eps), "float16": float(np.finfo(np.float16).eps), "bfloat16": 2.0**-7}
 # without a float64 reference: the bound as a fraction of the output's largest value
 FALLBACK_REL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 
-def derive(reference: dict[str, list[np.ndarray]], eager: dict[str, list[np.ndarray]], dtype: str,
-           fp64: bool, why: str = "") -> dict[str, Any]:
+def derive(
+    reference: dict[str, list[np.ndarray]], eager: dict[str, list[np.ndarray]], dtype: str, fp64: bool, why: str = ""
+) -> dict[str, Any]:
     """The tolerances an export records: for each output, the bound ``atol`` (rtol 0) derived from the
     reference outputs and eager's outputs on the same inputs (lists over the reference sets).
 
@@ -35,15 +36,25 @@ def derive(reference: dict[str, list[np.ndarray]], eager: dict[str, list[np.ndar
             outputs[name] = {"atol": 0.0, "rtol": 0.0, "scale": scale, "exact": True}
             continue
         if fp64:
-            err = max((float(np.abs(e.astype(np.float64) - r).max()) for e, r in zip(eager[name], refs) if r.size),
-                      default=0.0)
+            err = max(
+                (float(np.abs(e.astype(np.float64) - r).max()) for e, r in zip(eager[name], refs) if r.size),
+                default=0.0,
+            )
             floor = FLOOR_EPS * EPS[dtype] * scale
-            outputs[name] = {"atol": MULTIPLE * err + floor, "rtol": 0.0, "eager_error": err, "scale": scale,
-                             "floor": floor}
+            outputs[name] = {
+                "atol": MULTIPLE * err + floor,
+                "rtol": 0.0,
+                "eager_error": err,
+                "scale": scale,
+                "floor": floor,
+            }
         else:
             outputs[name] = {"atol": FALLBACK_REL[dtype] * scale, "rtol": 0.0, "scale": scale}
-    rule = {"rule": "fp64", "multiple": MULTIPLE, "floor_eps": FLOOR_EPS} if fp64 else \
-        {"rule": "scale", "fraction": FALLBACK_REL[dtype], "why": why}
+    rule = (
+        {"rule": "fp64", "multiple": MULTIPLE, "floor_eps": FLOOR_EPS}
+        if fp64
+        else {"rule": "scale", "fraction": FALLBACK_REL[dtype], "why": why}
+    )
     return {**rule, "dtype": dtype, "outputs": outputs}
 
 
@@ -76,13 +87,19 @@ def describe(tolerances: dict[str, Any]) -> str:
     rule, dt = tolerances.get("rule"), tolerances.get("dtype", "float32")
     if rule == "fp64":
         eager = "eager fp32" if dt == "float32" else f"eager in {dt}"
-        return (f"Reference: eager in float64. Bound per output: {tolerances['multiple']:g} x {eager}'s own error "
-                f"against it, plus {tolerances['floor_eps']:g} {dt} epsilons of the output's largest value.")
+        return (
+            f"Reference: eager in float64. Bound per output: {tolerances['multiple']:g} x {eager}'s own error "
+            f"against it, plus {tolerances['floor_eps']:g} {dt} epsilons of the output's largest value."
+        )
     if rule == "scale":
-        return (f"Reference: eager in float32, because {tolerances.get('why') or 'the model cannot run in float64'}. "
-                f"Bound per output: {tolerances['fraction']:g} of the output's largest value.")
-    return ("Reference: eager in float64 where the model runs in it. Bound: |artifact - reference| <= atol + rtol * "
-            "|reference|, as given.")
+        return (
+            f"Reference: eager in float32, because {tolerances.get('why') or 'the model cannot run in float64'}. "
+            f"Bound per output: {tolerances['fraction']:g} of the output's largest value."
+        )
+    return (
+        "Reference: eager in float64 where the model runs in it. Bound: |artifact - reference| <= atol + rtol * "
+        "|reference|, as given."
+    )
 
 
 def degenerate_outputs(outputs: dict[str, list[np.ndarray]]) -> list[str]:
@@ -116,8 +133,9 @@ def top1_agreement(got: np.ndarray, want: np.ndarray, atol: float) -> np.ndarray
     return (got.argmax(-1) == want.argmax(-1)) | (want.max(-1) - picked <= atol)
 
 
-def check_output(got: Optional[np.ndarray], want: np.ndarray, tol: dict[str, float], what: str, batch: int,
-                 top1: bool = False) -> tuple[dict[str, Any], Optional[str]]:
+def check_output(
+    got: Optional[np.ndarray], want: np.ndarray, tol: dict[str, float], what: str, batch: int, top1: bool = False
+) -> tuple[dict[str, Any], Optional[str]]:
     """(row, failure): names, then shape, then values of one output against the reference; with ``top1``
     (real samples of a classifier) the predicted class must agree on every row too, near-ties counted as
     agreement. ``tol`` is the output's bound; ``what`` names the output in the failure message, which is
@@ -169,12 +187,19 @@ def sqnr_db(got: np.ndarray, want: np.ndarray) -> float:
     """Signal-to-quantization-noise ratio of ``got`` against ``want``, in dB (inf when they are equal)."""
     want64 = want.astype(np.float64)
     noise = float(np.sum((got.astype(np.float64) - want64) ** 2))
-    signal = float(np.sum(want64 ** 2))
+    signal = float(np.sum(want64**2))
     return float("inf") if noise == 0 else 10.0 * float(np.log10(max(signal, 1e-300) / noise))
 
 
-def check_quantized(got: dict[str, Optional[np.ndarray]], want: dict[str, np.ndarray], labels: Optional[np.ndarray],
-                    gate: dict[str, float], what: str, batch: int, real: bool) -> tuple[dict[str, Any], list[str]]:
+def check_quantized(
+    got: dict[str, Optional[np.ndarray]],
+    want: dict[str, np.ndarray],
+    labels: Optional[np.ndarray],
+    gate: dict[str, float],
+    what: str,
+    batch: int,
+    real: bool,
+) -> tuple[dict[str, Any], list[str]]:
     """(row, failures) of a quantized artifact on one input set. Every output must have eager's shape and be
     finite. On the real samples (``real``) it must also pass the gate: with ``labels``, accuracy within
     ``max_accuracy_drop`` points of eager's; without, top-1 agreement with eager of at least
@@ -186,8 +211,10 @@ def check_quantized(got: dict[str, Optional[np.ndarray]], want: dict[str, np.nda
     for o in names:
         g = got.get(o)
         if g is None or g.shape != want[o].shape:
-            failures.append(f"{what} output {o!r}: " + ("no such output" if g is None else
-                                                       f"shape {list(g.shape)}, eager {list(want[o].shape)}"))
+            failures.append(
+                f"{what} output {o!r}: "
+                + ("no such output" if g is None else f"shape {list(g.shape)}, eager {list(want[o].shape)}")
+            )
         elif np.issubdtype(want[o].dtype, np.floating):
             if not np.all(np.isfinite(g)):
                 failures.append(f"{what} output {o!r}: not finite")
@@ -203,15 +230,22 @@ def check_quantized(got: dict[str, Optional[np.ndarray]], want: dict[str, np.nda
         row["top1_agreement"] = round(agree, 4)
         if labels is not None:
             acc, eager = float(np.mean(g.argmax(-1) == labels)), float(np.mean(w.argmax(-1) == labels))
-            row.update(accuracy=round(100 * acc, 2), eager_accuracy=round(100 * eager, 2),
-                       accuracy_drop=round(100 * (eager - acc), 2))
+            row.update(
+                accuracy=round(100 * acc, 2),
+                eager_accuracy=round(100 * eager, 2),
+                accuracy_drop=round(100 * (eager - acc), 2),
+            )
             if round(100 * (eager - acc), 6) > gate["max_accuracy_drop"]:  # 1.0 - 0.995 is not exactly 0.005
-                failures.append(f"{what}: accuracy {100 * acc:.2f} % against eager's {100 * eager:.2f} % on "
-                                f"{len(labels)} labelled samples, a drop beyond {gate['max_accuracy_drop']:g} points")
+                failures.append(
+                    f"{what}: accuracy {100 * acc:.2f} % against eager's {100 * eager:.2f} % on "
+                    f"{len(labels)} labelled samples, a drop beyond {gate['max_accuracy_drop']:g} points"
+                )
         elif agree < gate["min_top1_agreement"]:
-            failures.append(f"{what}: top-1 agrees with eager on {100 * agree:.1f} % of {len(g)} real samples "
-                            f"(at least {100 * gate['min_top1_agreement']:g} % needed)")
-    for o in (rest if classifier else names):
+            failures.append(
+                f"{what}: top-1 agrees with eager on {100 * agree:.1f} % of {len(g)} real samples "
+                f"(at least {100 * gate['min_top1_agreement']:g} % needed)"
+            )
+    for o in rest if classifier else names:
         s = row["sqnr_db"].get(o)
         if s is not None and s < gate["min_sqnr_db"]:
             failures.append(f"{what} output {o!r}: SQNR {s:.1f} dB against eager, below {gate['min_sqnr_db']:g} dB")
@@ -219,16 +253,22 @@ def check_quantized(got: dict[str, Optional[np.ndarray]], want: dict[str, np.nda
     return row, failures
 
 
-def check_quantized_sets(manifest: dict[str, Any], ref, got, gate: dict[str, float], name: str,
-                         rows: dict[str, Any]) -> list[str]:
+def check_quantized_sets(
+    manifest: dict[str, Any], ref, got, gate: dict[str, float], name: str, rows: dict[str, Any]
+) -> list[str]:
     """A quantized artifact's outputs (``got(set, output)``) on every reference set under the gate
     (parity.check_quantized): the real samples gated, the random sets only checked for shape and finiteness.
     Fills ``rows`` by set; returns the failures. With no real samples there is nothing to gate on: a failure."""
     real = manifest["reference"].get("samples")
     labels = ref[f"labels/{real}"] if real and f"labels/{real}" in ref else None
     outputs = [o["name"] for o in manifest["outputs"]]
-    failures = [] if real else [f"{name}: a quantized artifact is gated on real samples, and this export has none "
-                                "(give --example-inputs)"]
+    failures = (
+        []
+        if real
+        else [
+            f"{name}: a quantized artifact is gated on real samples, and this export has none (give --example-inputs)"
+        ]
+    )
     for key, batch in manifest["reference"]["sets"].items():
         row, problems = check_quantized(
             {o: got(key, o) for o in outputs},
@@ -244,8 +284,15 @@ def check_quantized_sets(manifest: dict[str, Any], ref, got, gate: dict[str, flo
     return failures
 
 
-def check_float_sets(manifest: dict[str, Any], ref, got, tol: dict[str, Any], name: str, tf32: bool = False,
-                     sets: dict[str, int] | None = None) -> list[tuple[str, str, dict[str, Any], str | None]]:
+def check_float_sets(
+    manifest: dict[str, Any],
+    ref,
+    got,
+    tol: dict[str, Any],
+    name: str,
+    tf32: bool = False,
+    sets: dict[str, int] | None = None,
+) -> list[tuple[str, str, dict[str, Any], str | None]]:
     """A float artifact's outputs (``got(set, output)``) on each reference set (``sets``, default all of them)
     under the manifest's bounds (the TF32 one for a package compiled with TF32, the strict bound kept beside it),
     top-1 agreement on the held-out set. Returns (set, output, row, failure or None) for each; a failure only on
@@ -255,8 +302,9 @@ def check_float_sets(manifest: dict[str, Any], ref, got, tol: dict[str, Any], na
     for key, batch in (manifest["reference"]["sets"] if sets is None else sets).items():
         for o in outputs:
             have, want, b = got(key, o), ref[f"expected/{key}/{o}"], bound(tol, o, tf32)
-            row, failure = check_output(have, want, b, f"{name}: {key} output {o!r}", batch,
-                                        top1=key in ("heldout", "raw") and o == outputs[0])
+            row, failure = check_output(
+                have, want, b, f"{name}: {key} output {o!r}", batch, top1=key in ("heldout", "raw") and o == outputs[0]
+            )
             if tf32 and "max_abs" in row:  # the strict float32 bound beside the TF32 one it is held to
                 row["strict_bound"] = bound(tol, o)["atol"]
             out.append((key, o, row, failure and failure + empty_mask_hint(manifest, ref, key, have, want, b)))
@@ -275,16 +323,20 @@ def empty_mask_hint(manifest: dict[str, Any], ref, key: str, got, want, tol: dic
             continue
         empty = ~ref[f"input/{key}/{t['name']}"].reshape(len(want), -1).any(1)
         if bad.any() and not (bad & ~empty).any():
-            return (f" (only on rows whose {t['name']} holds no 1: no tokenizer sends such a row; --input-range "
-                    f"{t['name']}=mask draws masks as a tokenizer makes them)")
+            return (
+                f" (only on rows whose {t['name']} holds no 1: no tokenizer sends such a row; --input-range "
+                f"{t['name']}=mask draws masks as a tokenizer makes them)"
+            )
     return ""
 
 
 def gate_words(gate: dict[str, Any]) -> str:
     """The accuracy gate's figures in a few words."""
     if "accuracy_drop" in gate:
-        return (f"accuracy {gate['accuracy']:.2f} % beside float32's {gate['eager_accuracy']:.2f} % "
-                f"(allowed drop {gate['max_accuracy_drop']:g} points)")
+        return (
+            f"accuracy {gate['accuracy']:.2f} % beside float32's {gate['eager_accuracy']:.2f} % "
+            f"(allowed drop {gate['max_accuracy_drop']:g} points)"
+        )
     if "top1_agreement" in gate:
         return f"top-1 agreement with float32 {100 * gate['top1_agreement']:.1f} %"
     return "passed its accuracy gate"

@@ -107,6 +107,7 @@ def torch_fn(module, device: str, threads: int = 0):
             out = module(*[torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in xs])
         outs = out if isinstance(out, (list, tuple)) else [out]
         return [(o.float() if o.is_floating_point() else o).detach().cpu().numpy() for o in outs]
+
     return fn
 
 
@@ -118,7 +119,7 @@ def in_chunks(
     n = len(xs[0])
     if n <= size:
         return fn(list(xs))
-    parts = [fn([x[i:i + size] for x in xs]) for i in range(0, n, size)]
+    parts = [fn([x[i : i + size] for x in xs]) for i in range(0, n, size)]
     return [np.concatenate([p[k] for p in parts]) for k in range(len(parts[0]))]
 
 
@@ -146,9 +147,18 @@ def padded_call(
     return [o[:n] for o in fns[b](xs)]
 
 
-def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], device: str = "cpu",
-         threads: int = 1, buckets: Sequence[int] | None = None, ort_providers: Sequence[str] | None = None,
-         tf32: bool = False, spin: bool = True) -> Runner:
+def load(
+    fmt: str,
+    path: str,
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    device: str = "cpu",
+    threads: int = 1,
+    buckets: Sequence[int] | None = None,
+    ort_providers: Sequence[str] | None = None,
+    tf32: bool = False,
+    spin: bool = True,
+) -> Runner:
     """Load the artifact file ``path``; for aoti_buckets, ``buckets`` picks which of its batch sizes to run
     (default: all). On CUDA, float32 runs in IEEE float32 unless ``tf32`` (an artifact compiled with TF32
     allowed): for torch formats this process's TF32 settings are set, for ONNX Runtime its CUDA provider's.
@@ -179,6 +189,7 @@ def load(fmt: str, path: str, inputs: Sequence[str], outputs: Sequence[str], dev
 
         def fn(xs: list[np.ndarray]) -> list[np.ndarray]:
             return sess.run(out_names, dict(zip(feed_names, xs)))
+
         r = Runner(fn, inputs, outputs)
         r.input_names = [i.name for i in sess.get_inputs()]
         r.output_names = out_names
@@ -225,8 +236,12 @@ def threads_in_use(runner: Runner) -> dict[str, Any]:
             spin = so.get_session_config_entry("session.intra_op.allow_spinning")
         except RuntimeError:  # not set: ONNX Runtime's default, spinning
             spin = "1"
-        out = {"runtime": "onnxruntime", "intra_op": so.intra_op_num_threads, "inter_op": so.inter_op_num_threads,
-               "spinning": spin != "0"}
+        out = {
+            "runtime": "onnxruntime",
+            "intra_op": so.intra_op_num_threads,
+            "inter_op": so.inter_op_num_threads,
+            "spinning": spin != "0",
+        }
     else:
         import torch
 
@@ -251,15 +266,31 @@ def load_buckets(path: str, device: str = "cpu") -> dict:
 
     index = int(device.split(":")[1]) if device.startswith("cuda:") else -1
     runners = load_pt2(path, load_weights_from_disk=True, device_index=index).aoti_runners
-    return {int(n[len(BUCKET_PREFIX):]): r for n, r in runners.items()
-            if n.startswith(BUCKET_PREFIX) and n[len(BUCKET_PREFIX):].isdigit()}
+    return {
+        int(n[len(BUCKET_PREFIX) :]): r
+        for n, r in runners.items()
+        if n.startswith(BUCKET_PREFIX) and n[len(BUCKET_PREFIX) :].isdigit()
+    }
 
 
-def load_artifact(export_dir: str, artifact: dict, inputs: Sequence[str], outputs: Sequence[str], device: str = "cpu",
-                  threads: int = 1) -> Runner:
+def load_artifact(
+    export_dir: str,
+    artifact: dict,
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    device: str = "cpu",
+    threads: int = 1,
+) -> Runner:
     """Load one manifest artifact entry (its file) from ``export_dir``."""
-    return load(artifact["format"], os.path.join(export_dir, artifact["file"]), inputs, outputs, device=device,
-                threads=threads, tf32=bool(artifact.get("tf32")))
+    return load(
+        artifact["format"],
+        os.path.join(export_dir, artifact["file"]),
+        inputs,
+        outputs,
+        device=device,
+        threads=threads,
+        tf32=bool(artifact.get("tf32")),
+    )
 
 
 PROVENANCE = "provenance.json"  # in each version folder of a repository: where it came from, each file's sha256

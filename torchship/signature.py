@@ -16,8 +16,17 @@ from .errors import ConfigError
 BATCH = "batch"  # the manifest's name for dim 0 of every tensor
 DYNAMIC = "dynamic"  # an output dim that varies with the inputs in a way no input dim names
 INPUT_DTYPES = ("float32", "float16", "int64", "int32", "bool")
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "int64": np.int64, "int32": np.int32,
-             "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+NP_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "float64": np.float64,
+    "int64": np.int64,
+    "int32": np.int32,
+    "int16": np.int16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+}
 
 
 MASK = "mask"  # --input-range NAME=mask: padding masks, as a tokenizer makes them
@@ -52,19 +61,28 @@ class Signature:
     notes: list[str] = field(default_factory=list)  # how a flag was read, for the export to print (not recorded)
 
     def to_manifest(self) -> dict[str, Any]:
-        return {"inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs],
-                "dims": {k: {"min": lo, "max": hi} for k, (lo, hi) in self.dims.items()}}
+        return {
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "dims": {k: {"min": lo, "max": hi} for k, (lo, hi) in self.dims.items()},
+        }
 
     @classmethod
     def from_manifest(cls, m: dict[str, Any]) -> "Signature":
         def spec(t):
-            return TensorSpec(t["name"], t["dtype"], list(t["shape"]), tuple(t["range"]) if t.get("range") else None,
-                              t.get("values"))
-        return cls([spec(t) for t in m["inputs"]], [spec(t) for t in m["outputs"]],
-                   {k: (int(v["min"]), int(v["max"])) for k, v in m.get("dims", {}).items()})
+            return TensorSpec(
+                t["name"], t["dtype"], list(t["shape"]), tuple(t["range"]) if t.get("range") else None, t.get("values")
+            )
+
+        return cls(
+            [spec(t) for t in m["inputs"]],
+            [spec(t) for t in m["outputs"]],
+            {k: (int(v["min"]), int(v["max"])) for k, v in m.get("dims", {}).items()},
+        )
 
     def to_flags(self) -> str:
         """The inputs as the --input/--dim/--input-range flags that declare them."""
+
         def num(v):
             return f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -73,8 +91,11 @@ class Signature:
             for t in self.inputs
         ]
         out += [f"--dim {k}={lo}..{hi}" for k, (lo, hi) in self.dims.items()]
-        out += [f"--input-range {t.name}=" + (MASK if t.values == MASK else f"{num(t.range[0])}..{num(t.range[1])}")
-                for t in self.inputs if t.range is not None or t.values == MASK]
+        out += [
+            f"--input-range {t.name}=" + (MASK if t.values == MASK else f"{num(t.range[0])}..{num(t.range[1])}")
+            for t in self.inputs
+            if t.range is not None or t.values == MASK
+        ]
         return " ".join(out)
 
     def dims_of(self, feeds: dict[str, Any]) -> dict[str, int]:
@@ -169,8 +190,10 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def _check_name(name: str, what: str) -> str:
     if not _NAME.match(name) or keyword.iskeyword(name) or name == "self":
-        raise ConfigError(f"{what} {name!r} is not a valid name: use letters, digits and '_' (the exporters name "
-                          "graph inputs after it)")
+        raise ConfigError(
+            f"{what} {name!r} is not a valid name: use letters, digits and '_' (the exporters name "
+            "graph inputs after it)"
+        )
     return name
 
 
@@ -201,8 +224,11 @@ def parse_dims(dims: list[str] | tuple[str, ...]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple[str, ...] = (),
-                    ranges: list[str] | tuple[str, ...] = ()) -> Signature:
+def parse_signature(
+    inputs: list[str] | tuple[str, ...],
+    dims: list[str] | tuple[str, ...] = (),
+    ranges: list[str] | tuple[str, ...] = (),
+) -> Signature:
     """``--input NAME:DTYPE:DIMS`` (DIMS comma-separated, the first ``B``), ``--dim NAME=MIN..MAX`` for every
     named dim, ``--input-range NAME=LO..HI``; ConfigError naming the flag and value that is wrong."""
     if not inputs:
@@ -219,9 +245,11 @@ def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple
             raise ConfigError(f"--input {name} is given twice")
         seen.add(name)
         if dtype == "bfloat16":
-            raise ConfigError(f"--input {name}: bfloat16 inputs cannot be fed (numpy, ONNX Runtime's Python API and "
-                              "Triton's clients have no bfloat16 arrays); take float32 and cast inside the model, "
-                              "or export with --dtype bfloat16 to compute in bfloat16")
+            raise ConfigError(
+                f"--input {name}: bfloat16 inputs cannot be fed (numpy, ONNX Runtime's Python API and "
+                "Triton's clients have no bfloat16 arrays); take float32 and cast inside the model, "
+                "or export with --dtype bfloat16 to compute in bfloat16"
+            )
         if dtype not in INPUT_DTYPES:
             raise ConfigError(f"--input {name}: dtype {dtype!r} is not one of {', '.join(INPUT_DTYPES)}")
         raw = [d.strip() for d in dimtext.split(",")]
@@ -235,8 +263,9 @@ def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple
                 shape.append(d)
                 used.add(d)
             else:
-                raise ConfigError(f"--input {name}: dim {d!r} is neither a positive integer nor a dim given by "
-                                  f"--dim {d}=MIN..MAX")
+                raise ConfigError(
+                    f"--input {name}: dim {d!r} is neither a positive integer nor a dim given by --dim {d}=MIN..MAX"
+                )
         specs.append(TensorSpec(name, dtype, shape))
     unused = [k for k in dim_ranges if k not in used]
     if unused:
@@ -246,8 +275,10 @@ def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple
     for text in ranges:
         name, sep, span = text.partition("=")
         if not sep or name not in by_name:
-            raise ConfigError(f"--input-range {text!r} must look like NAME=LO..HI (or NAME=mask) with NAME one of the "
-                              f"inputs ({', '.join(by_name)})")
+            raise ConfigError(
+                f"--input-range {text!r} must look like NAME=LO..HI (or NAME=mask) with NAME one of the "
+                f"inputs ({', '.join(by_name)})"
+            )
         t = by_name[name]
         if span == MASK:
             if len(t.shape) < 2:
@@ -257,24 +288,30 @@ def parse_signature(inputs: list[str] | tuple[str, ...], dims: list[str] | tuple
             t.values, t.range = MASK, _unit(t)
             continue
         uniform = span.startswith("uniform:")
-        span = span[len("uniform:"):] if uniform else span
+        span = span[len("uniform:") :] if uniform else span
         if t.dtype == "bool":
             raise ConfigError(f"--input-range {name}: a bool input takes no range (only =mask, for a padding mask)")
         t.range = _span(span, f"--input-range {name}", int if not t.is_float else float)
         if not uniform and t.range == (0, 1) and not t.is_float and looks_like_mask(name) and len(t.shape) >= 2:
             t.values = MASK
-            notes.append(f"--input-range {name}=0..1 on an input named like a mask: drawn as padding masks (each row "
-                         f"ones, then zeros, at least one 1), as a tokenizer makes them; {name}=uniform:0..1 draws "
-                         "independent 0s and 1s instead")
+            notes.append(
+                f"--input-range {name}=0..1 on an input named like a mask: drawn as padding masks (each row "
+                f"ones, then zeros, at least one 1), as a tokenizer makes them; {name}=uniform:0..1 draws "
+                "independent 0s and 1s instead"
+            )
     for t in specs:
         if t.dtype == "bool" and t.values is None and looks_like_mask(t.name) and len(t.shape) >= 2:
             t.values = MASK
-            notes.append(f"--input {t.name} is a bool input named like a mask: drawn as padding masks (each row True, "
-                         "then False, at least one True), as a tokenizer makes them")
+            notes.append(
+                f"--input {t.name} is a bool input named like a mask: drawn as padding masks (each row True, "
+                "then False, at least one True), as a tokenizer makes them"
+            )
         if not t.is_float and t.dtype != "bool" and t.range is None and t.values is None:
-            raise ConfigError(f"--input {t.name} is {t.dtype}: give the values its random verification data may take "
-                              f"with --input-range {t.name}=LO..HI (e.g. token ids 0..VOCAB-1), or {t.name}=mask for "
-                              "an attention mask")
+            raise ConfigError(
+                f"--input {t.name} is {t.dtype}: give the values its random verification data may take "
+                f"with --input-range {t.name}=LO..HI (e.g. token ids 0..VOCAB-1), or {t.name}=mask for "
+                "an attention mask"
+            )
     return Signature(specs, [], dim_ranges, notes)
 
 

@@ -31,8 +31,21 @@ CONFIGS = [  # (label, nproc, threads per rank, amp)
 def one(label: str, nproc: int, threads: int, amp: str, arch: str, steps: int, batch: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        args = ["--arch", arch, "--amp", amp, "--batch-size", str(batch), "--epochs", "100", "--max-steps", str(steps),
-                "--out", tmp, "--no-progress"]
+        args = [
+            "--arch",
+            arch,
+            "--amp",
+            amp,
+            "--batch-size",
+            str(batch),
+            "--epochs",
+            "100",
+            "--max-steps",
+            str(steps),
+            "--out",
+            tmp,
+            "--no-progress",
+        ]
         launcher = (
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
             if nproc > 1
@@ -67,8 +80,10 @@ def main() -> int:
     from torchship.markdown import table
 
     cpu = cpu_name()
-    print(f"\n{a.arch}, digits at 32x32, global batch {a.batch_size}, {a.steps} steps per run, median of {a.rounds} "
-          f"rounds; {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n")
+    print(
+        f"\n{a.arch}, digits at 32x32, global batch {a.batch_size}, {a.steps} steps per run, median of {a.rounds} "
+        f"rounds; {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n"
+    )
     print(
         "\n".join(
             table(

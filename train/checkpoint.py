@@ -31,9 +31,16 @@ def clean_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def save_checkpoint(ckpt_root: Path, name: str, weights: dict[str, torch.Tensor], meta: dict[str, Any],
-                    state: dict[str, Any] | None, heldout: Callable[[Path], None] | None,
-                    best_metric: float | None, keep_last: int) -> Path:
+def save_checkpoint(
+    ckpt_root: Path,
+    name: str,
+    weights: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    state: dict[str, Any] | None,
+    heldout: Callable[[Path], None] | None,
+    best_metric: float | None,
+    keep_last: int,
+) -> Path:
     """Write one checkpoint directory atomically, then update the index and prune old ones.
 
     ``best_metric`` (higher is better) decides whether this becomes the best checkpoint.

@@ -97,8 +97,10 @@ class TrainConfig:
         if self.batch_size < world_size:
             raise ConfigError(
                 f"--batch-size {self.batch_size} is smaller than the world size {world_size}: "
-                f"every rank needs at least one sample per step; raise --batch-size or lower --nproc")
+                f"every rank needs at least one sample per step; raise --batch-size or lower --nproc"
+            )
         if self.batch_size % world_size:
             raise ConfigError(
                 f"--batch-size {self.batch_size} does not split evenly across {world_size} ranks; "
-                f"use a multiple of {world_size}")
+                f"use a multiple of {world_size}"
+            )

@@ -63,12 +63,21 @@ def _channel_stats(x: torch.Tensor) -> tuple[list[float], list[float]]:
     return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
 
 
-def _tensor_split(x: torch.Tensor, y: torch.Tensor, classes: list[str], val_fraction: float, seed: int,
-                  source: str, source_scale: str, split: tuple[np.ndarray, np.ndarray] | None = None) -> DataSplit:
+def _tensor_split(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    classes: list[str],
+    val_fraction: float,
+    seed: int,
+    source: str,
+    source_scale: str,
+    split: tuple[np.ndarray, np.ndarray] | None = None,
+) -> DataSplit:
     tr, va = split if split is not None else _stratified_split(y.numpy(), val_fraction, seed)
     mean, std = _channel_stats(x[tr])
-    pre = Preprocessing(image_size=[x.shape[-2], x.shape[-1]], channels=x.shape[1], mean=mean, std=std,
-                        source_scale=source_scale)
+    pre = Preprocessing(
+        image_size=[x.shape[-2], x.shape[-1]], channels=x.shape[1], mean=mean, std=std, source_scale=source_scale
+    )
     return DataSplit(TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va]), classes, pre, source)
 
 
@@ -136,8 +145,10 @@ def check_data_source(data: str) -> None:
 
 def _check_folder(root: Path) -> None:
     if not root.exists():
-        raise DataError(f"--data {root}: no such directory (use {' or '.join(BUILTIN_DATA)}, an ImageFolder path, "
-                        "or package.module:factory)")
+        raise DataError(
+            f"--data {root}: no such directory (use {' or '.join(BUILTIN_DATA)}, an ImageFolder path, "
+            "or package.module:factory)"
+        )
     if not root.is_dir():
         raise DataError(f"--data {root}: not a directory (expected one sub-folder per class)")
 
@@ -194,8 +205,14 @@ def _folder_files(ds: ImageFolderDataset, val: np.ndarray) -> RawSamples:
     return RawSamples(names, files, inputs, np.array([ds.files[i][1] for i in picked], np.int64))
 
 
-def load_data(data: str, image_size: int | None, val_fraction: float, seed: int,
-              synthetic_samples: int = 512, num_classes: int | None = None) -> DataSplit:
+def load_data(
+    data: str,
+    image_size: int | None,
+    val_fraction: float,
+    seed: int,
+    synthetic_samples: int = 512,
+    num_classes: int | None = None,
+) -> DataSplit:
     """Resolve --data into a train/validation split (see module docstring)."""
     if data == "digits":
         return load_digits(image_size or 32, val_fraction, seed)
@@ -210,8 +227,9 @@ def collate_inputs(batch: Any) -> tuple[Any, torch.Tensor]:
     return x, torch.as_tensor(y).reshape(-1).long()
 
 
-def heldout_batch(ds: Dataset, collate: Optional[Callable] = None, limit_bytes: int = 8 << 20,
-                  max_count: int = 64) -> tuple[Any, torch.Tensor]:
+def heldout_batch(
+    ds: Dataset, collate: Optional[Callable] = None, limit_bytes: int = 8 << 20, max_count: int = 64
+) -> tuple[Any, torch.Tensor]:
     """The first validation samples as one batch (``collate``, else torch's default): at most ``max_count``,
     and about ``limit_bytes`` (sized by the first sample, so padding may add to it). Returns (inputs, int64
     targets); export verifies, warms up and benchmarks with them."""
@@ -219,6 +237,7 @@ def heldout_batch(ds: Dataset, collate: Optional[Callable] = None, limit_bytes: 
 
     def nbytes(x) -> int:
         return sum(v.numel() * v.element_size() for v in (x.values() if isinstance(x, dict) else [x]))
+
     per = nbytes(collate([ds[0]])[0])
     n = max(1, min(len(ds), max_count, limit_bytes // max(1, per)))
     return collate_inputs(collate([ds[i] for i in range(n)]))

@@ -45,11 +45,17 @@ def init_distributed(device: str) -> Dist:
             # torchrun's agent store outlives a worker restart: without a per-attempt prefix a restarted
             # rank can read the dead round's addresses and fail to connect ("Connection refused").
 
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                                  is_master=False, timeout=timedelta(minutes=10))
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world_size=world,
+                is_master=False,
+                timeout=timedelta(minutes=10),
+            )
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(backend, store=dist.PrefixStore(f"torchship/attempt_{attempt}", store),
-                                    rank=rank, world_size=world)
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(f"torchship/attempt_{attempt}", store), rank=rank, world_size=world
+            )
         else:
             dist.init_process_group(backend)
     return Dist(rank, local, world, True)
@@ -60,16 +66,22 @@ def rank_batches(ds_len: int, d: Dist, per_rank: int, epoch: int, seed: int, shu
     if shuffle:
         g = torch.Generator().manual_seed(seed + epoch)
         order = torch.randperm(ds_len, generator=g).tolist()
-        usable = (ds_len // (per_rank * d.world)) * per_rank * d.world   # drop the ragged tail
-        mine = order[:usable][d.rank::d.world]
-        return [mine[i:i + per_rank] for i in range(0, len(mine), per_rank)]
-    mine = list(range(d.rank, ds_len, d.world))    # validation: every sample exactly once overall
-    return [mine[i:i + per_rank] for i in range(0, len(mine), per_rank)]
+        usable = (ds_len // (per_rank * d.world)) * per_rank * d.world  # drop the ragged tail
+        mine = order[:usable][d.rank :: d.world]
+        return [mine[i : i + per_rank] for i in range(0, len(mine), per_rank)]
+    mine = list(range(d.rank, ds_len, d.world))  # validation: every sample exactly once overall
+    return [mine[i : i + per_rank] for i in range(0, len(mine), per_rank)]
 
 
 def rank_loader(
     ds, batches: list[list[int]], workers: int, seed: int, collate: Optional[Callable] = None
 ) -> DataLoader:
     """A DataLoader over ``batches`` (rank_batches), its workers seeded."""
-    return DataLoader(ds, batch_sampler=batches, num_workers=workers, collate_fn=collate,
-                      generator=torch.Generator().manual_seed(seed), persistent_workers=False)
+    return DataLoader(
+        ds,
+        batch_sampler=batches,
+        num_workers=workers,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(seed),
+        persistent_workers=False,
+    )

@@ -31,16 +31,20 @@ def auto_nproc(device: str) -> tuple[int, str]:
     if device == "cuda":
         n = max(1, torch.cuda.device_count())
         return n, f"one rank per visible GPU ({n})"
-    return 1, (f"one process with {usable_cpus()} thread(s): on a CPU it trains faster than DDP ranks, whose "
-               "gradient all-reduce takes cores from the model; --nproc N runs N DDP ranks")
+    return 1, (
+        f"one process with {usable_cpus()} thread(s): on a CPU it trains faster than DDP ranks, whose "
+        "gradient all-reduce takes cores from the model; --nproc N runs N DDP ranks"
+    )
 
 
 def preflight(cfg: TrainConfig, world: int) -> None:
     """Every check that needs no process group, so mistakes surface before ranks start."""
     device = resolve_device(cfg)
     if device == "cuda" and world > (n := torch.cuda.device_count()):
-        raise ConfigError(f"--nproc {world} starts one rank per GPU, but {n} GPU(s) are visible; use --nproc {n} or "
-                          "fewer (0: one per GPU)")
+        raise ConfigError(
+            f"--nproc {world} starts one rank per GPU, but {n} GPU(s) are visible; use --nproc {n} or "
+            "fewer (0: one per GPU)"
+        )
     cfg.check_world(world)
     prepare_out(cfg)
     resume = cfg.resolved_resume()
@@ -53,8 +57,12 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         scan_image_folder(cfg.data)
     cpus = usable_cpus()
     if device == "cpu" and world > cpus:
-        print(f"torchship train: note: {world} ranks on {cpus} CPU(s) take turns on the cores, which is slower than "
-              f"--nproc {cpus}", file=sys.stderr, flush=True)
+        print(
+            f"torchship train: note: {world} ranks on {cpus} CPU(s) take turns on the cores, which is slower than "
+            f"--nproc {cpus}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def run_train(cfg: TrainConfig) -> TrainResult | None:
@@ -161,5 +169,3 @@ def rank_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; the launcher says where the run stopped
         return 130
     return 0
-
-

@@ -30,13 +30,13 @@ from .userdata import load_user_data
 
 @dataclass
 class TrainResult:
-    best: Path              # checkpoint directory with the best validation accuracy
-    latest: Path            # most recent checkpoint directory (resumable)
-    val_acc: float          # validation accuracy of the last evaluation, 0..1
+    best: Path  # checkpoint directory with the best validation accuracy
+    latest: Path  # most recent checkpoint directory (resumable)
+    val_acc: float  # validation accuracy of the last evaluation, 0..1
     best_val_acc: float
-    steps: int              # optimizer steps taken in total (including before a resume)
-    wall_s: float           # seconds spent in this call
-    images_per_s: float     # training throughput of this call, all ranks together
+    steps: int  # optimizer steps taken in total (including before a resume)
+    wall_s: float  # seconds spent in this call
+    images_per_s: float  # training throughput of this call, all ranks together
     world_size: int
 
 
@@ -80,14 +80,17 @@ def _logits(model: nn.Module, norm: nn.Module, x) -> torch.Tensor:
     elif isinstance(out, (tuple, list)):
         out = out[0]
     if not isinstance(out, torch.Tensor) or out.dim() != 2:
-        raise DataError(f"the model's output for the loss must be [batch, classes] scores, got "
-                        f"{list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+        raise DataError(
+            f"the model's output for the loss must be [batch, classes] scores, got "
+            f"{list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
+        )
     return out
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, norm: nn.Module, ds, d: Dist, per_rank: int, device: str, autocast,
-             collate=None) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, norm: nn.Module, ds, d: Dist, per_rank: int, device: str, autocast, collate=None
+) -> tuple[float, float]:
     """Validation loss and accuracy, summed over all ranks (each sample counted once)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
@@ -112,8 +115,10 @@ def prepare_out(cfg: TrainConfig) -> Path:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file")
     if (out / "checkpoints" / INDEX).exists() and not cfg.overwrite and not cfg.resolved_resume():
-        raise ConfigError(f"--out {out} already holds checkpoints; pass --resume {out} to continue, "
-                          "--overwrite to start over, or another --out")
+        raise ConfigError(
+            f"--out {out} already holds checkpoints; pass --resume {out} to continue, "
+            "--overwrite to start over, or another --out"
+        )
     return out
 
 
@@ -212,8 +217,12 @@ def _profiler(run: Run):
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device == "cuda" else [])
-    prof = profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                   on_trace_ready=tensorboard_trace_handler(str(run.out / "profile")), record_shapes=True)
+    prof = profile(
+        activities=acts,
+        schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=tensorboard_trace_handler(str(run.out / "profile")),
+        record_shapes=True,
+    )
     prof.start()
     return prof
 
@@ -229,11 +238,18 @@ def _epoch(run: Run, epoch: int, on_step, prof) -> tuple[float, float, bool, int
     if d.main and cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(batches), initial=skip, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
-                   dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(
+            total=len(batches),
+            initial=skip,
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            leave=False,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
     loss_sum, loss_n, gnorm, stopped = 0.0, 0, float("nan"), False
-    for idx, batch in zip(batches[skip:], rank_loader(run.data.train, batches[skip:], cfg.workers, cfg.seed + epoch,
-                                                  run.data.collate)):
+    for idx, batch in zip(
+        batches[skip:], rank_loader(run.data.train, batches[skip:], cfg.workers, cfg.seed + epoch, run.data.collate)
+    ):
         x, y = collate_inputs(batch)
         x, y = _to(x, run.device), y.to(run.device, non_blocking=True)
         if cfg.channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:
@@ -269,23 +285,35 @@ def _epoch(run: Run, epoch: int, on_step, prof) -> tuple[float, float, bool, int
     return loss_sum / max(1, loss_n), gnorm, stopped, len(batches)
 
 
-def _end_of_epoch(run: Run, epoch: int, train_loss: float, gnorm: float, stopped: bool, n_batches: int,
-                  steps_rate: float) -> None:
+def _end_of_epoch(
+    run: Run, epoch: int, train_loss: float, gnorm: float, stopped: bool, n_batches: int, steps_rate: float
+) -> None:
     """Evaluate, log the epoch's metrics and save a checkpoint: mid-epoch when --max-steps stopped it there.
     ``steps_rate``: this epoch's images/s over its training steps alone (no evaluation, no checkpoint)."""
-    val_loss, run.val_acc = evaluate(run.model, run.norm, run.data.val, run.d, max(1, run.per_rank), run.device,
-                                     run.autocast, run.data.collate)
+    val_loss, run.val_acc = evaluate(
+        run.model, run.norm, run.data.val, run.d, max(1, run.per_rank), run.device, run.autocast, run.data.collate
+    )
     run.best_acc = max(run.best_acc, run.val_acc)
     elapsed = time.perf_counter() - run.t_loop
-    record = {"epoch": epoch + 1, "step": run.global_step, "train_loss": train_loss, "val_loss": val_loss,
-              "val_acc": run.val_acc, "lr": run.sched.get_last_lr()[0], "grad_norm": gnorm,
-              "images_per_s": run.images_done / max(elapsed, 1e-9), "epoch_images_per_s": steps_rate,
-              "elapsed_s": elapsed}
+    record = {
+        "epoch": epoch + 1,
+        "step": run.global_step,
+        "train_loss": train_loss,
+        "val_loss": val_loss,
+        "val_acc": run.val_acc,
+        "lr": run.sched.get_last_lr()[0],
+        "grad_norm": gnorm,
+        "images_per_s": run.images_done / max(elapsed, 1e-9),
+        "epoch_images_per_s": steps_rate,
+        "elapsed_s": elapsed,
+    }
     run.log.metrics(run.out, record)
     unit = "img" if run.data.signature is None else "samples"
-    run.log(f"epoch {epoch + 1}/{run.cfg.epochs}  step {run.global_step}  train_loss {train_loss:.4f}  "
-            f"val_loss {val_loss:.4f}  val_acc {100 * run.val_acc:.2f}%  grad_norm {gnorm:.3f}  "
-            f"{record['images_per_s']:.0f} {unit}/s")
+    run.log(
+        f"epoch {epoch + 1}/{run.cfg.epochs}  step {run.global_step}  train_loss {train_loss:.4f}  "
+        f"val_loss {val_loss:.4f}  val_acc {100 * run.val_acc:.2f}%  grad_norm {gnorm:.3f}  "
+        f"{record['images_per_s']:.0f} {unit}/s"
+    )
     metrics = {"val_loss": val_loss, "val_acc": run.val_acc}
     if stopped and run.step_in_epoch < n_batches:
         _save(run, epoch, run.step_in_epoch, metrics, True)
@@ -293,15 +321,21 @@ def _end_of_epoch(run: Run, epoch: int, train_loss: float, gnorm: float, stopped
         _save(run, epoch + 1, 0, metrics, True)
 
 
-def _train(cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log: _Log, on_step,
-           t_start) -> TrainResult:
+def _train(
+    cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log: _Log, on_step, t_start
+) -> TrainResult:
     run = set_up(cfg, data, d, device, out, resume_dir, log)
     if d.main:
-        what = (f"{run.meta['num_classes']} classes, input {'x'.join(map(str, run.meta['input_shape']))}"
-                if data.signature is None else f"inputs {data.signature.to_flags()}")
-        log(f"training {cfg.arch} on {data.source}: {len(data.train)} train / {len(data.val)} val "
+        what = (
+            f"{run.meta['num_classes']} classes, input {'x'.join(map(str, run.meta['input_shape']))}"
+            if data.signature is None
+            else f"inputs {data.signature.to_flags()}"
+        )
+        log(
+            f"training {cfg.arch} on {data.source}: {len(data.train)} train / {len(data.val)} val "
             f"{'images' if data.signature is None else 'samples'}, {what}, world size {d.world}, device {device}, "
-            f"amp {run.amp}, {run.steps_per_epoch} steps/epoch")
+            f"amp {run.amp}, {run.steps_per_epoch} steps/epoch"
+        )
     prof = _profiler(run)
     run.t_loop = time.perf_counter()
     run.model.train()

@@ -29,6 +29,7 @@ from .distributed import Dist, rank_batches
 class Run:
     """What the steps of one training run share: its inputs, the model and optimizer state, and where
     it stands."""
+
     cfg: TrainConfig
     data: DataSplit
     d: Dist
@@ -75,8 +76,10 @@ def set_up(
     per_rank = cfg.batch_size // d.world
     n_classes = len(data.classes) if data.classes else None
     if len(data.train) < cfg.batch_size:
-        raise DataError(f"the training split has {len(data.train)} samples, fewer than --batch-size {cfg.batch_size}; "
-                        "lower --batch-size, or add images (or lower --val-fraction)")
+        raise DataError(
+            f"the training split has {len(data.train)} samples, fewer than --batch-size {cfg.batch_size}; "
+            "lower --batch-size, or add images (or lower --val-fraction)"
+        )
     steps_per_epoch = len(rank_batches(len(data.train), d, per_rank, 0, cfg.seed, True))
     in_ch = data.preprocessing.channels if data.preprocessing else None
     model_args = parse_model_args(cfg.model_arg)
@@ -87,7 +90,8 @@ def set_up(
         if meta.get("arch") != cfg.arch or meta.get("num_classes") != n_classes:
             raise CheckpointError(
                 f"--resume {resume_dir} holds {meta.get('arch')} with {meta.get('num_classes')} classes, "
-                f"but this run trains {cfg.arch} with {n_classes} classes")
+                f"but this run trains {cfg.arch} with {n_classes} classes"
+            )
         load_into(plain, load_weights(resume_dir), f"--resume {resume_dir}")
     plain.to(device)
     if cfg.channels_last:
@@ -104,11 +108,24 @@ def set_up(
     if d.main:
         log(f"amp {amp}" + ("" if cfg.amp == amp else f" (--amp {cfg.amp})") + f": {amp_reason}")
     meta = {
-        "arch": cfg.arch, "num_classes": n_classes, "model_args": model_args, "classes": data.classes,
-        "data": {"source": data.source, "train_samples": len(data.train), "val_samples": len(data.val),
-                 "val_fraction": cfg.val_fraction, "seed": cfg.seed},
-        "train_config": as_dict(cfg), "world_size": d.world, "device": device, "amp": amp, "amp_reason": amp_reason,
-        "torch_version": torch.__version__, "git_revision": git_revision(),
+        "arch": cfg.arch,
+        "num_classes": n_classes,
+        "model_args": model_args,
+        "classes": data.classes,
+        "data": {
+            "source": data.source,
+            "train_samples": len(data.train),
+            "val_samples": len(data.val),
+            "val_fraction": cfg.val_fraction,
+            "seed": cfg.seed,
+        },
+        "train_config": as_dict(cfg),
+        "world_size": d.world,
+        "device": device,
+        "amp": amp,
+        "amp_reason": amp_reason,
+        "torch_version": torch.__version__,
+        "git_revision": git_revision(),
     }
     heldout: dict[str, np.ndarray] = {}
     if data.signature is None:
@@ -126,9 +143,26 @@ def set_up(
     norm = (
         Normalize(data.preprocessing.mean, data.preprocessing.std).to(device) if data.preprocessing else nn.Identity()
     )
-    run = Run(cfg, data, d, device, out, log, per_rank, steps_per_epoch, model, plain, norm, opt, sched,
-               torch.amp.GradScaler("cuda", enabled=amp == "fp16"), amp,
-               {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp), meta, heldout)
+    run = Run(
+        cfg,
+        data,
+        d,
+        device,
+        out,
+        log,
+        per_rank,
+        steps_per_epoch,
+        model,
+        plain,
+        norm,
+        opt,
+        sched,
+        torch.amp.GradScaler("cuda", enabled=amp == "fp16"),
+        amp,
+        {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp),
+        meta,
+        heldout,
+    )
     if resume_dir is not None:
         restore(run, ck.load_train_state(resume_dir), resume_dir)
     return run
@@ -137,8 +171,10 @@ def set_up(
 def restore(run: Run, state: dict[str, Any], resume_dir: Path) -> None:
     """Where a resumed run stands: optimizer, schedule, scaler, position and this rank's RNG state."""
     if state.get("world_size") != run.d.world:
-        run.log(f"warning: resuming with world size {run.d.world}, saved with {state.get('world_size')}: "
-                "training continues but is not bit-identical to an uninterrupted run")
+        run.log(
+            f"warning: resuming with world size {run.d.world}, saved with {state.get('world_size')}: "
+            "training continues but is not bit-identical to an uninterrupted run"
+        )
     run.opt.load_state_dict(state["optimizer"])
     run.sched.load_state_dict(state["scheduler"])
     run.scaler.load_state_dict(state["scaler"])
@@ -156,4 +192,5 @@ def _lr_lambda(total_steps: int, warmup: int) -> Callable[[int], float]:
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, total_steps - warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
     return f

@@ -29,8 +29,10 @@ SCAN = 64  # validation samples the signature is read from
 def split_sample(sample: Any, where: str) -> tuple[dict[str, torch.Tensor], Any]:
     """A sample as ({input name: tensor}, target); DataError naming ``where`` when it has another form."""
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
-        raise DataError(f"{where}: a sample must be (inputs, target), got {type(sample).__name__}"
-                        + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else ""))
+        raise DataError(
+            f"{where}: a sample must be (inputs, target), got {type(sample).__name__}"
+            + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else "")
+        )
     x, y = sample
     if isinstance(x, torch.Tensor):
         feeds = {INPUT: x}
@@ -43,8 +45,9 @@ def split_sample(sample: Any, where: str) -> tuple[dict[str, torch.Tensor], Any]
     else:
         ok = isinstance(y, (int, np.integer)) and not isinstance(y, bool)
     if not ok:
-        raise DataError(f"{where}: the target must be a class index (an int, or an integer tensor of one value); "
-                        f"got {y!r:.80}")
+        raise DataError(
+            f"{where}: the target must be a class index (an int, or an integer tensor of one value); got {y!r:.80}"
+        )
     return feeds, y
 
 
@@ -63,12 +66,16 @@ def infer_signature(ds: Dataset, where: str, scan: int = SCAN) -> Signature:
         first = samples[0][name]
         dt = dtype_name(first.dtype)
         if dt not in INPUT_DTYPES:
-            raise DataError(f"{where}: input {name!r} is {dt}; inputs may be {', '.join(INPUT_DTYPES)} "
-                            "(cast in the dataset, or inside the model)")
+            raise DataError(
+                f"{where}: input {name!r} is {dt}; inputs may be {', '.join(INPUT_DTYPES)} "
+                "(cast in the dataset, or inside the model)"
+            )
         for i, s in enumerate(samples):
             if s[name].dtype != first.dtype or s[name].dim() != first.dim():
-                raise DataError(f"{where} sample {i}: input {name!r} is {dtype_name(s[name].dtype)} "
-                                f"{list(s[name].shape)}, sample 0 has {dt} {list(first.shape)}")
+                raise DataError(
+                    f"{where} sample {i}: input {name!r} is {dtype_name(s[name].dtype)} "
+                    f"{list(s[name].shape)}, sample 0 has {dt} {list(first.shape)}"
+                )
         shape: list = [BATCH]
         for axis in range(first.dim()):
             sizes = tuple(int(s[name].shape[axis]) for s in samples)
@@ -102,8 +109,10 @@ def load_user_data(spec: str) -> DataSplit:
         try:
             n = len(ds)
         except TypeError:
-            raise DataError(f"--data {spec}: the {what} dataset has no length (a map-style Dataset is needed: "
-                            "__len__ and __getitem__)") from None
+            raise DataError(
+                f"--data {spec}: the {what} dataset has no length (a map-style Dataset is needed: "
+                "__len__ and __getitem__)"
+            ) from None
         if n == 0:
             raise DataError(f"--data {spec}: the {what} dataset is empty")
     sig = infer_signature(val, f"--data {spec}: validation")
@@ -111,13 +120,22 @@ def load_user_data(spec: str) -> DataSplit:
     collate = getattr(train, "collate_fn", None)
     feeds, labels = heldout_inputs(val, sig, collate, f"--data {spec}")
     classes = getattr(train, "classes", None)
-    return DataSplit(train, val, [str(c) for c in classes] if classes else None, None, spec,
-                     signature=widened(sig, feeds), collate=collate, by_keyword=isinstance(val[0][0], Mapping),
-                     heldout=(feeds, labels))
+    return DataSplit(
+        train,
+        val,
+        [str(c) for c in classes] if classes else None,
+        None,
+        spec,
+        signature=widened(sig, feeds),
+        collate=collate,
+        by_keyword=isinstance(val[0][0], Mapping),
+        heldout=(feeds, labels),
+    )
 
 
-def heldout_inputs(ds: Dataset, sig: Signature, collate: Optional[Callable], where: str
-                   ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def heldout_inputs(
+    ds: Dataset, sig: Signature, collate: Optional[Callable], where: str
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The held-out batch (train.data.heldout_batch) by input name, with its targets; DataError when
     collation loses an input or changes a fixed dim."""
     x, y = heldout_batch(ds, collate)

@@ -13,9 +13,20 @@ import os
 import numpy as np
 import torchship_runtime as rt
 
-TRITON_DTYPES = {"TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
-                 "TYPE_UINT64": np.uint64, "TYPE_INT8": np.int8, "TYPE_INT16": np.int16, "TYPE_INT32": np.int32,
-                 "TYPE_INT64": np.int64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64}
+TRITON_DTYPES = {
+    "TYPE_BOOL": np.bool_,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+}
 
 
 def _params(cfg):
@@ -60,8 +71,18 @@ class BackendModel:
         tf32 = params.get("tf32", "false").lower() == "true"  # an AOTInductor package compiled with TF32 allowed
         instances = sum(int(g.get("count", 1)) for g in cfg.get("instance_group", []) if g.get("kind") != "KIND_GPU")
         self.instance = args.get("model_instance_name", self.name)
-        self.runner = rt.load(fmt, path, self.inputs, self.outputs, device=device, threads=threads, buckets=buckets,
-                              ort_providers=self.ort_providers(cfg, device), tf32=tf32, spin=instances <= 1)
+        self.runner = rt.load(
+            fmt,
+            path,
+            self.inputs,
+            self.outputs,
+            device=device,
+            threads=threads,
+            buckets=buckets,
+            ort_providers=self.ort_providers(cfg, device),
+            tf32=tf32,
+            spin=instances <= 1,
+        )
         self.reported = False
         self.log(f"{self.name}: {fmt} from {path} on {device}, {threads} intra-op thread(s)")
 
@@ -72,8 +93,11 @@ class BackendModel:
         if problems is None:
             self.log(f"{self.name}: {version_dir} records no file hashes ({rt.PROVENANCE}); its files are not checked")
         elif problems:
-            raise ValueError(f"{self.name}: refusing to load version {os.path.basename(version_dir)}: "
-                             + "; ".join(problems) + "; build the repository again with torchship repo")
+            raise ValueError(
+                f"{self.name}: refusing to load version {os.path.basename(version_dir)}: "
+                + "; ".join(problems)
+                + "; build the repository again with torchship repo"
+            )
 
     def device_for(self, args):
         """(device, why): where this instance runs, and for a GPU instance that runs on the CPU, why."""
@@ -102,8 +126,10 @@ class BackendModel:
                 return f"missing input '{name}'"
             for i, r in enumerate(self.dim_ranges.get(name) or ()):
                 if r and not r[1] <= x.shape[i + 1] <= r[2]:
-                    return (f"input '{name}' has {r[0]}={x.shape[i + 1]} (dim {i + 1} of shape {list(x.shape)}), "
-                            f"outside the model's range {r[1]}..{r[2]}")
+                    return (
+                        f"input '{name}' has {r[0]}={x.shape[i + 1]} (dim {i + 1} of shape {list(x.shape)}), "
+                        f"outside the model's range {r[1]}..{r[2]}"
+                    )
             if self.reject_non_finite and self.in_float[name] and not np.isfinite(x).all():
                 return f"input '{name}' contains NaN or Inf values; send finite values"
         return None
@@ -135,13 +161,17 @@ class BackendModel:
         if not self.reported:  # read back in the thread that runs the model, once it has run
             self.reported = True
             use = rt.threads_in_use(self.runner)
-            self.log(f"instance {self.instance} (pid {os.getpid()}) runs with " +
-                     ", ".join(f"{k}={str(v).lower()}" for k, v in use.items()))
+            self.log(
+                f"instance {self.instance} (pid {os.getpid()}) runs with "
+                + ", ".join(f"{k}={str(v).lower()}" for k, v in use.items())
+            )
         start = 0
         for feeds, i in zip(batch, owners):
             n = feeds[self.inputs[0]].shape[0]
-            results[i] = [np.ascontiguousarray(outs[name][start:start + n], dtype=dt)
-                          for name, dt in zip(self.outputs, self.out_dtypes)]
+            results[i] = [
+                np.ascontiguousarray(outs[name][start : start + n], dtype=dt)
+                for name, dt in zip(self.outputs, self.out_dtypes)
+            ]
             start += n
 
     def error(self, msg):
@@ -162,8 +192,10 @@ class OnnxRuntimeModel(BackendModel):
 
         why = super().cuda_missing()
         if not why and "CUDAExecutionProvider" not in ort.get_available_providers():
-            why = (f"this onnxruntime ({ort.__version__}) has no CUDAExecutionProvider; install onnxruntime-gpu "
-                   "in the serving environment")
+            why = (
+                f"this onnxruntime ({ort.__version__}) has no CUDAExecutionProvider; install onnxruntime-gpu "
+                "in the serving environment"
+            )
         return why
 
     def ort_providers(self, cfg, device):
@@ -174,11 +206,17 @@ class OnnxRuntimeModel(BackendModel):
         for acc in accs:
             if acc.get("name") == "tensorrt":
                 p = acc.get("parameters", {})
-                providers.append(("TensorrtExecutionProvider", {
-                    "device_id": int(device.split(":")[1]),
-                    "trt_fp16_enable": p.get("precision_mode", "FP32") == "FP16",
-                    "trt_engine_cache_enable": p.get("trt_engine_cache_enable", "0") == "1",
-                    "trt_engine_cache_path": p.get("trt_engine_cache_path", "/tmp/trt_cache")}))
+                providers.append(
+                    (
+                        "TensorrtExecutionProvider",
+                        {
+                            "device_id": int(device.split(":")[1]),
+                            "trt_fp16_enable": p.get("precision_mode", "FP32") == "FP16",
+                            "trt_engine_cache_enable": p.get("trt_engine_cache_enable", "0") == "1",
+                            "trt_engine_cache_path": p.get("trt_engine_cache_path", "/tmp/trt_cache"),
+                        },
+                    )
+                )
         providers.append(("CUDAExecutionProvider", rt.ort_cuda_options(device)))
         providers.append("CPUExecutionProvider")
         return providers
@@ -202,8 +240,13 @@ class NoopModel(BackendModel):
         self.out_dims = [[max(1, int(d)) for d in o["dims"]] for o in cfg["output"]]  # a dynamic dim (-1) as 1
 
     def run(self, requests):
-        return [[np.zeros((0 if f[self.inputs[0]] is None else f[self.inputs[0]].shape[0], *dims), dt)
-                 for dims, dt in zip(self.out_dims, self.out_dtypes)] for f in requests]
+        return [
+            [
+                np.zeros((0 if f[self.inputs[0]] is None else f[self.inputs[0]].shape[0], *dims), dt)
+                for dims, dt in zip(self.out_dims, self.out_dtypes)
+            ]
+            for f in requests
+        ]
 
 
 MODELS = {"onnxruntime": OnnxRuntimeModel, "pytorch": PyTorchModel, "torchship": NoopModel}

@@ -54,9 +54,13 @@ def answer_each(requests, model_name, input_name, prepare):
                 raise ValueError(f"missing input '{input_name}'")
             outputs = prepare(np.ascontiguousarray(to_numpy(t)).reshape(-1).tobytes())
         except ValueError as e:
-            responses.append(pb_utils.InferenceResponse(
-                output_tensors=[], error=pb_utils.TritonError(f"{model_name}: {e}")))
+            responses.append(
+                pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{model_name}: {e}"))
+            )
             continue
-        responses.append(pb_utils.InferenceResponse(
-            output_tensors=[to_triton(k, np.ascontiguousarray(v)) for k, v in outputs.items()]))
+        responses.append(
+            pb_utils.InferenceResponse(
+                output_tensors=[to_triton(k, np.ascontiguousarray(v)) for k, v in outputs.items()]
+            )
+        )
     return responses

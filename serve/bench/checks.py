@@ -45,14 +45,18 @@ class ResponseCheck:
                 )
             if self.min_sqnr_db is not None:
                 if np.issubdtype(w.dtype, np.floating) and parity.sqnr_db(g, w) < self.min_sqnr_db:
-                    return (f"output {o!r} at SQNR {parity.sqnr_db(g, w):.1f} dB against {self.against}, below "
-                            f"{self.min_sqnr_db:g} dB")
+                    return (
+                        f"output {o!r} at SQNR {parity.sqnr_db(g, w):.1f} dB against {self.against}, below "
+                        f"{self.min_sqnr_db:g} dB"
+                    )
                 continue
             b = self.bounds[o]
             verdict = parity.compare(g, w, b["atol"], b.get("rtol", 0.0))
             if not verdict["pass"]:
-                return (f"output {o!r} max abs error {verdict['max_abs']:.3g} against {self.against}, "
-                        f"beyond {b['atol']:.3g}")
+                return (
+                    f"output {o!r} max abs error {verdict['max_abs']:.3g} against {self.against}, "
+                    f"beyond {b['atol']:.3g}"
+                )
         return None
 
 
@@ -80,6 +84,7 @@ def keeper(limit: int = KEEP_BYTES):
         if held[0] < limit:
             kept.append((i, response))
             held[0] += sum(len(b) for b in response.raw_output_contents)
+
     return keep, kept
 
 
@@ -108,14 +113,24 @@ def response_check(
         idle = [client.infer_all(model, singles[i]) for i in range(min(rows, len(singles)))]
         own = {o: np.concatenate([r[o] for r in idle]) for o in outputs}
         if art.get("gate"):
-            return ResponseCheck(model, own, "its own answers on the idle server", names=names,
-                                 min_sqnr_db=art["gate"].get("min_sqnr_db", parity.GATE["min_sqnr_db"]))
+            return ResponseCheck(
+                model,
+                own,
+                "its own answers on the idle server",
+                names=names,
+                min_sqnr_db=art["gate"].get("min_sqnr_db", parity.GATE["min_sqnr_db"]),
+            )
         bounds = {
             o: {k: 2 * v for k, v in parity.bound(tol, o, tf32).items() if k in ("atol", "rtol")} for o in outputs
         }
         return ResponseCheck(model, own, "its own answers on the idle server", bounds, names=names)
-    return ResponseCheck(model, {o: expected[o] for o in outputs}, "the reference",
-                         {o: parity.bound(tol, o, tf32) for o in outputs}, names=names)
+    return ResponseCheck(
+        model,
+        {o: expected[o] for o in outputs},
+        "the reference",
+        {o: parity.bound(tol, o, tf32) for o in outputs},
+        names=names,
+    )
 
 
 def checked_text(r: dict[str, Any]) -> str:
@@ -130,8 +145,11 @@ def wrong_in(served: dict[str, Any]) -> Optional[ParityError]:
     response was wrong, or None."""
     sweeps = [("", m, mm["rows"]) for m, mm in served.get("models", {}).items() if "rows" in mm]
     sweeps += [(" with batching off", m, mm["rows"]) for m, mm in served.get("batching_off", {}).items()]
-    sweeps += [(f" at a queue delay of {d} us", m, dd["rows"]) for m, by in served.get("delays", {}).items()
-               for d, dd in by.items()]
+    sweeps += [
+        (f" at a queue delay of {d} us", m, dd["rows"])
+        for m, by in served.get("delays", {}).items()
+        for d, dd in by.items()
+    ]
     entry = served.get("entry", {})
     if "rows" in entry:
         sweeps.append((" (the image entry, from the held-out files)", entry["model"], entry["rows"]))
@@ -142,6 +160,13 @@ def wrong_in(served: dict[str, Any]) -> Optional[ParityError]:
         for r in rows
         if r.get("wrong")
     ]
-    return ParityError(failures, what="served outputs under load", hint="the same inputs pass on an idle server only "
-                       "if infer --check passes; batching, padding to a bucket or concurrency changed the answers"
-                       ) if failures else None
+    return (
+        ParityError(
+            failures,
+            what="served outputs under load",
+            hint="the same inputs pass on an idle server only "
+            "if infer --check passes; batching, padding to a bucket or concurrency changed the answers",
+        )
+        if failures
+        else None
+    )

@@ -16,12 +16,21 @@ SERVE_OPTIONS = ("ready_timeout", "triton_args")
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("export_dir", nargs="?", default=None, help="export directory to benchmark")
-    p.add_argument("--compare", nargs=2, metavar=("OLD.json", "NEW.json"), default=None,
-                   help="print new/old ratios of every shared figure; exit 1 on a regression: a figure worse by more "
-                        "than the spread either run measured it with")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="with --compare: a fixed ratio in place of the measured spreads: latency above it (or "
-                        "throughput below its inverse) is a regression")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("OLD.json", "NEW.json"),
+        default=None,
+        help="print new/old ratios of every shared figure; exit 1 on a regression: a figure worse by more "
+        "than the spread either run measured it with",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="with --compare: a fixed ratio in place of the measured spreads: latency above it (or "
+        "throughput below its inverse) is a regression",
+    )
     add_dataclass_arguments(p, BenchConfig)
     exclude = tuple(f for f in ServeConfig.__dataclass_fields__ if f not in SERVE_OPTIONS)
     add_dataclass_arguments(p, ServeConfig, exclude=exclude)
@@ -44,8 +53,10 @@ def main_bench(ns: argparse.Namespace) -> int:
         print(f"{'figure':<{width}}  {'old':>10}  {'new':>10}  {'new/old':>8}  {'noise':>6}")
         for r in rows:
             flag = "  REGRESSION" if r["regression"] else ""
-            print(f"{r['key']:<{width}}  {r['old']:>10.3f}  {r['new']:>10.3f}  {r['ratio']:>8.2f}  "
-                  f"{'±' + format(100 * (r['band'] - 1), '.0f') + '%':>6}{flag}")
+            print(
+                f"{r['key']:<{width}}  {r['old']:>10.3f}  {r['new']:>10.3f}  {r['ratio']:>8.2f}  "
+                f"{'±' + format(100 * (r['band'] - 1), '.0f') + '%':>6}{flag}"
+            )
         how = f"{ns.threshold:g}x" if ns.threshold is not None else "each figure's measured spread"
         print(f"{len(regressions)} regression(s) beyond {how} out of {len(rows)} figures")
         return 1 if regressions else 0

@@ -57,8 +57,10 @@ def comparable(old: dict, new: dict) -> list[str]:
     a gain); otherwise notes on what else differs between them (the machine), for the reader."""
     a, b = ([r.get("export", {}).get(k) for k in ("name", "input_shape", "dtype")] for r in (old, new))
     if a != b:
-        raise BenchError(f"--compare: the results are of different models ({' '.join(map(str, a))} against "
-                         f"{' '.join(map(str, b))}); compare two runs of one export")
+        raise BenchError(
+            f"--compare: the results are of different models ({' '.join(map(str, a))} against "
+            f"{' '.join(map(str, b))}); compare two runs of one export"
+        )
     notes = []
     for key in ("cpu", "gpu", "cores"):
         a, b = old.get("machine", {}).get(key), new.get("machine", {}).get(key)
@@ -69,5 +71,10 @@ def comparable(old: dict, new: dict) -> list[str]:
 
 def load_results(path: str | Path) -> dict:
     """A results.json that run_bench wrote; BenchError naming the file if it is not one."""
-    return read_json(path, BenchError, RESULTS_FORMAT, missing=f"{path}: no such results file",
-                     fix="; give the results.json that torchship bench wrote")
+    return read_json(
+        path,
+        BenchError,
+        RESULTS_FORMAT,
+        missing=f"{path}: no such results file",
+        fix="; give the results.json that torchship bench wrote",
+    )

@@ -85,8 +85,14 @@ def time_blocks(
     def means(w: dict[str, list[float]]) -> list[float]:
         return [sum(w[k]) / len(w[k]) for k in paths]
 
-    blocks, how = settle(block, means, cfg.stability / 100, max(cfg.blocks, LAST), max(cfg.max_windows, cfg.blocks),
-                         ticker(bar, max(cfg.blocks, LAST), len(paths)))
+    blocks, how = settle(
+        block,
+        means,
+        cfg.stability / 100,
+        max(cfg.blocks, LAST),
+        max(cfg.max_windows, cfg.blocks),
+        ticker(bar, max(cfg.blocks, LAST), len(paths)),
+    )
     lat = {k: [t for w in blocks for t in w[k]] for k in paths}
     return lat, {
         k: {"windows": how["windows"], "spread": sp, "stable": len(blocks) >= LAST and sp <= cfg.stability / 100}
@@ -94,8 +100,9 @@ def time_blocks(
     }
 
 
-def bench_in_process(cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, Callable], notes: dict[str, str],
-                     device: str, bar) -> dict[str, Any]:
+def bench_in_process(
+    cfg: BenchConfig, inputs: BenchInputs, runners: dict[str, Callable], notes: dict[str, str], device: str, bar
+) -> dict[str, Any]:
     """Latency and samples/s per loaded variant and batch size, on the export's real samples (or --shape's)."""
     import torch
 
@@ -127,7 +134,7 @@ def accuracy(fn: Callable, inputs: BenchInputs, batch: int) -> float:
     n = len(inputs.labels)
     right = 0
     for i in range(0, n, batch):
-        out = fn({k: v[i:i + batch] for k, v in inputs.pool.items()})
+        out = fn({k: v[i : i + batch] for k, v in inputs.pool.items()})
         first = next(iter(out.values())) if isinstance(out, dict) else out[0]
-        right += int((np.asarray(first).argmax(-1) == inputs.labels[i:i + batch]).sum())
+        right += int((np.asarray(first).argmax(-1) == inputs.labels[i : i + batch]).sum())
     return round(100 * right / n, 2)

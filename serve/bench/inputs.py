@@ -36,13 +36,16 @@ def load_inputs(export: Export, shape: dict[str, int] | None) -> BenchInputs:
     manifest = export.manifest
     ref = export.reference()
     pool, samples, key = bench_inputs(ref, manifest, shape)
-    inputs = BenchInputs(export.dir, manifest, pool, samples,
-                         labels=None if shape else ref.get(f"labels/{manifest['reference'].get('samples')}"),
-                         expected=reference_outputs(ref, manifest, key) if key else None,
-                         raw_expected=reference_outputs(ref, manifest, RAW_SET) if RAW_SET in manifest["reference"]
-                         else None,
-                         raw_inputs=reference_inputs(ref, manifest, RAW_SET) if RAW_SET in manifest["reference"]
-                         else None)
+    inputs = BenchInputs(
+        export.dir,
+        manifest,
+        pool,
+        samples,
+        labels=None if shape else ref.get(f"labels/{manifest['reference'].get('samples')}"),
+        expected=reference_outputs(ref, manifest, key) if key else None,
+        raw_expected=reference_outputs(ref, manifest, RAW_SET) if RAW_SET in manifest["reference"] else None,
+        raw_inputs=reference_inputs(ref, manifest, RAW_SET) if RAW_SET in manifest["reference"] else None,
+    )
     try:
         inputs.eager = eager_from_manifest(manifest)
     except TorchshipError as e:
@@ -59,4 +62,4 @@ def real_inputs(pool: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray
 def single_rows(pool: dict[str, np.ndarray], n: int) -> list[dict[str, np.ndarray]]:
     """``n`` batch-1 requests (feeds by input name) drawn from ``pool``."""
     batch = real_inputs(pool, n)
-    return [{k: v[i:i + 1] for k, v in batch.items()} for i in range(n)]
+    return [{k: v[i : i + 1] for k, v in batch.items()} for i in range(n)]

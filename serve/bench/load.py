@@ -12,8 +12,9 @@ from ..client import infer_channel, request_feeds
 from .stats import summarize
 
 
-def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concurrency: int, n: int,
-                min_s: float = 0.0, keep=None) -> dict[str, Any]:
+def closed_loop(
+    url: str, model: str, inputs: list[dict[str, np.ndarray]], concurrency: int, n: int, min_s: float = 0.0, keep=None
+) -> dict[str, Any]:
     """Keep ``concurrency`` requests in flight until ``n`` complete and ``min_s`` seconds have passed;
     per-request latency in seconds, and the CPU seconds this process spent (the client's own cost).
     Requests are built before timing and sent on tritonclient's generated gRPC stub; at concurrency 1 one
@@ -34,8 +35,13 @@ def closed_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], concu
         completed = _in_flight(call, prepared, more, lat, errors, keep, concurrency, max(60.0, n * 2.0, min_s + 60.0))
     wall = time.perf_counter() - t_start
     channel.close()
-    return {"latencies_s": lat, "errors": errors, "wall_s": wall, "completed": completed,
-            "cpu_s": time.process_time() - cpu0}
+    return {
+        "latencies_s": lat,
+        "errors": errors,
+        "wall_s": wall,
+        "completed": completed,
+        "cpu_s": time.process_time() - cpu0,
+    }
 
 
 def _one_at_a_time(call, prepared: list, more, lat: list[float], errors: list[str], keep) -> int:
@@ -56,8 +62,9 @@ def _one_at_a_time(call, prepared: list, more, lat: list[float], errors: list[st
     return sent
 
 
-def _in_flight(call, prepared: list, more, lat: list[float], errors: list[str], keep, concurrency: int,
-               timeout_s: float) -> int:
+def _in_flight(
+    call, prepared: list, more, lat: list[float], errors: list[str], keep, concurrency: int, timeout_s: float
+) -> int:
     """closed_loop above concurrency 1: ``concurrency`` futures in flight, each answer sending the next."""
     lock = threading.Lock()
     done = threading.Event()
@@ -133,6 +140,7 @@ def open_loop(url: str, model: str, inputs: list[dict[str, np.ndarray]], rate: f
         def cb(fut, t0=t0):
             (errors.append(str(fut.exception())) if fut.exception() else lat.append(time.perf_counter() - t0))
             pending.release()
+
         call.future(prepared[sent % len(prepared)], timeout=60).add_done_callback(cb)
         sent += 1
         next_t += rng.exponential(1.0 / rate)

@@ -28,8 +28,12 @@ NEEDED = {"libb64.so.0d": "libb64-", "libcudart.so.12": "libcudart-"}
 
 
 def locate(explicit: str | None = None) -> str | None:
-    for cand in (explicit, os.environ.get("TORCHSHIP_PERF_ANALYZER"), str(CACHE / "bin" / "perf_analyzer"),
-                 shutil.which("perf_analyzer")):
+    for cand in (
+        explicit,
+        os.environ.get("TORCHSHIP_PERF_ANALYZER"),
+        str(CACHE / "bin" / "perf_analyzer"),
+        shutil.which("perf_analyzer"),
+    ):
         if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
             return cand
     return None
@@ -42,11 +46,29 @@ def install() -> Path:
     (CACHE / "bin").mkdir(parents=True, exist_ok=True)
     (CACHE / "lib").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--platform", "manylinux1_x86_64", "tritonclient==2.51.0", "-d", tmp], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--platform",
+                "manylinux1_x86_64",
+                "tritonclient==2.51.0",
+                "-d",
+                tmp,
+            ],
+            check=True,
+        )
         wheel = next(Path(tmp).glob("tritonclient-2.51.0-*.whl"))
-        with zipfile.ZipFile(wheel) as z, z.open("tritonclient-2.51.0.data/data/bin/perf_analyzer") as src, \
-                open(CACHE / "bin" / "perf_analyzer", "wb") as dst:
+        with (
+            zipfile.ZipFile(wheel) as z,
+            z.open("tritonclient-2.51.0.data/data/bin/perf_analyzer") as src,
+            open(CACHE / "bin" / "perf_analyzer", "wb") as dst,
+        ):
             shutil.copyfileobj(src, dst)
     os.chmod(CACHE / "bin" / "perf_analyzer", 0o755)
     _, libs = triton_home()
@@ -97,12 +119,24 @@ def window(binary: str, url: str, model: str, concurrency: int, data: Path, wind
     wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if p.returncode != 0 or not report.exists():
-        return {"errors": [f"perf_analyzer exited {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}"],
-                "requests_per_s": 0.0, "mean_s": 0.0, "cpu_s": cpu, "wall_s": wall}
+        return {
+            "errors": [f"perf_analyzer exited {p.returncode}: {(p.stderr or p.stdout).strip()[-300:]}"],
+            "requests_per_s": 0.0,
+            "mean_s": 0.0,
+            "cpu_s": cpu,
+            "wall_s": wall,
+        }
     row = next(csv.DictReader(report.open()))
     report.unlink()
-    parts = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input", "Server Compute Infer",
-             "Server Compute Output", "Client Recv")
+    parts = (
+        "Client Send",
+        "Network+Server Send/Recv",
+        "Server Queue",
+        "Server Compute Input",
+        "Server Compute Infer",
+        "Server Compute Output",
+        "Client Recv",
+    )
     return {
         "errors": [],
         "requests_per_s": float(row["Inferences/Second"]),
@@ -129,6 +163,7 @@ def input_data_json(pool: dict[str, np.ndarray], count: int = 16) -> str:
 
     def content(x):
         return x.ravel().round(6).tolist() if x.dtype.kind == "f" else x.ravel().tolist()
+
     rows = [{k: {"content": content(v[i]), "shape": list(v[i].shape)} for k, v in pool.items()} for i in range(n)]
     return json.dumps({"data": rows})
 
@@ -172,12 +207,20 @@ def python_window(res: dict[str, Any], why: str) -> dict[str, Any]:
 def window_row(last: list[dict[str, Any]], delta: dict, concurrency: int, batch: int) -> dict[str, Any]:
     """A level's row from perf_analyzer windows: throughput, mean latency and each percentile averaged over
     the windows (perf_analyzer reports percentiles per run, not the latencies behind them)."""
+
     def mean(key: str) -> float:
         return sum(w.get(key, 0.0) for w in last) / len(last)
 
     rps = mean("requests_per_s")
-    row = {"concurrency": concurrency, "ok": sum(w["completed"] for w in last), "requests_per_s": rps,
-           "images_per_s": batch * rps, "mean_ms": 1e3 * mean("mean_s"), "n": sum(w["completed"] for w in last),
-           **{f"p{q}_ms": mean(f"p{q}_ms") for q in (50, 90, 95, 99)}, "server": delta}
+    row = {
+        "concurrency": concurrency,
+        "ok": sum(w["completed"] for w in last),
+        "requests_per_s": rps,
+        "images_per_s": batch * rps,
+        "mean_ms": 1e3 * mean("mean_s"),
+        "n": sum(w["completed"] for w in last),
+        **{f"p{q}_ms": mean(f"p{q}_ms") for q in (50, 90, 95, 99)},
+        "server": delta,
+    }
     row["client_side_us"] = row["mean_ms"] * 1e3 - delta.get("server_us", 0.0)
     return row

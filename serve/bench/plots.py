@@ -27,24 +27,54 @@ def draw_plots(results: dict[str, Any], out: Path) -> list[Path]:
             if key in raw:
                 xs = np.sort(raw[key])
                 ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=r["variant"])
-        made.append(_save(plt, fig, ax, out / "latency_cdf.png", f"latency at batch {b0} (ms)", "fraction of runs",
-                          "In-process latency CDF per format"))
+        made.append(
+            _save(
+                plt,
+                fig,
+                ax,
+                out / "latency_cdf.png",
+                f"latency at batch {b0} (ms)",
+                "fraction of runs",
+                "In-process latency CDF per format",
+            )
+        )
     served = results.get("served", {})
-    series = [(f"{m} (batching {'on' if s == 'models' else 'off'})", mm["rows"])
-              for s in ("models", "batching_off") for m, mm in served.get(s, {}).items()]
+    series = [
+        (f"{m} (batching {'on' if s == 'models' else 'off'})", mm["rows"])
+        for s in ("models", "batching_off")
+        for m, mm in served.get(s, {}).items()
+    ]
     if series:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, rs in series:
             ax.plot([r["concurrency"] for r in rs], [r["requests_per_s"] for r in rs], marker="o", label=label)
         ax.set_xscale("log", base=2)
-        made.append(_save(plt, fig, ax, out / "throughput_vs_concurrency.png", "concurrency (requests in flight)",
-                          "throughput (requests/s)", "Served throughput against concurrency"))
+        made.append(
+            _save(
+                plt,
+                fig,
+                ax,
+                out / "throughput_vs_concurrency.png",
+                "concurrency (requests in flight)",
+                "throughput (requests/s)",
+                "Served throughput against concurrency",
+            )
+        )
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, rs in series:
             rs = [r for r in rs if r.get("n")]
             ax.plot([r["requests_per_s"] for r in rs], [r["p99_ms"] for r in rs], marker="o", label=label)
-        made.append(_save(plt, fig, ax, out / "p99_vs_throughput.png", "throughput (requests/s)", "p99 latency (ms)",
-                          "p99 latency against throughput"))
+        made.append(
+            _save(
+                plt,
+                fig,
+                ax,
+                out / "p99_vs_throughput.png",
+                "throughput (requests/s)",
+                "p99 latency (ms)",
+                "p99 latency against throughput",
+            )
+        )
     return made
 
 

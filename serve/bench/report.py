@@ -29,8 +29,9 @@ def spread_text(r: dict[str, Any], stability: float = float("inf")) -> str:
         return "-"
     if not r.get("stable"):
         return f"±{100 * r['spread']:.0f}% UNSTABLE after {r['windows']} windows"
-    return f"±{100 * r['spread']:.0f}%" + (f" MOVED ±{100 * r['drift']:.0f}% over {r['windows']} windows"
-                                           if moved(r, stability) else "")
+    return f"±{100 * r['spread']:.0f}%" + (
+        f" MOVED ±{100 * r['drift']:.0f}% over {r['windows']} windows" if moved(r, stability) else ""
+    )
 
 
 def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
@@ -87,25 +88,46 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
         ),
         "",
     ]
-    lines += table(["model", "concurrency", "p50 ms", "p99 ms", "req/s", "spread", "avg batch", "client CPU µs/req",
-                    "server CPU µs/req", "measured/sent", "checked"], rows) + [""]
+    lines += table(
+        [
+            "model",
+            "concurrency",
+            "p50 ms",
+            "p99 ms",
+            "req/s",
+            "spread",
+            "avg batch",
+            "client CPU µs/req",
+            "server CPU µs/req",
+            "measured/sent",
+            "checked",
+        ],
+        rows,
+    ) + [""]
     for model, mm in served.get("models", {}).items():
         rs = mm["rows"]
         if len(rs) > 1 and rs[0]["requests_per_s"]:
-            lines.append(f"- {model}: batching gain {rs[-1]['requests_per_s'] / rs[0]['requests_per_s']:.2f}x "
-                         f"(throughput at concurrency {rs[-1]['concurrency']} over concurrency {rs[0]['concurrency']})")
+            lines.append(
+                f"- {model}: batching gain {rs[-1]['requests_per_s'] / rs[0]['requests_per_s']:.2f}x "
+                f"(throughput at concurrency {rs[-1]['concurrency']} over concurrency {rs[0]['concurrency']})"
+            )
     lines += client_share_lines(served, gen["name"])
     for model, mm in served.get("models", {}).items():
         if mm.get("buckets"):
             lines.append(padding_line(model, mm["buckets"], mm["rows"]))
     memory = {m: mm["instance_rss_bytes"] for m, mm in served.get("models", {}).items() if mm.get("instance_rss_bytes")}
     if memory:
-        lines.append("- Resident memory of each model's backend process after the sweep: "
-                     + ", ".join(f"{m} {b / 2 ** 20:.0f} MiB" for m, b in memory.items()))
+        lines.append(
+            "- Resident memory of each model's backend process after the sweep: "
+            + ", ".join(f"{m} {b / 2**20:.0f} MiB" for m, b in memory.items())
+        )
     for model, off in served.get("batching_off", {}).items():
         on = {r["concurrency"]: r for r in served["models"].get(model, {}).get("rows", [])}
-        gains = [f"{r['concurrency']}: {on[r['concurrency']]['requests_per_s'] / r['requests_per_s']:.2f}x"
-                 for r in off["rows"] if r["requests_per_s"] and r["concurrency"] in on]
+        gains = [
+            f"{r['concurrency']}: {on[r['concurrency']]['requests_per_s'] / r['requests_per_s']:.2f}x"
+            for r in off["rows"]
+            if r["requests_per_s"] and r["concurrency"] in on
+        ]
         lines.append(f"- {model}: dynamic batching on over off, by concurrency: {', '.join(gains)}")
     rows = served.get("noop", {}).get("rows") or [{}]
     if rows[0].get("n"):
@@ -115,8 +137,10 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
             f"at concurrency {rows[0]['concurrency']}"
         )
         if len(rows) > 1:
-            line += (f"; {rows[-1]['requests_per_s']:.0f} req/s at concurrency {rows[-1]['concurrency']}, the most the "
-                     "server, its backend and the load generator carry on these cores with no model to run")
+            line += (
+                f"; {rows[-1]['requests_per_s']:.0f} req/s at concurrency {rows[-1]['concurrency']}, the most the "
+                "server, its backend and the load generator carry on these cores with no model to run"
+            )
         lines.append(line)
     return lines + [""]
 
@@ -158,8 +182,11 @@ def probe_key(variant: str, dtype: str | None) -> str:
 def roofs(rows: list[dict[str, Any]], lim: dict[str, Any], dtype: str | None) -> dict[str, tuple[float, str]]:
     """Per probe: (the roof, what set it): the fastest probe kernel of that precision, or a variant that ran faster
     still (a kernel the probe does not try), so that no row reads above 100 %."""
-    out = {k: (lim[k], lim.get(k.replace("_flops", "_kernel"), "matmul")) for k in
-           ("fp32_flops", "bf16_flops", "int8_flops") if lim.get(k)}
+    out = {
+        k: (lim[k], lim.get(k.replace("_flops", "_kernel"), "matmul"))
+        for k in ("fp32_flops", "bf16_flops", "int8_flops")
+        if lim.get(k)
+    }
     for r in rows:
         key = probe_key(r["variant"], dtype)
         rate = r.get("images_per_s", 0) * lim.get("flops_per_sample", 0)
@@ -193,8 +220,10 @@ def padding_line(model: str, buckets: list[int], rows: list[dict[str, Any]]) -> 
         (r["concurrency"], computed_per_request(buckets, r.get("server", {}).get("batch_executions", {}))) for r in rows
     ]
     shown = ", ".join(f"{c}: {x:.2f}" for c, x in ratios if x is not None)
-    return (f"- {model}: computes in static-batch buckets ({', '.join(map(str, buckets))}), each batch padded up to "
-            f"the next; images computed per image sent, by concurrency: {shown or 'not reported by the server'}")
+    return (
+        f"- {model}: computes in static-batch buckets ({', '.join(map(str, buckets))}), each batch padded up to "
+        f"the next; images computed per image sent, by concurrency: {shown or 'not reported by the server'}"
+    )
 
 
 def breakdown_lines(served: dict[str, Any]) -> list[str]:
@@ -244,10 +273,14 @@ def breakdown_lines(served: dict[str, Any]) -> list[str]:
 def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path:
     m = results["machine"]
     lim = results.get("limits", {})
-    lines = [f"# Benchmark: {results['export']['name']}", "",
-             f"{results['created']} · CPU {m['cpu']} ({m['cores']} cores) · GPU {m.get('gpu') or 'none'} · "
-             f"torch {m['versions'].get('torch')} · onnxruntime {m['versions'].get('onnxruntime')} · "
-             f"git {m.get('git_revision') or '?'}", ""]
+    lines = [
+        f"# Benchmark: {results['export']['name']}",
+        "",
+        f"{results['created']} · CPU {m['cpu']} ({m['cores']} cores) · GPU {m.get('gpu') or 'none'} · "
+        f"torch {m['versions'].get('torch')} · onnxruntime {m['versions'].get('onnxruntime')} · "
+        f"git {m.get('git_revision') or '?'}",
+        "",
+    ]
     if results["export"].get("samples"):
         lines += [f"Inputs: {results['export']['samples']}.", ""]
     served = results.get("served")
@@ -291,13 +324,26 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
         probe = "flops_per_sample" in lim
         roof = roofs([r for r in ip["rows"] if r.get("n")], lim, results["export"].get("dtype")) if probe else {}
         acc = ip.get("accuracy")
-        lines += table(["variant", "batch", "p50 ms", "p99 ms", "mean ms", "samples/s", "spread"]
-                       + (["% of its precision's probe"] if probe else []) + (["held-out accuracy %"] if acc else []),
-                        [[r["variant"], str(r["batch"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r.get("mean_ms")),
-                          _f(r.get("images_per_s"), ".0f"), spread_text(r)]
-                         + ([probe_share(r, lim, results["export"].get("dtype"), roof)] if probe else [])
-                         + ([_f(acc.get(r["variant"]))] if acc else [])
-                         for r in ip["rows"] if r.get("n")])
+        lines += table(
+            ["variant", "batch", "p50 ms", "p99 ms", "mean ms", "samples/s", "spread"]
+            + (["% of its precision's probe"] if probe else [])
+            + (["held-out accuracy %"] if acc else []),
+            [
+                [
+                    r["variant"],
+                    str(r["batch"]),
+                    _f(r.get("p50_ms")),
+                    _f(r.get("p99_ms")),
+                    _f(r.get("mean_ms")),
+                    _f(r.get("images_per_s"), ".0f"),
+                    spread_text(r),
+                ]
+                + ([probe_share(r, lim, results["export"].get("dtype"), roof)] if probe else [])
+                + ([_f(acc.get(r["variant"]))] if acc else [])
+                for r in ip["rows"]
+                if r.get("n")
+            ],
+        )
         lines += [f"- {k}: {v}" for k, v in ip.get("notes", {}).items()] + [""]
         if probe:
             names = {"fp32_flops": "fp32", "bf16_flops": "bf16", "int8_flops": "INT8"}
@@ -318,16 +364,44 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
         if "reconfigured" in served:
             lines += [f"Batching off and queue delays: {served['reconfigured']['skipped']}.", ""]
         for model, per_delay in served.get("delays", {}).items():
-            lines += [f"### {model} at other queue delays", ""] + table(
-                ["delay µs", "concurrency", "p50 ms", "p99 ms", "req/s"],
-                [[d, str(r["concurrency"]), _f(r.get("p50_ms")), _f(r.get("p99_ms")), _f(r["requests_per_s"], ".0f")]
-                 for d, mm in per_delay.items() for r in mm["rows"]]) + [""]
+            lines += (
+                [f"### {model} at other queue delays", ""]
+                + table(
+                    ["delay µs", "concurrency", "p50 ms", "p99 ms", "req/s"],
+                    [
+                        [
+                            d,
+                            str(r["concurrency"]),
+                            _f(r.get("p50_ms")),
+                            _f(r.get("p99_ms")),
+                            _f(r["requests_per_s"], ".0f"),
+                        ]
+                        for d, mm in per_delay.items()
+                        for r in mm["rows"]
+                    ],
+                )
+                + [""]
+            )
         ol = served.get("open_loop")
         if ol:
-            lines += ["## Open loop (Poisson arrivals)", ""] + table(
-                ["model", "target req/s", "achieved", "p50 ms", "p99 ms", "errors"],
-                [[k, f"{v['rate_target']:g}", f"{v['achieved_rps']:.0f}", _f(v.get("p50_ms")), _f(v.get("p99_ms")),
-                  str(v["errors"])] for k, v in ol.items()]) + [""]
+            lines += (
+                ["## Open loop (Poisson arrivals)", ""]
+                + table(
+                    ["model", "target req/s", "achieved", "p50 ms", "p99 ms", "errors"],
+                    [
+                        [
+                            k,
+                            f"{v['rate_target']:g}",
+                            f"{v['achieved_rps']:.0f}",
+                            _f(v.get("p50_ms")),
+                            _f(v.get("p99_ms")),
+                            str(v["errors"]),
+                        ]
+                        for k, v in ol.items()
+                    ],
+                )
+                + [""]
+            )
         lines += cross_check_lines(served, results)
     if results.get("errors"):
         lines += ["## Errors", "", *[f"- {e}" for e in results["errors"]], ""]

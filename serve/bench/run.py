@@ -47,13 +47,21 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
     inputs = load_inputs(export, cfg.shape_values())
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"format": RESULTS_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                               "export": {"dir": str(export_dir.resolve()), "name": manifest["name"],
-                                          "input_shape": manifest["inputs"][0]["shape"], "dtype": manifest.get("dtype"),
-                                          "inputs": manifest["inputs"], "samples": inputs.samples},
-                               "config": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(cfg).items()
-                                          if k != "serve"},
-                               "machine": machine_info(), "errors": []}
+    results: dict[str, Any] = {
+        "format": RESULTS_FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "export": {
+            "dir": str(export_dir.resolve()),
+            "name": manifest["name"],
+            "input_shape": manifest["inputs"][0]["shape"],
+            "dtype": manifest.get("dtype"),
+            "inputs": manifest["inputs"],
+            "samples": inputs.samples,
+        },
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(cfg).items() if k != "serve"},
+        "machine": machine_info(),
+        "errors": [],
+    }
 
     def save() -> None:
         atomic_write_json(out / "results.json", results)

@@ -56,11 +56,19 @@ def start_own_server(cfg: BenchConfig, export, out: Path):
 
     repo = Path(cfg.repo) if cfg.repo else out / "repo"
     if not cfg.repo:
-        build_repository(export, RepoConfig(out=str(repo), overwrite=True, cores=cfg.cores,
-                                            image_entry=None if cfg.raw_entry else False,
-                                            text_entry=None if cfg.raw_entry else False))
-    server = bench_server(dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")),
-                          export.manifest, out)
+        build_repository(
+            export,
+            RepoConfig(
+                out=str(repo),
+                overwrite=True,
+                cores=cfg.cores,
+                image_entry=None if cfg.raw_entry else False,
+                text_entry=None if cfg.raw_entry else False,
+            ),
+        )
+    server = bench_server(
+        dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")), export.manifest, out
+    )
     return server.start()
 
 
@@ -72,8 +80,10 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
     from .perf_analyzer import locate
 
     if cfg.load_generator == "perf_analyzer" and not locate(cfg.perf_analyzer):
-        raise BenchError("--load-generator perf_analyzer: perf_analyzer not found; python -m serve.bench.perf_analyzer "
-                         "install fetches it, or give --perf-analyzer PATH")
+        raise BenchError(
+            "--load-generator perf_analyzer: perf_analyzer not found; python -m serve.bench.perf_analyzer "
+            "install fetches it, or give --perf-analyzer PATH"
+        )
     error = None
     if server is not None:
         where, known, embedded = f"the server at {server.url}", list(server.loaded), True
@@ -102,15 +112,17 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
     if missing:
         raise BenchError(f"--models {' '.join(missing)}: not in {where}; choose from {', '.join(known) or 'none'}")
     entry = entry_of(manifest).name if entry_of(manifest) else None
-    timed_entry = (entry in known and RAW_SET in manifest["reference"] and (entry in cfg.models if cfg.models
-                                                                            else cfg.raw_entry))
+    timed_entry = (
+        entry in known and RAW_SET in manifest["reference"] and (entry in cfg.models if cfg.models else cfg.raw_entry)
+    )
     models = [m for m in cfg.models if m != entry] if cfg.models else models_of(manifest, known)
     if not models and not timed_entry and error is None:
         raise BenchError(
             f"no model of {manifest['name']!r} is served in {where} (served: {', '.join(known) or 'none'})"
         )
-    return ServedPlan(models, embedded, cfg.noop and (embedded or NOOP_MODEL in known), error,
-                      entry if timed_entry else None)
+    return ServedPlan(
+        models, embedded, cfg.noop and (embedded or NOOP_MODEL in known), error, entry if timed_entry else None
+    )
 
 
 @dataclass
@@ -123,9 +135,18 @@ class LoadGenerator:
     data: Optional[Path] = None
 
 
-def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg: BenchConfig, levels, bar,
-          client, gen: LoadGenerator, checks: dict[str, ResponseCheck] | None = None,
-          server_pid: int | None = None) -> dict[str, list[dict]]:
+def sweep(
+    url: str,
+    models: list[str],
+    inputs: list[dict[str, np.ndarray]],
+    cfg: BenchConfig,
+    levels,
+    bar,
+    client,
+    gen: LoadGenerator,
+    checks: dict[str, ResponseCheck] | None = None,
+    server_pid: int | None = None,
+) -> dict[str, list[dict]]:
     """Every model at every concurrency level, in rounds: a round runs one window (of at least --window-s
     seconds; with the Python client also of a third of --requests) of each (model, level) not yet settled,
     each after a short untimed warm-up, until a cell's last three windows agree within --stability (or
@@ -181,6 +202,7 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
             res["completed"] = res.get("completed", int(delta["requests"]))
             deltas.setdefault((model, c), []).append(delta)
             return res
+
         return window
 
     cells = {(m, c): cell(m, c) for m in models for c in levels}
@@ -192,15 +214,26 @@ def sweep(url: str, models: list[str], inputs: list[dict[str, np.ndarray]], cfg:
         if gen.name == "perf_analyzer":
             row = window_row(last, delta, c, batch)
         else:
-            merged = {"latencies_s": [t for w in last for t in w["latencies_s"]], "errors": [],
-                      "wall_s": sum(w["wall_s"] for w in last), "completed": sum(w["completed"] for w in last)}
+            merged = {
+                "latencies_s": [t for w in last for t in w["latencies_s"]],
+                "errors": [],
+                "wall_s": sum(w["wall_s"] for w in last),
+                "completed": sum(w["completed"] for w in last),
+            }
             row = level_row(merged, delta, c, batch)
         errors = [e for w in windows for e in w["errors"]]
         measured = sum(w["completed"] for w in last)
-        row.update(sent=sum(w["completed"] for w in windows), failed=len(errors), windows=how["windows"],
-                   spread=how["spread"], drift=how["drift"], stable=how["stable"], load_generator=gen.name,
-                   window_requests_per_s=[round(window_figures(w)[0], 2) for w in windows],
-                   client_cpu_us=1e6 * sum(w["cpu_s"] for w in last) / max(1, measured))
+        row.update(
+            sent=sum(w["completed"] for w in windows),
+            failed=len(errors),
+            windows=how["windows"],
+            spread=how["spread"],
+            drift=how["drift"],
+            stable=how["stable"],
+            load_generator=gen.name,
+            window_requests_per_s=[round(window_figures(w)[0], 2) for w in windows],
+            client_cpu_us=1e6 * sum(w["cpu_s"] for w in last) / max(1, measured),
+        )
         if server_pid:
             row["server_cpu_us"] = 1e6 * sum(w.get("server_cpu_s", 0.0) for w in last) / max(1, delta["requests"])
         if errors:
@@ -222,19 +255,34 @@ def _beside(fn):
     def wait():
         t.join()
         return out[0]
+
     return wait
 
 
-def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: str, server, bar, results: dict,
-                 save: Callable[[], None]) -> None:
+def bench_served(
+    cfg: BenchConfig,
+    inputs: BenchInputs,
+    plan: ServedPlan,
+    url: str,
+    server,
+    bar,
+    results: dict,
+    save: Callable[[], None],
+) -> None:
     """Fill results["served"]: every model of the plan swept over cfg.concurrency, then (on the embedded
     ``server``) again with dynamic batching off and at other queue delays."""
     manifest, models, embedded = inputs.manifest, plan.models, plan.embedded
     client = TritonClient(url)
     client.wait_ready(15)
     client.require_models(models)
-    served: dict[str, Any] = {"url": url, "embedded": embedded, "models": {}, "batching_off": {}, "delays": {},
-                              "client_cores": usable_cpus()}
+    served: dict[str, Any] = {
+        "url": url,
+        "embedded": embedded,
+        "models": {},
+        "batching_off": {},
+        "delays": {},
+        "client_cores": usable_cpus(),
+    }
     results["served"] = served
     singles = single_rows(inputs.pool, 64)  # batch-1 requests
     data = Path(tempfile.mkdtemp(prefix="torchship-bench-")) / "input.json"
@@ -242,8 +290,18 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
     served["load_generator"] = {"name": gen.name, "why": why}
 
     pid = server.proc.pid if server is not None and server.proc is not None else None
-    checks = {m: response_check(client, m, manifest, format_of(m, manifest, client.config(m)), inputs.expected, singles,
-                                len(next(iter(inputs.pool.values())))) for m in models}
+    checks = {
+        m: response_check(
+            client,
+            m,
+            manifest,
+            format_of(m, manifest, client.config(m)),
+            inputs.expected,
+            singles,
+            len(next(iter(inputs.pool.values()))),
+        )
+        for m in models
+    }
 
     def run(these: list[str], levels=cfg.concurrency, by: LoadGenerator = gen) -> dict[str, list[dict]]:
         return sweep(url, these, singles, cfg, levels, bar, client, by, checks, pid)
@@ -263,6 +321,7 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
             "max_queue_delay_us": int(cfgm.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0) or 0),
             **({"buckets": [int(b) for b in buckets.split(",")]} if buckets else {}),
         }
+
     def config(model: str):
         return read_config(served_config_path(server.repo / model))
 
@@ -284,11 +343,34 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
         if sw.kind == "entry":
             try:
                 er = EntryRun.prepare(inputs, client)
-                rows = sweep(url, [er.model], er.feeds, cfg, sw.levels, bar, client, LoadGenerator("python"),
-                             {er.model: er.check}, pid)[er.model]
-                tensor_rows = None if er.tensor_feeds is None else sweep(
-                    url, [er.target], er.tensor_feeds, cfg, sw.levels, bar, client, LoadGenerator("python"),
-                    {er.target: er.tensor_check}, pid)[er.target]
+                rows = sweep(
+                    url,
+                    [er.model],
+                    er.feeds,
+                    cfg,
+                    sw.levels,
+                    bar,
+                    client,
+                    LoadGenerator("python"),
+                    {er.model: er.check},
+                    pid,
+                )[er.model]
+                tensor_rows = (
+                    None
+                    if er.tensor_feeds is None
+                    else sweep(
+                        url,
+                        [er.target],
+                        er.tensor_feeds,
+                        cfg,
+                        sw.levels,
+                        bar,
+                        client,
+                        LoadGenerator("python"),
+                        {er.target: er.tensor_check},
+                        pid,
+                    )[er.target]
+                )
                 served["entry"] = er.finish(client, rows, inputs, tensor_rows)
             except TorchshipError as e:
                 served["entry"] = {"model": plan.entry, "error": str(e)}
@@ -320,20 +402,24 @@ def bench_served(cfg: BenchConfig, inputs: BenchInputs, plan: ServedPlan, url: s
     for model in reconfigured:
         server.load(model, override=config(model))
     if not embedded and (cfg.batching_compare or cfg.queue_delays_us):
-        served["reconfigured"] = {"skipped": "the sweeps with dynamic batching off and other queue delays reload "
-                                             f"models with changed configs, which only the embedded server allows; "
-                                             f"not done against {url}"}
+        served["reconfigured"] = {
+            "skipped": "the sweeps with dynamic batching off and other queue delays reload "
+            f"models with changed configs, which only the embedded server allows; "
+            f"not done against {url}"
+        }
     if other is None:
         served["cross_check"] = {"skipped": why}
     if cfg.rate:
-        served["open_loop"] = {m: open_loop(url, m, [client.to_wire(m, f) for f in singles], cfg.rate, cfg.duration_s)
-                               for m in models}
+        served["open_loop"] = {
+            m: open_loop(url, m, [client.to_wire(m, f) for f in singles], cfg.rate, cfg.duration_s) for m in models
+        }
     shutil.rmtree(data.parent, ignore_errors=True)
     client.close()
 
 
-def load_generators(cfg: BenchConfig, pool: dict[str, np.ndarray], data: Path
-                    ) -> tuple[LoadGenerator, Optional[LoadGenerator], str]:
+def load_generators(
+    cfg: BenchConfig, pool: dict[str, np.ndarray], data: Path
+) -> tuple[LoadGenerator, Optional[LoadGenerator], str]:
     """The sweeps' load generator, the cross-check's (None: none), and why. --load-generator auto: the one that
     costs the server's cores least. perf_analyzer where it is installed, for small requests (a sixth to a half
     of the Python client's CPU a request on resnet18 at 32x32); for requests above PA_MAX_REQUEST_BYTES the
@@ -354,6 +440,8 @@ def load_generators(cfg: BenchConfig, pool: dict[str, np.ndarray], data: Path
         ", perf_analyzer installed" if cfg.load_generator == "auto" else ""
     )
     if big:
-        why += (f"; requests of {size / 1024:.0f} KiB, above {PA_MAX_REQUEST_BYTES // 1024} KiB, where perf_analyzer "
-                "costs more CPU a request than the Python client")
+        why += (
+            f"; requests of {size / 1024:.0f} KiB, above {PA_MAX_REQUEST_BYTES // 1024} KiB, where perf_analyzer "
+            "costs more CPU a request than the Python client"
+        )
     return first, (second if cfg.cross_check else None), why if cfg.cross_check else why + "; cross-check off"

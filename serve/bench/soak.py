@@ -23,7 +23,7 @@ SETTLE = 0.25  # the first quarter of the requests is left out of the growth: ar
 
 
 def parse_duration(text: str) -> float:
-    """"90", "90s", "2m", "1h" as seconds; ConfigError otherwise."""
+    """ "90", "90s", "2m", "1h" as seconds; ConfigError otherwise."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
     if not m or float(m.group(1)) <= 0:
         raise ConfigError(f"--soak {text!r}: give a duration such as 120s, 2m or 1h")
@@ -41,9 +41,20 @@ def growth_per_1000(requests: list[float], rss: list[float]) -> float:
     return float(np.polyfit(r, m, 1)[0] * 1000)
 
 
-def soak(url: str, model: str, sent: list, client, check: ResponseCheck | None, concurrency: int, duration_s: float,
-         processes: Callable[[], dict[str, int]], rss: Callable[[int], int], bound_bytes: float, log=print,
-         tick: Callable[[], None] | None = None) -> dict[str, Any]:
+def soak(
+    url: str,
+    model: str,
+    sent: list,
+    client,
+    check: ResponseCheck | None,
+    concurrency: int,
+    duration_s: float,
+    processes: Callable[[], dict[str, int]],
+    rss: Callable[[int], int],
+    bound_bytes: float,
+    log=print,
+    tick: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Hold ``concurrency`` requests of ``sent`` (wire requests) in flight at ``model`` for ``duration_s``;
     ``processes()`` names the processes to watch ({label: pid}), read with ``rss(pid)`` every SAMPLE_S.
     Returns the figures: requests, failures, checked and wrong, and per process its samples, first and last
@@ -90,14 +101,28 @@ def soak(url: str, model: str, sent: list, client, check: ResponseCheck | None, 
         if not pts:
             continue
         g = growth_per_1000([p[0] for p in pts], [p[1] for p in pts])
-        procs[name] = {"first_bytes": pts[0][1], "last_bytes": pts[-1][1], "peak_bytes": max(p[1] for p in pts),
-                       "growth_bytes_per_1000": g, "within_bound": g <= bound_bytes,
-                       "samples": [[round(t, 2), int(d), by.get(name, 0)] for t, d, by in samples]}
+        procs[name] = {
+            "first_bytes": pts[0][1],
+            "last_bytes": pts[-1][1],
+            "peak_bytes": max(p[1] for p in pts),
+            "growth_bytes_per_1000": g,
+            "within_bound": g <= bound_bytes,
+            "samples": [[round(t, 2), int(d), by.get(name, 0)] for t, d, by in samples],
+        }
     lat = summarize(latencies)
-    out = {"model": model, "concurrency": concurrency, "duration_s": round(wall, 1), "sent": sent_n,
-           "requests_per_s": sent_n / wall if wall else 0.0, "failed": failed, "bound_bytes_per_1000": bound_bytes,
-           "settle": SETTLE, "processes": procs, **judged,
-           **({k: lat[k] for k in ("p50_ms", "p99_ms")} if lat["n"] else {})}
+    out = {
+        "model": model,
+        "concurrency": concurrency,
+        "duration_s": round(wall, 1),
+        "sent": sent_n,
+        "requests_per_s": sent_n / wall if wall else 0.0,
+        "failed": failed,
+        "bound_bytes_per_1000": bound_bytes,
+        "settle": SETTLE,
+        "processes": procs,
+        **judged,
+        **({k: lat[k] for k in ("p50_ms", "p99_ms")} if lat["n"] else {}),
+    }
     if first_error:
         out["first_error"] = first_error
     return out
@@ -107,17 +132,22 @@ def soak_failure(res: dict[str, Any]) -> BenchError | None:
     """The soak's verdict: a BenchError naming each process past the bound, each failed and each wrong response,
     or None."""
     bound = res["bound_bytes_per_1000"] / 1024
-    past = [f"{name} grew {p['growth_bytes_per_1000'] / 1024:.1f} KiB per 1000 requests (bound {bound:g} KiB; "
-            f"{p['first_bytes'] / 2**20:.0f} -> {p['last_bytes'] / 2**20:.0f} MiB)"
-            for name, p in res["processes"].items() if not p["within_bound"]]
+    past = [
+        f"{name} grew {p['growth_bytes_per_1000'] / 1024:.1f} KiB per 1000 requests (bound {bound:g} KiB; "
+        f"{p['first_bytes'] / 2**20:.0f} -> {p['last_bytes'] / 2**20:.0f} MiB)"
+        for name, p in res["processes"].items()
+        if not p["within_bound"]
+    ]
     if res.get("wrong"):
         past.append(f"{res['wrong']} of {res['checked']} checked responses wrong (first: {res.get('first_wrong')})")
     if res["failed"]:
         past.append(f"{res['failed']} failed requests (first: {res.get('first_error')})")
     if not past:
         return None
-    return BenchError(f"soak of {res['model']} at {res['concurrency']} in flight for {res['duration_s']:g} s "
-                      f"({res['sent']} requests): " + "; ".join(past))
+    return BenchError(
+        f"soak of {res['model']} at {res['concurrency']} in flight for {res['duration_s']:g} s "
+        f"({res['sent']} requests): " + "; ".join(past)
+    )
 
 
 def soak_lines(res: dict[str, Any]) -> list[str]:
@@ -150,12 +180,16 @@ def soak_lines(res: dict[str, Any]) -> list[str]:
     )
     if not rows:
         return ["## Soak", "", head, "", f"Memory: {res.get('memory_note', 'not sampled')}.", ""]
-    return ["## Soak", "", head, ""] + table(["process", "first MiB", "last MiB", "peak MiB", "KiB per 1000 requests",
-                                             "within the bound"], rows) + [""]
+    return (
+        ["## Soak", "", head, ""]
+        + table(["process", "first MiB", "last MiB", "peak MiB", "KiB per 1000 requests", "within the bound"], rows)
+        + [""]
+    )
 
 
-def bench_soak(cfg, inputs, plan, url: str, server, bar, results: dict[str, Any], save: Callable[[], None],
-               log=print) -> None:
+def bench_soak(
+    cfg, inputs, plan, url: str, server, bar, results: dict[str, Any], save: Callable[[], None], log=print
+) -> None:
     """Fill results["soak"]: each model of the plan soaked in turn at the highest --concurrency for --soak. The
     memory of an embedded ``server`` and of each model's backend processes is sampled; a server at --url that
     is not this bench's is not (its processes are not known here)."""
@@ -195,14 +229,31 @@ def bench_soak(cfg, inputs, plan, url: str, server, bar, results: dict[str, Any]
                 stubs = sorted(
                     p for (m, _), pids in stub_processes(server.proc.pid).items() if m == model for p in pids
                 )
-                return {f"tritonserver (pid {server.proc.pid})": server.proc.pid,
-                        **{f"{model} backend (pid {p})": p for p in stubs}}
+                return {
+                    f"tritonserver (pid {server.proc.pid})": server.proc.pid,
+                    **{f"{model} backend (pid {p})": p for p in stubs},
+                }
+
             log(f"soak: {model} at {level} in flight for {duration:g} s")
-            res = soak(url, model, sent, client, check, level, duration, processes, resident_bytes,
-                       1024 * cfg.soak_bound_kib, log, tick=(lambda: bar.update(1)) if bar else None)
+            res = soak(
+                url,
+                model,
+                sent,
+                client,
+                check,
+                level,
+                duration,
+                processes,
+                resident_bytes,
+                1024 * cfg.soak_bound_kib,
+                log,
+                tick=(lambda: bar.update(1)) if bar else None,
+            )
             if server is None:
-                res["memory_note"] = (f"not sampled: the server at {url} is not this bench's own, so its processes are "
-                                      "not known here (soak an embedded server: leave out --url)")
+                res["memory_note"] = (
+                    f"not sampled: the server at {url} is not this bench's own, so its processes are "
+                    "not known here (soak an embedded server: leave out --url)"
+                )
             res["instances"], res["threads"] = served_placement(client.config(model))
             out[model] = res
             save()

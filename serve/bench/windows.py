@@ -23,18 +23,25 @@ def spread(values: Sequence[float]) -> float:
 def ticker(bar, planned: int, per_window: int) -> Callable[[int], None]:
     """settle's on_window for a progress bar (or None): ``per_window`` ticks a window, and the bar's total
     grows by as much for each window beyond the ``planned`` ones."""
+
     def tick(k: int) -> None:
         if bar is not None:
             if k > planned:
                 bar.total += per_window
                 bar.refresh()
             bar.update(per_window)
+
     return tick
 
 
-def settle(window: Callable[[], dict[str, Any]], figures: Callable[[dict[str, Any]], Sequence[float]], stability: float,
-           min_windows: int = LAST, max_windows: int = 10, on_window: Callable[[int], None] | None = None,
-           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def settle(
+    window: Callable[[], dict[str, Any]],
+    figures: Callable[[dict[str, Any]], Sequence[float]],
+    stability: float,
+    min_windows: int = LAST,
+    max_windows: int = 10,
+    on_window: Callable[[int], None] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One source measured window after window: settle_rounds with a single cell."""
     return settle_rounds({0: window}, figures, stability, min_windows, max_windows, on_window)[0]
 

@@ -92,14 +92,20 @@ class Healer(threading.Thread):
                 continue
             self.heal(client, model, sorted(dead))
         for model in loaded - {m for m, _ in live} - {m for m, _ in self.known}:  # no stub at all: gone while settling
-            if time.monotonic() - self.busy.get(model, -SETTLE_S) >= SETTLE_S and not self.halt.is_set() \
-                    and client.config(model).get("platform") != "ensemble" and client.ready(model):
+            if (
+                time.monotonic() - self.busy.get(model, -SETTLE_S) >= SETTLE_S
+                and not self.halt.is_set()
+                and client.config(model).get("platform") != "ensemble"
+                and client.ready(model)
+            ):
                 self.heal(client, model, [])  # (an ensemble runs in no process of its own: nothing to heal)
 
     def heal(self, client, model: str, dead: list[int]) -> None:
         t0 = time.monotonic()
-        self.log(f"heal: {model}'s backend process {', '.join(map(str, dead)) or 'is gone'}"
-                 f"{' died' if dead else ''}; reporting it not ready and loading it again")
+        self.log(
+            f"heal: {model}'s backend process {', '.join(map(str, dead)) or 'is gone'}"
+            f"{' died' if dead else ''}; reporting it not ready and loading it again"
+        )
         client.unload(model)
         while client.ready(model) and time.monotonic() - t0 < 30:
             time.sleep(0.05)
@@ -107,8 +113,12 @@ class Healer(threading.Thread):
             self.known.pop(key)
         self.server.load(model, client, time.monotonic() + 60)
         self.busy[model] = time.monotonic()  # its new stubs settle in
-        entry = {"model": model, "dead_pids": dead, "seconds": round(time.monotonic() - t0, 2),
-                 "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        entry = {
+            "model": model,
+            "dead_pids": dead,
+            "seconds": round(time.monotonic() - t0, 2),
+            "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         self.heals.append(entry)
         line = f"healed {model} in {entry['seconds']:.1f} s (heal {len(self.heals)} of this server)"
         self.log(line)

@@ -47,9 +47,13 @@ def hide(args: list[str], folder: Path, env: dict[str, str]) -> tuple[list[str],
     compiler can build the library, ``args`` themselves, with one line on stderr saying what that exposes."""
     lib = shim(folder)
     if lib is None:
-        print("torchship serve: no C compiler (cc) here to build the helper that keeps the control key out of the "
-              "process list, so tritonserver's command line carries it and other users of this machine can read it "
-              "there; install one (apt-get install gcc) to keep it private", file=sys.stderr, flush=True)
+        print(
+            "torchship serve: no C compiler (cc) here to build the helper that keeps the control key out of the "
+            "process list, so tritonserver's command line carries it and other users of this machine can read it "
+            "there; install one (apt-get install gcc) to keep it private",
+            file=sys.stderr,
+            flush=True,
+        )
         return list(args), None
     fd, path = tempfile.mkstemp(prefix=".server-args-", dir=folder)  # mode 600
     with os.fdopen(fd, "w") as f:

@@ -78,11 +78,13 @@ def listens_on(pid: int, port: int) -> Optional[bool]:
 # among them, which can abort the child while requests are in flight. Without one, Popen uses vfork and
 # runs none. So a child that must die with torchship asks for that itself: a short Python trampoline sets
 # PR_SET_PDEATHSIG (which survives exec) and then execs the server, whose pid stays the same.
-DIE_WITH_PARENT_AND_EXEC = ("import ctypes, os, signal, sys\n"
-                            "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-                            "if os.getppid() != int(sys.argv[1]):  # torchship died before the request took hold\n"
-                            "    sys.exit('torchship, which started this process, is gone')\n"
-                            "os.execv(sys.argv[2], sys.argv[3:])\n")
+DIE_WITH_PARENT_AND_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):  # torchship died before the request took hold\n"
+    "    sys.exit('torchship, which started this process, is gone')\n"
+    "os.execv(sys.argv[2], sys.argv[3:])\n"
+)
 
 
 def dying_with_parent(argv: list[str]) -> list[str]:
@@ -138,7 +140,6 @@ def _end_started(done: concurrent.futures.Future) -> None:
         proc = done.result()
         proc.kill()
         proc.wait()
-
 
 
 STUB = "triton_python_backend_stub"

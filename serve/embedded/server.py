@@ -46,9 +46,12 @@ class TritonServer:
             raise ServerError(f"repository {self.repo} does not exist (build one with torchship repo)")
         names = list(cfg.models) or repository_models(self.repo)  # the models start() will load
         if not names:
-            hint = ("it is an export directory: build a repository from it with torchship repo "
-                    f"{cfg.repo} --out model_repository" if (self.repo / "manifest.json").exists()
-                    else "build one with torchship repo EXPORT_DIR")
+            hint = (
+                "it is an export directory: build a repository from it with torchship repo "
+                f"{cfg.repo} --out model_repository"
+                if (self.repo / "manifest.json").exists()
+                else "build one with torchship repo EXPORT_DIR"
+            )
             raise ServerError(f"{self.repo} holds no model (no <model>/config.pbtxt); {hint}")
         self.check_configs(names)
         flags = dict(zip(PORTS, (cfg.grpc_port, cfg.http_port, cfg.metrics_port)))
@@ -58,8 +61,10 @@ class TritonServer:
                 same = " and ".join(f for f, p in flags.items() if p == port)
                 raise ServerError(f"{same} are both {port}; each endpoint needs its own port")
             if port and port_in_use(cfg.host, port):
-                raise ServerError(f"{flag} {port}: {cfg.host}:{port} is already in use; choose another port, "
-                                  "or leave the flag out to pick a free one")
+                raise ServerError(
+                    f"{flag} {port}: {cfg.host}:{port} is already in use; choose another port, "
+                    "or leave the flag out to pick a free one"
+                )
         self.given = {flag for flag, port in flags.items() if port}  # the rest are picked, and picked again if taken
         picked = iter(free_ports(cfg.host, 3 - len(given), avoid=given))
         self.ports = {flag: port or next(picked) for flag, port in flags.items()}
@@ -102,21 +107,36 @@ class TritonServer:
     def access(self) -> Access:
         """What torchship's own calls present to this server."""
         cfg = self.cfg
-        return Access(key=self.key, key_source=str(self.key_file or "this server's start"),
-                      tls_ca=(cfg.tls_ca or cfg.tls_cert) if cfg.tls_cert else None, tls_cert=cfg.tls_own_cert,
-                      tls_key=cfg.tls_own_key)
+        return Access(
+            key=self.key,
+            key_source=str(self.key_file or "this server's start"),
+            tls_ca=(cfg.tls_ca or cfg.tls_cert) if cfg.tls_cert else None,
+            tls_cert=cfg.tls_own_cert,
+            tls_key=cfg.tls_own_key,
+        )
 
     def command(self) -> list[str]:
         """tritonserver's command line; the control key is not on it (_start_once hands it over)."""
         home, _ = triton_home()
-        cmd = [str(home / "bin" / "tritonserver"), f"--model-repository={self.repo}",
-               *[f"--model-repository={r}" for r in self.extra_repos],
-               f"--backend-directory={backend_dir()}", "--model-control-mode=explicit",
-               f"--grpc-address={self.cfg.host}", f"--grpc-port={self.grpc_port}",
-               f"--http-address={self.cfg.host}", f"--http-port={self.http_port}",
-               f"--metrics-address={self.cfg.host}", f"--metrics-port={self.metrics_port}",
-               "--allow-gpu-metrics=false", "--exit-on-error=false", "--strict-readiness=true",
-               f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--log-verbose=0", f"--cache-directory={home / 'caches'}"]
+        cmd = [
+            str(home / "bin" / "tritonserver"),
+            f"--model-repository={self.repo}",
+            *[f"--model-repository={r}" for r in self.extra_repos],
+            f"--backend-directory={backend_dir()}",
+            "--model-control-mode=explicit",
+            f"--grpc-address={self.cfg.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--http-address={self.cfg.host}",
+            f"--http-port={self.http_port}",
+            f"--metrics-address={self.cfg.host}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-gpu-metrics=false",
+            "--exit-on-error=false",
+            "--strict-readiness=true",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            "--log-verbose=0",
+            f"--cache-directory={home / 'caches'}",
+        ]
         if not cuda_visible():
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
         return cmd + self.cfg.tls_flags() + list(self.cfg.triton_args)
@@ -140,8 +160,10 @@ class TritonServer:
         Raises ServerError with the tail of the server log on failure. A port this server picked that
         another process takes before Triton binds it is picked again, up to PORT_ATTEMPTS starts."""
         if self.running:
-            raise ServerError(f"this server is already running (pid {self.proc.pid}, gRPC at {self.url}); stop() it "
-                              "before starting it again")
+            raise ServerError(
+                f"this server is already running (pid {self.proc.pid}, gRPC at {self.url}); stop() it "
+                "before starting it again"
+            )
         attempt = 1
         while True:
             try:
@@ -160,11 +182,15 @@ class TritonServer:
                     raise
                 port = self.ports[flag]
                 if flag in self.given or attempt == PORT_ATTEMPTS:
-                    why = ("it was taken after the check at start-up; choose another port, or leave the flag out "
-                           "to pick a free one" if flag in self.given else
-                           f"another process took each port picked for it, {PORT_ATTEMPTS} times")
-                    raise ServerError(f"{flag} {port}: {self.cfg.host}:{port} is already in use: {why} "
-                                      f"(server log: {self.log_path})") from None
+                    why = (
+                        "it was taken after the check at start-up; choose another port, or leave the flag out "
+                        "to pick a free one"
+                        if flag in self.given
+                        else f"another process took each port picked for it, {PORT_ATTEMPTS} times"
+                    )
+                    raise ServerError(
+                        f"{flag} {port}: {self.cfg.host}:{port} is already in use: {why} (server log: {self.log_path})"
+                    ) from None
                 self.repick(flag)
                 attempt += 1
 
@@ -201,8 +227,13 @@ class TritonServer:
         log = open(self.log_path, "ab")
         self._log_start = log.seek(0, os.SEEK_END)  # a given log may hold earlier runs' lines
         try:  # a session of its own: a Ctrl-C at the terminal reaches torchship, which stops the server
-            self.proc = start_child(dying_with_parent(self.command() + shown), stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
+            self.proc = start_child(
+                dying_with_parent(self.command() + shown),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         except BaseException:
             if not self._keep_log:  # nothing ran, so the empty temp log tells nothing
                 self.log_path.unlink(missing_ok=True)
@@ -254,13 +285,16 @@ class TritonServer:
             except FileNotFoundError:
                 continue  # an unknown model: Triton's own load error names it
             except (ParseError, UnicodeDecodeError) as e:
-                raise ServerError(f"{path}: {str(e).rstrip('.')}; fix it, or build the repository again with torchship "
-                                  "repo") from None
+                raise ServerError(
+                    f"{path}: {str(e).rstrip('.')}; fix it, or build the repository again with torchship repo"
+                ) from None
             for v in served_versions(self.repo / name, config):
                 problems = version_file_problems(self.repo / name / str(v))
                 if problems:
-                    raise ServerError(f"model {name} version {v}: " + "; ".join(problems) + "; it would not be served: "
-                                      "build the repository again with torchship repo")
+                    raise ServerError(
+                        f"model {name} version {v}: " + "; ".join(problems) + "; it would not be served: "
+                        "build the repository again with torchship repo"
+                    )
             if any(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in config.instance_group) and not cuda_visible():
                 raise ServerError(
                     f"model {name} asks for GPU instances (KIND_GPU in {path}) and no CUDA GPU is visible "
@@ -385,11 +419,18 @@ def served_versions(model_dir: Path, config) -> list[int]:
         return [v for v in on_disk if v in config.version_policy.specific.versions]
     if policy == "all":
         return on_disk
-    return on_disk[-max(1, config.version_policy.latest.num_versions):]
+    return on_disk[-max(1, config.version_policy.latest.num_versions) :]
 
 
 def describe(server: TritonServer) -> dict:
-    return {"grpc": server.url, "http": f"{server.cfg.host}:{server.http_port}", "metrics": server.metrics_url,
-            "models": server.loaded, "log": str(server.log_path), "pid": server.proc.pid if server.proc else None,
-            "key_file": str(server.key_file) if server.key_file else None, "tls": bool(server.cfg.tls_cert),
-            "mutual_tls": bool(server.cfg.tls_client_ca)}
+    return {
+        "grpc": server.url,
+        "http": f"{server.cfg.host}:{server.http_port}",
+        "metrics": server.metrics_url,
+        "models": server.loaded,
+        "log": str(server.log_path),
+        "pid": server.proc.pid if server.proc else None,
+        "key_file": str(server.key_file) if server.key_file else None,
+        "tls": bool(server.cfg.tls_cert),
+        "mutual_tls": bool(server.cfg.tls_client_ca),
+    }

@@ -40,9 +40,14 @@ def loaded_models(log: str) -> list[str]:
 
 
 def stall_note(models: list[str], killed: bool = True) -> str:
-    how = (f"at {UNLOAD_STALL_TICKS} checks in a row (one a second) after every request was answered, so the "
-           f"server was killed rather than left to its {EXIT_TIMEOUT_S} s exit timeout" if killed else
-           f"when Triton's {EXIT_TIMEOUT_S} s exit timeout ran out")
-    return (f"{', '.join(models)} still loaded {how}. Triton 2.51 keeps a model loaded for good once the first "
-            "request of a gRPC stream was refused for it (a wrong shape, dtype or input name); unary calls, and "
-            "refusals later in a stream, do not")
+    how = (
+        f"at {UNLOAD_STALL_TICKS} checks in a row (one a second) after every request was answered, so the "
+        f"server was killed rather than left to its {EXIT_TIMEOUT_S} s exit timeout"
+        if killed
+        else f"when Triton's {EXIT_TIMEOUT_S} s exit timeout ran out"
+    )
+    return (
+        f"{', '.join(models)} still loaded {how}. Triton 2.51 keeps a model loaded for good once the first "
+        "request of a gRPC stream was refused for it (a wrong shape, dtype or input name); unary calls, and "
+        "refusals later in a stream, do not"
+    )

@@ -27,9 +27,11 @@ def triton_home() -> tuple[Path, Path]:
         "pytriton"
     )  # located, not imported: its Python API and its dependencies are not used
     if spec is None or not spec.origin:
-        raise ServerError("the embedded Triton server comes from the nvidia-pytriton wheel: pip install --no-deps "
-                          "nvidia-pytriton==0.7.0 (without its dependencies: its Python API, which torchship does not "
-                          "use, asks for numpy<2), or install requirements.lock")
+        raise ServerError(
+            "the embedded Triton server comes from the nvidia-pytriton wheel: pip install --no-deps "
+            "nvidia-pytriton==0.7.0 (without its dependencies: its Python API, which torchship does not "
+            "use, asks for numpy<2), or install requirements.lock"
+        )
     pkg = Path(spec.origin).resolve().parent
     home, libs = pkg / "tritonserver", pkg.parent / "nvidia_pytriton.libs"
     if not (home / "bin" / "tritonserver").exists():
@@ -45,8 +47,12 @@ def backend_dir() -> Path:
     stub = home / "python_backend_stubs" / ver / "triton_python_backend_stub"
     if not stub.exists():
         raise ServerError(f"the Triton Python stub has no build for Python {ver}; use Python 3.11, 3.12 or 3.13")
-    shared = [BACKENDS_SRC / "torchship_backend.py", BACKENDS_SRC / "torchship_stub.py",
-              BACKENDS_SRC / "torchship_tensors.py", RUNTIME_SRC]
+    shared = [
+        BACKENDS_SRC / "torchship_backend.py",
+        BACKENDS_SRC / "torchship_stub.py",
+        BACKENDS_SRC / "torchship_tensors.py",
+        RUNTIME_SRC,
+    ]
     files = shared + [BACKENDS_SRC / b / "model.py" for b in BACKENDS]
     h = hashlib.sha256(sys.version.encode())
     for f in files + [stub]:
@@ -87,9 +93,11 @@ def private_dir() -> Path:
         pass
     info = d.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o022:
-        raise ServerError(f"{d} holds the code the server runs, and it is not this user's alone (owner uid "
-                          f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}); remove it, or set TMPDIR to a private "
-                          "folder")
+        raise ServerError(
+            f"{d} holds the code the server runs, and it is not this user's alone (owner uid "
+            f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}); remove it, or set TMPDIR to a private "
+            "folder"
+        )
     return d
 
 

@@ -81,8 +81,10 @@ class TopicTexts(torch.utils.data.Dataset):
         self.topics = torch.randint(0, len(self.classes), (n,), generator=g)
         self.lengths = torch.randint(1, max_len + 1, (n,), generator=g)
         width = (vocab - 1) // len(self.classes)
-        self.ids = [1 + int(t) * width + torch.randint(0, width, (int(n_),), generator=g)
-                    for t, n_ in zip(self.topics, self.lengths)]
+        self.ids = [
+            1 + int(t) * width + torch.randint(0, width, (int(n_),), generator=g)
+            for t, n_ in zip(self.topics, self.lengths)
+        ]
 
     def __len__(self) -> int:
         return len(self.topics)
@@ -97,8 +99,8 @@ class TopicTexts(torch.utils.data.Dataset):
         ids = torch.zeros(len(batch), longest, dtype=torch.int64)  # id 0 pads, under a mask of 0
         mask = torch.zeros_like(ids)
         for row, (x, _) in enumerate(batch):
-            ids[row, :len(x["input_ids"])] = x["input_ids"]
-            mask[row, :len(x["input_ids"])] = 1
+            ids[row, : len(x["input_ids"])] = x["input_ids"]
+            mask[row, : len(x["input_ids"])] = 1
         return {"attention_mask": mask, "input_ids": ids}, torch.tensor([y for _, y in batch])
 
 
@@ -153,8 +155,15 @@ def hf_bert(vocab: int = 30522, classes: int = 4) -> nn.Module:
     takes input_ids and attention_mask and returns a ModelOutput holding the logits."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                     max_position_embeddings=512, num_labels=classes)
+    cfg = BertConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        num_labels=classes,
+    )
     return BertForSequenceClassification(cfg).eval()
 
 
@@ -163,8 +172,13 @@ class Dtypes(nn.Module):
     all of them: what the served tensors' bytes must carry through Triton exactly."""
 
     def forward(self, f16: torch.Tensor, i32: torch.Tensor, i64: torch.Tensor, flag: torch.Tensor, f32: torch.Tensor):
-        return {"f16_doubled": f16 * 2, "i32_plus_1": i32 + 1, "i64_tripled": i64 * 3, "flag_negated": ~flag,
-                "total": f32 + f16.float() + i32.float() + i64.float() + flag.float()}
+        return {
+            "f16_doubled": f16 * 2,
+            "i32_plus_1": i32 + 1,
+            "i64_tripled": i64 * 3,
+            "flag_negated": ~flag,
+            "total": f32 + f16.float() + i32.float() + i64.float() + flag.float(),
+        }
 
 
 def dtypes() -> Dtypes:

@@ -19,8 +19,18 @@ from torchship.errors import ClientError, ParityError
 from torchship.manifest import read_manifest
 
 MODELS = "tests.anymodel.models"
-TEXT_FLAGS = ["--input", "input_ids:int64:B,S", "--input", "attention_mask:int64:B,S", "--dim", "S=1..64",
-              "--input-range", "input_ids=0..49", "--input-range", "attention_mask=0..1"]
+TEXT_FLAGS = [
+    "--input",
+    "input_ids:int64:B,S",
+    "--input",
+    "attention_mask:int64:B,S",
+    "--dim",
+    "S=1..64",
+    "--input-range",
+    "input_ids=0..49",
+    "--input-range",
+    "attention_mask=0..1",
+]
 SMALL = ["--max-batch", "8", "--buckets", "1", "8"]
 TEXT_FORMATS = ["torchscript", "exported_program", "aoti", "onnx"]
 
@@ -52,8 +62,21 @@ def weights(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mlp_export(weights, tmp_path_factory):
     out = tmp_path_factory.mktemp("mlp") / "export"
-    assert run_cli("export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt",
-                   "--input", "features:float32:B,20", "--out", out, *SMALL) == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            f"{MODELS}:mlp",
+            "--weights",
+            weights / "mlp.pt",
+            "--input",
+            "features:float32:B,20",
+            "--out",
+            out,
+            *SMALL,
+        )
+        == 0
+    )
     return out
 
 
@@ -61,10 +84,35 @@ def mlp_export(weights, tmp_path_factory):
 def text_checkpoint(tmp_path_factory):
     """The text classifier trained for one epoch on its data factory by 2 DDP ranks (the CLI's torchrun launch)."""
     out = tmp_path_factory.mktemp("text") / "train"
-    r = subprocess.run([sys.executable, "-m", "torchship.pipeline.cli", "train", "--arch", f"{MODELS}:text_classifier",
-                        "--data", f"{MODELS}:topic_texts", "--nproc", "2", "--epochs", "1", "--batch-size", "32",
-                        "--lr", "0.03", "--amp", "off", "--no-progress", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchship.pipeline.cli",
+            "train",
+            "--arch",
+            f"{MODELS}:text_classifier",
+            "--data",
+            f"{MODELS}:topic_texts",
+            "--nproc",
+            "2",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--lr",
+            "0.03",
+            "--amp",
+            "off",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return out
 
@@ -101,8 +149,24 @@ def test_a_transformer_gets_int8_gated_on_its_accuracy(text_checkpoint, tmp_path
 
 def test_ddp_prefixed_weights_export_to_every_format(weights, tmp_path, capsys):
     out = tmp_path / "export"
-    assert run_cli("export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt",
-                   "--input", "features:float32:B,20", "--out", out, *SMALL, "--formats", "onnx", "torchscript") == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            f"{MODELS}:mlp",
+            "--weights",
+            weights / "mlp.pt",
+            "--input",
+            "features:float32:B,20",
+            "--out",
+            out,
+            *SMALL,
+            "--formats",
+            "onnx",
+            "torchscript",
+        )
+        == 0
+    )
     assert "stripped the prefix module." in capsys.readouterr().out
     m = read_manifest(out)
     assert m["inputs"] == [{"name": "features", "dtype": "float32", "shape": ["batch", 20]}]
@@ -117,8 +181,10 @@ def test_text_model_verified_in_every_format_at_every_length(text_checkpoint, te
     m = read_manifest(text_export)
     assert [t["name"] for t in m["inputs"]] == ["attention_mask", "input_ids"]  # the dataset's order
     assert m["source"]["kind"] == "checkpoint" and m["classes"] == ["sports", "music", "food", "travel"]
-    assert m["outputs"] == [{"name": "logits", "dtype": "float32", "shape": ["batch", 4]},
-                            {"name": "embedding", "dtype": "float32", "shape": ["batch", 32]}]
+    assert m["outputs"] == [
+        {"name": "logits", "dtype": "float32", "shape": ["batch", 4]},
+        {"name": "embedding", "dtype": "float32", "shape": ["batch", 32]},
+    ]
     assert m["dims"] == {"S": {"min": 1, "max": 64}}
     v = m["verification"]
     assert v["pass"] and set(v["artifacts"]) == set(TEXT_FORMATS)
@@ -151,8 +217,22 @@ def test_dict_samples_reach_forward_by_keyword(text_checkpoint, tmp_path):
 
 
 def test_the_text_model_from_its_weights_and_flags(weights, tmp_path):
-    assert run_cli("export", "--model", f"{MODELS}:text_classifier", "--weights", weights / "text.pth",
-                   *TEXT_FLAGS, "--formats", "onnx", "--out", tmp_path / "e", *SMALL) == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            f"{MODELS}:text_classifier",
+            "--weights",
+            weights / "text.pth",
+            *TEXT_FLAGS,
+            "--formats",
+            "onnx",
+            "--out",
+            tmp_path / "e",
+            *SMALL,
+        )
+        == 0
+    )
     m = read_manifest(tmp_path / "e")
     assert [t["name"] for t in m["inputs"]] == ["input_ids", "attention_mask"] and m["verification"]["pass"]
     assert m["dims"] == {"S": {"min": 1, "max": 64}}
@@ -170,8 +250,10 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_a_bad_signature_is_refused_naming_the_flag(case, weights, tmp_path, capsys):
     flags, said = BAD[case]
-    assert run_cli("export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt", *flags,
-                   "--out", tmp_path / "x") == 2
+    assert (
+        run_cli("export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt", *flags, "--out", tmp_path / "x")
+        == 2
+    )
     err = capsys.readouterr().err
     assert said in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
@@ -188,8 +270,19 @@ def test_weights_that_do_not_fit_are_refused_naming_the_parameter(weights, tmp_p
     assert "missing keys (e.g. net.2.bias)" in capsys.readouterr().err
     assert run_cli(*base, "--weights", weights / "mlp.pt", "--model-arg", "features=21") == 2
     assert "shape of net.0.weight is (32, 20) in the checkpoint, (32, 21) in the model" in capsys.readouterr().err
-    wrong = ["export", "--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt", "--input", "features:int64:B,20",
-             "--input-range", "features=0..3", "--out", tmp_path / "x"]
+    wrong = [
+        "export",
+        "--model",
+        f"{MODELS}:mlp",
+        "--weights",
+        weights / "mlp.pt",
+        "--input",
+        "features:int64:B,20",
+        "--input-range",
+        "features=0..3",
+        "--out",
+        tmp_path / "x",
+    ]
     assert run_cli(*wrong) == 2
     assert "the model fails on inputs of the given signature (features [2, 20] int64)" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
@@ -203,9 +296,25 @@ def test_a_trace_right_only_at_its_traced_length_fails_at_another(tmp_path, caps
     from tests.anymodel.models import length_baked
 
     torch.save(length_baked().state_dict(), tmp_path / "w.pt")
-    assert run_cli("export", "--model", f"{MODELS}:length_baked", "--weights", tmp_path / "w.pt",
-                   "--input", "x:float32:B,S,8", "--dim", "S=1..16", "--formats", "torchscript", *SMALL,
-                   "--out", tmp_path / "e") == 3
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            f"{MODELS}:length_baked",
+            "--weights",
+            tmp_path / "w.pt",
+            "--input",
+            "x:float32:B,S,8",
+            "--dim",
+            "S=1..16",
+            "--formats",
+            "torchscript",
+            *SMALL,
+            "--out",
+            tmp_path / "e",
+        )
+        == 3
+    )
     err = capsys.readouterr().err
     for s in (1, 9, 16):
         assert f"torchscript: random_b5_S={s} output 'output0' (batch 5) max abs error" in err, err
@@ -359,8 +468,10 @@ def test_infer_sends_an_npz_per_request_and_prints_every_output(served, text_exp
     assert f"[true: {classes[labels[0]]}]" in out[0]
     np.savez(tmp_path / "half.npz", input_ids=feeds["input_ids"], extra=feeds["input_ids"])
     np.save(tmp_path / "img.npy", np.zeros((1, 3, 8, 8), np.float32))
-    for bad, said in (("half.npz", "no array for input(s) attention_mask; array(s) extra name no input"),
-                      ("img.npy", "takes attention_mask, input_ids, not an image; give one .npz per request")):
+    for bad, said in (
+        ("half.npz", "no array for input(s) attention_mask; array(s) extra name no input"),
+        ("img.npy", "takes attention_mask, input_ids, not an image; give one .npz per request"),
+    ):
         assert run_cli(*base, tmp_path / bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
@@ -388,17 +499,35 @@ def test_bench_shape_picks_the_size_of_a_dynamic_dim(text_export, tmp_path, caps
     at40 = reference_pool(text_export, m, {"S": 40})
     assert at40["input_ids"].shape == (64, 40) and at40["input_ids"].dtype == np.int64
     assert at40["attention_mask"].max() <= 1 and at40["input_ids"].max() <= m["inputs"][1]["range"][1]
-    assert torch.equal(torch.from_numpy(reference_pool(text_export, m)["input_ids"]),
-                       torch.from_numpy(np.load(text_export / "reference.npz")["input/heldout/input_ids"]))
-    for shape, said in (("S=65", "--shape S=65 is outside the export's range 1..64"),
-                        ("T=3", "--shape T=3: the export has no dim 'T' (its dynamic dims are S)"),
-                        ("S", "--shape 'S' must look like NAME=SIZE")):
+    assert torch.equal(
+        torch.from_numpy(reference_pool(text_export, m)["input_ids"]),
+        torch.from_numpy(np.load(text_export / "reference.npz")["input/heldout/input_ids"]),
+    )
+    for shape, said in (
+        ("S=65", "--shape S=65 is outside the export's range 1..64"),
+        ("T=3", "--shape T=3: the export has no dim 'T' (its dynamic dims are S)"),
+        ("S", "--shape 'S' must look like NAME=SIZE"),
+    ):
         assert run_cli("bench", text_export, "--shape", shape, "--out", tmp_path / "b", "--no-progress") == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
-    cfg = build(BenchConfig, {"export_dir": str(text_export), "out": str(tmp_path / "b"), "skip_served": True,
-                              "variants": ["onnx"], "batch_sizes": [1], "iters": 2, "blocks": 1, "warmup": 1,
-                              "shape": ["S=40"], "plots": False, "progress": False, "window_s": 0.1})
+    cfg = build(
+        BenchConfig,
+        {
+            "export_dir": str(text_export),
+            "out": str(tmp_path / "b"),
+            "skip_served": True,
+            "variants": ["onnx"],
+            "batch_sizes": [1],
+            "iters": 2,
+            "blocks": 1,
+            "warmup": 1,
+            "shape": ["S=40"],
+            "plots": False,
+            "progress": False,
+            "window_s": 0.1,
+        },
+    )
     from serve.bench.run import run_bench
 
     run_bench(cfg, log=lambda *a: None)

@@ -27,8 +27,12 @@ def readme_text_flags() -> list[str]:
         if not line.rstrip().endswith("\\"):
             break
     words = shlex.split(command)
-    return [w for i, w in enumerate(words) for flag in [words[i - 1] if i else ""]
-            if w in ("--input", "--dim", "--input-range") or flag in ("--input", "--dim", "--input-range")]
+    return [
+        w
+        for i, w in enumerate(words)
+        for flag in [words[i - 1] if i else ""]
+        if w in ("--input", "--dim", "--input-range") or flag in ("--input", "--dim", "--input-range")
+    ]
 
 
 @pytest.mark.slow
@@ -46,8 +50,25 @@ def test_the_readme_text_command_exports_serves_and_checks_hf_bert(tmp_path):
     torch.manual_seed(0)
     torch.save(hf_bert().state_dict(), tmp_path / "bert.pt")
     out = tmp_path / "export"
-    assert run_cli("export", "--model", "tests.anymodel.models:hf_bert", "--weights", tmp_path / "bert.pt", *flags,
-                   "--formats", "torchscript", "exported_program", "onnx", "--max-batch", "8", "--out", out) == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            "tests.anymodel.models:hf_bert",
+            "--weights",
+            tmp_path / "bert.pt",
+            *flags,
+            "--formats",
+            "torchscript",
+            "exported_program",
+            "onnx",
+            "--max-batch",
+            "8",
+            "--out",
+            out,
+        )
+        == 0
+    )
     m = read_manifest(out)
     v = m["verification"]
     assert v["pass"] and all(e["pass"] for e in v["artifacts"].values()) and len(v["artifacts"]) == 3
@@ -69,8 +90,24 @@ def test_uniform_masks_fail_onnx_only_on_rows_without_a_token_and_the_error_says
     flags = [f.replace("attention_mask=mask", "attention_mask=uniform:0..1") for f in readme_text_flags()]
     torch.manual_seed(0)
     torch.save(hf_bert().state_dict(), tmp_path / "bert.pt")
-    assert run_cli("export", "--model", "tests.anymodel.models:hf_bert", "--weights", tmp_path / "bert.pt", *flags,
-                   "--formats", "onnx", "torchscript", "--max-batch", "8", "--out", tmp_path / "export") == 3
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            "tests.anymodel.models:hf_bert",
+            "--weights",
+            tmp_path / "bert.pt",
+            *flags,
+            "--formats",
+            "onnx",
+            "torchscript",
+            "--max-batch",
+            "8",
+            "--out",
+            tmp_path / "export",
+        )
+        == 3
+    )
     err = capsys.readouterr().err
     assert "onnx: random_b" in err and "torchscript:" not in err, err
     assert "only on rows whose attention_mask holds no 1" in err and "--input-range attention_mask=mask" in err, err

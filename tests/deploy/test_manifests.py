@@ -61,8 +61,11 @@ def test_kubernetes_validation_can_fail(tmp_path):
     d = k8s("Deployment")
     d["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}  # a typo strict mode must catch
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(d))
-    r = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, str(tmp_path / "bad.yaml")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, str(tmp_path / "bad.yaml")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0
 
 
@@ -83,8 +86,11 @@ def test_dockerfile_passes_hadolint(name):
 
 def test_user_ci_workflow_is_valid_and_gates_on_verify_and_served_parity():
     path = DEPLOY / "github" / "torchship-verify.yml"
-    r = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(path)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(path)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout
     steps = yaml.safe_load(path.read_text())["jobs"]["verify"]["steps"]
     runs = [s.get("run", "") for s in steps]
@@ -95,13 +101,16 @@ def test_user_ci_workflow_is_valid_and_gates_on_verify_and_served_parity():
 
 
 # what the default export on a GPU machine (the one deploy/ serves) says of its artifacts: each exported and verified
-DEFAULT_EXPORT = {"artifacts": [{"format": f, "name": f} for f in default_formats("cuda")[0]],
-                  "verification": {"artifacts": {f: {"pass": True} for f in default_formats("cuda")[0]}}}
+DEFAULT_EXPORT = {
+    "artifacts": [{"format": f, "name": f} for f in default_formats("cuda")[0]],
+    "verification": {"artifacts": {f: {"pass": True} for f in default_formats("cuda")[0]}},
+}
 
 
 def triton_args(args):
-    return {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.startswith("--") and "=" in a}, \
-        [a.split("=", 1)[1] for a in args if a.startswith("--load-model=")]
+    return {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.startswith("--") and "=" in a}, [
+        a.split("=", 1)[1] for a in args if a.startswith("--load-model=")
+    ]
 
 
 def test_compose_and_kubernetes_agree_with_the_code():
@@ -164,7 +173,7 @@ def test_training_job_runs_torchrun_with_flags_the_trainer_accepts():
     )
     endpoint = next(a for a in cmd if a.startswith("--rdzv-endpoint=")).split("=")[1]
     assert endpoint.startswith(f"{job['metadata']['name']}-0.{svc['metadata']['name']}:")
-    train_args = cmd[cmd.index("train") + 1:]
+    train_args = cmd[cmd.index("train") + 1 :]
     p = argparse.ArgumentParser()
     add_dataclass_arguments(p, TrainConfig, exclude=("nproc",))
     cfg = build(TrainConfig, namespace_overrides(p.parse_args(train_args), TrainConfig))
@@ -198,8 +207,17 @@ def kserve_problems(isvc: dict) -> list[str]:
     if sorted(loads) != sorted(model_names({"name": TrainConfig().arch}, servable_formats(DEFAULT_EXPORT)).values()):
         problems.append(f"loads {loads}, not the repository's models")
     # the predictor takes the pod's fields, and its model the container's (KServe's PredictorSpec)
-    unknown = set(pred) - {"canaryTrafficPercent", "minReplicas", "maxReplicas", "model", "scaleMetric", "scaleTarget",
-                           "automountServiceAccountToken", "securityContext", "volumes"}
+    unknown = set(pred) - {
+        "canaryTrafficPercent",
+        "minReplicas",
+        "maxReplicas",
+        "model",
+        "scaleMetric",
+        "scaleTarget",
+        "automountServiceAccountToken",
+        "securityContext",
+        "volumes",
+    }
     unknown |= set(model) - {
         "modelFormat",
         "protocolVersion",

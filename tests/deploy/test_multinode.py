@@ -15,14 +15,35 @@ from serve.embedded.process import free_ports
 
 pytestmark = pytest.mark.slow  # real servers, compiles or processes: the full run, not the fast tier
 
-TRAIN = ["-m", "train", "--arch", "tiny_cnn", "--data", "synthetic", "--synthetic-samples", "96", "--batch-size", "16",
-         "--epochs", "2", "--seed", "3", "--no-progress"]
+TRAIN = [
+    "-m",
+    "train",
+    "--arch",
+    "tiny_cnn",
+    "--data",
+    "synthetic",
+    "--synthetic-samples",
+    "96",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "2",
+    "--seed",
+    "3",
+    "--no-progress",
+]
 
 
 def torchrun(args, out, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, *TRAIN, "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *args, *TRAIN, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        **kw,
+    )
 
 
 def final_weights(out):
@@ -35,8 +56,19 @@ def test_two_nodes_over_c10d_match_one_node_with_two_processes(tmp_path):
     out_single = single.communicate(timeout=300)[0]
     assert single.returncode == 0, out_single[-3000:]
     port = free_ports()[0]
-    nodes = [torchrun(["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                       "--rdzv-id=torchship-test"], tmp_path / "multi") for _ in range(2)]
+    nodes = [
+        torchrun(
+            [
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=torchship-test",
+            ],
+            tmp_path / "multi",
+        )
+        for _ in range(2)
+    ]
     outs = [n.communicate(timeout=300)[0] for n in nodes]
     assert all(n.returncode == 0 for n in nodes), outs[0][-2000:] + outs[1][-2000:]
     a, b = final_weights(tmp_path / "single"), final_weights(tmp_path / "multi")
@@ -66,9 +98,26 @@ def test_killed_worker_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
     out = tmp_path / "job"
     # TRAIN's flags, plus a checkpoint every 2 steps and automatic resume, as in deploy/k8s/train-job.yaml
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-            *TRAIN[:-3], "--epochs", "6", "--seed", "3", "--save-every", "2", "--resume", "auto", "--no-progress",
-            "--out", str(out)]
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        *TRAIN[:-3],
+        "--epochs",
+        "6",
+        "--seed",
+        "3",
+        "--save-every",
+        "2",
+        "--resume",
+        "auto",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     index = out / "checkpoints" / "index.json"
     deadline = time.time() + 180

@@ -21,9 +21,12 @@ CHECKOV_ENV = {"CHECKOV_NO_VERSION_CHECK": "1", "BC_SKIP_MAPPING": "TRUE", "BC_S
 
 def checkov(path: Path) -> dict:
     """checkov's JSON report for ``path``: {framework: {"failed": [...], "skipped": [...], "passed": n}}."""
-    r = subprocess.run([tool("checkov"), "-d", str(path), "--framework", "kubernetes", "dockerfile", "--skip-download",
-                        "-o", "json"], capture_output=True, text=True,
-                       env={**os.environ, **CHECKOV_ENV})
+    r = subprocess.run(
+        [tool("checkov"), "-d", str(path), "--framework", "kubernetes", "dockerfile", "--skip-download", "-o", "json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **CHECKOV_ENV},
+    )
     reports = json.loads(r.stdout)
     reports = reports if isinstance(reports, list) else [reports]
     out = {}
@@ -66,8 +69,11 @@ def test_checkov_catches_a_privileged_server(tmp_path):
 def pods():
     """(name, pod spec, its main container) for every pod deploy/ runs on Kubernetes and KServe."""
     isvc = yaml.safe_load((DEPLOY / "kserve" / "inferenceservice.yaml").read_text())["spec"]["predictor"]
-    for name, spec in (("triton", k8s("Deployment", "torchship-triton")["spec"]["template"]["spec"]),
-                       ("train", k8s("Job", "torchship-train")["spec"]["template"]["spec"]), ("kserve", isvc)):
+    for name, spec in (
+        ("triton", k8s("Deployment", "torchship-triton")["spec"]["template"]["spec"]),
+        ("train", k8s("Job", "torchship-train")["spec"]["template"]["spec"]),
+        ("kserve", isvc),
+    ):
         yield name, spec, spec.get("containers", [spec.get("model")])[0]
 
 
@@ -111,8 +117,9 @@ def tritonserver_args(argv: list[str], tmp_path: Path) -> list[str]:
     fake.parent.mkdir(exist_ok=True)
     fake.write_text("#!/bin/sh\nprintf '%s\\0' \"$@\"\n")
     fake.chmod(0o755)
-    out = subprocess.run(argv, capture_output=True, check=True,
-                         env={**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}).stdout.decode()
+    out = subprocess.run(
+        argv, capture_output=True, check=True, env={**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    ).stdout.decode()
     return out.split("\0")[:-1]
 
 
@@ -127,7 +134,7 @@ def compose_flags(tmp_path: Path) -> list[str]:
     secret.write_text(TEST_KEY + "\n")
     entry = [a.replace("$$", "$").replace("/run/secrets/triton_admin_key", str(secret)) for a in svc["entrypoint"]]
     args = tritonserver_args([*entry, *svc["command"]], tmp_path)
-    assert args[:len(svc["command"])] == svc["command"]
+    assert args[: len(svc["command"])] == svc["command"]
     return [a for a in args if "restricted" in a]
 
 
@@ -136,8 +143,11 @@ def test_every_deployment_gives_triton_the_same_key_flags_as_torchship_serve(tmp
 
     dep = k8s("Deployment", "torchship-triton")["spec"]["template"]["spec"]["containers"][0]
     isvc = yaml.safe_load((DEPLOY / "kserve" / "inferenceservice.yaml").read_text())["spec"]["predictor"]["model"]
-    flags = {"compose": compose_flags(tmp_path), "kubernetes": k8s_flags(dep["args"], dep["env"]),
-             "kserve": k8s_flags(isvc["args"], isvc["env"])}
+    flags = {
+        "compose": compose_flags(tmp_path),
+        "kubernetes": k8s_flags(dep["args"], dep["env"]),
+        "kserve": k8s_flags(isvc["args"], isvc["env"]),
+    }
     for where, got in flags.items():
         assert got == restricted_flags(TEST_KEY), where
     assert all(f",{p}" in flags["kubernetes"][0] or f"={p}" in flags["kubernetes"][0] for p in RESTRICTED)
@@ -173,8 +183,9 @@ def test_the_deployments_key_flags_refuse_the_attack_on_a_real_triton(repo, tmp_
     monkeypatch.setattr(embedded, "restricted_flags", lambda key: flags)
     monkeypatch.setattr(embedded.secrets, "token_urlsafe", lambda n: TEST_KEY)  # torchship's calls present TEST_KEY
     with TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), heal=False)).start() as s:
-        answers = plant_attacks(s.url, f"{s.cfg.host}:{s.http_port}", tmp_path / "marker", tmp_path / "log",
-                                "tiny_cnn_onnx")
+        answers = plant_attacks(
+            s.url, f"{s.cfg.host}:{s.http_port}", tmp_path / "marker", tmp_path / "log", "tiny_cnn_onnx"
+        )
         assert set(answers.values()) == {"restricted"}, answers
         assert not (tmp_path / "marker").exists() and s.client().ready("tiny_cnn_onnx")
         s.client().unload("tiny_cnn_onnx")  # the key opens it
@@ -199,8 +210,11 @@ def test_the_deployments_tls_variant_is_a_valid_manifest(tmp_path):
     )
     assert tls.count("\n") == text.count("\n") and tls != text
     (tmp_path / "tls.yaml").write_text(tls)
-    r = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, str(tmp_path / "tls.yaml")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, str(tmp_path / "tls.yaml")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     dep = next(d for d in yaml.safe_load_all(tls) if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     c = dep["containers"][0]

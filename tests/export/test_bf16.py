@@ -67,9 +67,26 @@ def test_a_bf16_artifact_is_gated_and_its_planted_faults_are_refused(tmp_path):
     torch.save(color_cnn().state_dict(), tmp_path / "w.pt")
     np.savez(tmp_path / "photos.npz", images=photos())
     d = tmp_path / "export"
-    assert run_cli("export", "--model", "tests.export.test_bf16:color_cnn", "--weights", tmp_path / "w.pt",
-                   "--input", "images:float32:B,3,24,24", "--example-inputs", tmp_path / "photos.npz",
-                   "--formats", "exported_program", "--max-batch", "8", "--out", d) == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            "tests.export.test_bf16:color_cnn",
+            "--weights",
+            tmp_path / "w.pt",
+            "--input",
+            "images:float32:B,3,24,24",
+            "--example-inputs",
+            tmp_path / "photos.npz",
+            "--formats",
+            "exported_program",
+            "--max-batch",
+            "8",
+            "--out",
+            d,
+        )
+        == 0
+    )
     m = read_manifest(d)
     sig = parse_signature(["images:float32:B,3,24,24"])
     model = color_cnn()
@@ -99,13 +116,19 @@ def test_a_bf16_artifact_is_gated_and_its_planted_faults_are_refused(tmp_path):
     assert "computes in bfloat16 behind float32 inputs and outputs" in (d / "parity.md").read_text()
 
 
-@pytest.mark.parametrize("flags, reduced", [
-    ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, ["onnx_int8", "aoti_bf16"]),  # Zen 4, Zen 5
-    ({"avx2", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"}, ["aoti_int8", "aoti_bf16"]),  # Sapphire Rapids on
-    ({"avx2", "avx_vnni"}, ["onnx_int8"]),  # Alder Lake: VNNI, no native bf16
-    ({"avx2", "fma"}, []),  # Zen 2, Zen 3: float32 only
-    (set(), []),
-])
+@pytest.mark.parametrize(
+    "flags, reduced",
+    [
+        ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, ["onnx_int8", "aoti_bf16"]),  # Zen 4, Zen 5
+        (
+            {"avx2", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"},
+            ["aoti_int8", "aoti_bf16"],
+        ),  # Sapphire Rapids on
+        ({"avx2", "avx_vnni"}, ["onnx_int8"]),  # Alder Lake: VNNI, no native bf16
+        ({"avx2", "fma"}, []),  # Zen 2, Zen 3: float32 only
+        (set(), []),
+    ],
+)
 def test_the_default_formats_follow_the_cpu(flags, reduced):
     from export.config import default_formats
 
@@ -129,7 +152,7 @@ def test_default_reduced_precisions_are_optional_and_need_real_samples(monkeypat
     )
     bare, why = cfg.for_device("cpu", real_samples=False)
     assert bare.formats == ("torchscript", "onnx") and "left out: no real samples to calibrate and gate them on" in why
-    assert build(ExportConfig, {"checkpoint": "c", "formats": ["onnx"]}).for_device("cpu") [0].formats == ("onnx",)
+    assert build(ExportConfig, {"checkpoint": "c", "formats": ["onnx"]}).for_device("cpu")[0].formats == ("onnx",)
 
 
 @pytest.mark.slow

@@ -212,8 +212,14 @@ def test_a_torch_artifact_runs_with_its_thread_count_on_any_thread(exported, fmt
     thread's own (here OMP_NUM_THREADS=1), so a served AOTInductor model ran on one thread whatever the
     config asked. TorchScript's ATen ops re-apply the count themselves; it is checked alongside."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", RUN_ON_ANOTHER_THREAD, str(exported), fmt], env=env, check=True,
-                         capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[2])).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", RUN_ON_ANOTHER_THREAD, str(exported), fmt],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[2]),
+    ).stdout
     omp_threads, started = json.loads(out.strip().splitlines()[-1])
     assert omp_threads == 2, f"{fmt} ran with OpenMP set to {omp_threads} thread(s) on a thread other than the loader's"
     assert started >= 1  # the run's parallel region started its second thread
@@ -290,10 +296,15 @@ def test_an_unreadable_manifest_is_named_in_one_line(tmp_path, capsys, text, say
     assert len(err) == 1 and f"{tmp_path / 'manifest.json'}" in err[0] and says in err[0], err
 
 
-@pytest.mark.parametrize("edit, says", [(lambda m: m["artifacts"][0].pop("file"), "artifacts[0].file is missing"),
-                                         (lambda m: m.update(max_batch="32"), "max_batch is not an integer"),
-                                         (lambda m: m["inputs"].append(3), "inputs[1] is not an object")],
-                         ids=["no-file", "max-batch-string", "input-not-object"])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda m: m["artifacts"][0].pop("file"), "artifacts[0].file is missing"),
+        (lambda m: m.update(max_batch="32"), "max_batch is not an integer"),
+        (lambda m: m["inputs"].append(3), "inputs[1] is not an object"),
+    ],
+    ids=["no-file", "max-batch-string", "input-not-object"],
+)
 def test_a_manifest_without_a_field_the_stages_read_is_refused(exported, tmp_path, capsys, edit, says):
     d = tmp_path / "e"
     shutil.copytree(exported, d)

@@ -12,14 +12,17 @@ from tests.conftest import run_cli
 from torchship.parity import GATE, check_quantized, sqnr_db
 
 
-@pytest.mark.parametrize("flags, reduce_range, pays, cpu", [
-    ({"avx2", "avx512f", "avx512_vnni"}, False, True, "avx512_vnni"),   # Zen 4, Ice Lake and later
-    ({"avx2", "avx_vnni"}, False, True, "avx_vnni"),                     # Alder Lake and later
-    ({"avx2", "amx_int8", "avx512_vnni"}, False, True, "amx_int8"),      # Sapphire Rapids
-    ({"avx2", "fma"}, True, True, "avx2"),                                # Zen 2/3, Haswell to Coffee Lake
-    ({"avx2", "avx512f"}, True, True, "avx512f"),                         # Skylake-SP: AVX-512 without VNNI
-    ({"sse4_2"}, True, False, "no AVX2"),
-])
+@pytest.mark.parametrize(
+    "flags, reduce_range, pays, cpu",
+    [
+        ({"avx2", "avx512f", "avx512_vnni"}, False, True, "avx512_vnni"),  # Zen 4, Ice Lake and later
+        ({"avx2", "avx_vnni"}, False, True, "avx_vnni"),  # Alder Lake and later
+        ({"avx2", "amx_int8", "avx512_vnni"}, False, True, "amx_int8"),  # Sapphire Rapids
+        ({"avx2", "fma"}, True, True, "avx2"),  # Zen 2/3, Haswell to Coffee Lake
+        ({"avx2", "avx512f"}, True, True, "avx512f"),  # Skylake-SP: AVX-512 without VNNI
+        ({"sse4_2"}, True, False, "no AVX2"),
+    ],
+)
 def test_the_scheme_follows_the_cpu_flags(flags, reduce_range, pays, cpu):
     s = int8_scheme(flags)
     assert (s["activations"], s["weights"], s["per_channel"]) == ("uint8", "int8", True)
@@ -131,8 +134,17 @@ def test_a_package_compiled_back_to_fp32_is_refused(trained, tmp_path, monkeypat
     model = artifact_model(src, "float32", "cpu")
     monkeypatch.setattr(exporters, "FREEZE", {"freezing": False})
     with pytest.raises(RuntimeError, match="calls no INT8 kernel"):
-        aoti_int8(model, exporters.example(src.signature, 2, "cpu"), tmp_path / "model.pt2", src.signature, 8, 1,
-                  {"images": src.samples["images"][:16]}, "held-out", int8_scheme())
+        aoti_int8(
+            model,
+            exporters.example(src.signature, 2, "cpu"),
+            tmp_path / "model.pt2",
+            src.signature,
+            8,
+            1,
+            {"images": src.samples["images"][:16]},
+            "held-out",
+            int8_scheme(),
+        )
 
 
 @pytest.mark.slow

@@ -90,8 +90,22 @@ def test_a_model_that_cannot_run_in_float64_falls_back_to_a_scale_relative_bound
     from tests.anymodel.models import float32_inside
 
     w = save_weights(float32_inside, tmp_path / "w.pt")
-    assert run_cli("export", "--model", f"{MODELS}:float32_inside", "--weights", w, *MLP_FLAGS,
-                   "--formats", "exported_program", "onnx", "--out", tmp_path / "e") == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            f"{MODELS}:float32_inside",
+            "--weights",
+            w,
+            *MLP_FLAGS,
+            "--formats",
+            "exported_program",
+            "onnx",
+            "--out",
+            tmp_path / "e",
+        )
+        == 0
+    )
     m = read_manifest(tmp_path / "e")
     tol = m["tolerances"]
     assert tol["rule"] == "scale" and "fails in float64" in tol["why"]
@@ -103,8 +117,24 @@ def test_a_model_that_cannot_run_in_float64_falls_back_to_a_scale_relative_bound
 @pytest.mark.slow
 def test_a_bfloat16_export_is_held_to_eager_rounding_in_bfloat16(trained, exported, tmp_path):
     out = tmp_path / "bf16"
-    assert run_cli("export", trained, "--dtype", "bfloat16", "--formats", "torchscript", "exported_program",
-                   "--max-batch", "8", "--odd-batch", "5", "--out", out) == 0
+    assert (
+        run_cli(
+            "export",
+            trained,
+            "--dtype",
+            "bfloat16",
+            "--formats",
+            "torchscript",
+            "exported_program",
+            "--max-batch",
+            "8",
+            "--odd-batch",
+            "5",
+            "--out",
+            out,
+        )
+        == 0
+    )
     tol = read_manifest(out)["tolerances"]
     fp32 = read_manifest(exported)["tolerances"]["outputs"]["logits"]
     bf16 = tol["outputs"]["logits"]

@@ -107,7 +107,6 @@ def phase(run: Run, name: str, need_s: float, fn: Callable[[Run], Any]) -> None:
         try:
             run.results[name] = fn(run)
         except Exception as e:  # one phase failing must not lose the others' figures
-
             run.results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         run.say(f"{name}: done in {time.monotonic() - t0:.1f} s")
     run.save()
@@ -129,10 +128,27 @@ def train(run: Run, channels_last: bool = False) -> dict[str, Any]:
     """Training images/s per precision (median over the epochs after the first, steps only), and which AMP
     --amp auto chose."""
     q = run.a.quick
-    common = ["--arch", run.arch, "--data", "synthetic", "--image-size", "32" if q else "224",
-              "--batch-size", "16" if q else "128", "--synthetic-samples", "160" if q else "2176",
-              "--val-fraction", "0.2" if q else "0.06", "--epochs", "3", "--device", run.a.device,
-              "--no-progress", "--keep-last", "1"]
+    common = [
+        "--arch",
+        run.arch,
+        "--data",
+        "synthetic",
+        "--image-size",
+        "32" if q else "224",
+        "--batch-size",
+        "16" if q else "128",
+        "--synthetic-samples",
+        "160" if q else "2176",
+        "--val-fraction",
+        "0.2" if q else "0.06",
+        "--epochs",
+        "3",
+        "--device",
+        run.a.device,
+        "--no-progress",
+        "--keep-last",
+        "1",
+    ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "train"]
     plain = [*TS, "train", "--nproc", "1"]
     cases = [("fp32", plain, ["--amp", "off"]), ("amp auto, DDP world 1", torchrun, ["--amp", "auto"])]
@@ -154,8 +170,11 @@ def train(run: Run, channels_last: bool = False) -> dict[str, Any]:
         if metrics.exists():
             epochs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
             later = [e["epoch_images_per_s"] for e in epochs[1:]] or [epochs[-1]["epoch_images_per_s"]]
-            rec.update(first_epoch_images_per_s=epochs[0]["epoch_images_per_s"],
-                       images_per_s=statistics.median(later), val_acc=epochs[-1]["val_acc"])
+            rec.update(
+                first_epoch_images_per_s=epochs[0]["epoch_images_per_s"],
+                images_per_s=statistics.median(later),
+                val_acc=epochs[-1]["val_acc"],
+            )
         else:
             rec["error"] = r["output"][-1500:]
         out[label] = rec
@@ -182,9 +201,12 @@ def checkpoint_on_cpu(run: Run, train_dir: Path) -> dict[str, Any]:
         cpu = model(x)
         dev = model.to(run.a.device)(x.to(run.a.device)).cpu()
     scale = float(cpu.abs().max())
-    return {"max_abs_diff": float((cpu - dev).abs().max()), "logit_scale": scale,
-            "top1_agreement": float((cpu.argmax(1) == dev.argmax(1)).float().mean()),
-            "param_device_in_file": "cpu (weights are saved from the unwrapped model, loaded with map_location)"}
+    return {
+        "max_abs_diff": float((cpu - dev).abs().max()),
+        "logit_scale": scale,
+        "top1_agreement": float((cpu.argmax(1) == dev.argmax(1)).float().mean()),
+        "param_device_in_file": "cpu (weights are saved from the unwrapped model, loaded with map_location)",
+    }
 
 
 def export_argv(run: Run) -> list[str]:
@@ -200,9 +222,26 @@ def export_argv(run: Run) -> list[str]:
         if path.exists()
         else weights_for(zoo.Entry(run.arch, "torchvision_model", {"arch": run.arch}, image), path)
     )
-    return [*TS, "export", "--model", "tests.zoo.models:torchvision_model", "--model-arg", f'arch="{run.arch}"',
-            "--weights", str(weights), *image, "--name", run.arch, "--device", run.a.device,
-            "--max-batch", str(run.max_batch), "--threads", str(max(1, (os.cpu_count() or 2) // 2)), "--overwrite"]
+    return [
+        *TS,
+        "export",
+        "--model",
+        "tests.zoo.models:torchvision_model",
+        "--model-arg",
+        f'arch="{run.arch}"',
+        "--weights",
+        str(weights),
+        *image,
+        "--name",
+        run.arch,
+        "--device",
+        run.a.device,
+        "--max-batch",
+        str(run.max_batch),
+        "--threads",
+        str(max(1, (os.cpu_count() or 2) // 2)),
+        "--overwrite",
+    ]
 
 
 def served(run: Run) -> dict[str, Any]:
@@ -210,8 +249,10 @@ def served(run: Run) -> dict[str, Any]:
     embedded Triton with KIND_GPU instances (`torchship repo --instance-kind gpu`, `torchship serve`), checked with
     `torchship infer --check`, and swept at concurrency 1, 8, 32, 128 with the in-process figures beside."""
     out: dict[str, Any] = {}
-    for key, flags in (("fp32 torchscript", ["--formats", "torchscript"]),
-                       ("bf16 aoti", ["--dtype", "bfloat16", "--formats", "aoti"])):
+    for key, flags in (
+        ("fp32 torchscript", ["--formats", "torchscript"]),
+        ("bf16 aoti", ["--dtype", "bfloat16", "--formats", "aoti"]),
+    ):
         if run.left() < 90:
             out[key] = {"skipped": f"{run.left():.0f} s left"}
             continue
@@ -234,8 +275,9 @@ def serve_and_sweep(run: Run, export: Path, fmt: str) -> dict[str, Any]:
 
     gpu = run.a.device == "cuda"
     repo = export.parent / f"{export.name}_repo"
-    r = run.cmd([*TS, "repo", str(export), "--out", str(repo), "--instance-kind", "gpu" if gpu else "cpu",
-                 "--overwrite"], 120)
+    r = run.cmd(
+        [*TS, "repo", str(export), "--out", str(repo), "--instance-kind", "gpu" if gpu else "cpu", "--overwrite"], 120
+    )
     rec: dict[str, Any] = {"repo": {"code": r["code"], "tail": r["output"][-600:]}}
     if r["code"] != 0:
         return rec
@@ -258,10 +300,38 @@ def serve_and_sweep(run: Run, export: Path, fmt: str) -> dict[str, Any]:
         rec["infer_check"] = {"code": c["code"], "seconds": c["seconds"], "tail": c["output"][-1200:]}
         levels = ["1", "8"] if run.a.quick else ["1", "8", "32", "128"]
         bout = export.parent / f"{export.name}_bench"
-        b = run.cmd([*TS, "bench", str(export), "--url", url, "--out", str(bout), "--concurrency", *levels,
-                     "--variants", fmt, "--batch-sizes", *run.batches, "--iters", "20", "--blocks", "2",
-                     "--warmup", "3", "--window-s", "0.5", "--max-windows", "6", "--no-noop", "--no-cross-check",
-                     "--no-plots", "--no-progress"], min(300, run.left() - 20))
+        b = run.cmd(
+            [
+                *TS,
+                "bench",
+                str(export),
+                "--url",
+                url,
+                "--out",
+                str(bout),
+                "--concurrency",
+                *levels,
+                "--variants",
+                fmt,
+                "--batch-sizes",
+                *run.batches,
+                "--iters",
+                "20",
+                "--blocks",
+                "2",
+                "--warmup",
+                "3",
+                "--window-s",
+                "0.5",
+                "--max-windows",
+                "6",
+                "--no-noop",
+                "--no-cross-check",
+                "--no-plots",
+                "--no-progress",
+            ],
+            min(300, run.left() - 20),
+        )
         rec["bench"] = {"code": b["code"], "seconds": b["seconds"]}
         if (bout / "results.json").exists():
             shutil.copy(bout / "results.json", run.out / f"served_{export.name}.json")
@@ -299,8 +369,12 @@ def sweep_summary(res: dict[str, Any]) -> dict[str, Any]:
         formed = top.get("avg_batch") or 1  # held against the in-process batch at or above it: the stricter ratio
         near = min((b for b in in_proc if b >= formed), default=max(in_proc, default=None))
         ratio = top["req_per_s"] / in_proc[near] if top.get("req_per_s") and near else None
-        out["models"][model] = {"rows": rows, "served_over_in_process": ratio, "in_process_batch": near,
-                                "instance_group": m.get("instance_group")}
+        out["models"][model] = {
+            "rows": rows,
+            "served_over_in_process": ratio,
+            "in_process_batch": near,
+            "instance_group": m.get("instance_group"),
+        }
     return out
 
 
@@ -314,8 +388,10 @@ def strict(run: Run) -> dict[str, Any]:
     from torchship.manifest import read_manifest, write_manifest
 
     d = run.work / "strict_fp32"
-    r = run.cmd([*export_argv(run), "--formats", "torchscript", "aoti", "--optional", "aoti", "--out", str(d)],
-                min(300, run.left() - 45))
+    r = run.cmd(
+        [*export_argv(run), "--formats", "torchscript", "aoti", "--optional", "aoti", "--out", str(d)],
+        min(300, run.left() - 45),
+    )
     out: dict[str, Any] = {"export": {"code": r["code"], "seconds": r["seconds"], **export_record(d)}}
     m = read_manifest(d) if (d / "manifest.json").exists() else None
     ts = next((a for a in (m or {}).get("artifacts", []) if a["format"] == "torchscript"), None)
@@ -328,8 +404,11 @@ def strict(run: Run) -> dict[str, Any]:
     path = fault / ts["file"]
     module = torch.jit.load(str(path), map_location="cpu")
     # a frozen module holds its weights as constants of its graph: scale the largest one in place
-    tensors = [(n.output().debugName(), n.t("value")) for n in module.forward.graph.findAllNodes("prim::Constant")
-               if n.kindOf("value") == "t"] + list(module.named_parameters())
+    tensors = [
+        (n.output().debugName(), n.t("value"))
+        for n in module.forward.graph.findAllNodes("prim::Constant")
+        if n.kindOf("value") == "t"
+    ] + list(module.named_parameters())
     name, weight = max(tensors, key=lambda kv: kv[1].numel())
     name = f"{name} {list(weight.shape)}"
     with torch.no_grad():
@@ -342,8 +421,13 @@ def strict(run: Run) -> dict[str, Any]:
     write_manifest(fault, fm)
     v = run.cmd([*TS, "verify", str(fault), "--only", "torchscript"], min(180, run.left() - 10))
     caught = [ln for ln in v["output"].splitlines() if "torchscript" in ln][-3:]
-    out["planted_weight_fault"] = {"weight": name, "scale": 1 + 1e-3, "verify_exit": v["code"],
-                                   "caught": v["code"] == 3, "lines": caught}
+    out["planted_weight_fault"] = {
+        "weight": name,
+        "scale": 1 + 1e-3,
+        "verify_exit": v["code"],
+        "caught": v["code"] == 3,
+        "lines": caught,
+    }
     return out
 
 
@@ -352,11 +436,29 @@ def exports(run: Run) -> dict[str, Any]:
     on the CPU cores. Each is verified on the device."""
     common = export_argv(run)
     core = [f for f in FP32_FORMATS if f != "aoti_buckets"]
-    jobs = {"fp32": [*common, "--formats", *core, "--optional", *core, "--out", str(run.work / "export_fp32")],
-            "buckets": [*common, "--formats", "aoti_buckets", "--buckets", *run.buckets,
-                        "--out", str(run.work / "export_buckets")],
-            "bf16": [*common, "--dtype", "bfloat16", "--formats", *BF16_FORMATS, "--optional", *BF16_FORMATS,
-                     "--out", str(run.work / "export_bf16")]}
+    jobs = {
+        "fp32": [*common, "--formats", *core, "--optional", *core, "--out", str(run.work / "export_fp32")],
+        "buckets": [
+            *common,
+            "--formats",
+            "aoti_buckets",
+            "--buckets",
+            *run.buckets,
+            "--out",
+            str(run.work / "export_buckets"),
+        ],
+        "bf16": [
+            *common,
+            "--dtype",
+            "bfloat16",
+            "--formats",
+            *BF16_FORMATS,
+            "--optional",
+            *BF16_FORMATS,
+            "--out",
+            str(run.work / "export_bf16"),
+        ],
+    }
     t0 = time.monotonic()
     started = {k: run.start(argv) for k, argv in jobs.items()}
     timeout = run.left() - run.a.reserve
@@ -381,9 +483,16 @@ def export_record(d: Path) -> dict[str, Any]:
     for a in m["artifacts"]:
         e = v.get(a["name"], {})
         worst, bound, multiple, top1 = artifact_summary(e, m["tolerances"]) if e.get("sets") else (None, None, None, "")
-        arts[a["name"]] = {"bytes": a.get("bytes"), "export_seconds": a.get("export_seconds"), "pass": e.get("pass"),
-                           "worst": worst, "bound": bound, "x_eager_error": multiple, "top1": top1,
-                           "error": e.get("error")}
+        arts[a["name"]] = {
+            "bytes": a.get("bytes"),
+            "export_seconds": a.get("export_seconds"),
+            "pass": e.get("pass"),
+            "worst": worst,
+            "bound": bound,
+            "x_eager_error": multiple,
+            "top1": top1,
+            "error": e.get("error"),
+        }
     failed = {f["format"]: f["error"] for f in m.get("export_failures", [])}
     return {"artifacts": arts, "failed": failed, "dtype": m.get("dtype"), "device": m.get("device")}
 
@@ -394,11 +503,32 @@ def bench(run: Run, which: str) -> dict[str, Any]:
         return {"skipped": f"no {which} export"}
     have = [a["format"] for a in json.loads((d / "manifest.json").read_text())["artifacts"]]
     variants = (["eager"] if which != "buckets" else []) + [
-        f for f in ("torchscript", "exported_program", "aoti", "aoti_buckets") if f in have]
+        f for f in ("torchscript", "exported_program", "aoti", "aoti_buckets") if f in have
+    ]
     out = run.work / f"bench_{which}"
-    r = run.cmd([*TS, "bench", str(d), "--skip-served", "--variants", *variants, "--batch-sizes", *run.batches,
-                 "--iters", "20", "--blocks", "2", "--warmup", "3", "--no-plots", "--no-progress", "--out", str(out)],
-                min(240, run.left() - 20))
+    r = run.cmd(
+        [
+            *TS,
+            "bench",
+            str(d),
+            "--skip-served",
+            "--variants",
+            *variants,
+            "--batch-sizes",
+            *run.batches,
+            "--iters",
+            "20",
+            "--blocks",
+            "2",
+            "--warmup",
+            "3",
+            "--no-plots",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        min(240, run.left() - 20),
+    )
     for src, dst in (("results.json", f"bench_{which}.json"), ("report.md", f"bench_{which}.md"))[
         : 1 if which == "buckets" else 2
     ]:
@@ -407,10 +537,17 @@ def bench(run: Run, which: str) -> dict[str, Any]:
     if not (out / "results.json").exists():
         return {"code": r["code"], "tail": r["output"][-2000:]}
     res = json.loads((out / "results.json").read_text())
-    return {"code": r["code"], "seconds": r["seconds"], "limits": res.get("limits"),
-            "rows": [{k: row.get(k) for k in ("variant", "batch", "p50_ms", "p99_ms", "images_per_s")}
-                     for row in res.get("in_process", {}).get("rows", [])],
-            "notes": res.get("in_process", {}).get("notes"), "errors": res.get("errors")}
+    return {
+        "code": r["code"],
+        "seconds": r["seconds"],
+        "limits": res.get("limits"),
+        "rows": [
+            {k: row.get(k) for k in ("variant", "batch", "p50_ms", "p99_ms", "images_per_s")}
+            for row in res.get("in_process", {}).get("rows", [])
+        ],
+        "notes": res.get("in_process", {}).get("notes"),
+        "errors": res.get("errors"),
+    }
 
 
 def resident(run: Run) -> dict[str, Any]:
@@ -456,8 +593,15 @@ def resident(run: Run) -> dict[str, Any]:
                         mod(x)
                     ms = (time.perf_counter() - t0) / 3 * 1e3
             ips = batch / (ms / 1e3)
-            out["rows"].append({"model": name, "batch": batch, "ms": ms, "images_per_s": ips,
-                                "pct_bf16_peak": 100 * ips * flops / peak if peak else None})
+            out["rows"].append(
+                {
+                    "model": name,
+                    "batch": batch,
+                    "ms": ms,
+                    "images_per_s": ips,
+                    "pct_bf16_peak": 100 * ips * flops / peak if peak else None,
+                }
+            )
     return out
 
 
@@ -465,8 +609,10 @@ def table(run: Run) -> str:
     r = run.results
     lines = []
     env = r.get("environment", {})
-    lines.append(f"device: {env.get('nvidia_smi') or env.get('gpu') or env.get('cpu')}; torch "
-                 f"{env.get('versions', {}).get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')})")
+    lines.append(
+        f"device: {env.get('nvidia_smi') or env.get('gpu') or env.get('cpu')}; torch "
+        f"{env.get('versions', {}).get('torch')} (CUDA {env.get('torch_cuda')}, cuDNN {env.get('cudnn')})"
+    )
     peak = env.get("peak", {})
     if peak:
         lines.append(
@@ -478,9 +624,11 @@ def table(run: Run) -> str:
             lines.append(f"served {key}: {rec}"[:300])
             continue
         srv = rec.get("server", {})
-        lines.append(f"served {key}: export exit {rec.get('export', {}).get('code')}, ready {srv.get('ready_models')} "
-                     f"in {srv.get('seconds_to_ready')} s, instances {srv.get('instance_group')}, "
-                     f"infer --check exit {rec.get('infer_check', {}).get('code')}")
+        lines.append(
+            f"served {key}: export exit {rec.get('export', {}).get('code')}, ready {srv.get('ready_models')} "
+            f"in {srv.get('seconds_to_ready')} s, instances {srv.get('instance_group')}, "
+            f"infer --check exit {rec.get('infer_check', {}).get('code')}"
+        )
         for model, m in rec.get("bench", {}).get("models", {}).items():
             for row in m["rows"]:
                 lines.append(
@@ -537,8 +685,10 @@ def table(run: Run) -> str:
         if not b.get("rows"):
             lines.append(f"{k}: {str(b)[:400]}")
     for row in r.get("resident", {}).get("rows", []):
-        lines.append(f"resident {row['model']} b{row['batch']}: {row['ms']:.2f} ms, {row['images_per_s']:.0f} img/s, "
-                     f"{row['pct_bf16_peak'] or 0:.1f} % of bf16 peak")
+        lines.append(
+            f"resident {row['model']} b{row['batch']}: {row['ms']:.2f} ms, {row['images_per_s']:.0f} img/s, "
+            f"{row['pct_bf16_peak'] or 0:.1f} % of bf16 peak"
+        )
     for k, v in r.items():
         if isinstance(v, dict) and ("error" in v or "skipped" in v) and k not in ("exports", "A_served"):
             lines.append(f"{k}: {v.get('error') or v.get('skipped')}")
@@ -549,9 +699,13 @@ PHASES = {
     "A": [("A_served", 200, served)],
     "B": [("B_strict", 120, strict)],
     "C": [("train", 100, train), ("train_channels_last", 45, lambda r: train(r, channels_last=True))],
-    "D": [("exports", 200, exports), ("bench_fp32", 40, lambda r: bench(r, "fp32")),
-          ("bench_bf16", 40, lambda r: bench(r, "bf16")), ("resident", 15, resident),
-          ("bench_buckets", 40, lambda r: bench(r, "buckets"))],
+    "D": [
+        ("exports", 200, exports),
+        ("bench_fp32", 40, lambda r: bench(r, "fp32")),
+        ("bench_bf16", 40, lambda r: bench(r, "bf16")),
+        ("resident", 15, resident),
+        ("bench_buckets", 40, lambda r: bench(r, "buckets")),
+    ],
 }
 
 
@@ -576,10 +730,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="resnet18 at 64x64, small batches: the plumbing only")
     ap.add_argument("--budget", type=float, default=550, help="seconds for the whole run")
     ap.add_argument("--reserve", type=float, default=150, help="seconds phase D's exports leave for its benches")
-    ap.add_argument("--phases", nargs="*", choices=sorted(PHASES), default=None,
-                    help="phases to run, in order (default: those no record in --history has done)")
-    ap.add_argument("--history", default=str(ROOT / "docs" / "benchmarks" / "gpu"),
-                    help="folder of earlier runs' gpu.json records")
+    ap.add_argument(
+        "--phases",
+        nargs="*",
+        choices=sorted(PHASES),
+        default=None,
+        help="phases to run, in order (default: those no record in --history has done)",
+    )
+    ap.add_argument(
+        "--history", default=str(ROOT / "docs" / "benchmarks" / "gpu"), help="folder of earlier runs' gpu.json records"
+    )
     a = ap.parse_args()
     done = done_before(Path(a.history), a.quick)
     phases = a.phases if a.phases is not None else [p for p in PHASES if p not in done] or list(PHASES)

@@ -61,6 +61,7 @@ def send_concurrently(url, model, inputs):
         def f(result, error):
             results[i] = error if error else result.as_numpy("logits")
             done.release()
+
         return f
 
     for i, x in enumerate(inputs):
@@ -76,8 +77,6 @@ def send_concurrently(url, model, inputs):
 def stats(url, model):
     s = TritonClient(url).statistics(model)["model_stats"][0]
     return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
-
-
 
 
 @pytest.mark.parametrize("model", ["tiny_cnn_onnx", "tiny_cnn_aoti"])

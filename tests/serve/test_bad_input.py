@@ -55,8 +55,9 @@ def test_bad_input_gets_an_error_and_the_server_keeps_answering(server, exported
         assert "NaN" in msg
     x = np.random.default_rng(0).random((2, 3, 32, 32), dtype=np.float32)
     for model, fmt in MODELS.items():  # every model still answers correctly
-        np.testing.assert_allclose(client.infer(model, x), in_process(exported, fmt).run({"images": x})["logits"],
-                                   atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(
+            client.infer(model, x), in_process(exported, fmt).run({"images": x})["logits"], atol=1e-5, rtol=1e-5
+        )
     assert server.proc.poll() is None
 
 
@@ -87,8 +88,12 @@ def test_an_altered_reference_is_refused_by_every_reader(server, exported, tmp_p
     shutil.copytree(exported, d)
     ref = d / "reference.npz"
     ref.write_bytes(ref.read_bytes()[:1000])
-    for argv in (("repo", d, "--out", tmp_path / "repo"), ("infer", "--url", server.url, "--check", d),
-                 ("infer", "--url", server.url, "--heldout", d), ("verify", d)):
+    for argv in (
+        ("repo", d, "--out", tmp_path / "repo"),
+        ("infer", "--url", server.url, "--check", d),
+        ("infer", "--url", server.url, "--heldout", d),
+        ("verify", d),
+    ):
         assert run_cli(*argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "reference.npz was altered or truncated" in err[0], (argv, err)

@@ -89,8 +89,11 @@ def test_infer_refuses_a_bad_local_path_before_connecting(case, tmp_path, capsys
     ]
     assert run_cli("infer", "--url", f"127.0.0.1:{free_ports()[0]}", *arg) == 2
     err = capsys.readouterr().err
-    want = {"missing": "nope.npy: no such file", "suffix": "notes.txt: not an image, .npy or .npz file",
-            "heldout": "has no manifest.json"}[case]
+    want = {
+        "missing": "nope.npy: no such file",
+        "suffix": "notes.txt: not an image, .npy or .npz file",
+        "heldout": "has no manifest.json",
+    }[case]
     assert want in err and "is the server running" not in err and len(err.strip().splitlines()) == 1, err
 
 
@@ -140,14 +143,14 @@ def test_a_standard_image_client_reads_the_layout_and_gets_labelled_top_3(server
             inp.name,
             inp.data_type,
         )
-        dtype = tc.model_config_pb2.DataType.Name(dtype)[len("TYPE_"):]
+        dtype = tc.model_config_pb2.DataType.Name(dtype)[len("TYPE_") :]
     else:
         import tritonclient.http as tc
 
         client = tc.InferenceServerClient(f"127.0.0.1:{server.http_port}")
         config = client.get_model_config("tiny_cnn_onnx")
         inp, out = config["input"][0], config["output"][0]
-        layout, dims, name, dtype = inp["format"], inp["dims"], inp["name"], inp["data_type"][len("TYPE_"):]
+        layout, dims, name, dtype = inp["format"], inp["dims"], inp["name"], inp["data_type"][len("TYPE_") :]
     assert layout == "FORMAT_NCHW", layout
     c, h, w = (int(d) for d in dims)
     pixels = (np.random.default_rng(5).random((48, 40, 3)) * 255).astype(np.uint8)

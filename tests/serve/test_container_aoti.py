@@ -77,8 +77,12 @@ def test_the_names_follow_the_manifests_inputs_and_outputs():
         "inputs": [{"name": "input_ids"}, {"name": "attention_mask"}],
         "outputs": [{"name": "logits"}, {"name": "embedding"}],
     }
-    assert aoti_tensor_names(m) == {"input_ids": "ARGS[0]", "attention_mask": "ARGS[1]", "logits": "RESULT[0]",
-                                    "embedding": "RESULT[1]"}
+    assert aoti_tensor_names(m) == {
+        "input_ids": "ARGS[0]",
+        "attention_mask": "ARGS[1]",
+        "logits": "RESULT[0]",
+        "embedding": "RESULT[1]",
+    }
     assert aoti_tensor_names({"inputs": [{"name": "x"}], "outputs": [{"name": "y"}]}) == {"x": "ARGS[0]", "y": "RESULT"}
 
 

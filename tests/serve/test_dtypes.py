@@ -37,8 +37,24 @@ def dtypes_served(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("dtypes")
     torch.save({}, d / "w.pt")
-    assert run_cli("export", "--model", "tests.anymodel.models:dtypes", "--weights", d / "w.pt", *FLAGS,
-                   "--formats", "onnx", "torchscript", "--max-batch", "8", "--out", d / "export") == 0
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            "tests.anymodel.models:dtypes",
+            "--weights",
+            d / "w.pt",
+            *FLAGS,
+            "--formats",
+            "onnx",
+            "torchscript",
+            "--max-batch",
+            "8",
+            "--out",
+            d / "export",
+        )
+        == 0
+    )
     build_repository(d / "export", RepoConfig(out=str(d / "repo")))
     with TritonServer(ServeConfig(repo=str(d / "repo"))) as s:
         yield s, d / "export"
@@ -46,9 +62,13 @@ def dtypes_served(tmp_path_factory):
 
 def feeds(n: int = 5) -> dict[str, np.ndarray]:
     g = np.random.default_rng(0)
-    return {"f16": g.standard_normal((n, 4)).astype(np.float16), "i32": g.integers(-1000, 1000, (n, 4), dtype=np.int32),
-            "i64": g.integers(-10**5, 10**5, (n, 4), dtype=np.int64), "flag": g.random((n, 4)) < 0.5,
-            "f32": g.standard_normal((n, 4)).astype(np.float32)}
+    return {
+        "f16": g.standard_normal((n, 4)).astype(np.float16),
+        "i32": g.integers(-1000, 1000, (n, 4), dtype=np.int32),
+        "i64": g.integers(-(10**5), 10**5, (n, 4), dtype=np.int64),
+        "flag": g.random((n, 4)) < 0.5,
+        "f32": g.standard_normal((n, 4)).astype(np.float32),
+    }
 
 
 @pytest.mark.parametrize("model", ["dtypes_onnx", "dtypes_torchscript"])

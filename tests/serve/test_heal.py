@@ -24,6 +24,7 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
     x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
     log, ready, stop, errors = [], [], threading.Event(), []
     with TritonServer(ServeConfig(repo=str(repo), models=(MODEL,))) as s:
+
         def flood():
             client = TritonClient(s.url)
             while not stop.is_set():

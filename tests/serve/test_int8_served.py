@@ -48,8 +48,14 @@ def test_a_badly_calibrated_int8_model_fails_served_parity(int8_repo, int8_expor
     bad = tmp_path / "repo"
     shutil.copytree(int8_repo, bad)
     zeros = {"images": np.zeros((16, 3, 32, 32), np.float32)}
-    onnx_int8(int8_export / "onnx" / "model.onnx", bad / "tiny_cnn_onnx_int8" / "1" / "model.onnx", zeros, "zeros",
-              int8_scheme(), external=False)
+    onnx_int8(
+        int8_export / "onnx" / "model.onnx",
+        bad / "tiny_cnn_onnx_int8" / "1" / "model.onnx",
+        zeros,
+        "zeros",
+        int8_scheme(),
+        external=False,
+    )
     rehash_version(bad / "tiny_cnn_onnx_int8" / "1")
     with TritonServer(ServeConfig(repo=str(bad), models=("tiny_cnn_onnx_int8",))) as s:
         with pytest.raises(ParityError, match=r"tiny_cnn_onnx_int8: heldout: accuracy .* a drop beyond 2 points"):

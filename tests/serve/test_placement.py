@@ -23,21 +23,27 @@ ENTRY = "tiny_cnn_image"
 def placements(repo):
     """{(model, config file): (instances, threads)} over every config of the repository's tensor models (the
     image entry is an ensemble, and its preprocessing runs one instance per core: pre_instances)."""
-    return {(m, name): placement_of(read_config(repo / m / name))
-            for m in repository_models(repo) for name in CONFIGS
-            if (repo / m / name).exists() and not m.startswith(f"{ENTRY}")}
+    return {
+        (m, name): placement_of(read_config(repo / m / name))
+        for m in repository_models(repo)
+        for name in CONFIGS
+        if (repo / m / name).exists() and not m.startswith(f"{ENTRY}")
+    }
 
 
 def pre_instances(repo) -> int:
     return read_config(repo / f"{ENTRY}_pre" / "config.pbtxt").instance_group[0].count
 
 
-@pytest.mark.parametrize("given, expected", [
-    ({"cores": 4}, (1, 4)),
-    ({"cores": 4, "instance_count": 2}, (2, 2)),
-    ({"cores": 4, "threads": 1}, (4, 1)),
-    ({"cores": 3, "instance_count": 2}, (2, 1)),
-])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ({"cores": 4}, (1, 4)),
+        ({"cores": 4, "instance_count": 2}, (2, 2)),
+        ({"cores": 4, "threads": 1}, (4, 1)),
+        ({"cores": 3, "instance_count": 2}, (2, 1)),
+    ],
+)
 def test_the_default_configs_share_out_the_cores_given(exported, tmp_path, given, expected):
     build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), **given))
     found = placements(tmp_path / "repo")
@@ -57,9 +63,11 @@ def test_more_threads_than_cores_are_refused_before_anything_is_written(exported
 
 def test_without_cores_the_configs_use_the_cpus_this_process_may_run_on(exported, tmp_path):
     """The CPU affinity (a container's cpuset, taskset), not the host's count: one CPU allowed, one thread."""
-    code = ("import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "from serve.config import RepoConfig; from serve.repository import build_repository; "
-            f"build_repository({str(exported)!r}, RepoConfig(out={str(tmp_path / 'one')!r}))")
+    code = (
+        "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from serve.config import RepoConfig; from serve.repository import build_repository; "
+        f"build_repository({str(exported)!r}, RepoConfig(out={str(tmp_path / 'one')!r}))"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())
     assert set(placements(tmp_path / "one").values()) == {(1, 1)}
     build_repository(exported, RepoConfig(out=str(tmp_path / "all")))
@@ -75,16 +83,25 @@ def test_the_grid_uses_every_core_without_oversubscribing():
     assert RepoConfig().search_cores() == len(os.sched_getaffinity(0))
 
 
-RUNS_WITH = re.compile(r'instance (\S+) \(pid (\d+)\) runs with runtime=(\w+), intra_op=(\d+), inter_op=(\d+)'
-                       r'(?:, spinning=(\w+))?')
+RUNS_WITH = re.compile(
+    r"instance (\S+) \(pid (\d+)\) runs with runtime=(\w+), intra_op=(\d+), inter_op=(\d+)"
+    r"(?:, spinning=(\w+))?"
+)
 
 
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("fmt, instances, threads", [("onnx", 2, 1), pytest.param("onnx", 1, 2, marks=SLOW),
-                                                     pytest.param("torchscript", 2, 1, marks=SLOW),
-                                                     ("torchscript", 1, 2), pytest.param("aoti", 2, 1, marks=SLOW)])
+@pytest.mark.parametrize(
+    "fmt, instances, threads",
+    [
+        ("onnx", 2, 1),
+        pytest.param("onnx", 1, 2, marks=SLOW),
+        pytest.param("torchscript", 2, 1, marks=SLOW),
+        ("torchscript", 1, 2),
+        pytest.param("aoti", 2, 1, marks=SLOW),
+    ],
+)
 def test_each_instance_runs_with_the_threads_its_config_gives(exported, tmp_path, fmt, instances, threads):
     """Read back from inside each instance, after it ran (Triton's warm-up runs every instance once at load):
     the runtime's own intra- and inter-op thread counts, one report per instance from a distinct backend

@@ -135,8 +135,22 @@ def test_bad_repository_options_are_refused_and_write_nothing(exported, tmp_path
 def gpu_repo(exported, tmp_path_factory):
     """A repository for a GPU server, built here (no GPU needed to build one)."""
     out = tmp_path_factory.mktemp("gpu") / "repo"
-    assert run_cli("repo", exported, "--out", out, "--instance-kind", "gpu", "--ort-accelerator", "tensorrt",
-                   "--no-trt-fp16", "--trt-cache", "/engines") == 0
+    assert (
+        run_cli(
+            "repo",
+            exported,
+            "--out",
+            out,
+            "--instance-kind",
+            "gpu",
+            "--ort-accelerator",
+            "tensorrt",
+            "--no-trt-fp16",
+            "--trt-cache",
+            "/engines",
+        )
+        == 0
+    )
     return out
 
 
@@ -167,9 +181,18 @@ def test_gpu_repository_configs_and_the_providers_the_backend_builds_from_them(g
     assert acc.parameters["trt_engine_cache_enable"] == "1" and acc.parameters["trt_engine_cache_path"] == "/engines"
     # what the ONNX Runtime backend asks for on a GPU instance: TensorRT first, then CUDA, then the CPU
     assert OnnxRuntimeModel().ort_providers(config_json(onnx), "cuda:0") == [
-        ("TensorrtExecutionProvider", {"device_id": 0, "trt_fp16_enable": False, "trt_engine_cache_enable": True,
-                                       "trt_engine_cache_path": "/engines"}),
-        ("CUDAExecutionProvider", {"device_id": 0, "use_tf32": "0"}), "CPUExecutionProvider"]  # IEEE float32
+        (
+            "TensorrtExecutionProvider",
+            {
+                "device_id": 0,
+                "trt_fp16_enable": False,
+                "trt_engine_cache_enable": True,
+                "trt_engine_cache_path": "/engines",
+            },
+        ),
+        ("CUDAExecutionProvider", {"device_id": 0, "use_tf32": "0"}),
+        "CPUExecutionProvider",
+    ]  # IEEE float32
     assert OnnxRuntimeModel().ort_providers(config_json(onnx), "cpu") == ["CPUExecutionProvider"]
     assert "The models run on GPU 0 (`KIND_GPU` instances)" in (gpu_repo / "README.md").read_text()
 
@@ -183,9 +206,16 @@ def test_a_gpu_instance_runs_on_cuda_where_there_is_one_and_on_the_cpu_elsewhere
     said = []
     model = backend.PyTorchModel()
     model.log = said.append
-    model.initialize({"model_config": json.dumps(config_json(cfg(mdir / "config.pbtxt"))), "model_name": mdir.name,
-                      "model_repository": str(mdir), "model_version": "1", "model_instance_kind": "GPU",
-                      "model_instance_device_id": "0"})
+    model.initialize(
+        {
+            "model_config": json.dumps(config_json(cfg(mdir / "config.pbtxt"))),
+            "model_name": mdir.name,
+            "model_repository": str(mdir),
+            "model_version": "1",
+            "model_instance_kind": "GPU",
+            "model_instance_device_id": "0",
+        }
+    )
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     threads = cfg(mdir / "config.pbtxt").parameters["INTRA_OP_THREAD_COUNT"].string_value
     assert said[-1].endswith(f"on {device}, {threads} intra-op thread(s)"), said
@@ -231,8 +261,11 @@ def test_a_repository_serves_on_a_device_only_the_artifacts_made_for_it(int8_exp
     out = tmp_path / "repo"
     assert run_cli("repo", int8_export, "--out", out, "--instance-kind", "gpu") == 0
     said = capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["tiny_cnn_image", "tiny_cnn_image_pre",
-                                                                   "tiny_cnn_onnx"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "tiny_cnn_image",
+        "tiny_cnn_image_pre",
+        "tiny_cnn_onnx",
+    ]
     line = next(x for x in said.splitlines() if x.startswith("not served: "))
     assert line == (
         "not served: onnx_int8: quantized for the CPU it was exported on, not for a GPU (export them on a "
@@ -291,8 +324,12 @@ def test_the_backend_refuses_to_load_a_file_that_differs_from_its_hash(repo, tmp
     mdir = bad / "tiny_cnn_torchscript"
     model = backend.PyTorchModel()
     model.log = lambda *a: None
-    args = {"model_config": json.dumps(config_json(cfg(mdir / "config.pbtxt"))), "model_name": mdir.name,
-            "model_repository": str(mdir), "model_version": "1"}
+    args = {
+        "model_config": json.dumps(config_json(cfg(mdir / "config.pbtxt"))),
+        "model_name": mdir.name,
+        "model_repository": str(mdir),
+        "model_version": "1",
+    }
     with pytest.raises(ValueError, match="refusing to load version 1: model.pt differs from the sha256"):
         model.initialize(args)
     shutil.copy2(repo / "tiny_cnn_torchscript/1/model.pt", mdir / "1" / "model.pt")
@@ -327,6 +364,7 @@ def test_a_models_two_configs_are_edited_together_or_not_at_all(repo, tmp_path):
         if len(seen) == 2:
             raise RuntimeError("planted: the second file's edit fails")
         c.max_batch_size = 1
+
     with pytest.raises(RuntimeError, match="planted"):
         edit_configs(mdir, fails_on_the_second)
     assert {n: (mdir / n).read_text() for n in before} == before and sorted(p.name for p in mdir.glob(".*")) == []

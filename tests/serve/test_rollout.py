@@ -50,8 +50,12 @@ def retrained(tmp_path_factory):
             },
         )
     )
-    run_export(build(ExportConfig, {"checkpoint": str(res.best), "out": str(out / "export"), "max_batch": 8,
-                                    "formats": ["onnx"]}), log=lambda *a: None)
+    run_export(
+        build(
+            ExportConfig, {"checkpoint": str(res.best), "out": str(out / "export"), "max_batch": 8, "formats": ["onnx"]}
+        ),
+        log=lambda *a: None,
+    )
     return out / "export"
 
 
@@ -77,7 +81,7 @@ class Flood:
             k = i % len(self.xs)
             t0 = time.monotonic()
             try:
-                out = client.infer(MODEL, self.xs[k:k + 1])
+                out = client.infer(MODEL, self.xs[k : k + 1])
             except Exception as e:  # every failure counts
                 out = e
             self.log.append((t0, time.monotonic(), k, out))
@@ -122,8 +126,10 @@ def test_a_flood_sees_no_failure_during_a_rollout_and_a_rollback(two_versions, e
     failed = [o for *_, o in seen if isinstance(o, Exception)]
     wrong = [v for _, _, v, o in seen if v is None and not isinstance(o, Exception)]
     with capsys.disabled():  # the counts, in the default run's output
-        print(f"\nflood during a rollout and a rollback: {len(seen)} requests, {len(failed)} failed, {len(wrong)} "
-              f"wrong, {sum(v == 2 for _, _, v, _ in seen)} answered by version 2")
+        print(
+            f"\nflood during a rollout and a rollback: {len(seen)} requests, {len(failed)} failed, {len(wrong)} "
+            f"wrong, {sum(v == 2 for _, _, v, _ in seen)} answered by version 2"
+        )
     assert not failed and not wrong, (failed[:3], len(wrong))
     assert all(v == 2 for t0, t1, v, _ in seen if rolled < t0 and t1 < back - 1.0)  # after the switch: version 2 only
     assert all(v == 1 for t0, _, v, _ in seen if t0 > back)  # after the rollback: version 1 only

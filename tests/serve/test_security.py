@@ -31,8 +31,9 @@ def attack(server, tmp_path, grpc_headers=None, http_headers=None) -> tuple[dict
     """(the server's answer to each attack, whether the planted code ran, whether a log file was written where the
     attacker said)."""
     marker, log_file = tmp_path / "marker", tmp_path / "redirected.log"
-    accepted = plant_attacks(server.url, f"{server.cfg.host}:{server.http_port}", marker, log_file, VICTIM,
-                             grpc_headers, http_headers)
+    accepted = plant_attacks(
+        server.url, f"{server.cfg.host}:{server.http_port}", marker, log_file, VICTIM, grpc_headers, http_headers
+    )
     return accepted, marker.exists(), log_file.exists()
 
 
@@ -55,8 +56,10 @@ def test_with_the_key_the_same_calls_are_accepted(repo, tmp_path):
         answers, ran, redirected = attack(server, tmp_path, {GRPC_KEY_HEADER: server.key}, {KEY_HEADER: server.key})
         assert TritonClient(server.url).ready(VICTIM)
     assert ran and not redirected, answers
-    assert answers == {**{k: "accepted" for k in answers}, **{f"{p} log redirect": NO_NETWORK_LOG_FILE
-                                                              for p in ("grpc", "http")}}, answers
+    assert answers == {
+        **{k: "accepted" for k in answers},
+        **{f"{p} log redirect": NO_NETWORK_LOG_FILE for p in ("grpc", "http")},
+    }, answers
 
 
 @pytest.mark.slow
@@ -72,8 +75,9 @@ def test_an_open_control_plane_lets_the_attack_through(repo, tmp_path, monkeypat
 
 
 def test_the_key_stays_out_of_sight(server):
-    pids = [server.proc.pid] + [int(p) for p in (open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children")
-                                                 .read().split())]
+    pids = [server.proc.pid] + [
+        int(p) for p in (open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read().split())
+    ]
     for pid in pids:  # what every user of the machine can read
         assert server.key.encode() not in open(f"/proc/{pid}/cmdline", "rb").read(), pid
     info = os.stat(server.key_file)
@@ -91,8 +95,10 @@ def test_the_key_stays_out_of_sight(server):
 
 
 def test_a_client_finds_the_key_of_a_server_on_this_machine_or_is_told_what_to_give(server, tmp_path):
-    code = ("import sys; from serve.client import TritonClient; c = TritonClient(sys.argv[1]); "
-            "c.client.get_model_repository_index(headers=c.control_headers); print(c.access.key_source)")
+    code = (
+        "import sys; from serve.client import TritonClient; c = TritonClient(sys.argv[1]); "
+        "c.client.get_model_repository_index(headers=c.control_headers); print(c.access.key_source)"
+    )
     env = {k: v for k, v in os.environ.items() if k not in (KEY_ENV, "TORCHSHIP_TRITON_KEY_FILE")}
     r = subprocess.run([sys.executable, "-c", code, server.url], capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 0 and r.stdout.strip() == str(server.key_file), r.stderr[-2000:]
@@ -130,9 +136,17 @@ def tls_server(repo, tmp_path_factory):
     from tests.helpers import make_certs
 
     certs = make_certs(tmp_path_factory.mktemp("certs"))
-    cfg = ServeConfig(repo=str(repo), models=(VICTIM,), heal=False, tls_cert=certs["server_cert"],
-                      tls_key=certs["server_key"], tls_ca=certs["ca"], tls_client_ca=certs["ca"],
-                      tls_own_cert=certs["client_cert"], tls_own_key=certs["client_key"])
+    cfg = ServeConfig(
+        repo=str(repo),
+        models=(VICTIM,),
+        heal=False,
+        tls_cert=certs["server_cert"],
+        tls_key=certs["server_key"],
+        tls_ca=certs["ca"],
+        tls_client_ca=certs["ca"],
+        tls_own_cert=certs["client_cert"],
+        tls_own_key=certs["client_key"],
+    )
     with TritonServer(cfg).start() as s:
         yield s, certs
 
@@ -170,10 +184,12 @@ def test_tls_options_are_checked_at_the_boundary(tmp_path):
 
     pem = tmp_path / "x.pem"
     pem.write_text("x")
-    for kwargs, says in (({"tls_cert": str(pem)}, "--tls-cert and --tls-key go together"),
-                         ({"tls_client_ca": str(pem)}, "go with --tls-cert"),
-                         ({"tls_cert": str(pem), "tls_key": str(pem), "tls_client_ca": str(pem)}, "--tls-own-cert"),
-                         ({"tls_cert": str(tmp_path / "absent.pem"), "tls_key": str(pem)}, "no such file")):
+    for kwargs, says in (
+        ({"tls_cert": str(pem)}, "--tls-cert and --tls-key go together"),
+        ({"tls_client_ca": str(pem)}, "go with --tls-cert"),
+        ({"tls_cert": str(pem), "tls_key": str(pem), "tls_client_ca": str(pem)}, "--tls-own-cert"),
+        ({"tls_cert": str(tmp_path / "absent.pem"), "tls_key": str(pem)}, "no such file"),
+    ):
         with pytest.raises(ConfigError, match=says):
             ServeConfig(**kwargs)
     assert ServeConfig(tls_cert=str(pem), tls_key=str(pem)).tls_flags()[0] == "--grpc-use-ssl=true"
@@ -233,9 +249,25 @@ def test_torchship_serve_refuses_the_attack_and_removes_its_key_when_it_stops(re
     from serve.embedded.process import free_ports
 
     grpc, http = free_ports(n=2)
-    proc = subprocess.Popen([sys.executable, "-m", "torchship.pipeline.cli", "serve", str(repo), "--models", VICTIM,
-                             "--grpc-port", str(grpc), "--http-port", str(http)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torchship.pipeline.cli",
+            "serve",
+            str(repo),
+            "--models",
+            VICTIM,
+            "--grpc-port",
+            str(grpc),
+            "--http-port",
+            str(http),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines, deadline = [], time.monotonic() + 120
         while not any(line.startswith("control key:") for line in lines) and time.monotonic() < deadline:

@@ -31,12 +31,30 @@ def test_durations_and_the_verdict():
     for bad in ("", "2 minutes", "-3s", "0"):
         with pytest.raises(ConfigError, match="give a duration such as 120s, 2m or 1h"):
             parse_duration(bad)
-    res = {"model": "m", "concurrency": 16, "duration_s": 60, "sent": 9000, "failed": 0, "checked": 9000, "wrong": 0,
-           "bound_bytes_per_1000": 64 * 1024,
-           "processes": {"tritonserver (pid 1)": {"growth_bytes_per_1000": 10e3, "within_bound": True,
-                                                  "first_bytes": 1 << 26, "last_bytes": 1 << 26},
-                         "m backend (pid 2)": {"growth_bytes_per_1000": 1e6, "within_bound": False,
-                                               "first_bytes": 1 << 27, "last_bytes": 1 << 28}}}
+    res = {
+        "model": "m",
+        "concurrency": 16,
+        "duration_s": 60,
+        "sent": 9000,
+        "failed": 0,
+        "checked": 9000,
+        "wrong": 0,
+        "bound_bytes_per_1000": 64 * 1024,
+        "processes": {
+            "tritonserver (pid 1)": {
+                "growth_bytes_per_1000": 10e3,
+                "within_bound": True,
+                "first_bytes": 1 << 26,
+                "last_bytes": 1 << 26,
+            },
+            "m backend (pid 2)": {
+                "growth_bytes_per_1000": 1e6,
+                "within_bound": False,
+                "first_bytes": 1 << 27,
+                "last_bytes": 1 << 28,
+            },
+        },
+    }
     err = soak_failure(res)
     assert (
         err is not None
@@ -93,8 +111,26 @@ def test_a_soak_checks_every_response_and_catches_a_planted_leak(exported, tmp_p
     # four seconds hold a few thousand requests, some still filling the arenas: a bound of 1 MiB per 1000 requests
     # (the default 64 KiB is for soaks of minutes) passes a healthy backend and fails one that keeps 32 KiB each
     bound = ("--soak-bound-kib", "1024")
-    assert run_cli("bench", exported, "--repo", repo, "--soak", "4s", "--concurrency", "8", "--out", out, *bound,
-                   "--no-progress", "--load-generator", "python", "--no-cross-check") == 0
+    assert (
+        run_cli(
+            "bench",
+            exported,
+            "--repo",
+            repo,
+            "--soak",
+            "4s",
+            "--concurrency",
+            "8",
+            "--out",
+            out,
+            *bound,
+            "--no-progress",
+            "--load-generator",
+            "python",
+            "--no-cross-check",
+        )
+        == 0
+    )
     res = json.loads((out / "results.json").read_text())["soak"]["tiny_cnn_onnx"]
     assert res["sent"] > 100 and res["checked"] == res["sent"] and res["wrong"] == 0 and res["failed"] == 0
     names = sorted(res["processes"])
@@ -106,8 +142,26 @@ def test_a_soak_checks_every_response_and_catches_a_planted_leak(exported, tmp_p
     capsys.readouterr()
 
     leaky = leaky_repo(exported, tmp_path)
-    assert run_cli("bench", exported, "--repo", leaky, "--soak", "4s", "--concurrency", "8", "--out", tmp_path / "leak",
-                   *bound, "--no-progress", "--load-generator", "python", "--no-cross-check") == 2
+    assert (
+        run_cli(
+            "bench",
+            exported,
+            "--repo",
+            leaky,
+            "--soak",
+            "4s",
+            "--concurrency",
+            "8",
+            "--out",
+            tmp_path / "leak",
+            *bound,
+            "--no-progress",
+            "--load-generator",
+            "python",
+            "--no-cross-check",
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "soak of tiny_cnn_onnx at 8 in flight" in err and "tiny_cnn_onnx backend (pid " in err, err
     assert "KiB per 1000 requests (bound 1024 KiB" in err and "tritonserver" not in err.split("grew")[0]

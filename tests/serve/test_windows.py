@@ -66,8 +66,12 @@ def test_rounds_visit_every_unsettled_cell_in_turn():
         it = iter(values)
         return lambda: calls.append(name) or {"rate": next(it)}
 
-    out = settle_rounds({"a": cell("a", [100] * 9), "b": cell("b", [50, 150, 80, 100, 100, 100])},
-                        lambda w: [w["rate"]], 0.10, max_windows=9)
+    out = settle_rounds(
+        {"a": cell("a", [100] * 9), "b": cell("b", [50, 150, 80, 100, 100, 100])},
+        lambda w: [w["rate"]],
+        0.10,
+        max_windows=9,
+    )
     assert calls == ["a", "b"] * 3 + ["b"] * 3  # a settled after round 3; b went on alone
     assert out["a"][1]["windows"] == 3 and out["b"][1]["windows"] == 6 and out["b"][1]["stable"]
     assert out["a"][1]["drift"] == 0 and out["b"][1]["drift"] == pytest.approx(
@@ -105,6 +109,7 @@ def test_a_machine_that_slows_down_over_the_rounds_is_caught():
         def window():
             speed[0] *= 0.96
             return {"rate": rate * speed[0]}
+
         return window
 
     out = settle_rounds(

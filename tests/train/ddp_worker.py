@@ -29,8 +29,19 @@ def on_step(info):
     final["rank"] = info["rank"]
 
 
-cfg = build(TrainConfig, {"arch": "tiny_cnn", "data": "synthetic", "synthetic_samples": 96, "epochs": 1,
-                          "batch_size": 16, "out": str(out / "train"), "progress": False, "overwrite": True})
+cfg = build(
+    TrainConfig,
+    {
+        "arch": "tiny_cnn",
+        "data": "synthetic",
+        "synthetic_samples": 96,
+        "epochs": 1,
+        "batch_size": 16,
+        "out": str(out / "train"),
+        "progress": False,
+        "overwrite": True,
+    },
+)
 train(cfg, on_step=on_step)
 rank = final["rank"]
 torch.save({k: v.detach().clone() for k, v in final["model"].state_dict().items()}, out / f"rank{rank}.pt")

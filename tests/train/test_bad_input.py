@@ -56,8 +56,10 @@ def test_image_folder_trains(tmp_path, capsys):
             Image.new("RGB", (20, 20), tuple(max(0, v - 9 * i) for v in color)).save(tmp_path / "data" / c / f"{i}.png")
     assert run_cli(*BASE, "--data", tmp_path / "data", "--image-size", "16", "--out", tmp_path / "o") == 2
     assert "fewer than --batch-size 64; lower --batch-size" in err_line(capsys)  # 16 images, the default batch
-    assert run_cli(*BASE, "--data", tmp_path / "data", "--image-size", "16", "--batch-size", "4",
-                   "--out", tmp_path / "o") == 0
+    assert (
+        run_cli(*BASE, "--data", tmp_path / "data", "--image-size", "16", "--batch-size", "4", "--out", tmp_path / "o")
+        == 0
+    )
     assert "weights:" in capsys.readouterr().out
 
 

@@ -14,8 +14,13 @@ HERE = Path(__file__).parent
 
 def torchrun(*args: str, env=None, timeout=240) -> subprocess.CompletedProcess:
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args],
-                          capture_output=True, text=True, timeout=timeout, env=e)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+    )
 
 
 def shard_problems(out: Path) -> list[str]:

@@ -17,8 +17,17 @@ from train.loop import train
 
 
 def cfg(tmp_path, **kw) -> TrainConfig:
-    base = {"arch": "tiny_cnn", "data": "synthetic", "synthetic_samples": 128, "epochs": 2, "batch_size": 16,
-            "lr": 1e-2, "out": str(tmp_path), "progress": False, "amp": "off"}
+    base = {
+        "arch": "tiny_cnn",
+        "data": "synthetic",
+        "synthetic_samples": 128,
+        "epochs": 2,
+        "batch_size": 16,
+        "lr": 1e-2,
+        "out": str(tmp_path),
+        "progress": False,
+        "amp": "off",
+    }
     base.update(kw)
     return build(TrainConfig, base)
 
@@ -36,8 +45,14 @@ def test_bf16_amp_loss_goes_down(tmp_path):
     assert json.loads((res.latest / ck.META).read_text())["amp"] == "bf16"
 
 
-@pytest.mark.parametrize("flags, amp", [({"avx2", "fma"}, "off"), ({"avx2", "avx512f", "avx512_bf16"}, "bf16"),
-                                        ({"avx2", "amx_tile", "amx_bf16"}, "bf16")])
+@pytest.mark.parametrize(
+    "flags, amp",
+    [
+        ({"avx2", "fma"}, "off"),
+        ({"avx2", "avx512f", "avx512_bf16"}, "bf16"),
+        ({"avx2", "amx_tile", "amx_bf16"}, "bf16"),
+    ],
+)
 def test_amp_auto_is_bf16_only_where_the_cpu_computes_it_natively(tmp_path, monkeypatch, capsys, flags, amp):
     """The CPU's features decide, forced both ways here whatever this machine has: the choice and its reason
     are printed once and recorded in the checkpoint's metadata."""

@@ -20,8 +20,20 @@ MODELS = "tests.anymodel.models"
 
 
 def cfg(out, **kw) -> TrainConfig:
-    return build(TrainConfig, {"arch": f"{MODELS}:text_classifier", "data": f"{MODELS}:topic_texts", "epochs": 1,
-                               "batch_size": 32, "lr": 0.03, "amp": "off", "progress": False, "out": str(out), **kw})
+    return build(
+        TrainConfig,
+        {
+            "arch": f"{MODELS}:text_classifier",
+            "data": f"{MODELS}:topic_texts",
+            "epochs": 1,
+            "batch_size": 32,
+            "lr": 0.03,
+            "amp": "off",
+            "progress": False,
+            "out": str(out),
+            **kw,
+        },
+    )
 
 
 def test_the_signature_is_read_from_the_samples():
@@ -95,8 +107,10 @@ def bf16_inputs():
 
 
 def other_keys():
-    return (Samples(lambda i: ({"a": torch.zeros(2)}, 0)),
-            Samples(lambda i: ({"a" if i < 3 else "b": torch.zeros(2)}, 0)))
+    return (
+        Samples(lambda i: ({"a": torch.zeros(2)}, 0)),
+        Samples(lambda i: ({"a" if i < 3 else "b": torch.zeros(2)}, 0)),
+    )
 
 
 def broken():
@@ -116,8 +130,19 @@ BAD = {
 
 @pytest.mark.parametrize("factory", list(BAD))
 def test_data_the_factory_gets_wrong_is_refused_before_anything_is_written(factory, tmp_path, capsys):
-    assert run_cli("train", "--arch", f"{MODELS}:mlp", "--data", f"tests.train.test_userdata:{factory}",
-                   "--out", tmp_path / "o", "--no-progress") == 2
+    assert (
+        run_cli(
+            "train",
+            "--arch",
+            f"{MODELS}:mlp",
+            "--data",
+            f"tests.train.test_userdata:{factory}",
+            "--out",
+            tmp_path / "o",
+            "--no-progress",
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert BAD[factory] in err[-1], err
     assert not (tmp_path / "o").exists()

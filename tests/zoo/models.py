@@ -36,11 +36,34 @@ class Entry:
 
 
 IMAGE = ("--input", "images:float32:B,3,224,224")
-TEXT_BERT = ("--input", "input_ids:int64:B,S", "--input", "attention_mask:int64:B,S",
-             "--input", "token_type_ids:int64:B,S", "--dim", "S=1..128", "--input-range", "input_ids=0..30521",
-             "--input-range", "attention_mask=mask", "--input-range", "token_type_ids=0..1")
-TEXT_GPT2 = ("--input", "input_ids:int64:B,S", "--input", "attention_mask:int64:B,S", "--dim", "S=1..64",
-             "--input-range", "input_ids=0..50256", "--input-range", "attention_mask=mask")
+TEXT_BERT = (
+    "--input",
+    "input_ids:int64:B,S",
+    "--input",
+    "attention_mask:int64:B,S",
+    "--input",
+    "token_type_ids:int64:B,S",
+    "--dim",
+    "S=1..128",
+    "--input-range",
+    "input_ids=0..30521",
+    "--input-range",
+    "attention_mask=mask",
+    "--input-range",
+    "token_type_ids=0..1",
+)
+TEXT_GPT2 = (
+    "--input",
+    "input_ids:int64:B,S",
+    "--input",
+    "attention_mask:int64:B,S",
+    "--dim",
+    "S=1..64",
+    "--input-range",
+    "input_ids=0..50256",
+    "--input-range",
+    "attention_mask=mask",
+)
 GPT2_BATCHES = ("--max-batch", "4", "--odd-batch", "3", "--buckets", "1", "4")
 
 ZOO = [
@@ -50,12 +73,20 @@ ZOO = [
     Entry("convnext_tiny", "torchvision_model", {"arch": "convnext_tiny"}, IMAGE),
     Entry("vit_b_16", "torchvision_model", {"arch": "vit_b_16"}, IMAGE, ("--max-batch", "8", "--buckets", "1", "8")),
     Entry("bert_tiny", "bert", {"size": "tiny"}, TEXT_BERT, needs="transformers", bench_shape=("S=128",)),
-    Entry("bert_base", "bert", {"size": "base"}, TEXT_BERT, ("--max-batch", "8", "--buckets", "1", "8"),
-          needs="transformers", bench_shape=("S=128",)),
+    Entry(
+        "bert_base",
+        "bert",
+        {"size": "base"},
+        TEXT_BERT,
+        ("--max-batch", "8", "--buckets", "1", "8"),
+        needs="transformers",
+        bench_shape=("S=128",),
+    ),
     Entry("gpt2_tiny", "gpt2", {"size": "tiny"}, TEXT_GPT2, GPT2_BATCHES, needs="transformers", bench_shape=("S=64",)),
     Entry("gpt2_base", "gpt2", {"size": "base"}, TEXT_GPT2, GPT2_BATCHES, needs="transformers", bench_shape=("S=64",)),
-    Entry("mlp_2gb", "big_mlp", {}, ("--input", "features:float32:B,4096"),
-          ("--max-batch", "8", "--buckets", "1", "8")),
+    Entry(
+        "mlp_2gb", "big_mlp", {}, ("--input", "features:float32:B,4096"), ("--max-batch", "8", "--buckets", "1", "8")
+    ),
 ]
 BY_NAME = {e.name: e for e in ZOO}
 
@@ -67,8 +98,10 @@ def torchvision_model(arch: str, num_classes: int = 1000) -> nn.Module:
     return WithPreprocessing(getattr(torchvision.models, arch)(num_classes=num_classes), IMAGENET_MEAN, IMAGENET_STD)
 
 
-BERT_SIZES = {"tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-              "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)}
+BERT_SIZES = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+}
 GPT2_SIZES = {"tiny": dict(n_embd=128, n_layer=2, n_head=2), "base": dict(n_embd=768, n_layer=12, n_head=12)}
 
 
@@ -105,8 +138,15 @@ class BigMLP(nn.Module):
 
     def __init__(self, features: int = 4096, hidden: int = 16384, classes: int = 1000):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        self.net = nn.Sequential(
+            nn.Linear(features, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, classes),
+        )
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.net(features)

@@ -27,7 +27,7 @@ def crops(count: int = 64, size: int = 224, seed: int = 0) -> np.ndarray:
         h, w = p.shape[1:]
         side = int(g.integers(min(h, w) // 3, min(h, w) + 1))
         y, x = int(g.integers(0, h - side + 1)), int(g.integers(0, w - side + 1))
-        crop = p[:, y:y + side, x:x + side][None]
+        crop = p[:, y : y + side, x : x + side][None]
         out[k] = (
             F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
             .clamp(0, 1)
@@ -36,8 +36,13 @@ def crops(count: int = 64, size: int = 224, seed: int = 0) -> np.ndarray:
     return out
 
 
-FILE_KINDS = (("jpg", "RGB", "JPEG"), ("png", "RGB", "PNG"), ("webp", "RGB", "WEBP"), ("gray.jpg", "L", "JPEG"),
-              ("rgba.png", "RGBA", "PNG"))
+FILE_KINDS = (
+    ("jpg", "RGB", "JPEG"),
+    ("png", "RGB", "PNG"),
+    ("webp", "RGB", "WEBP"),
+    ("gray.jpg", "L", "JPEG"),
+    ("rgba.png", "RGBA", "PNG"),
+)
 
 
 def crop_files(out, count: int = 64, seed: int = 0) -> list:
@@ -59,7 +64,7 @@ def crop_files(out, count: int = 64, seed: int = 0) -> list:
         y, x = int(g.integers(0, h - side + 1)), int(g.integers(0, w - side + 1))
         suffix, mode, fmt = FILE_KINDS[k % len(FILE_KINDS)]
         path = out / f"{k:03d}.{suffix}"
-        Image.fromarray(photo[y:y + side, x:x + side]).convert(mode).save(path, format=fmt, quality=90)
+        Image.fromarray(photo[y : y + side, x : x + side]).convert(mode).save(path, format=fmt, quality=90)
         paths.append(path)
     return paths
 
@@ -70,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=64, help="how many crops (default: 64)")
     p.add_argument("--size", type=int, default=224, help="their height and width (default: 224)")
     p.add_argument("--name", default="images", help="the input name to key them by (default: images)")
-    p.add_argument("--files", metavar="DIR", help="instead: write the crops as image files at their own sizes "
-                                                  "into DIR (export --image-files takes it)")
+    p.add_argument(
+        "--files",
+        metavar="DIR",
+        help="instead: write the crops as image files at their own sizes into DIR (export --image-files takes it)",
+    )
     a = p.parse_args(argv)
     if a.files:
         crop_files(a.files, a.count)

@@ -90,28 +90,53 @@ def run_model(entry: zoo.Entry, out: Path, serve: bool = True, keep: bool = Fals
     rec["weights_seconds"] = round(time.perf_counter() - t0, 1)
     rec["weights_bytes"] = weights.stat().st_size
     ts = [sys.executable, "-m", "torchship.pipeline.cli"]
-    export = [*ts, "export", "--model", rec["factory"], *[a for arg in model_args(entry) for a in ("--model-arg", arg)],
-              "--weights", str(weights), *entry.flags, *entry.export, "--formats", *FP32_FORMATS, "--name", entry.name,
-              "--out", str(d / "export"), "--overwrite"]
+    export = [
+        *ts,
+        "export",
+        "--model",
+        rec["factory"],
+        *[a for arg in model_args(entry) for a in ("--model-arg", arg)],
+        "--weights",
+        str(weights),
+        *entry.flags,
+        *entry.export,
+        "--formats",
+        *FP32_FORMATS,
+        "--name",
+        entry.name,
+        "--out",
+        str(d / "export"),
+        "--overwrite",
+    ]
     rec["export"] = _command([*export, "--no-verify"], log)
     if not (d / "export" / "manifest.json").exists():
         return {**rec, "error": f"export failed: {_last_error(log)}"}
     rec["verify"] = _command([*ts, "verify", str(d / "export")], log)
     m = read_manifest(d / "export")
     v = m.get("verification", {})
-    rec["reference"] = {"rule": m["tolerances"]["rule"], "why": m["tolerances"].get("why", ""),
-                        "outputs": m["tolerances"]["outputs"]}
+    rec["reference"] = {
+        "rule": m["tolerances"]["rule"],
+        "why": m["tolerances"].get("why", ""),
+        "outputs": m["tolerances"]["outputs"],
+    }
     rec["formats"] = {}
     for a in m["artifacts"]:
         e = v.get("artifacts", {}).get(a["name"], {})
         from torchship.parity import artifact_summary
 
         worst, bound, multiple, _ = artifact_summary(e, m["tolerances"]) if e.get("sets") else (None, None, None, "")
-        rec["formats"][a["name"]] = {"exported": True, "pass": bool(e.get("pass")), "bytes": a["bytes"],
-                                     "export_seconds": a["export_seconds"], "verify_seconds": e.get("seconds"),
-                                     "verify_peak_rss_bytes": e.get("peak_rss_bytes"), "error": worst,
-                                     "bound": bound, "x_eager": multiple,
-                                     "reason": "" if e.get("pass") else _reason(v, a["name"], e)}
+        rec["formats"][a["name"]] = {
+            "exported": True,
+            "pass": bool(e.get("pass")),
+            "bytes": a["bytes"],
+            "export_seconds": a["export_seconds"],
+            "verify_seconds": e.get("seconds"),
+            "verify_peak_rss_bytes": e.get("peak_rss_bytes"),
+            "error": worst,
+            "bound": bound,
+            "x_eager": multiple,
+            "reason": "" if e.get("pass") else _reason(v, a["name"], e),
+        }
     for f in m.get("export_failures", []):
         rec["formats"][f["format"]] = {"exported": False, "pass": False, "reason": f["error"]}
     if serve and any(f["pass"] for f in rec["formats"].values()):
@@ -127,9 +152,13 @@ def run_model(entry: zoo.Entry, out: Path, serve: bool = True, keep: bool = Fals
 def failed(records: list[dict[str, Any]]) -> list[str]:
     """The models that failed: an error, or a format that exported and did not verify. A format the
     exporter cannot produce is reported with its reason, not counted."""
-    return [r["model"] for r in records if r.get("error") or
-            any(f["exported"] and not f["pass"] for f in r.get("formats", {}).values()) or
-            any(c.get("code") for c in (r.get("served", {}).get(k, {}) for k in ("repo", "check", "bench")))]
+    return [
+        r["model"]
+        for r in records
+        if r.get("error")
+        or any(f["exported"] and not f["pass"] for f in r.get("formats", {}).values())
+        or any(c.get("code") for c in (r.get("served", {}).get(k, {}) for k in ("repo", "check", "bench")))
+    ]
 
 
 def _reason(v: dict, name: str, entry: dict) -> str:
@@ -155,9 +184,28 @@ def _serve(entry: zoo.Entry, d: Path, ts: list[str], log: Path) -> dict[str, Any
         served["start_seconds"] = round(time.perf_counter() - t0, 1)
         served["check"] = _command([*ts, "infer", "--url", server.url, "--check", str(d / "export"), "--json"], log)
         shape = [a for s in entry.bench_shape for a in ("--shape", s)]
-        served["bench"] = _command([*ts, "bench", str(d / "export"), "--url", server.url, "--out", str(d / "bench"),
-                                    "--skip-in-process", "--concurrency", "1", "4", "--requests", "40", "--no-plots",
-                                    "--no-progress", "--no-cross-check", *shape], log)
+        served["bench"] = _command(
+            [
+                *ts,
+                "bench",
+                str(d / "export"),
+                "--url",
+                server.url,
+                "--out",
+                str(d / "bench"),
+                "--skip-in-process",
+                "--concurrency",
+                "1",
+                "4",
+                "--requests",
+                "40",
+                "--no-plots",
+                "--no-progress",
+                "--no-cross-check",
+                *shape,
+            ],
+            log,
+        )
     except Exception as e:  # the record says what failed; the next model goes on
         served["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -182,18 +230,24 @@ def machine() -> str:
     from torchship.device import cpu_flags, cpu_name, usable_cpus
 
     flags = cpu_flags()
-    isa = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags] or \
-        ["avx2, no AVX-512" if "avx2" in flags else "no AVX2"]
+    isa = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags] or [
+        "avx2, no AVX-512" if "avx2" in flags else "no AVX2"
+    ]
     gib = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20 if Path("/proc/meminfo").exists() else 0
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu_name()} ({', '.join(isa)}), {usable_cpus()} CPUs, {gib:.0f} GiB, {gpu}; torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return (
+        f"{cpu_name()} ({', '.join(isa)}), {usable_cpus()} CPUs, {gib:.0f} GiB, {gpu}; torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def markdown(records: list[dict[str, Any]], where: str, command: str) -> str:
     """The zoo table: one row per model and format."""
-    lines = ["| model | format | verified | error / bound | x eager's error | served check | export s | verify s | "
-             "verify peak RSS | on disk |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | format | verified | error / bound | x eager's error | served check | export s | verify s | "
+        "verify peak RSS | on disk |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for rec in records:
         if rec.get("skipped") or rec.get("error"):
             lines.append(f"| {rec['model']} | - | {rec.get('skipped') or rec.get('error')} | | | | | | | |")
@@ -211,8 +265,12 @@ def markdown(records: list[dict[str, Any]], where: str, command: str) -> str:
                 f"| {rec['model']} | {fmt} | {verdict} | {ratio} | {x} | {check.get(fmt, '-')} | "
                 f"{f['export_seconds']:.1f} | {f['verify_seconds'] or 0:.1f} | {rss} | {f['bytes'] / 1e6:,.0f} MB |"
             )
-    lines += ["", "| model | weights | reference | largest output, bound | export + verify (wall) | export peak RSS | "
-              "served p50 / p99 at 1 in flight (ms, fastest format) |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| model | weights | reference | largest output, bound | export + verify (wall) | export peak RSS | "
+        "served p50 / p99 at 1 in flight (ms, fastest format) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for rec in records:
         if rec.get("skipped") or rec.get("error"):
             continue
@@ -239,8 +297,12 @@ def _served_models(rec: dict[str, Any]) -> dict[str, str]:
 
 
 def _fastest(rec: dict[str, Any]) -> str:
-    rows = [(m, r) for m, rs in rec.get("served", {}).get("bench_rows", {}).items() for r in rs
-            if r["concurrency"] == 1 and r.get("p50_ms") and not m.endswith("noop")]
+    rows = [
+        (m, r)
+        for m, rs in rec.get("served", {}).get("bench_rows", {}).items()
+        for r in rs
+        if r["concurrency"] == 1 and r.get("p50_ms") and not m.endswith("noop")
+    ]
     if not rows:
         return "-"
     m, r = min(rows, key=lambda mr: mr[1]["p50_ms"])
@@ -252,8 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/zoo", help="folder for each model's weights, export, repository and logs")
     p.add_argument("--models", nargs="+", default=[e.name for e in zoo.ZOO], choices=[e.name for e in zoo.ZOO])
     p.add_argument("--no-serve", dest="serve", action="store_false", help="stop after verification")
-    p.add_argument("--keep", action="store_true", help="keep every model's weights, export and repository (about 60 GB "
-                                                       "in all); by default only a failed model's are kept")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep every model's weights, export and repository (about 60 GB "
+        "in all); by default only a failed model's are kept",
+    )
     p.add_argument(
         "--docs", default=None, help="also write the table into this markdown file, below its '<!-- zoo -->' line"
     )

@@ -61,6 +61,7 @@ def scale_weight(name: str):
         with torch.no_grad():
             dict(inner.named_parameters())[name].mul_(1 + 1e-3)
         return inner
+
     return fault
 
 
@@ -81,14 +82,28 @@ def text_normalized_twice(inner: nn.Module) -> nn.Module:
 
 
 MODELS = {
-    "resnet50": {"entry": zoo.BY_NAME["resnet50"], "head": ("model.fc.weight", "model.fc.bias"),
-                 "faults": {"weight_scaled": scale_weight("model.layer3.2.conv2.weight"),
-                            "normalized_twice": image_normalized_twice, "rgb_bgr_swapped": FlipChannels,
-                            "train_mode": train_mode, "softmax_added": softmaxed}},
-    "bert_tiny": {"entry": zoo.BY_NAME["bert_tiny"], "head": ("classifier.weight", "classifier.bias"),
-                  "faults": {"weight_scaled": scale_weight("bert.encoder.layer.1.output.dense.weight"),
-                             "normalized_twice": text_normalized_twice, "inputs_swapped": SwapLastTwo,
-                             "train_mode": train_mode, "softmax_added": softmaxed}},
+    "resnet50": {
+        "entry": zoo.BY_NAME["resnet50"],
+        "head": ("model.fc.weight", "model.fc.bias"),
+        "faults": {
+            "weight_scaled": scale_weight("model.layer3.2.conv2.weight"),
+            "normalized_twice": image_normalized_twice,
+            "rgb_bgr_swapped": FlipChannels,
+            "train_mode": train_mode,
+            "softmax_added": softmaxed,
+        },
+    },
+    "bert_tiny": {
+        "entry": zoo.BY_NAME["bert_tiny"],
+        "head": ("classifier.weight", "classifier.bias"),
+        "faults": {
+            "weight_scaled": scale_weight("bert.encoder.layer.1.output.dense.weight"),
+            "normalized_twice": text_normalized_twice,
+            "inputs_swapped": SwapLastTwo,
+            "train_mode": train_mode,
+            "softmax_added": softmaxed,
+        },
+    },
 }
 
 
@@ -103,6 +118,7 @@ def zoo_weights(tmp_path_factory):
         if name not in made:
             made[name] = weights_for(MODELS[name]["entry"], tmp_path_factory.mktemp(name) / "weights.pt")
         return made[name]
+
     return get
 
 
@@ -124,9 +140,18 @@ def export_with_faults(name: str, tmp, faults: dict, weights, head_scale: float 
             sd[key] = sd[key] * head_scale
         weights = tmp / "weights.pt"
         torch.save(sd, weights)
-    cfg = build(ExportConfig, {"model": f"tests.zoo.models:{entry.factory}", "model_args": model_args(entry),
-                               "weights": str(weights), "out": str(tmp / "export"), **_flags(entry.flags), **SMALL,
-                               "verify": False})
+    cfg = build(
+        ExportConfig,
+        {
+            "model": f"tests.zoo.models:{entry.factory}",
+            "model_args": model_args(entry),
+            "weights": str(weights),
+            "out": str(tmp / "export"),
+            **_flags(entry.flags),
+            **SMALL,
+            "verify": False,
+        },
+    )
     run_export(cfg, log=lambda *a: None)
     d = tmp / "export"
     m = read_manifest(d)
@@ -138,8 +163,9 @@ def export_with_faults(name: str, tmp, faults: dict, weights, head_scale: float 
         deployable.inner = make(deployable.inner)
         rel = f"faults/{fault}.pt2"
         exported_program(deployable, example(sig, 2, "cpu"), d / rel, sig, cfg.max_batch)
-        m["artifacts"].append({"name": fault, "format": "exported_program", "file": rel,
-                               "files": {rel: sha256_file(d / rel)}})
+        m["artifacts"].append(
+            {"name": fault, "format": "exported_program", "file": rel, "files": {rel: sha256_file(d / rel)}}
+        )
     write_manifest(d, m)
     return d
 

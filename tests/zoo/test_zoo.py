@@ -33,9 +33,27 @@ def test_a_zoo_model_passes_every_format_that_can_export_it_and_is_served(name, 
 def test_vit_b_16_as_torchvision_initializes_it_is_refused_as_degenerate(tmp_path, capsys):
     """Its head starts at zero: every input gives the same logits, so no artifact could fail."""
     torch.save(zoo.torchvision_model("vit_b_16").state_dict(), tmp_path / "w.pt")
-    assert run_cli("export", "--model", "tests.zoo.models:torchvision_model", "--model-arg", 'arch="vit_b_16"',
-                   "--weights", tmp_path / "w.pt", *zoo.IMAGE, "--max-batch", "2", "--odd-batch", "1",
-                   "--formats", "onnx", "--out", tmp_path / "e") == 3
+    assert (
+        run_cli(
+            "export",
+            "--model",
+            "tests.zoo.models:torchvision_model",
+            "--model-arg",
+            'arch="vit_b_16"',
+            "--weights",
+            tmp_path / "w.pt",
+            *zoo.IMAGE,
+            "--max-batch",
+            "2",
+            "--odd-batch",
+            "1",
+            "--formats",
+            "onnx",
+            "--out",
+            tmp_path / "e",
+        )
+        == 3
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is the same for every reference input" in err[0], err
     assert not (tmp_path / "e").exists()

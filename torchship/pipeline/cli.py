@@ -12,25 +12,36 @@ from ..errors import Interrupted, TorchshipError
 # subcommand -> (module, help). Modules are imported lazily so `torchship --help` is fast.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train.launch", "train a model with DDP/AMP and write checkpoints"),
-    "export": ("export.cli", "export a checkpoint, or your own model and weights, to TorchScript, ExportedProgram, "
-                             "AOTInductor and ONNX, then verify each against eager in float64"),
+    "export": (
+        "export.cli",
+        "export a checkpoint, or your own model and weights, to TorchScript, ExportedProgram, "
+        "AOTInductor and ONNX, then verify each against eager in float64",
+    ),
     "verify": ("export.cli", "re-verify an export directory (hashes, then parity against its float64 reference)"),
     "repo": ("serve.cli", "build a Triton model repository from an export manifest"),
     "serve": ("serve.cli", "start the embedded Triton Inference Server on a repository"),
     "infer": ("serve.cli", "send images, .npz requests or an export's samples to a Triton server over gRPC"),
-    "rollout": ("serve.cli", "switch a running Triton to each model's newest version on disk, once its served "
-                             "outputs pass the parity check, without a failed request"),
+    "rollout": (
+        "serve.cli",
+        "switch a running Triton to each model's newest version on disk, once its served "
+        "outputs pass the parity check, without a failed request",
+    ),
     "rollback": ("serve.cli", "switch a running Triton back to an earlier version still on disk, the same way"),
     "bench": ("serve.bench.cli", "benchmark in-process and served latency/throughput, or compare two results"),
-    "run": ("torchship.pipeline.run_cli", "every stage in one run folder: train, export (each format verified against "
-                                      "eager), repo (the Triton repository), check (served outputs over gRPC against "
-                                      "eager) and bench"),
+    "run": (
+        "torchship.pipeline.run_cli",
+        "every stage in one run folder: train, export (each format verified against "
+        "eager), repo (the Triton repository), check (served outputs over gRPC against "
+        "eager) and bench",
+    ),
 }
 
 
-EXIT_RULE = ("Exit status: 0 when every requested format is exported and verified; 3 when a format not marked "
-             "--optional cannot be exported or disagrees with the reference (the export directory is still written, "
-             "and torchship repo serves only the formats that passed); 2 for a usage or input error.")
+EXIT_RULE = (
+    "Exit status: 0 when every requested format is exported and verified; 3 when a format not marked "
+    "--optional cannot be exported or disagrees with the reference (the export directory is still written, "
+    "and torchship repo serves only the formats that passed); 2 for a usage or input error."
+)
 EXPORT_EXAMPLES = (
     "Examples: 'torchship export runs/RUN/train' (a torchship checkpoint: the signature, preprocessing "
     "and held-out samples come from it); 'torchship export --model torchvision.models:resnet50 --weights "
@@ -56,13 +67,20 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="torchship", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="torchship",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="From a PyTorch model to a verified, served and benchmarked Triton deployment.",
-        epilog="Run 'torchship COMMAND --help' for each command's options and defaults.")
+        epilog="Run 'torchship COMMAND --help' for each command's options and defaults.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".",
-                           epilog=EPILOGS.get(name), formatter_class=DefaultsHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help_,
+            description=help_[0].upper() + help_[1:] + ".",
+            epilog=EPILOGS.get(name),
+            formatter_class=DefaultsHelpFormatter,
+        )
         if only == name:
             mod = importlib.import_module(module)
             getattr(mod, f"add_{name}_arguments", getattr(mod, "add_arguments", None))(p)

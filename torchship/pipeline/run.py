@@ -26,8 +26,14 @@ class RunConfig:
 
 
 def layout(run_dir: Path) -> dict[str, Path]:
-    return {"train": run_dir / "train", "export": run_dir / "export", "repo": run_dir / "model_repository",
-            "bench": run_dir / "bench", "logs": run_dir / "logs", "check": run_dir / "served_parity.json"}
+    return {
+        "train": run_dir / "train",
+        "export": run_dir / "export",
+        "repo": run_dir / "model_repository",
+        "bench": run_dir / "bench",
+        "logs": run_dir / "logs",
+        "check": run_dir / "served_parity.json",
+    }
 
 
 def has_checkpoints(run_dir: Path) -> bool:
@@ -45,8 +51,9 @@ def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) ->
     from serve.config import RepoConfig, ServeConfig
     from train.config import TrainConfig
 
-    serve = _build_section("serve", ServeConfig, settings, {"repo": str(dirs["repo"]),
-                                                            "log": str(dirs["logs"] / "tritonserver.log")})
+    serve = _build_section(
+        "serve", ServeConfig, settings, {"repo": str(dirs["repo"]), "log": str(dirs["logs"] / "tritonserver.log")}
+    )
     return {
         "train": _build_section("train", TrainConfig, settings, {"out": str(dirs["train"])}),
         "export": _build_section(
@@ -86,13 +93,23 @@ def in_run_terms(section: str, cls: type, e: ConfigError) -> ConfigError:
 class Run:
     """One run of the pipeline: its folder, configs and record, and the embedded server once it is up."""
 
-    def __init__(self, run_dir: Path, settings: dict[str, dict[str, Any]], log: Callable[[str], None],
-                 configs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        settings: dict[str, dict[str, Any]],
+        log: Callable[[str], None],
+        configs: dict[str, Any] | None = None,
+    ):
         self.dir, self.dirs, self.log = run_dir, layout(run_dir), log
         self.settings = settings
         self.cfg = configs or stage_configs(settings, self.dirs)  # built once: main_run builds them to check them
-        self.record: dict[str, Any] = {"run_dir": str(run_dir), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                       "settings": settings, "stages": {}, "gates": {}}
+        self.record: dict[str, Any] = {
+            "run_dir": str(run_dir),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "settings": settings,
+            "stages": {},
+            "gates": {},
+        }
         self.server = None
         self.into, self.url = None, None  # --into REPO --url URL: roll out into a running server instead
         self._export = None  # the export as the stages hand it on: its manifest and reference read once per run
@@ -150,9 +167,11 @@ def stage_export(run: Run, t0: float) -> None:
 
     cfg = dataclasses.replace(run.cfg["export"], overwrite=True)
     with open(run.dirs["logs"] / "export.log", "w") as elog:
+
         def both(msg: str) -> None:
             run.log(msg)
             elog.write(msg + "\n")
+
         try:
             run._export = export_model(cfg, log=both)  # handed on: its manifest and reference read once per run
         except ParityError as e:
@@ -161,10 +180,19 @@ def stage_export(run: Run, t0: float) -> None:
     m = run._export.manifest
     failed = [n for n, e in m.get("verification", {}).get("artifacts", {}).items() if not e["pass"]]
     failed += [f["format"] for f in m["export_failures"]]
-    run.done("export", t0, artifacts=[a["name"] for a in m["artifacts"]], failures=m["export_failures"],
-             export_seconds={a["name"]: a["export_seconds"] for a in m["artifacts"]})
-    run.gate("export", True, ("verification PASS" if "verification" in m else "exported, not verified") +
-             (f"; optional formats that failed: {', '.join(failed)}" if failed else ""))
+    run.done(
+        "export",
+        t0,
+        artifacts=[a["name"] for a in m["artifacts"]],
+        failures=m["export_failures"],
+        export_seconds={a["name"]: a["export_seconds"] for a in m["artifacts"]},
+    )
+    run.gate(
+        "export",
+        True,
+        ("verification PASS" if "verification" in m else "exported, not verified")
+        + (f"; optional formats that failed: {', '.join(failed)}" if failed else ""),
+    )
 
 
 def stage_repo(run: Run, t0: float) -> None:
@@ -172,8 +200,10 @@ def stage_repo(run: Run, t0: float) -> None:
 
     res = build_repository(run.export(), dataclasses.replace(run.cfg["repo"], overwrite=True))
     entry = res.get("entry")
-    run.log(f"repository {res['path']}: {', '.join(res['models'].values())}"
-            + (f"; {entry} takes image files as they are" if entry else ""))
+    run.log(
+        f"repository {res['path']}: {', '.join(res['models'].values())}"
+        + (f"; {entry} takes image files as they are" if entry else "")
+    )
     run.done("repo", t0, models=res["models"], **({"image_entry": entry_sizes(run.export(), entry)} if entry else {}))
 
 
@@ -221,8 +251,12 @@ def stage_bench(run: Run, t0: float) -> None:
     failed, checked = sum(r["failed"] for r in rows), sum(r.get("checked", 0) for r in rows)
     winner = serve_the_winner(run, results) if failed == 0 else None
     run.done("bench", t0, report=str(run.dirs["bench"] / "report.md"), **({"winner": winner} if winner else {}))
-    run.gate("bench", failed == 0, f"{failed} failed requests, {checked} responses checked under load, 0 wrong" + (
-        f"; serves {winner['model']} as {winner['served_as']} ({winner['strategy']})" if winner else ""))
+    run.gate(
+        "bench",
+        failed == 0,
+        f"{failed} failed requests, {checked} responses checked under load, 0 wrong"
+        + (f"; serves {winner['model']} as {winner['served_as']} ({winner['strategy']})" if winner else ""),
+    )
 
 
 def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
@@ -235,9 +269,18 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
 
     export = run.export()
     server = run.served()
-    winner, dest = serve_by_strategy(export, run.dirs["repo"], run.cfg["repo"].strategy or DEFAULT_STRATEGY,
-                                     export.manifest, results, run.cfg["repo"].only_winner, log=run.log,
-                                     cores=run.cfg["repo"].search_cores(), server=server, bench=run.cfg["bench"])
+    winner, dest = serve_by_strategy(
+        export,
+        run.dirs["repo"],
+        run.cfg["repo"].strategy or DEFAULT_STRATEGY,
+        export.manifest,
+        results,
+        run.cfg["repo"].only_winner,
+        log=run.log,
+        cores=run.cfg["repo"].search_cores(),
+        server=server,
+        bench=run.cfg["bench"],
+    )
     server.load(dest.name)
     checked = [dest.name]
     entry = entry_names(export.manifest["name"])[0]
@@ -245,8 +288,9 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
         server.load(entry)
         checked.append(entry)
     check_served(server.url, export, models=checked)
-    run.log(f"serving {winner['model']} as {dest.name}: {winner['why']} (served parity PASS under "
-            f"{' and '.join(checked)})")
+    run.log(
+        f"serving {winner['model']} as {dest.name}: {winner['why']} (served parity PASS under {' and '.join(checked)})"
+    )
     return {**winner, "served_as": dest.name}
 
 
@@ -287,9 +331,16 @@ def stage_rollout(run: Run, t0: float) -> None:
 ROLLOUT_STAGES = STAGES[:2] + (Stage("rollout", "export/manifest.json", "export", stage_rollout),)
 
 
-def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str = "train", log=print,
-                 overwrite: bool = False, into: str | None = None, url: str | None = None,
-                 configs: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_pipeline(
+    run_dir: Path,
+    settings: dict[str, dict[str, Any]],
+    start: str = "train",
+    log=print,
+    overwrite: bool = False,
+    into: str | None = None,
+    url: str | None = None,
+    configs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Run the stages from ``start`` on, in ``run_dir``. Returns the run record (also in run.json).
     Starting from training in a folder whose training wrote checkpoints needs ``overwrite``: it replaces
     them. Raises GateError naming the stage whose gate failed, and Interrupted (saying where and how to go
@@ -304,25 +355,35 @@ def run_pipeline(run_dir: Path, settings: dict[str, dict[str, Any]], start: str 
     names = tuple(s.name for s in stages)
     start = ALIASES.get(start, start)
     if start not in names:
-        raise ConfigError(f"--from {start}: choose one of {', '.join(names)} "
-                          f"({'; '.join(f'{a} means {s}' for a, s in ALIASES.items())})")
+        raise ConfigError(
+            f"--from {start}: choose one of {', '.join(names)} "
+            f"({'; '.join(f'{a} means {s}' for a, s in ALIASES.items())})"
+        )
     first = names.index(start)
     if first == 0 and not overwrite and has_checkpoints(run_dir):
-        raise ConfigError(f"--out {run_dir} already holds a trained run; pass --from STAGE ({', '.join(names[1:])}) "
-                          "to go on from a finished stage, --overwrite to redo it from training (its checkpoints are "
-                          "replaced), or another --out")
+        raise ConfigError(
+            f"--out {run_dir} already holds a trained run; pass --from STAGE ({', '.join(names[1:])}) "
+            "to go on from a finished stage, --overwrite to redo it from training (its checkpoints are "
+            "replaced), or another --out"
+        )
     needs, producer = stages[first].needs, stages[first].made_by
     if needs and not (run_dir / needs).exists():
-        raise ConfigError(f"--from {start}: {run_dir / needs} is missing; run the '{producer}' stage first "
-                          f"(or start --from {producer})")
+        raise ConfigError(
+            f"--from {start}: {run_dir / needs} is missing; run the '{producer}' stage first "
+            f"(or start --from {producer})"
+        )
     run = Run(run_dir, settings, log, configs)
     run.into, run.url = (Path(into) if into else None), url
     run.dirs["logs"].mkdir(parents=True, exist_ok=True)
     run.record["from"] = start
     prev = run_dir / "run.json"
     if first > 0 and prev.exists():  # keep what earlier stages recorded
-        old = read_json(prev, ConfigError, fix=f"; remove it and go on --from {start}: the stages' outputs stay, "
-                                               "only the record of the earlier stages is lost")
+        old = read_json(
+            prev,
+            ConfigError,
+            fix=f"; remove it and go on --from {start}: the stages' outputs stay, "
+            "only the record of the earlier stages is lost",
+        )
         for key in ("stages", "gates"):
             run.record[key] = {k: v for k, v in old.get(key, {}).items() if k in names[:first]}
     t_all = time.perf_counter()

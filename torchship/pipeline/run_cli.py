@@ -17,13 +17,27 @@ from .settings import SECTIONS, resolve_settings
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>; with --from: the newest run)")
     p.add_argument("--config", default=None, help=f"TOML or YAML file with [{'] ['.join(SECTIONS)}] sections")
-    p.add_argument("--from", dest="start", default="train", metavar="STAGE",
-                   help=f"start at this stage, reusing the run folder's earlier outputs: {', '.join(run.STAGE_NAMES)} "
-                        f"({'; '.join(f'{a} means {s}' for a, s in run.ALIASES.items())})")
-    p.add_argument("--overwrite", action="store_true",
-                   help="redo a run folder whose training wrote checkpoints from training, replacing them")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override any stage option, e.g. --set train.epochs=3 --set bench.requests=50 (repeatable)")
+    p.add_argument(
+        "--from",
+        dest="start",
+        default="train",
+        metavar="STAGE",
+        help=f"start at this stage, reusing the run folder's earlier outputs: {', '.join(run.STAGE_NAMES)} "
+        f"({'; '.join(f'{a} means {s}' for a, s in run.ALIASES.items())})",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="redo a run folder whose training wrote checkpoints from training, replacing them",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any stage option, e.g. --set train.epochs=3 --set bench.requests=50 (repeatable)",
+    )
     p.add_argument(
         "--into",
         default=None,

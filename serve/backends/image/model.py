@@ -23,8 +23,9 @@ class TritonPythonModel:
 
     def execute(self, requests):
         kwargs = {"max_pixels": self.max_pixels} if self.max_pixels else {}
-        return answer_each(requests, self.name, self.input,
-                           lambda data: {self.output: decode_image(data, self.pre, **kwargs)[None]})
+        return answer_each(
+            requests, self.name, self.input, lambda data: {self.output: decode_image(data, self.pre, **kwargs)[None]}
+        )
 
     def finalize(self):
         pass
