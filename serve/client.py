@@ -114,8 +114,11 @@ class TritonClient:
 
     def load(self, model: str, config=None, timeout_s: float | None = None) -> None:
         """Load (or reload) ``model``: with ``config`` (a ModelConfig) as the config Triton uses, else with the
-        repository's. Bounded by ``timeout_s`` where given. ClientError carrying Triton's message if it fails."""
+        repository's. Bounded by ``timeout_s`` where given. ClientError carrying Triton's message if it fails.
+        The config this client read of it before is dropped: a reload may serve another."""
         from google.protobuf import json_format
+
+        self._configs.pop(model, None)
 
         self._call(
             f"load {model}",
@@ -128,6 +131,7 @@ class TritonClient:
 
     def unload(self, model: str) -> None:
         """Unload every version of ``model`` (requests in flight complete first)."""
+        self._configs.pop(model, None)
         self._call(f"unload {model}", self.client.unload_model, model, headers=self.control_headers)
 
     def ready(self, model: str, version: str = "") -> bool:

@@ -230,3 +230,21 @@ def test_infer_over_one_stream_prints_what_unary_calls_print(server, exported, t
     assert "contains NaN" in err and len(err.splitlines()) == 1, err
     assert run_cli(*args, "--stream", "--concurrency", 4) == 2
     assert "--stream sends one request at a time" in capsys.readouterr().err
+
+
+def test_a_reloaded_model_is_read_with_the_config_it_now_serves(server):
+    """A client that read a model's config reads it again once it reloads the model: the winner's search loads one
+    name with each contender's files in turn, and would check one against another's format otherwise."""
+    from serve.model_config import read_config, served_config_path
+
+    path = served_config_path(server.repo / "tiny_cnn_onnx")
+    client = server.client()
+    try:
+        assert "torchship_probe" not in client.config("tiny_cnn_onnx").get("parameters", {})  # read, and kept
+        c = read_config(path)
+        c.parameters["torchship_probe"].string_value = "1"
+        server.load("tiny_cnn_onnx", client=client, override=c)
+        assert client.config("tiny_cnn_onnx")["parameters"]["torchship_probe"]["string_value"] == "1"
+    finally:
+        server.load("tiny_cnn_onnx", client=client, override=read_config(path))
+        client.close()
