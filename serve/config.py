@@ -74,10 +74,12 @@ class RepoConfig:
         None, "CPU cores the served models may use (default: those this process may run on, its CPU affinity)"
     )
     instance_count: Optional[int] = opt(
-        None, "model instances per device (default: 1; with --threads, as many as the cores hold)"
+        None,
+        "CPU model instances (default: one per core but one, left to the server and a client, up to 4; with "
+        "--threads, as many as the cores hold; a GPU model has one per GPU)",
     )
     threads: Optional[int] = opt(
-        None, "intra-op threads per instance (default: the cores shared out among the instances)"
+        None, "intra-op threads per CPU instance (default: 1, or the cores but one shared out among 4 instances)"
     )
     version: int = opt(1, "version folder to write the artifacts into")
     ort_accelerator: Literal["none", "cuda", "tensorrt"] = opt(
@@ -157,6 +159,23 @@ class RepoConfig:
         return None if self.cores and self.cores > here else (self.cores or here)
 
 
+# the default's instances of a CPU model stop here: each is a process with its own runtime and weights
+MAX_INSTANCES = 4
+
+
+def default_placement(cores: int) -> tuple[int, int]:
+    """(instances, intra-op threads per instance) a CPU model gets on ``cores`` cores unless told otherwise: one
+    core left to the server's own threads and a client beside it (none on a single core), the rest to instances of
+    one thread each, up to MAX_INSTANCES instances, which share out any more cores. An instance of one thread has no
+    intra-op pool whose idle threads spin. Measured on 2 cores with the load generator on them (docs/benchmarks.md,
+    "The default placement"): 1 x 1 spent the least server CPU a request and its levels settled, where 1 x 2's second
+    thread spun against the client and the server; 2 x 1 served more at 64 in flight, which the search
+    (serve/bench/search.py) gives the model that serves."""
+    spare = max(1, cores - 1)
+    instances = min(spare, MAX_INSTANCES)
+    return instances, max(1, spare // instances)
+
+
 def placement(
     cores: int,
     instances: Optional[int] = None,
@@ -164,10 +183,12 @@ def placement(
     flags: str = "--instance-count and --threads",
 ) -> tuple[int, int]:
     """(instances, intra-op threads per instance) for CPU instances on ``cores`` cores: what is given, the rest
-    filled in so that together they use every core (one instance with every core when neither is given).
+    filled in so that together they use every core (default_placement when neither is given).
     ConfigError where the instances' threads together exceed the cores: they would take turns on them."""
+    if instances is None and threads is None:
+        return default_placement(cores)
     if instances is None:
-        instances = max(1, cores // threads) if threads else 1
+        instances = max(1, cores // threads)
     if threads is None:
         threads = max(1, cores // instances)
     if instances * threads > cores:

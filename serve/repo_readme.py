@@ -32,7 +32,7 @@ def readme_with_winner(text: str, name: str, winner: dict[str, Any]) -> str:
     if winner.get("placement"):
         from .bench.placement import grid_table
 
-        section += "\n" + "\n".join(grid_table(winner["placement"]))
+        section += "\n" + "\n".join(grid_table(winner))
     return text.split(f"\n{WINNER_HEADING}\n")[0].rstrip() + f"\n\n{WINNER_HEADING}\n\n" + section
 
 

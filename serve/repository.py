@@ -218,7 +218,9 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
     max_batch = cfg.max_batch or manifest["max_batch"]
     if max_batch > manifest["max_batch"]:
         raise ArtifactError(f"--max-batch {max_batch} exceeds the export's max batch {manifest['max_batch']}")
-    instances, threads = placement(cfg.cores or usable_cpus(), cfg.instance_count, cfg.threads)
+    # a GPU model: one instance per GPU unless told, the cores its threads for the operators left on the CPU
+    count = cfg.instance_count or 1 if kind == mc.ModelInstanceGroup.KIND_GPU else cfg.instance_count
+    instances, threads = placement(cfg.cores or usable_cpus(), count, cfg.threads)
     cfg = dataclasses.replace(cfg, instance_count=instances, threads=threads)  # a copy: the caller's is left as it was
     warm = warmup_sample(manifest, export.reference())
     origin = provenance(d, manifest)

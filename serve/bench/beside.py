@@ -82,7 +82,7 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
         lines += [
             "",
             f"{winner['served_as']} (as served): `{winner['model']}` at the instances x threads the search "
-            "chose, from the search's own windows.",
+            "chose, from the windows that chose it.",
         ]
     ceiling = noop_ceiling(results)
     if ceiling:
@@ -97,17 +97,11 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
 
 
 def as_served(winner: dict[str, Any] | None) -> tuple[list[dict[str, Any]], int, int] | None:
-    """The rows, instances and threads the placement search measured at the point it chose for ``winner``."""
+    """The rows, instances and threads of the point the search chose for ``winner`` (None where it searched
+    nothing)."""
     placement = (winner or {}).get("placement") or {}
-    chosen = placement.get("chosen")
-    point = next(
-        (
-            g
-            for g in placement.get("grid", [])
-            if chosen and (g["instances"], g["threads"]) == (chosen["instances"], chosen["threads"])
-        ),
-        None,
-    )
+    chosen = (winner or {}).get("model"), (winner or {}).get("instances"), (winner or {}).get("threads")
+    point = next((g for g in placement.get("grid", []) if (g["model"], g["instances"], g["threads"]) == chosen), None)
     return (point["rows"], point["instances"], point["threads"]) if point else None
 
 

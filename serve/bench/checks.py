@@ -13,6 +13,7 @@ import numpy as np
 from torchship import parity
 from torchship.errors import ParityError
 from torchship.manifest import artifact_of, runs_tf32
+from torchship.names import format_of
 
 from ..client import decode_all
 
@@ -131,6 +132,14 @@ def response_check(
         {o: parity.bound(tol, o, tf32) for o in outputs},
         names=names,
     )
+
+
+def check_of(client, model: str, inputs) -> ResponseCheck:
+    """response_check of a served ``model`` sent the bench's batch-1 requests (``inputs``, a BenchInputs:
+    ``inputs.singles``), in the format its served config says it runs."""
+    manifest = inputs.manifest
+    fmt = format_of(model, manifest, client.config(model))
+    return response_check(client, model, manifest, fmt, inputs.expected, inputs.singles, inputs.rows)
 
 
 def checked_text(r: dict[str, Any]) -> str:

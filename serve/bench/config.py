@@ -10,13 +10,23 @@ from torchship.device import usable_cpus
 from torchship.errors import ConfigError
 from torchship.runtime import FORMATS
 
-from ..config import ServeConfig, check_url
+from ..config import ServeConfig, check_url, default_placement
 
-# a bench that feeds a decision (torchship run's bench stage, repo --strategy without --bench): half-second windows
-# (torchship bench alone: one second), one request in flight and many (the batching gain is their ratio), then
-# enough to fill batches of 32 on two instances (the batch the in-process throughput is read at), and none of the
-# sweeps only an investigation reads (batching off, the no-op)
-SHORT_BENCH = {"window_s": 0.5, "concurrency": (1, 16, 64), "batching_compare": (), "noop": False, "raw_entry": False}
+# a bench that feeds a decision (torchship run's bench stage, repo --strategy without --bench): windows of 0.3 s, five
+# at most (torchship bench alone: one second, ten), three in-process blocks; one request in flight and 64 (two
+# instances forming batches of 32), where the models rank for throughput (16 ranked resnet18's onnx 13 % above
+# aoti_int8, 64 ranked aoti_int8 40 % above onnx); none of the sweeps only an investigation reads (batching off, the
+# no-op round trip)
+SHORT_BENCH = {
+    "window_s": 0.3,
+    "max_windows": 5,
+    "iters": 15,
+    "blocks": 3,
+    "concurrency": (1, 64),
+    "batching_compare": (),
+    "noop": False,
+    "raw_entry": False,
+}
 SOAK_BOUND_KIB = 64.0  # growth per 1000 requests past which the soak fails (see bench_soak)
 IN_PROCESS = ("eager", *FORMATS)
 
@@ -42,7 +52,9 @@ class BenchConfig:
         "threads (default: those this process may run on, its CPU affinity)",
     )
     threads: Optional[int] = opt(
-        None, "intra-op threads for in-process runs (default: the cores, as the served models get)"
+        None,
+        "intra-op threads for in-process runs (default: one served instance's, as the repository's default "
+        "placement gives it: 1 on up to 4 cores)",
     )
     models: tuple[str, ...] = opt((), "served models to sweep (default: every served model of the export)")
     concurrency: tuple[int, ...] = opt((1, 4, 16), "closed-loop concurrency levels (batch-1 requests in flight)")
@@ -93,9 +105,10 @@ class BenchConfig:
     )
     soak: Optional[str] = opt(
         None,
-        "instead of the sweeps: hold each served model at the highest --concurrency for this "
-        "long (120s, 2m, 1h), every response checked, sampling the resident memory of the "
-        "server and of each backend process; fails past --soak-bound-kib",
+        "instead of the sweeps: hold the model served under the export's name (--models: "
+        "each of those in turn) at the highest --concurrency for this long (120s, 2m, 1h), "
+        "every response checked, sampling the resident memory of the server and of each "
+        "backend process; fails past --soak-bound-kib",
         metavar="DURATION",
     )
     soak_bound_kib: float = opt(
@@ -140,8 +153,8 @@ class BenchConfig:
                 raise ConfigError("--soak measures the served models; drop --skip-served")
         if any(v is not None and v < 1 for v in (self.cores, self.threads)):
             raise ConfigError("--cores and --threads must be at least 1")
-        if self.threads is None:  # in-process on the cores the served models share
-            self.threads = self.cores or usable_cpus()
+        if self.threads is None:  # in-process as one served instance runs: no pool spinning against another runtime's
+            self.threads = default_placement(self.cores or usable_cpus())[1]
         self.shape_values()
 
     def shape_values(self) -> dict[str, int]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,6 +13,8 @@ import numpy as np
 from torchship.eager import eager_from_manifest
 from torchship.errors import TorchshipError
 from torchship.manifest import RAW_SET, Export, bench_inputs, reference_inputs, reference_outputs
+
+SINGLES = 64  # batch-1 requests drawn from the pool for the served parts
 
 
 @dataclass
@@ -29,10 +32,20 @@ class BenchInputs:
     raw_expected: Optional[dict[str, np.ndarray]] = None  # eager on training's tensors of the held-out files
     raw_inputs: Optional[dict[str, np.ndarray]] = None  # those tensors, by input name
 
+    @property
+    def rows(self) -> int:
+        """Rows of the pool: request ``i`` of ``singles`` is row ``i % rows``."""
+        return len(next(iter(self.pool.values())))
 
-def load_inputs(export: Export, shape: dict[str, int] | None) -> BenchInputs:
+    @cached_property
+    def singles(self) -> list[dict[str, np.ndarray]]:
+        """The batch-1 requests the served parts send in turn, drawn from the pool."""
+        return single_rows(self.pool, SINGLES)
+
+
+def load_inputs(export: Export, shape: dict[str, int] | None, eager: bool = True) -> BenchInputs:
     """The reference inputs (read once per Export; ArtifactError if reference.npz is missing or altered), and
-    eager rebuilt."""
+    ``eager`` rebuilt (the in-process part and the limits need it; what is only served does not)."""
     manifest = export.manifest
     ref = export.reference()
     pool, samples, key = bench_inputs(ref, manifest, shape)
@@ -47,7 +60,7 @@ def load_inputs(export: Export, shape: dict[str, int] | None) -> BenchInputs:
         raw_inputs=reference_inputs(ref, manifest, RAW_SET) if RAW_SET in manifest["reference"] else None,
     )
     try:
-        inputs.eager = eager_from_manifest(manifest)
+        inputs.eager = eager_from_manifest(manifest) if eager else None
     except TorchshipError as e:
         inputs.eager_error = str(e)
     return inputs

@@ -1,5 +1,5 @@
 """How a served model uses the CPU: its instances x intra-op threads, read from and written into its configs, the
-points a search measures within the cores it is given (strategy.search_placement), and the grid in words."""
+points a search measures within the cores it is given (search.search), and the search in words."""
 
 from __future__ import annotations
 
@@ -14,6 +14,15 @@ def candidates(cores: int) -> list[tuple[int, int]]:
     """Every (instances, threads per instance) that uses all ``cores`` without oversubscribing them: one
     instance with every core first, then more instances of fewer threads."""
     return [(n, cores // n) for n in range(1, cores + 1) if cores % n == 0]
+
+
+def grid_of(cores: int) -> list[tuple[int, int]]:
+    """The placements the search measures: the repository's default on ``cores`` cores, then every one that uses
+    them all (candidates)."""
+    from ..config import default_placement
+
+    default = default_placement(cores)
+    return [default] + [p for p in candidates(cores) if p != default]
 
 
 def placement_of(c: mc.ModelConfig) -> tuple[int, int]:
@@ -49,72 +58,49 @@ def on_gpu(c: mc.ModelConfig) -> bool:
     return any(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in c.instance_group)
 
 
-MIN_GAIN = 0.05  # more instances win only by more than this: each is a process holding its own runtime and weights
+def winner_lines(winner: dict[str, Any]) -> list[str]:
+    """What serves under the export's plain name and why, with the search behind the choice: the same words in the
+    run's summary, the bench report and the repository's README."""
+    return [f"Served as `{winner['served_as']}`: `{winner['model']}`. Why: {winner['why']}.", ""] + grid_table(winner)
 
 
-def choose(fit: list[dict[str, Any]]) -> dict[str, Any]:
-    """The point to serve among those measured within the strategy (each with a "score", higher better): the
-    fewest instances among the points within MIN_GAIN of the best score. On 2 cores resnet18's 2 x 1 beat 1 x 2
-    by 1 % (within the windows' spread) for 745 MiB more resident memory in a second torch process."""
-    top = max(g["score"] for g in fit)
-    near = [g for g in fit if g["score"] >= top - MIN_GAIN * abs(top)]
-    return min(near, key=lambda g: (g["instances"], -g["score"]))
-
-
-def why(grid: list[dict[str, Any]], chosen: dict[str, Any], strategy: str, fit: list) -> str:
-    """The choice in words: each point's figure beside the winner's."""
-
-    def figure(g: dict[str, Any]) -> str:
-        r = next((r for r in g["rows"] if r["concurrency"] == g["at"]), None)
-        return f"{g['instances']}x{g['threads']}: " + (
-            f"{r['requests_per_s']:.0f} req/s, p50 {r['p50_ms']:.2f} ms, "
-            f"p99 {r['p99_ms']:.2f} ms at {r['concurrency']} in flight"
-            if r
-            else "outside the budget"
-        )
-
-    best = max(fit, key=lambda g: g["score"]) if fit else None
-    head = (
-        f"no point met {strategy}; the repository's {chosen['instances']} x {chosen['threads']} kept"
-        if not fit
-        else f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s), best under {strategy}"
-        if best is chosen
-        else f"{chosen['instances']} instance(s) x {chosen['threads']} thread(s): within {100 * MIN_GAIN:.0f} % of "
-        "the best "
-        f"under {strategy} with fewer instances (each holds its own runtime and weights)"
-    )
-    return head + " (" + "; ".join(figure(g) for g in grid) + ")"
-
-
-def grid_table(placement: dict[str, Any]) -> list[str]:
-    """The grid measured, as markdown rows: instances x threads, each level's throughput and latency."""
+def grid_table(winner: dict[str, Any]) -> list[str]:
+    """The search behind ``winner`` (its "placement" record) as markdown: each contender at each instances x
+    threads, each level's figures, who measured it, and what the search left out."""
     from torchship.markdown import table
 
     from .beside import GENERATORS
 
+    placement = winner.get("placement") or {}
+    skipped = [f"- {line}." for line in placement.get("skipped", [])]
     if "grid" not in placement:
-        return [f"Instances x threads: {placement.get('skipped', 'not searched')}.", ""]
-    chosen = placement["chosen"]
+        return [f"Instances x threads: {'; '.join(placement.get('skipped', [])) or 'not searched'}.", ""]
+    chosen = (winner["model"], winner.get("instances"), winner.get("threads"))
     rows = [
         [
-            f"{g['instances']} x {g['threads']}"
-            + (" (chosen)" if (g["instances"], g["threads"]) == (chosen["instances"], chosen["threads"]) else ""),
+            f"{g['model']} {g['instances']} x {g['threads']}"
+            + (" (chosen)" if (g["model"], g["instances"], g["threads"]) == chosen else ""),
             str(r["concurrency"]),
             f"{r['requests_per_s']:.0f}",
             f"{r['p50_ms']:.2f}",
             f"{r['p99_ms']:.2f}",
             f"{r.get('checked', 0)}, {r.get('wrong', 0)} wrong",
+            f"the {r.get('measured_by', 'sweep')}",
         ]
         for g in placement["grid"]
         for r in g["rows"]
     ]
     return (
         [
-            f"Instances x intra-op threads on {placement['cores']} core(s), each measured in half-second windows until "
-            f"three agree, sent by {GENERATORS[placement.get('load_generator', 'python')]} and checked as the bench "
-            "checks:",
+            f"The models that could win, at each instances x intra-op threads on {placement['cores']} core(s), "
+            f"measured until three windows agree, sent by {GENERATORS[placement.get('load_generator', 'python')]} "
+            "and checked as the bench checks:",
             "",
         ]
-        + table(["instances x threads", "in flight", "req/s", "p50 ms", "p99 ms", "checked"], rows)
-        + ["", placement["why"] + ".", ""]
+        + table(
+            ["model, instances x threads", "in flight", "req/s", "p50 ms", "p99 ms", "checked", "measured by"], rows
+        )
+        + [""]
+        + skipped
+        + ([""] if skipped else [])
     )

@@ -104,6 +104,11 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
         ],
         rows,
     ) + [""]
+    if served.get("left_out"):
+        lines += [
+            f"Left out by the settings (each on by default in torchship bench): {'; '.join(served['left_out'])}.",
+            "",
+        ]
     for model, mm in served.get("models", {}).items():
         rs = mm["rows"]
         if len(rs) > 1 and rs[0]["requests_per_s"]:
@@ -286,6 +291,10 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
     served = results.get("served")
     if served:
         lines += served_lines(served, results.get("config", {}))
+    if results.get("winner"):
+        from .placement import winner_lines
+
+        lines += winner_lines(results["winner"])
     for res in results.get("soak", {}).values():
         from .soak import soak_lines
 
@@ -308,7 +317,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = True) -> Path
             if rec.get("written"):
                 lines.append(f"- written to: {', '.join(rec['written'])}")
         lines.append("")
-    lines += side_by_side(results)
+    lines += side_by_side(results, results.get("winner"))
     lines += entry_lines(results.get("served", {}))
     ip = results.get("in_process")
     if ip:

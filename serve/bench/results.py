@@ -3,6 +3,8 @@ summary, the strategy and the run repeat."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Any, Iterator, TypedDict
 
 
@@ -48,3 +50,14 @@ def level_rows(results: dict[str, Any]) -> Iterator[tuple[str, LevelRow]]:
     for model, mm in served_models(results).items():
         for r in mm.get("rows", []):
             yield model, r
+
+
+@contextlib.contextmanager
+def timed(results: dict[str, Any], part: str):
+    """Add the seconds the with block takes to results["seconds"][part]: where a bench's time went."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        spent = results.setdefault("seconds", {})
+        spent[part] = round(spent.get(part, 0.0) + time.perf_counter() - t0, 2)

@@ -17,8 +17,8 @@ from .config import BenchConfig
 from .in_process import bench_in_process, in_process_runs, load_variants
 from .inputs import BenchInputs, load_inputs, real_inputs
 from .recommend import recommend, write_recommendation
+from .results import timed
 from .stats import device_peak, flops_per_sample, machine_info
-from .sweeps import served_runs
 
 
 def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = None) -> dict[str, Any]:
@@ -44,7 +44,8 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
         from . import served  # tritonclient, which only the served part needs: --skip-served runs without it
 
         plan = served.served_plan(cfg, manifest, server)
-    inputs = load_inputs(export, cfg.shape_values())
+    in_process = not (cfg.skip_in_process or cfg.soak)  # a soak measures the served models alone
+    inputs = load_inputs(export, cfg.shape_values(), eager=in_process)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
@@ -66,11 +67,12 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
     def save() -> None:
         atomic_write_json(out / "results.json", results)
 
-    in_process = not (cfg.skip_in_process or cfg.soak)  # a soak measures the served models alone
     # the in-process rows are read against these; without that part the probe's seconds buy nothing
-    results["limits"] = limits(inputs, device, cfg.threads) if in_process else {}
+    with timed(results, "limits"):
+        results["limits"] = limits(inputs, device, cfg.threads) if in_process else {}
     save()
-    runners, notes = load_variants(cfg, inputs, device) if in_process else ({}, {})
+    with timed(results, "loading"):
+        runners, notes = load_variants(cfg, inputs, device) if in_process else ({}, {})
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -79,7 +81,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
 
         total = in_process_runs(cfg, runners, manifest) if in_process else 0
         if plan is not None and plan.error is None:
-            total += soak_windows(cfg, plan.models) if cfg.soak else served_runs(cfg, manifest, plan)
+            total += soak_windows(cfg, plan.models) if cfg.soak else plan.windows()
         bar = tqdm(total=total, desc="bench", unit="run", dynamic_ncols=True, file=sys.stderr)
     failure: TorchshipError | None = None
     try:
@@ -89,7 +91,8 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
                 + (", ".join(runners) or "nothing to run")
                 + f" at batch {', '.join(map(str, cfg.batch_sizes))}"
             )
-            results["in_process"] = bench_in_process(cfg, inputs, runners, notes, device, bar)
+            with timed(results, "in_process"):
+                results["in_process"] = bench_in_process(cfg, inputs, runners, notes, device, bar)
             save()
         if plan is not None:
             if plan.error is not None:

@@ -193,34 +193,27 @@ def bench_soak(
     """Fill results["soak"]: each model of the plan soaked in turn at the highest --concurrency for --soak. The
     memory of an embedded ``server`` and of each model's backend processes is sampled; a server at --url that
     is not this bench's is not (its processes are not known here)."""
-    from torchship.names import format_of
     from torchship.procfs import resident_bytes
 
     from ..client import TritonClient
     from ..embedded.process import stub_processes
-    from .checks import response_check
-    from .inputs import single_rows
+    from .checks import check_of
     from .placement import served_placement
 
     client = TritonClient(url)
     client.wait_ready(15)
     client.require_models(plan.models)
-    singles = single_rows(inputs.pool, 64)
     level, duration = max(cfg.concurrency), parse_duration(cfg.soak)
+    log(
+        f"soak: {', '.join(plan.models)} at {level} in flight, {duration:g} s "
+        + (f"each, {len(plan.models) * duration:g} s in all" if len(plan.models) > 1 else "in all")
+    )
     out: dict[str, Any] = {}
     results["soak"] = out
     try:
         for model in plan.models:
-            check = response_check(
-                client,
-                model,
-                inputs.manifest,
-                format_of(model, inputs.manifest, client.config(model)),
-                inputs.expected,
-                singles,
-                len(next(iter(inputs.pool.values()))),
-            )
-            sent = [client.to_wire(model, f) for f in singles]
+            check = check_of(client, model, inputs)
+            sent = [client.to_wire(model, f) for f in inputs.singles]
             closed_loop(url, model, sent, level, 4 * level)  # untimed: every batch size the level forms, once
 
             def processes(model=model) -> dict[str, int]:

@@ -1,10 +1,10 @@
-"""The served part's plan as data: which models it sweeps, and the sweeps it runs in order (the progress bar
-reads the same list the sweep does)."""
+"""The served part's plan as data: which models it sweeps and the sweeps it runs in order, read by the runner, the
+progress bar and the report alike."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
 
 from torchship.errors import TorchshipError
 from torchship.names import format_of
@@ -13,34 +13,61 @@ from .config import BenchConfig
 from .noop import NOOP_MODEL
 from .windows import LAST
 
-
-@dataclass
-class ServedPlan:
-    """The served part's plan, known before anything is timed: the models it sweeps, whether the server is
-    embedded (only then are models reloaded with other configs) and whether the no-op model is timed.
-    ``error``: the server at --url could not be asked what it serves; the served part raises it."""
-
-    models: list[str]
-    embedded: bool
-    noop: bool
-    error: Optional[TorchshipError] = None
-    entry: Optional[str] = None  # the image entry, timed with the export's held-out files
+KINDS = {
+    "models": "the served models",
+    "entry": "the raw entry, with the export's held-out files",
+    "batching_off": "dynamic batching off",
+    "delay": "another queue delay",
+    "noop": "the no-op model",
+    "cross_check": "the other load generator's cross-check",
+}
 
 
 @dataclass(frozen=True)
 class Sweep:
-    """One sweep of served models over concurrency levels: the sweep itself ("models"), the same again with
-    dynamic batching off ("batching_off") or at another queue delay ("delay"), the no-op model ("noop"), or
-    the other load generator's cross-check ("cross_check")."""
+    """One sweep of served models over concurrency levels, of a kind of KINDS: the sweep itself ("models"), the
+    raw entry ("entry"), the same again with dynamic batching off ("batching_off") or at another queue delay
+    ("delay"), the no-op model ("noop"), or the other load generator's cross-check ("cross_check")."""
 
     kind: str
     models: tuple[str, ...]
     levels: tuple[int, ...]
     delay_us: int = 0
+    max_windows: Optional[int] = None  # fewer than --max-windows
+
+    def windows(self) -> int:
+        """The windows it plans: three a cell (more where a level needs them to settle)."""
+        return LAST * len(self.models) * len(self.levels)
+
+
+@dataclass
+class ServedPlan:
+    """The served part's plan, known before anything is timed: the models it sweeps, whether the server is
+    embedded (only then are models reloaded with other configs), whether the no-op model is timed, the raw entry
+    timed with the export's held-out files, and the sweeps in the order they run. ``error``: the server at --url
+    could not be asked what it serves; the served part raises it."""
+
+    models: list[str]
+    embedded: bool
+    noop: bool
+    error: Optional[TorchshipError] = None
+    entry: Optional[str] = None
+    entry_kind: Optional[str] = None  # "image" or "text": a text entry's sweep is followed by its token tensors'
+    sweeps: list[Sweep] = field(default_factory=list)
+
+    def windows(self) -> int:
+        """The windows of every sweep: the progress bar's total, grown as a level needs more."""
+        return sum(s.windows() * (2 if s.kind == "entry" and self.entry_kind == "text" else 1) for s in self.sweeps)
+
+    left_out: list[str] = field(default_factory=list)  # the sweeps the settings leave out, in words
+
+    def as_json(self) -> dict[str, Any]:
+        """The plan as results.json keeps it: the sweeps, each with its kind in words, and what it leaves out."""
+        return {"sweeps": [{**asdict(s), "what": KINDS[s.kind]} for s in self.sweeps], "left_out": self.left_out}
 
 
 def plan_sweeps(cfg: BenchConfig, manifest: dict, served: ServedPlan, cross_check: bool) -> list[Sweep]:
-    """The sweeps bench_served runs, in order: the sweep, the image entry with the held-out files, then on the
+    """The sweeps bench_served runs, in order: the sweep, the raw entry with the held-out files, then on the
     embedded server (which reloads models with changed configs) batching off and each other queue delay, the
     no-op model, and the cross-check on the ONNX model where one is served."""
     levels, models = tuple(cfg.concurrency), served.models
@@ -50,21 +77,31 @@ def plan_sweeps(cfg: BenchConfig, manifest: dict, served: ServedPlan, cross_chec
         compared = tuple(m for m in models if format_of(m, manifest) in cfg.batching_compare)
         plan += [Sweep("batching_off", compared, levels)] if compared else []
         plan += [Sweep("delay", tuple(models), levels, d) for d in cfg.queue_delays_us] if models else []
-    if served.noop:
-        plan.append(Sweep("noop", (NOOP_MODEL,), noop_levels(cfg)))
+    if served.noop:  # a ceiling, read as rough: its top level moved 25-40 % window to window on 2 cores
+        plan.append(Sweep("noop", (NOOP_MODEL,), noop_levels(cfg), max_windows=min(cfg.max_windows, NOOP_WINDOWS)))
     if cross_check and models:
         model = sorted(models, key=lambda m: not m.endswith("_onnx"))[0]
         plan.append(Sweep("cross_check", (model,), noop_levels(cfg)))
     return plan
 
 
-def served_runs(cfg: BenchConfig, manifest: dict, served: ServedPlan) -> int:
-    """How many measurement windows bench_served plans, three per level: the progress bar's total, grown as a
-    level needs more."""
-    from .perf_analyzer import locate
+NOOP_WINDOWS = LAST  # the no-op model's windows: the server and the client alone fill the cores, and never settle
 
-    plan = plan_sweeps(cfg, manifest, served, bool(cfg.cross_check and locate(cfg.perf_analyzer)))
-    return LAST * sum(len(s.models) * len(s.levels) for s in plan)
+
+def left_out(cfg: BenchConfig, served: ServedPlan, cross_check: bool) -> list[str]:
+    """What the settings leave out that torchship bench measures by default, in words with the setting's name."""
+    out = []
+    if served.embedded and not cfg.batching_compare:
+        out.append("dynamic batching off (batching_compare)")
+    if not cfg.noop:
+        out.append("the no-op round trip (noop)")
+    if not cfg.raw_entry:
+        out.append("the raw entry (raw_entry)")
+    if not cfg.cross_check:
+        out.append("the other load generator's cross-check (cross_check)")
+    elif not cross_check:
+        out.append("the other load generator's cross-check (perf_analyzer is not installed)")
+    return out
 
 
 def noop_levels(cfg: BenchConfig) -> tuple[int, ...]:

@@ -201,7 +201,7 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     assert {r["variant"] for r in bench["in_process"]["rows"]} == set(served_artifacts(m).values())
     served = bench["served"]
     assert served["embedded"] and not served["batching_off"]
-    assert [r["concurrency"] for r in served["noop"]["rows"]] == [1, 4]  # the ceiling the summary sets beside them
+    assert "noop" not in served and "the no-op round trip (noop)" in served["left_out"]  # and the summary says so
     assert all(r["checked"] >= r["ok"] and r["wrong"] == 0 for mm in served["models"].values() for r in mm["rows"])
     assert (run_dir / "bench/report.md").exists() and (run_dir / "logs/tritonserver.log").exists()
     entry = served["entry"]  # the image entry timed with the held-out files, every answer checked
@@ -216,7 +216,7 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         "batching gain",
         "Recommendation: `tiny_cnn_",
         "## In-process beside served",
-        "Ceiling: with no model to run",
+        "Left out by the settings (each on by default in torchship bench): ",
         f"Served as `tiny_cnn`: `{winner['model']}`. Why: max-throughput: the highest served throughput: ",
         f"Image entry: `tiny_cnn_image` takes an image file as it is and prepares it in the server as training did, "
         f"then runs `tiny_cnn` ({winner['model']}): a request holds the file, ",
@@ -224,6 +224,28 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         "## The image entry",
     ):
         assert needle in summary
+    # one set of figures for what serves as tiny_cnn: those of the placement written into its configs, in
+    # winner.json, the summary, the bench report and the repository's README alike
+    from serve.bench.placement import placement_of
+
+    written = json.loads((run_dir / "model_repository/tiny_cnn/winner.json").read_text())
+    assert written["figures"] == winner["figures"] == bench["winner"]["figures"]
+    assert placement_of(read_config(run_dir / "model_repository/tiny_cnn" / CONFIG)) == (
+        winner["instances"],
+        winner["threads"],
+    )
+    point = next(
+        g
+        for g in winner["placement"]["grid"]
+        if (g["model"], g["instances"], g["threads"]) == (winner["model"], winner["instances"], winner["threads"])
+    )
+    assert winner["row"] in [{k: r[k] for k in winner["row"]} for r in point["rows"]]
+    for text in (
+        summary,
+        (run_dir / "bench/report.md").read_text(),
+        (run_dir / "model_repository/README.md").read_text(),
+    ):
+        assert winner["figures"] in text
 
 
 @pytest.mark.slow

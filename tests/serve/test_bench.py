@@ -11,8 +11,9 @@ from serve.bench.compare import compare
 from serve.bench.config import BenchConfig
 from serve.bench.perf_analyzer import locate
 from serve.bench.run import run_bench
-from serve.bench.served import PACED_CHECKS
-from serve.bench.sweeps import ServedPlan, served_runs
+from serve.bench.sweep import PACED_CHECKS
+from serve.bench.sweeps import ServedPlan, plan_sweeps
+from serve.config import default_placement
 from tests.conftest import run_cli
 from torchship.config import build
 from torchship.errors import BenchError, ServerError
@@ -67,8 +68,8 @@ def test_results_and_report_are_well_formed(bench_run):
         assert 3 <= r["windows"] <= SHORT["max_windows"] and r["spread"] >= 0 and r["stable"] in (True, False)
     served = on_disk["served"]
     assert set(served["models"]) == {"tiny_cnn_onnx", "tiny_cnn_torchscript", "tiny_cnn_aoti"}
-    cores = len(os.sched_getaffinity(0))  # the bench's own repository gives each model the cores
-    assert {(mm["instances"], mm["threads"]) for mm in served["models"].values()} == {(1, cores)}
+    cores = len(os.sched_getaffinity(0))  # the bench's own repository gives each model the default placement
+    assert {(mm["instances"], mm["threads"]) for mm in served["models"].values()} == {default_placement(cores)}
     assert on_disk["in_process"]["threads"] == 1  # as --threads says
     for section in ("models", "batching_off"):
         for model, mm in served[section].items():
@@ -181,11 +182,17 @@ def test_the_winner_as_served_is_set_beside_in_process_at_the_point_the_search_c
     onnx = results["served"]["models"]["tiny_cnn_onnx"]["rows"]
     faster = [{**r, "requests_per_s": 3 * r["requests_per_s"]} for r in onnx]
     slower = [{**r, "requests_per_s": r["requests_per_s"] / 3} for r in onnx]
-    grid = [{"instances": 1, "threads": 2, "rows": slower}, {"instances": 2, "threads": 1, "rows": faster}]
+    grid = [
+        {"model": "tiny_cnn_onnx", "instances": 1, "threads": 2, "rows": slower},
+        {"model": "tiny_cnn_onnx", "instances": 2, "threads": 1, "rows": faster},
+        {"model": "tiny_cnn_aoti", "instances": 2, "threads": 1, "rows": slower},
+    ]
     winner = {
         "model": "tiny_cnn_onnx",
+        "instances": 2,
+        "threads": 1,
         "served_as": "tiny_cnn",
-        "placement": {"grid": grid, "chosen": {"instances": 2, "threads": 1}},
+        "placement": {"grid": grid},
     }
     lines = side_by_side(results, winner)
     row = next(line.split(" | ") for line in lines if line.startswith("| tiny_cnn (as served) |"))
@@ -287,8 +294,13 @@ def test_progress_total_counts_every_window(bench_run, exported):
     sweeps += [s["entry"]["rows"]]
     cfg = build(BenchConfig, SHORT, {"export_dir": str(exported), "out": str(out)})
     manifest = json.loads((exported / "manifest.json").read_text())
-    plan = ServedPlan(list(s["models"]), embedded=True, noop=True, entry=s["entry"]["model"])
-    assert served_runs(cfg, manifest, plan) == 3 * sum(len(rows) for rows in sweeps)
+    plan = ServedPlan(list(s["models"]), embedded=True, noop=True, entry=s["entry"]["model"], entry_kind="image")
+    plan.sweeps = plan_sweeps(cfg, manifest, plan, cross_check=False)
+    assert plan.windows() == 3 * sum(len(rows) for rows in sweeps)
+    # the plan the bench recorded, and ran: each sweep's models and levels are those of its rows
+    assert [(sw["kind"], tuple(sw["models"]), tuple(sw["levels"])) for sw in s["sweeps"]] == [
+        (sw.kind, sw.models, sw.levels) for sw in plan.sweeps
+    ]
     loaded = {r["variant"]: None for r in results["in_process"]["rows"]}
     assert in_process_runs(cfg, loaded, manifest) == 3 * len(results["in_process"]["rows"])
 
@@ -635,15 +647,17 @@ def test_a_load_generator_that_takes_the_servers_cores_is_named_beside_the_figur
     assert client_share_lines(served(50), "python") == []  # 5 %: within what the server can spare
 
 
-def test_in_process_runs_on_the_cores_the_served_models_get_unless_told():
-    assert BenchConfig().threads == len(os.sched_getaffinity(0))
-    assert BenchConfig(cores=1).threads == 1 and BenchConfig(cores=2, threads=1).threads == 1
+def test_in_process_runs_as_one_served_instance_unless_told():
+    """One runtime's idle threads spinning against the next one's in the same process made the in-process figures
+    drift: in-process runs take the threads of one instance of the default placement."""
+    assert BenchConfig().threads == default_placement(len(os.sched_getaffinity(0)))[1]
+    assert BenchConfig(cores=10).threads == 2 and BenchConfig(cores=2, threads=2).threads == 2
 
 
 def test_auto_sends_large_requests_with_the_cheaper_python_client(tmp_path):
     """perf_analyzer cost 4x the Python client's CPU a request on resnet50's 588 KiB images: auto keeps it for
     small requests only, and says why."""
-    from serve.bench.served import PA_MAX_REQUEST_BYTES, load_generators
+    from serve.bench.sweep import PA_MAX_REQUEST_BYTES, load_generators
 
     fake = tmp_path / "perf_analyzer"
     fake.write_text("#!/bin/sh\n")

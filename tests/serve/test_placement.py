@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from serve.bench.placement import candidates, placement_edit, placement_of
-from serve.config import RepoConfig, ServeConfig
+from serve.bench.placement import candidates, grid_of, placement_edit, placement_of
+from serve.config import RepoConfig, ServeConfig, default_placement
 from serve.embedded import TritonServer
 from serve.embedded.process import stub_processes
 from serve.model_config import CONFIGS, edit_configs, read_config, repository_models
@@ -38,9 +38,12 @@ def pre_instances(repo) -> int:
 @pytest.mark.parametrize(
     "given, expected",
     [
-        ({"cores": 4}, (1, 4)),
+        ({"cores": 2}, (1, 1)),  # one core left to the server and the client, one thread an instance
+        ({"cores": 4}, (3, 1)),
+        ({"cores": 10}, (4, 2)),  # up to four instances, which share out more cores
+        ({"cores": 4, "instance_count": 1}, (1, 4)),
         ({"cores": 4, "instance_count": 2}, (2, 2)),
-        ({"cores": 4, "threads": 1}, (4, 1)),
+        ({"cores": 4, "threads": 2}, (2, 2)),
         ({"cores": 3, "instance_count": 2}, (2, 1)),
     ],
 )
@@ -71,13 +74,14 @@ def test_without_cores_the_configs_use_the_cpus_this_process_may_run_on(exported
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())
     assert set(placements(tmp_path / "one").values()) == {(1, 1)}
     build_repository(exported, RepoConfig(out=str(tmp_path / "all")))
-    assert set(placements(tmp_path / "all").values()) == {(1, len(os.sched_getaffinity(0)))}
+    assert set(placements(tmp_path / "all").values()) == {default_placement(len(os.sched_getaffinity(0)))}
 
 
 def test_the_grid_uses_every_core_without_oversubscribing():
     assert candidates(1) == [(1, 1)]
     assert candidates(2) == [(1, 2), (2, 1)]
     assert candidates(6) == [(1, 6), (2, 3), (3, 2), (6, 1)]
+    assert grid_of(2) == [(1, 1), (1, 2), (2, 1)] and grid_of(1) == [(1, 1)]  # the default first
     assert RepoConfig(instance_count=2).search_cores() is None and RepoConfig(threads=1).search_cores() is None
     assert RepoConfig(cores=10_000).search_cores() is None  # built for a larger machine: not measured here
     assert RepoConfig().search_cores() == len(os.sched_getaffinity(0))

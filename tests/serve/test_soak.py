@@ -105,9 +105,12 @@ def leaky_repo(exported, tmp_path):
 
 @pytest.mark.slow
 def test_a_soak_checks_every_response_and_catches_a_planted_leak(exported, tmp_path, capsys):
+    from serve.bench.served_as import copy_as
+
     out = tmp_path / "healthy"
     repo = tmp_path / "repo"
     build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
+    copy_as(repo, "tiny_cnn_onnx", "onnx", "tiny_cnn")  # served under the export's name, as a strategy serves it
     # four seconds hold a few thousand requests, some still filling the arenas: a bound of 1 MiB per 1000 requests
     # (the default 64 KiB is for soaks of minutes) passes a healthy backend and fails one that keeps 32 KiB each
     bound = ("--soak-bound-kib", "1024")
@@ -131,23 +134,32 @@ def test_a_soak_checks_every_response_and_catches_a_planted_leak(exported, tmp_p
         )
         == 0
     )
-    res = json.loads((out / "results.json").read_text())["soak"]["tiny_cnn_onnx"]
+    # without --models: the model served under the export's name alone, its whole length said before it starts
+    assert "soak: tiny_cnn at 8 in flight, 4 s in all" in capsys.readouterr().out
+    res = json.loads((out / "results.json").read_text())["soak"]
+    assert list(res) == ["tiny_cnn"]
+    res = res["tiny_cnn"]
     assert res["sent"] > 100 and res["checked"] == res["sent"] and res["wrong"] == 0 and res["failed"] == 0
     names = sorted(res["processes"])
-    assert (
-        len(names) == 2 and names[0].startswith("tiny_cnn_onnx backend (pid ") and names[1].startswith("tritonserver")
-    )
+    assert len(names) == 2 and names[0].startswith("tiny_cnn backend (pid ") and names[1].startswith("tritonserver")
     assert all(p["within_bound"] and len(p["samples"]) >= 6 for p in res["processes"].values())
     assert "## Soak" in (out / "report.md").read_text() and "in-process" not in res
     capsys.readouterr()
 
     leaky = leaky_repo(exported, tmp_path)
+    # a repository that serves nothing under the export's name: a soak without --models is refused in one line
+    assert run_cli("bench", exported, "--repo", leaky, "--soak", "4s", "--out", tmp_path / "none") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--soak without --models soaks tiny_cnn, the model served under the export" in err[0]
+    assert not (tmp_path / "none").exists()  # refused before anything was measured or written
     assert (
         run_cli(
             "bench",
             exported,
             "--repo",
             leaky,
+            "--models",
+            "tiny_cnn_onnx",
             "--soak",
             "4s",
             "--concurrency",

@@ -64,7 +64,7 @@ def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) ->
         "bench": _build_section(
             "bench",
             BenchConfig,
-            {**settings, "bench": {**SHORT_BENCH, "noop": True, "raw_entry": True, **settings.get("bench", {})}},
+            {**settings, "bench": {**SHORT_BENCH, "raw_entry": True, **settings.get("bench", {})}},
             {"out": str(dirs["bench"]), "repo": str(dirs["repo"]), "export_dir": str(dirs["export"]), "serve": serve},
         ),
         "run": _build_section("run", RunConfig, settings, {}),
@@ -242,6 +242,7 @@ def stage_bench(run: Run, t0: float) -> None:
     cfg = run.cfg["bench"]
     if not run.settings["bench"].get("variants"):  # in-process, what the summary sets beside each served model
         cfg = dataclasses.replace(cfg, variants=tuple(served_artifacts(run.export().manifest).values()))
+    plots, cfg = cfg.plots, dataclasses.replace(cfg, plots=False)  # drawn once, into the report that names the winner
     try:
         results = run_bench(cfg, log=run.log, server=run.served(), export=run.export())
     except ParityError as e:  # a wrong answer under load: the results and report are written
@@ -250,6 +251,12 @@ def stage_bench(run: Run, t0: float) -> None:
     rows = [r for _, r in level_rows(results)]
     failed, checked = sum(r["failed"] for r in rows), sum(r.get("checked", 0) for r in rows)
     winner = serve_the_winner(run, results) if failed == 0 else None
+    if winner:  # the bench's results and report name what serves, with the figures that chose it
+        results["winner"] = winner
+        atomic_write_json(run.dirs["bench"] / "results.json", results)
+    from serve.bench.report import write_report
+
+    write_report(results, run.dirs["bench"], plots=plots)
     run.done("bench", t0, report=str(run.dirs["bench"] / "report.md"), **({"winner": winner} if winner else {}))
     run.gate(
         "bench",
@@ -281,8 +288,7 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
         server=server,
         bench=run.cfg["bench"],
     )
-    server.load(dest.name)
-    checked = [dest.name]
+    checked = [dest.name]  # live on the server: serve_by_strategy loaded it in its final form
     entry = entry_names(export.manifest["name"])[0]
     if (run.dirs["repo"] / entry).is_dir():  # the image entry now runs the winner behind it: reloaded, checked
         server.load(entry)

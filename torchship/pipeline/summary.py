@@ -101,11 +101,9 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
             lines += [""] + served_lines(b["served"], b.get("config", {}))
             winner = record["stages"]["bench"].get("winner")
             if winner:
-                lines += [f"Served as `{winner['served_as']}`: `{winner['model']}`. Why: {winner['why']}.", ""]
-                if winner.get("placement"):
-                    from serve.bench.placement import grid_table
+                from serve.bench.placement import winner_lines
 
-                    lines += grid_table(winner["placement"])
+                lines += winner_lines(winner)
             rec = b.get("recommendation", {})
             if "model" in rec:
                 lines += [
