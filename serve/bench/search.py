@@ -75,9 +75,6 @@ class Choice:
     noise: float
     points: list[Point] = field(default_factory=list)  # every point that qualified
 
-    def scored_points(self) -> list[Point]:
-        return self.points
-
     def score(self, p: Point) -> float:
         return self.scored[id(p)][0]
 

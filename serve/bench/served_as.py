@@ -52,7 +52,7 @@ def serve_winner(repo: str | Path, winner: dict[str, Any], manifest: dict[str, A
     section on it. ``only_winner`` removes the per-format models. Returns the new model's folder."""
     repo = Path(repo)
     edits = [batching_edit(winner["batching"])] if winner.get("batching") else []
-    if winner.get("instances"):
+    if (winner.get("placement") or {}).get("grid"):  # searched here: the placement it chose (else the repository's)
         edits.append(placement_edit(winner["instances"], winner["threads"]))
     name = manifest["name"]
     dest = copy_as(repo, winner["model"], winner["format"], name, edits, {"winner.json": json.dumps(winner, indent=2)})

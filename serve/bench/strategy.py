@@ -74,7 +74,7 @@ def winner_of(choice: Choice, strategy: str, manifest: dict[str, Any]) -> dict[s
             + "; ".join(f"{q.model} at {q.instances} x {q.threads}, {figure(choice.row(q))}" for q in others)
             + f", chosen by {TIE_RULE}"
         )
-    rivals = sorted((q for q in choice.scored_points() if q.model != p.model), key=choice.score, reverse=True)
+    rivals = sorted((q for q in choice.points if q.model != p.model), key=choice.score, reverse=True)
     if rivals:
         out["runner_up"] = {"model": rivals[0].model, "figures": figure(choice.row(rivals[0]))}
         out["why"] += f"; runner-up {rivals[0].model}, {figure(choice.row(rivals[0]))}"

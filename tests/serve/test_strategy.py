@@ -182,14 +182,13 @@ def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_pa
     assert sorted(served) == ["tiny_cnn_onnx", "tiny_cnn_onnx_int8"] and "in_process" not in results
     best = max(served, key=lambda m: max(r["requests_per_s"] for r in served[m]["rows"]))
     winner = json.loads((repo / "tiny_cnn" / "winner.json").read_text())
-    assert (
-        winner["model"] == best and f"served as tiny_cnn: max-throughput: the highest served throughput: {best}" in out
-    )
-    # the models that could win searched at each instances x threads within this machine's cores, every response
-    # checked, at the levels that decide max-throughput; the chosen point written into the winner's configs
+    assert f"served as tiny_cnn: max-throughput: the highest served throughput: {winner['model']}" in out
+    # the models that could win (the bench's best, and any within the noise of it) searched at each instances x
+    # threads within this machine's cores, every response checked, at the levels that decide max-throughput; the
+    # chosen point written into the winner's configs
     placement = winner["placement"]
     cores = len(os.sched_getaffinity(0))
-    assert set(placement["contenders"]) >= {winner["model"]} and placement["load_generator"] == "python"
+    assert {best, winner["model"]} <= set(placement["contenders"]) and placement["load_generator"] == "python"
     for model in placement["contenders"]:
         at = {(g["instances"], g["threads"]) for g in placement["grid"] if g["model"] == model}
         assert at == set(grid_of(cores)), at
