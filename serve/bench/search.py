@@ -231,6 +231,7 @@ def search(
                 live = read_config(served_config_path(repo / name))
                 placement_edit(instances, threads)(live)
                 server.load(name, client=client, override=live)
+                sweeper.warm(name, inputs.singles, levels)
                 point = Point(contender.model, contender.precision, instances, threads, source="search")
                 points.append(point)
                 measure(name, point, levels)

@@ -141,6 +141,13 @@ class Sweeper:
             r.sort(key=lambda row: row["concurrency"])
         return rows
 
+    def warm(self, model: str, feeds: list[Feeds], levels: tuple[int, ...]) -> None:
+        """A model just loaded, run untimed for a window at each of ``levels``: its new processes' first calls,
+        their allocations and the batch sizes the levels form, before any window is measured."""
+        sent = [self.client.to_wire(model, f) for f in feeds]
+        for c in levels:
+            closed_loop(self.url, model, sent, c, max(4, c * 2), self.cfg.window_s)
+
     def _window(self, cell: Cell, sent: list, check: ResponseCheck | None, gen: LoadGenerator) -> dict[str, Any]:
         """One measured window of ``cell``, after its warm-up; its responses judged into ``cell.judged``."""
         cfg, client, model, c = self.cfg, self.client, cell.model, cell.concurrency
