@@ -62,9 +62,9 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
     lines = [
         "## In-process beside served",
         "",
-        f"In-process on {threads} intra-op thread(s); served by each model's instances x intra-op threads "
-        f"(on the same {threads} core(s) where the repository was built for them), the load generator on the same "
-        "cores.",
+        f"In-process on {threads} intra-op thread(s), one served instance's; served by each model's instances x "
+        f"intra-op threads on the machine's {results.get('machine', {}).get('cores', '?')} core(s), the load "
+        "generator on the same cores.",
         "",
     ] + table(
         [

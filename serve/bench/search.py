@@ -74,6 +74,7 @@ class Choice:
     scored: dict[int, tuple[float, LevelRow]]  # by id() of each point that qualified
     noise: float
     points: list[Point] = field(default_factory=list)  # every point that qualified
+    stability: float = 0.10  # the noise floor: the windows' agreement
 
     def score(self, p: Point) -> float:
         return self.scored[id(p)][0]
@@ -101,7 +102,7 @@ def choose(points: list[Point], kind: str, budget: float | None, stability: floa
     chosen = min(
         near, key=lambda p: (PRECISION_RANK.get(p.precision, 0), scored[id(p)][1].get("p99_ms", 0.0), p.instances)
     )
-    return Choice(chosen, best, near, scored, max(map(noise, near)), fit)
+    return Choice(chosen, best, near, scored, max(map(noise, near)), fit, stability)
 
 
 def sweep_points(results: dict[str, Any], manifest: dict[str, Any]) -> list[Point]:

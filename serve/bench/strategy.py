@@ -70,7 +70,8 @@ def winner_of(choice: Choice, strategy: str, manifest: dict[str, Any]) -> dict[s
             "near": [f"{q.model} at {q.instances} x {q.threads}" for q in others],
         }
         out["why"] += (
-            f"; within the noise ({100 * choice.noise:.0f} %) of "
+            f"; within the noise of the best ({100 * choice.stability:.0f} %, or a point's own spread where wider: "
+            f"{100 * choice.noise:.0f} %) with "
             + "; ".join(f"{q.model} at {q.instances} x {q.threads}, {figure(choice.row(q))}" for q in others)
             + f", chosen by {TIE_RULE}"
         )
