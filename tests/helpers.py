@@ -250,3 +250,21 @@ def make_certs(folder) -> dict[str, str]:
         "client_cert": str(folder / "client.pem"),
         "client_key": str(folder / "client.key"),
     }
+
+
+# a bench of seconds: the served and in-process parts of the bench's tests
+BENCH_SHORT = {
+    "variants": ["eager", "onnx", "aoti_buckets"],
+    "batch_sizes": [1, 4],
+    "iters": 8,
+    "blocks": 2,
+    "warmup": 1,
+    "threads": 1,
+    "concurrency": [1, 4],
+    "requests": 16,
+    "progress": False,
+    "load_generator": "python",
+    "cross_check": False,
+    "window_s": 0.1,
+    "max_windows": 4,
+}
