@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..config import default_placement
+
 THREAD_PARAMETERS = ("intra_op_thread_count", "INTRA_OP_THREAD_COUNT")  # Triton's onnxruntime and pytorch backends
 
 
@@ -19,8 +21,6 @@ def candidates(cores: int) -> list[tuple[int, int]]:
 def grid_of(cores: int) -> list[tuple[int, int]]:
     """The placements the search measures: the repository's default on ``cores`` cores, then every one that uses
     them all (candidates)."""
-    from ..config import default_placement
-
     default = default_placement(cores)
     return [default] + [p for p in candidates(cores) if p != default]
 
