@@ -3,6 +3,7 @@ index, shared memory, logging, trace) answers to, where a client finds it, and t
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import stat
@@ -21,6 +22,9 @@ RESTRICTED = ("model-repository", "shared-memory", "logging", "trace")
 KEY_HEADER = "admin-key"  # the HTTP header; over gRPC Triton expects it as metadata with its own prefix
 GRPC_KEY_HEADER = f"triton-grpc-protocol-{KEY_HEADER}"
 KEY_ENV, KEY_FILE_ENV = "TORCHSHIP_TRITON_KEY", "TORCHSHIP_TRITON_KEY_FILE"
+KEY_SERVER_ENV = "TORCHSHIP_TRITON_KEY_SERVER"  # HOST:PORT, the server the key of the two variables above is for
+KEY_ENVS = (KEY_ENV, KEY_FILE_ENV, KEY_SERVER_ENV)  # kept out of the server's and its backends' environment
+SERVER_LINE = "server:"  # a key file's second line, naming the server the key was made for
 
 
 def restricted_flags(key: str) -> list[str]:
@@ -33,17 +37,31 @@ def restricted_flags(key: str) -> list[str]:
 class Access:
     """What a client presents to one server: the control key (None: control calls go without one), and TLS
     files (PEM paths): ``tls_ca`` verifies the server, ``tls_cert``/``tls_key`` are the client's own for mutual
-    TLS. ``key_source`` says where the key came from, for an error message (never the key itself)."""
+    TLS. ``key_source`` says where the key came from, for an error message (never the key itself); ``withheld``,
+    why a key that was found was not presented here; ``insecure``: the user allows the key over plaintext to a
+    server that is not on this machine (--insecure-key)."""
 
     key: Optional[str] = None
     tls_ca: Optional[str] = None
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
     key_source: str = ""
+    withheld: str = ""
+    insecure: bool = False
 
     @property
     def tls(self) -> bool:
         return bool(self.tls_ca or self.tls_cert)
+
+    def check_transport(self, url: str) -> None:
+        """ConfigError, before any connection, where the key would cross the network in plaintext: a server that
+        is not on this machine, without TLS, unless ``insecure``."""
+        if self.key and not self.tls and not self.insecure and not is_loopback(url):
+            raise ConfigError(
+                f"{url} is not on this machine and is spoken to without TLS, so its control key ({self.key_source}) "
+                "would cross the network in plaintext; give the server's CA with --tls-ca, go through a tunnel "
+                "to a loopback address (ssh -L, kubectl port-forward), or say --insecure-key"
+            )
 
     def grpc_headers(self) -> Optional[dict[str, str]]:
         """The metadata a control call carries (None without a key)."""
@@ -80,30 +98,65 @@ def _read(path: Optional[str], flag: str) -> Optional[bytes]:
 _given: dict[str, Access] = {}  # url -> what this process was told to present there (flags, a server it started)
 
 
+def canonical(url: str) -> str:
+    """``url`` (HOST:PORT) with this machine's names for itself as one spelling: localhost is 127.0.0.1."""
+    host, _, port = url.rpartition(":")
+    host = host.strip("[]")
+    return f"{'127.0.0.1' if host.lower() == 'localhost' else host}:{port}"
+
+
+def is_loopback(url: str) -> bool:
+    """Whether the server at ``url`` is on this machine, reached over loopback."""
+    host = canonical(url).rpartition(":")[0]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified  # 0.0.0.0 and :: reach this machine's own servers
+
+
 def remember(url: str, access: Access) -> None:
     """Present ``access`` to the server at ``url`` from now on in this process (the CLI's flags, or a server
     this process started)."""
-    _given[url] = access
+    _given[canonical(url)] = access
 
 
 def forget(url: str) -> None:
-    _given.pop(url, None)
+    _given.pop(canonical(url), None)
 
 
 def access_for(url: str) -> Access:
     """What a client of ``url`` presents: what this process was given for it, else a key from
     $TORCHSHIP_TRITON_KEY or the file $TORCHSHIP_TRITON_KEY_FILE names, else the key file that a torchship
-    serve on this machine keeps for that address, else nothing."""
-    if url in _given:
-        return _given[url]
+    serve on this machine keeps for that address, else nothing. A key is presented only to the server it was
+    made for: the one its file names (``server: HOST:PORT``), else the one $TORCHSHIP_TRITON_KEY_SERVER names,
+    else, for a key that names none, a server on this machine."""
+    if canonical(url) in _given:
+        return _given[canonical(url)]
     if os.environ.get(KEY_ENV):
-        return Access(key=os.environ[KEY_ENV].strip(), key_source=f"${KEY_ENV}")
+        found = Access(key=os.environ[KEY_ENV].strip(), key_source=f"${KEY_ENV}")
+        return bound(found, url, os.environ.get(KEY_SERVER_ENV) or None)
     if os.environ.get(KEY_FILE_ENV):
-        return Access(key=read_key(os.environ[KEY_FILE_ENV]), key_source=os.environ[KEY_FILE_ENV])
+        path = os.environ[KEY_FILE_ENV]
+        key, server = read_key_file(path)
+        return bound(Access(key=key, key_source=path), url, server or os.environ.get(KEY_SERVER_ENV) or None)
     path = key_path(url)
     if path.exists():
-        return Access(key=read_key(path), key_source=str(path))
+        key, server = read_key_file(path)
+        return bound(Access(key=key, key_source=str(path)), url, server)
     return Access()
+
+
+def bound(found: Access, url: str, server: Optional[str]) -> Access:
+    """``found`` where ``url`` is the server its key was made for (``server``; None: any on this machine), else
+    no key, saying why."""
+    if (server is None and is_loopback(url)) or (server is not None and canonical(server) == canonical(url)):
+        return found
+    made_for = f"the server at {server}" if server else "servers on this machine"
+    return Access(
+        withheld=f"the key from {found.key_source} is for {made_for}, so it was not sent to {url} (name the server "
+        f"with ${KEY_SERVER_ENV}, or give its key with --key-file FILE)"
+    )
 
 
 def with_flags(
@@ -112,16 +165,22 @@ def with_flags(
     tls_ca: Optional[str] = None,
     tls_cert: Optional[str] = None,
     tls_key: Optional[str] = None,
+    insecure_key: bool = False,
 ) -> Access:
     """The access a client command's flags ask for at ``url``, remembered for this process: --key-file over
-    the defaults of access_for(), and the TLS files. ConfigError naming the flag when one is unusable."""
+    the defaults of access_for(), the TLS files and --insecure-key. ConfigError naming the flag when one is
+    unusable, and before any connection where the key would go to another machine in plaintext."""
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("--tls-cert and --tls-key go together (a client certificate and its private key)")
     base = access_for(url)
     if key_file:
-        base = Access(key=read_key(key_file, "--key-file"), key_source=key_file)
+        key, server = read_key_file(key_file, "--key-file")
+        if server and canonical(server) != canonical(url):
+            raise ConfigError(f"--key-file {key_file}: the key is for the server at {server}, not {url}")
+        base = Access(key=key, key_source=key_file)
     check_files({"--tls-ca": tls_ca, "--tls-cert": tls_cert, "--tls-key": tls_key})
-    access = replace(base, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+    access = replace(base, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, insecure=bool(insecure_key))
+    access.check_transport(url)
     remember(url, access)
     return access
 
@@ -135,13 +194,20 @@ def check_files(paths: dict[str, Optional[str]]) -> None:
 
 def read_key(path: str | Path, flag: str = "the key file") -> str:
     """The key in ``path`` (its first line); ConfigError naming ``flag`` when it cannot be read or is empty."""
+    return read_key_file(path, flag)[0]
+
+
+def read_key_file(path: str | Path, flag: str = "the key file") -> tuple[str, Optional[str]]:
+    """(the key in ``path``, its first line; the server it names on a ``server: HOST:PORT`` line, or None);
+    ConfigError naming ``flag`` when it cannot be read or holds no key."""
     try:
-        key = Path(path).read_text().strip().splitlines()
+        lines = [line.strip() for line in Path(path).read_text().strip().splitlines()]
     except OSError as e:
         raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from None
-    if not key or not key[0].strip():
+    if not lines or not lines[0]:
         raise ConfigError(f"{flag} {path}: it is empty")
-    return key[0].strip()
+    server = next((line[len(SERVER_LINE) :].strip() for line in lines[1:] if line.startswith(SERVER_LINE)), None)
+    return lines[0], server or None
 
 
 def key_dir() -> Path:
@@ -151,13 +217,13 @@ def key_dir() -> Path:
 
 
 def key_path(url: str) -> Path:
-    """The key file of the server at ``url`` (HOST:PORT)."""
-    return key_dir() / (url.replace("[", "").replace("]", "").replace(":", "_") + ".key")
+    """The key file of the server at ``url`` (HOST:PORT), one for both spellings of loopback."""
+    return key_dir() / (canonical(url).replace(":", "_") + ".key")
 
 
 def write_key(url: str, key: str) -> Path:
     """Write ``key`` for the server at ``url`` into a file only this user can read (written whole, then renamed
-    into place); ServerError when the folder is not this user's alone."""
+    into place), naming the server it is for; ServerError when the folder is not this user's alone."""
     d = key_dir()
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = d.stat()
@@ -168,7 +234,7 @@ def write_key(url: str, key: str) -> Path:
             "XDG_RUNTIME_DIR to a private folder"
         )
     prune_keys(d)
-    return atomic_write_text(key_path(url), key + "\n", mode=0o600)
+    return atomic_write_text(key_path(url), f"{key}\n{SERVER_LINE} {canonical(url)}\n", mode=0o600)
 
 
 PRUNE_AFTER_S = 600.0  # a key file younger than this may be a server still starting, whose port is not open yet
@@ -193,6 +259,8 @@ def prune_keys(folder: Path) -> None:
 
 def refusal_hint(url: str, access: Access) -> str:
     """What to do when the server at ``url`` refused a control call for want of its key."""
+    if access.withheld:
+        return f"the server at {url} answers model control only to its key; {access.withheld}"
     if access.key:
         return (
             f"the server at {url} refused the key from {access.key_source}: it is not this server's (a torchship "
@@ -205,7 +273,7 @@ def refusal_hint(url: str, access: Access) -> str:
     )
 
 
-ACCESS_FLAGS = ("key_file", "tls_ca", "tls_cert", "tls_key")
+ACCESS_FLAGS = ("key_file", "tls_ca", "tls_cert", "tls_key", "insecure_key")
 
 
 def add_access_arguments(p) -> None:
@@ -231,6 +299,11 @@ def add_access_arguments(p) -> None:
         help="with --tls-key: this client's certificate, for a server that asks for one (--tls-client-ca)",
     )
     g.add_argument("--tls-key", default=None, metavar="PEM", help="with --tls-cert: its private key")
+    g.add_argument(
+        "--insecure-key",
+        action="store_true",
+        help="send the control key to a server on another machine without TLS, in plaintext (refused otherwise)",
+    )
 
 
 def access_from_arguments(ns, url: Optional[str]) -> Optional[Access]:

@@ -26,6 +26,7 @@ class TritonClient:
         self.url = url
         self.timeout_s = timeout_s
         self.access = access if access is not None else access_for(url)
+        self.access.check_transport(url)  # before any connection
         self.client = grpcclient.InferenceServerClient(
             url, channel_args=CHANNEL_OPTIONS, creds=self.access.credentials()
         )

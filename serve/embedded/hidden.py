@@ -14,18 +14,19 @@ from typing import Optional
 
 SOURCE = Path(__file__).with_name("hidden_args.c")
 ARGS_ENV = "TORCHSHIP_HIDDEN_ARGS"  # read by hidden_args.c
+USER_PRELOAD_ENV = "TORCHSHIP_USER_PRELOAD"  # the user's own LD_PRELOAD, put back by hidden_args.c for the children
 
 
-def shim(folder: Path) -> Optional[Path]:
-    """hidden_args.c built into ``folder`` (a private folder of this user's), once per source; None where no C
-    compiler is found or the build fails."""
+def shim(folder: Path) -> tuple[Optional[Path], str]:
+    """(hidden_args.c built into ``folder``, a private folder of this user's, once per source; "") or, where it
+    cannot be built, (None, why in words)."""
     source = SOURCE.read_bytes()
     out = folder / f"hidden-args-{hashlib.sha256(source).hexdigest()[:16]}.so"
     if out.exists():
-        return out
+        return out, ""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
-        return None
+        return None, "no C compiler (cc) is here to build"
     fd, tmp = tempfile.mkstemp(prefix=".hidden-args-", suffix=".so", dir=folder)
     os.close(fd)
     try:
@@ -33,9 +34,10 @@ def shim(folder: Path) -> Optional[Path]:
             [cc, "-shared", "-fPIC", "-O2", "-o", tmp, str(SOURCE), "-ldl"], capture_output=True, text=True
         )
         if r.returncode != 0:
-            return None
+            said = next((line.strip() for line in r.stderr.splitlines() if "error" in line), r.stderr.strip())
+            return None, f"the C compiler {cc} failed to build ({said[:200] or f'exit code {r.returncode}'})"
         os.replace(tmp, out)
-        return out
+        return out, ""
     finally:
         Path(tmp).unlink(missing_ok=True)
 
@@ -44,13 +46,14 @@ def hide(args: list[str], folder: Path, env: dict[str, str]) -> tuple[list[str],
     """Arrange for tritonserver to receive ``args`` without them showing in its command line: they go into a
     file only this user can read (removed by the server once read), and ``env`` gets the preloaded library
     that hands them over. Returns (what is still to be added to the command line, the file); where no C
-    compiler can build the library, ``args`` themselves, with one line on stderr saying what that exposes."""
-    lib = shim(folder)
+    compiler can build the library, ``args`` themselves, with one line on stderr saying why and what that exposes.
+    The user's own LD_PRELOAD reaches the server's children as it was."""
+    lib, why = shim(folder)
     if lib is None:
         print(
-            "torchship serve: no C compiler (cc) here to build the helper that keeps the control key out of the "
-            "process list, so tritonserver's command line carries it and other users of this machine can read it "
-            "there; install one (apt-get install gcc) to keep it private",
+            f"torchship serve: {why} the helper that keeps the control key out of the process list, so "
+            "tritonserver's command line carries it and other users of this machine can read it there; install a "
+            "working C compiler (apt-get install gcc) to keep it private",
             file=sys.stderr,
             flush=True,
         )
@@ -58,6 +61,30 @@ def hide(args: list[str], folder: Path, env: dict[str, str]) -> tuple[list[str],
     fd, path = tempfile.mkstemp(prefix=".server-args-", dir=folder)  # mode 600
     with os.fdopen(fd, "w") as f:
         f.write("".join(a + "\n" for a in args))
-    env["LD_PRELOAD"] = " ".join(p for p in (str(lib), env.get("LD_PRELOAD", "")) if p)
+    env[USER_PRELOAD_ENV] = env.get("LD_PRELOAD", "")
+    env["LD_PRELOAD"] = " ".join(p for p in (str(lib), env[USER_PRELOAD_ENV]) if p)
     env[ARGS_ENV] = path
     return [], Path(path)
+
+
+def check_restricted(client) -> None:
+    """ServerError unless the server behind ``client`` (a TritonClient) refuses a control call made without its
+    key: the restriction did not take effect (the preloaded helper skipped, say), and the server must not serve."""
+    from dataclasses import replace
+
+    from torchship.errors import AccessError, ServerError
+
+    from ..client import TritonClient
+
+    keyless = TritonClient(client.url, timeout_s=10.0, access=replace(client.access, key=None))
+    try:
+        keyless._call("repository index", keyless.client.get_model_repository_index)
+    except AccessError:
+        return
+    finally:
+        keyless.close()
+    raise ServerError(
+        f"the server at {client.url} answered a control call without its key: the restriction on model control "
+        "did not take effect (were the server's hidden arguments lost on the way, LD_PRELOAD skipped?); "
+        "it was stopped rather than served open"
+    )

@@ -23,7 +23,7 @@ from torchship.runtime import version_file_problems
 from ..access import Access, forget, remember, restricted_flags, write_key
 from ..config import ServeConfig
 from ..model_config import CONFIG, EMBEDDED_CONFIG, read_config, repository_models, served_config_path, versions
-from .hidden import hide
+from .hidden import check_restricted, hide
 from .process import dying_with_parent, free_ports, listens_on, port_in_use, start_child
 from .shutdown import EXIT_TIMEOUT_S, live_at_exit, loaded_models, stall_note, unload_stalled
 from .wheel import backend_dir, private_dir, server_env, triton_home
@@ -113,6 +113,7 @@ class TritonServer:
             tls_ca=(cfg.tls_ca or cfg.tls_cert) if cfg.tls_cert else None,
             tls_cert=cfg.tls_own_cert,
             tls_key=cfg.tls_own_key,
+            insecure=True,  # this machine's own server, at whichever of its addresses --host names
         )
 
     def command(self) -> list[str]:
@@ -256,6 +257,7 @@ class TritonServer:
                 if time.monotonic() > deadline:
                     raise ServerError(f"tritonserver not live after {self.cfg.ready_timeout:.0f}s:\n{self.log_tail()}")
                 time.sleep(0.1)
+            check_restricted(client)  # fails closed: a server whose control plane answers without the key stops
             names = list(self.cfg.models or repository_models(self.repo))
             # an ensemble after the models in it: loading it first makes Triton load them itself, each from its
             # config.pbtxt, which may be the container's (torch_aoti) rather than the embedded.pbtxt it runs here

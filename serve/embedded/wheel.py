@@ -15,6 +15,8 @@ from pathlib import Path
 
 from torchship.errors import ServerError
 
+from ..access import KEY_ENVS
+
 BACKENDS_SRC = Path(__file__).resolve().parents[1] / "backends"
 RUNTIME_SRC = Path(__file__).resolve().parents[2] / "torchship" / "runtime.py"
 # Python-based stand-ins for Triton's native backends the wheel lacks, and torchship's no-op model
@@ -83,8 +85,9 @@ def backend_dir() -> Path:
 
 
 def private_dir() -> Path:
-    """This user's folder for what the server runs (the backends, the helper of hidden.py), under the temp
-    folder: created mode 700, and refused unless it is this user's alone, since code put there runs inside the
+    """This user's folder for what the server runs (the backends, the helper of hidden.py, the file that hands
+    the key over), under the temp folder: created mode 700, closed to others where only they could read it, and
+    refused where it is another user's or others could write to it, since code put there runs inside the
     server."""
     d = Path(tempfile.gettempdir()) / f"torchship-backends-{os.getuid()}"
     try:
@@ -92,7 +95,11 @@ def private_dir() -> Path:
     except FileExistsError:
         pass
     info = d.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o022:
+    mine = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+    if mine and stat.S_IMODE(info.st_mode) & 0o077 and not stat.S_IMODE(info.st_mode) & 0o022:
+        d.chmod(0o700)  # ours, and no one else could have put anything in it: closed to others from now on
+        info = d.lstat()
+    if not mine or stat.S_IMODE(info.st_mode) & 0o077:
         raise ServerError(
             f"{d} holds the code the server runs, and it is not this user's alone (owner uid "
             f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}); remove it, or set TMPDIR to a private "
@@ -119,5 +126,7 @@ def server_env() -> dict[str, str]:
     )
     env["PATH"] = os.pathsep.join((str(Path(sys.prefix) / "bin"), env.get("PATH", "")))
     env.pop("PYTHONPATH", None)
+    for name in KEY_ENVS:  # the server has its key from its arguments; the backends run model code
+        env.pop(name, None)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env

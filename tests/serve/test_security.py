@@ -18,7 +18,7 @@ from serve.config import ServeConfig
 from serve.embedded import TritonServer, describe
 from tests.conftest import ROOT, run_cli
 from tests.helpers import plant_attacks
-from torchship.errors import AccessError
+from torchship.errors import AccessError, ServerError
 
 VICTIM = "tiny_cnn_onnx"
 
@@ -62,16 +62,55 @@ def test_with_the_key_the_same_calls_are_accepted(repo, tmp_path):
     }, answers
 
 
-@pytest.mark.slow
-def test_an_open_control_plane_lets_the_attack_through(repo, tmp_path, monkeypatch):
-    """The planted fault: a server started without the restriction takes every call, code and unload included."""
+@pytest.mark.parametrize("fault", ["no restriction flags", "the helper not preloaded"])
+def test_a_server_that_answers_control_without_the_key_does_not_start(repo, fault, monkeypatch):
+    """Fails closed: once live, each start makes one control call without the key, and a server that answers it
+    (started without the restriction, or with the helper that hands it over skipped) is stopped, in one line."""
     import serve.embedded.server as embedded
 
-    monkeypatch.setattr(embedded, "restricted_flags", lambda key: [])
-    with TritonServer(ServeConfig(repo=str(repo), models=(VICTIM,), heal=False)).start() as s:
-        answers, ran, _ = attack(s, tmp_path)
-    assert ran and "restricted" not in answers.values(), answers
-    assert sum(a == "accepted" for a in answers.values()) == 6, answers
+    if fault == "no restriction flags":
+        monkeypatch.setattr(embedded, "restricted_flags", lambda key: [])
+    else:
+        real = embedded.hide
+
+        def skipped(args, folder, env):
+            out = real(args, folder, env)
+            env.pop("LD_PRELOAD", None)  # as a loader that ignores the preload would leave it
+            return out
+
+        monkeypatch.setattr(embedded, "hide", skipped)
+    server = TritonServer(ServeConfig(repo=str(repo), models=(VICTIM,), heal=False))
+    with pytest.raises(ServerError, match="answered a control call without its key") as e:
+        server.start()
+    assert len(str(e.value).splitlines()) == 1 and not server.running
+
+
+def test_the_helper_hands_over_every_argument_and_keeps_the_users_preload(tmp_path):
+    """hidden_args.c on its own, in a program named tritonserver: all of 70 hidden arguments arrive after the
+    visible ones, the file is removed, and the children see the user's own LD_PRELOAD and none of torchship's
+    variables; an unreadable file stops the program before main, saying why."""
+    from serve.embedded import hidden
+
+    lib, why = hidden.shim(tmp_path)
+    if lib is None:
+        pytest.skip(why)
+    prog = tmp_path / "tritonserver"
+    prog.symlink_to(os.path.realpath(sys.executable))
+    code = (
+        "import os, sys, json; "
+        "print(json.dumps([sys.argv[1:], {k: v for k, v in os.environ.items() if 'PRELOAD' in k or 'TORCHSHIP' in k}]))"
+    )
+    args = [f"--hidden-{i}=x" for i in range(70)]
+    env = {"PATH": os.environ["PATH"], "LD_PRELOAD": "libm.so.6"}
+    shown, path = hidden.hide(args, tmp_path, env)
+    r = subprocess.run([str(prog), "-c", code, "--shown"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    argv, seen = json.loads(r.stdout)
+    assert shown == [] and argv == ["--shown", *args] and not path.exists()
+    assert seen == {"LD_PRELOAD": "libm.so.6"}, seen
+    env[hidden.ARGS_ENV] = str(tmp_path / "absent")
+    r = subprocess.run([str(prog), "-c", "print('ran')"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "ran" not in r.stdout and "not starting without them" in r.stderr, r.stderr
 
 
 def test_the_key_stays_out_of_sight(server):
@@ -82,7 +121,8 @@ def test_the_key_stays_out_of_sight(server):
         assert server.key.encode() not in open(f"/proc/{pid}/cmdline", "rb").read(), pid
     info = os.stat(server.key_file)
     assert stat.S_IMODE(info.st_mode) == 0o600 and stat.S_IMODE(os.stat(server.key_file.parent).st_mode) == 0o700
-    assert server.key_file == key_path(server.url) and server.key_file.read_text().strip() == server.key
+    assert server.key_file == key_path(server.url) == key_path(server.url.replace("127.0.0.1", "localhost"))
+    assert server.key_file.read_text().splitlines() == [server.key, f"server: {server.url}"]
     assert server._hidden_args is not None and not server._hidden_args.exists()  # read by the server, then removed
     admin = TritonClient(server.url)
     admin.client.update_log_settings({"log_verbose_level": 1}, headers=admin.control_headers)
@@ -196,35 +236,79 @@ def test_tls_options_are_checked_at_the_boundary(tmp_path):
     assert ServeConfig().tls_flags() == []
 
 
-def test_without_a_compiler_the_key_goes_on_the_command_line_with_a_warning(tmp_path, monkeypatch, capsys):
-    """Both branches of hide(): the helper built by cc takes the arguments off the command line; with no
-    compiler found they stay on it, and one line says what that exposes."""
+def test_without_a_working_compiler_the_key_goes_on_the_command_line_with_a_warning(tmp_path, monkeypatch, capsys):
+    """The branches of hide(): the helper built by cc takes the arguments off the command line; where no
+    compiler is found, or the one found fails, they stay on it, and one line says which and what that exposes."""
     from serve.embedded import hidden
 
     env: dict[str, str] = {}
     shown, path = hidden.hide(["--secret=1"], tmp_path, env)
     assert shown == [] and path.read_text() == "--secret=1\n" and oct(path.stat().st_mode)[-3:] == "600"
     assert env[hidden.ARGS_ENV] == str(path) and env["LD_PRELOAD"].endswith(".so")
+    monkeypatch.setenv("CC", "false")  # a compiler that exists but cannot build (gcc without libc headers, say)
+    (tmp_path / "bad-cc").mkdir()
+    env = {}
+    shown, path = hidden.hide(["--secret=1"], tmp_path / "bad-cc", env)
+    assert shown == ["--secret=1"] and path is None and env == {}
+    err = capsys.readouterr().err
+    assert "failed to build" in err and "no C compiler" not in err and "other users of this machine can" in err, err
     monkeypatch.setattr(hidden.shutil, "which", lambda name: None)
     (tmp_path / "no-cc").mkdir()
-    env = {}
     shown, path = hidden.hide(["--secret=1"], tmp_path / "no-cc", env)
     assert shown == ["--secret=1"] and path is None and env == {}
-    assert "other users of this machine can read it" in capsys.readouterr().err
+    assert "no C compiler (cc)" in capsys.readouterr().err
 
 
-def test_a_backend_folder_others_can_write_is_refused(tmp_path, monkeypatch):
-    """The server runs the code in that folder (and preloads the helper from it): one that another user made
-    or can write to is refused, naming it."""
+def test_a_backend_folder_others_can_open_is_refused(tmp_path, monkeypatch):
+    """The server runs the code in that folder (and preloads the helper from it): one that others can only read
+    is closed to them, one that another user made or can write to is refused, naming it."""
     from serve.embedded import wheel
-    from torchship.errors import ServerError
 
     monkeypatch.setattr(wheel.tempfile, "gettempdir", lambda: str(tmp_path))
     d = wheel.private_dir()
     assert oct(d.stat().st_mode)[-3:] == "700"
-    d.chmod(0o777)
+    d.chmod(0o755)  # ours, readable by others: closed
+    assert wheel.private_dir() == d and oct(d.stat().st_mode)[-3:] == "700"
+    d.chmod(0o777)  # others could have put code in it: refused
     with pytest.raises(ServerError, match="not this user's alone"):
         wheel.private_dir()
+
+
+def test_a_key_goes_only_to_the_server_it_was_made_for_and_never_in_plaintext_off_this_machine(
+    tmp_path, monkeypatch, capsys
+):
+    """A key file names its server; both spellings of loopback find one file; a key from the environment goes to a
+    server on this machine or to the one $TORCHSHIP_TRITON_KEY_SERVER names; a key for a server on another
+    machine without TLS is refused before any connection (192.0.2.1 is a documentation address: nothing is
+    sent), unless --insecure-key."""
+    import serve.access as access
+    from torchship.errors import ConfigError
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    for name in access.KEY_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    access.write_key("localhost:5001", "local")
+    assert access.access_for("127.0.0.1:5001").key == "local" and access.access_for("127.0.0.1:5002").key is None
+    monkeypatch.setenv(KEY_ENV, "from-env")
+    assert access.access_for("127.0.0.1:5003").key == "from-env"
+    far = "192.0.2.1:8001"
+    withheld = access.access_for(far)
+    assert withheld.key is None and "not sent to 192.0.2.1:8001" in access.refusal_hint(far, withheld)
+    monkeypatch.setenv(access.KEY_SERVER_ENV, far)
+    assert access.access_for(far).key == "from-env" and access.access_for("127.0.0.1:5003").key is None
+    with pytest.raises(ConfigError, match="plaintext.*--insecure-key"):
+        TritonClient(far)
+    TritonClient(far, access=access.Access(key="k", insecure=True)).close()  # allowed when asked; never called
+    other = tmp_path / "other.key"
+    other.write_text("k\nserver: 127.0.0.1:9\n")
+    with pytest.raises(ConfigError, match="is for the server at 127.0.0.1:9, not 127.0.0.1:5003"):
+        access.with_flags("127.0.0.1:5003", key_file=str(other))
+    given = tmp_path / "given.key"
+    given.write_text("k\n")
+    capsys.readouterr()
+    assert run_cli("rollback", tmp_path, "--url", "192.0.2.1:8002", "--key-file", given) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--insecure-key" in err, err
 
 
 def test_the_key_files_of_servers_that_are_gone_are_removed(tmp_path, monkeypatch):
@@ -237,15 +321,40 @@ def test_the_key_files_of_servers_that_are_gone_are_removed(tmp_path, monkeypatc
     old = time.time() - access.PRUNE_AFTER_S - 1
     os.utime(gone, (old, old))
     access.write_key("127.0.0.1:1", "new")  # a start prunes what nothing listens for any more
-    assert not gone.exists() and access.key_path("127.0.0.1:1").read_text() == "new\n"
+    assert not gone.exists() and access.read_key(access.key_path("127.0.0.1:1")) == "new"
     # a file written a moment ago may be a server still starting, not listening yet: kept
-    assert starting.read_text() == "starting\n"
+    assert access.read_key(starting) == "starting"
 
 
 @pytest.mark.slow
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, by the parent each names in /proc."""
+    parent = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat_file.parent.name)] = int(stat_file.read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError):
+            continue
+    below, todo = [], [pid]
+    while todo:
+        up = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == up]
+        below += kids
+        todo += kids
+    return below
+
+
+def environ(pid: int) -> bytes:
+    try:
+        return open(f"/proc/{pid}/environ", "rb").read()
+    except FileNotFoundError:
+        return b""
+
+
 def test_torchship_serve_refuses_the_attack_and_removes_its_key_when_it_stops(repo, tmp_path):
     """torchship serve as a user starts it, in a process of its own: the planted attacks are refused, the key file
-    it prints is its user's alone, and it is gone once the server stops."""
+    it prints is its user's alone, a key in the user's environment reaches neither tritonserver nor the backends,
+    and the key file is gone once the server stops."""
     from serve.embedded.process import free_ports
 
     grpc, http = free_ports(n=2)
@@ -267,6 +376,7 @@ def test_torchship_serve_refuses_the_attack_and_removes_its_key_when_it_stops(re
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, KEY_ENV: "a-key-of-the-users"},
     )
     try:
         lines, deadline = [], time.monotonic() + 120
@@ -279,8 +389,10 @@ def test_torchship_serve_refuses_the_attack_and_removes_its_key_when_it_stops(re
         marker = tmp_path / "marker"
         answers = plant_attacks(f"127.0.0.1:{grpc}", f"127.0.0.1:{http}", marker, tmp_path / "log", VICTIM)
         assert set(answers.values()) == {"restricted"} and not marker.exists(), answers
-        key = key_file.read_text().strip()
+        key = key_file.read_text().splitlines()[0]
         assert key.encode() not in open(f"/proc/{proc.pid}/cmdline", "rb").read()
+        below = descendants(proc.pid)  # tritonserver and its backend stubs, which run model code
+        assert len(below) >= 2 and all(b"TORCHSHIP_TRITON_KEY" not in environ(pid) for pid in below), below
         assert all(key not in line for line in lines)
     finally:
         proc.send_signal(signal.SIGINT)
