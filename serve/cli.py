@@ -106,10 +106,8 @@ def repo_build(ns: argparse.Namespace) -> int:
     print(f"repository {res['path']}: " + ", ".join(f"{m} ({f})" for f, m in res["models"].items()))
     if res["not_served"]:
         print(f"not served: {not_served_text(ns.export_dir, res['not_served'])}")
-    from .entries import TEXT_SUFFIX
-
     entry = res.get("entry")
-    if entry and entry.endswith(TEXT_SUFFIX):
+    if res.get("entry_kind") == "text":
         print(
             f"text entry: {entry} takes a text's UTF-8 bytes (UINT8) and tokenizes it in the server: "
             f'torchship infer --url HOST:PORT --model {entry} --text "..."'

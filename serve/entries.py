@@ -16,6 +16,7 @@ from typing import Any
 from tritonclient.grpc import model_config_pb2 as mc
 
 from torchship.errors import ConfigError
+from torchship.imageio import MAX_BYTES, MAX_PIXELS
 from torchship.io import atomic_write_text, sha256_file
 from torchship.runtime import PROVENANCE
 
@@ -112,7 +113,8 @@ def write_image_entry(
     check_image_model(manifest)
     entry = entry_of(manifest)
     tensor = manifest["inputs"][0]
-    pre = _pre_config(entry, max_batch, cores, {"preprocessing": json.dumps(manifest["preprocessing"])})
+    limits = {"max_pixels": str(MAX_PIXELS), "max_bytes": str(MAX_BYTES)}  # editable in its config.pbtxt
+    pre = _pre_config(entry, max_batch, cores, {"preprocessing": json.dumps(manifest["preprocessing"]), **limits})
     pre.output.add(name=tensor["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in tensor["shape"][1:]])
     _write_pre(repo, pre, version, CARRIED)
     _write_ensemble(repo, manifest, entry, target, [tensor["name"]], max_batch, version)

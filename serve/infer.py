@@ -91,7 +91,7 @@ def run_infer(ns: InferConfig) -> int:
     return 0
 
 
-def is_image_model(cfg: dict[str, Any]) -> bool:
+def takes_image_arrays(cfg: dict[str, Any]) -> bool:
     """One float input laid out NCHW (what image files and .npy arrays are sent to), or an image entry."""
     ins = cfg["input"]
     return (
@@ -229,9 +229,9 @@ def _npz_request(p: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
 def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, dict[str, np.ndarray], Any]]:
     """(name, feeds by input name, true label or None) per request: image files and .npy rows one row per
     request (image models), .npz files one request each, --heldout samples one each."""
-    from torchship.images import load_image_file
+    from torchship.imageio import decode_image
 
-    image = is_image_model(cfg)
+    image = takes_image_arrays(cfg)
     dims = [int(d) for d in cfg["input"][0]["dims"]]
     chw = dims[1:] if int(cfg.get("max_batch_size", 0)) == 0 else dims
     first = input_names(cfg)[0]
@@ -263,7 +263,11 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
                 )
             out += [(f"{p.name}[{i}]", {first: row[None].astype(np.float32)}, None) for i, row in enumerate(arr)]
         else:
-            out.append((p.name, {first: load_image_file(p, chw[-1])[None]}, None))
+            try:  # 8-bit pixels / 255 at the model's own height and width, as the ImageFolder data set reads them
+                x = decode_image(p.read_bytes(), {"image_size": chw[-2:], "source_scale": "pixel / 255"})
+            except ValueError as e:
+                raise ShapeError(f"{p}: {e}") from None
+            out.append((p.name, {first: x[None]}, None))
     if heldout is not None:
         from torchship.manifest import read_reference, reference_inputs, sample_set
 
@@ -285,7 +289,7 @@ def _send_all(client, model: str, cfg: dict[str, Any], requests, ns) -> list:
     """(every output by name or None, the classification rows or None) per request: an image model answers
     with its top-k classes alone; any other with every output, plus the top-k of its first output when that
     output has class labels."""
-    image, labelled = is_image_model(cfg), bool(cfg["output"][0].get("label_filename"))
+    image, labelled = takes_image_arrays(cfg), bool(cfg["output"][0].get("label_filename"))
 
     def one(feeds, stream=None):
         top = client.classify(model, feeds, ns.top_k, ns.version, stream) if image or labelled else None

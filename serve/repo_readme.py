@@ -12,7 +12,7 @@ from torchship.parity import gate_words
 
 from .access import restricted_flags
 from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, RepoConfig
-from .entries import TEXT_SUFFIX
+from .entries import Entry
 from .model_config import TENSOR_NAMES, aoti_tensor_names
 
 KEY_PLACEHOLDER = "KEY"  # where the README's docker command puts the key it reads
@@ -44,10 +44,10 @@ KEY_LINE = (
 
 
 def render_readme(
-    manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True, entry: str | None = None
+    manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True, raw: Entry | None = None
 ) -> str:
     """The repository's README.md: its models, tensors, how each server runs them, and the container's command.
-    ``entry``: the raw entry's name, where the repository has one (its preprocessing needs Pillow, or tokenizers)."""
+    ``raw``: the raw entry, where the repository has one (its preprocessing needs Pillow, or tokenizers)."""
     pre = manifest.get("preprocessing")
     dims = manifest.get("dims", {})
     tensors = [
@@ -94,23 +94,24 @@ def render_readme(
     )
     flags = " ".join(f.replace(KEY_PLACEHOLDER, "$K") for f in restricted_flags(KEY_PLACEHOLDER))
     image, build, entry_note = TRITON_IMAGE, "", ""
-    if entry:
+    entry = raw.name if raw else None
+    if raw:
         image = IMAGES_TAG
         build = f"docker build -f deploy/triton-images.Dockerfile -t {IMAGES_TAG} deploy/  # from torchship's folder\n"
         entry_note = (
             (
                 f"\n\n`{entry}` takes a text as it is (a `TYPE_UINT8` vector of its UTF-8 bytes), tokenizes it in the "
-                f"server with the export's tokenizer, then runs the model behind it: an ensemble of `{entry}_pre` "
+                f"server with the export's tokenizer, then runs the model behind it: an ensemble of `{raw.pre}` "
                 f"(python backend, which tokenizes with the `tokenizers` package) and that model. The official image "
                 f"lacks that package, so the command runs `{IMAGES_TAG}`, the official image with it added; "
                 "`torchship repo --no-text-entry` builds the repository without the entry, for the official image as "
                 "it is."
             )
-            if entry.endswith(TEXT_SUFFIX)
+            if raw.kind == "text"
             else (
                 f"\n\n`{entry}` takes an image file as it is (a `TYPE_UINT8` vector of its bytes: JPEG, PNG, WebP, "
                 f"...) and prepares it in the server as training did, then runs the model behind it: an ensemble of "
-                f"`{entry}_pre` (python backend, which decodes with Pillow) and that model. The official image has no "
+                f"`{raw.pre}` (python backend, which decodes with Pillow) and that model. The official image has no "
                 f"Pillow, so the command runs `{IMAGES_TAG}`, the official image with Pillow added; `torchship repo "
                 "--no-image-entry` builds the repository without the entry, for the official image as it is."
             )

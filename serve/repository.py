@@ -37,7 +37,7 @@ from .config import (
     RepoConfig,
     placement,
 )
-from .entries import wants_image_entry, write_image_entry, write_text_entry
+from .entries import entry_of, wants_image_entry, write_image_entry, write_text_entry
 from .model_config import CONFIG, DTYPES, EMBEDDED_CONFIG, TENSOR_NAMES, aoti_tensor_names, config_dims, config_text
 from .repo_readme import render_readme
 from .servable import not_served, not_served_text, servable_formats, served_artifacts  # noqa: F401 (re-exported)
@@ -259,13 +259,13 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
         container_aoti = "aoti" not in formats or "aoti" in have
         gpu = kind == mc.ModelInstanceGroup.KIND_GPU
         (tmp / "README.md").write_text(
-            render_readme(manifest, names, formats, cfg, gpu, container_aoti, entries[-1] if entries else None)
+            render_readme(manifest, names, formats, cfg, gpu, container_aoti, entry_of(manifest) if entries else None)
         )
     return {
         "models": {f: names[f] for f in formats},
         "not_served": reasons,
         "path": str(out),
-        **({"entry": entries[-1]} if entries else {}),
+        **({"entry": entries[-1], "entry_kind": entry_of(manifest).kind} if entries else {}),
     }
 
 

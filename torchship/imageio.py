@@ -2,18 +2,20 @@
 prepared its images: the one decoder the ImageFolder data set and the served image entry both run. It needs
 numpy and Pillow only (not torch), so the server's preprocessing model can carry it as one file.
 
-Refuses, with the reason in words (ValueError): an empty request, bytes that are not an image Pillow reads, a
-truncated or damaged file, and an image of more than MAX_PIXELS pixels (a decompression bomb: a small file
-that decodes to gigabytes)."""
+Refuses, with the reason in words (ValueError): an empty request, a file of more than MAX_BYTES, bytes that are
+not an image Pillow reads, a truncated or damaged file, and an image of more than MAX_PIXELS pixels (a
+decompression bomb: a small file that decodes to gigabytes), whatever size Pillow's own limit says."""
 
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import numpy as np
 
 MAX_PIXELS = 100_000_000  # 100 megapixels: a phone's largest photos are about half of it
+MAX_BYTES = 64 << 20  # 64 MiB: a 100-megapixel JPEG is a tenth of it
 
 
 def source_scale(pre: dict[str, Any]) -> float:
@@ -37,23 +39,30 @@ def image_array(im, pre: dict[str, Any]) -> np.ndarray:
     return np.ascontiguousarray(np.repeat(np.clip(gray, 0.0, 1.0)[None], int(pre.get("channels", 3)), axis=0))
 
 
-def decode_image(data: bytes, pre: dict[str, Any], max_pixels: int = MAX_PIXELS) -> np.ndarray:
+def decode_image(
+    data: bytes, pre: dict[str, Any], max_pixels: int = MAX_PIXELS, max_bytes: int = MAX_BYTES
+) -> np.ndarray:
     """An encoded image file's bytes as the model's float32 CHW input (image_array); ValueError saying why
     where the bytes are not a usable image."""
     from PIL import Image, UnidentifiedImageError
 
     if not len(data):
         raise ValueError("the request holds no bytes: send the image file's contents")
+    if len(data) > max_bytes:
+        raise ValueError(f"{len(data)} bytes, more than the {max_bytes} this server takes in an image; send it smaller")
+    too_big = f"more than the {max_pixels / 1e6:g} megapixels this server decodes (a decompression bomb?)"
     try:
-        with Image.open(io.BytesIO(bytes(data))) as im:
-            w, h = im.size
-            if w * h > max_pixels:
-                raise ValueError(
-                    f"the image is {w} x {h} pixels, more than the {max_pixels / 1e6:g} megapixels "
-                    "this server decodes (a decompression bomb?); send it smaller"
-                )
-            im.load()
-            return image_array(im, pre)
+        with warnings.catch_warnings():  # the limit is max_pixels, not Pillow's warning
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(bytes(data))) as im:
+                w, h = im.size
+                if w * h > max_pixels:
+                    raise ValueError(f"the image is {w} x {h} pixels, {too_big}; send it smaller")
+                im.load()
+                return image_array(im, pre)
+    except Image.DecompressionBombError as e:  # beyond twice Pillow's own limit: refused inside open()
+        size = str(e).split(" pixels")[0].removeprefix("Image size (")
+        raise ValueError(f"the image is {size} pixels, {too_big}; send it smaller") from None
     except UnidentifiedImageError:
         raise ValueError(
             f"{len(data)} bytes that are not an image Pillow can read (send a JPEG, PNG, WebP, BMP, "

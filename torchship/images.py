@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import DataError
-from .imageio import image_array
+from .imageio import decode_image
 
 RAW_COUNT = 16  # held-out files kept as they are, for checks that start from the file a user sends
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
@@ -79,17 +79,10 @@ class ImageFolderDataset(Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
-
         path, label = self.files[i]
-        try:
-            with Image.open(path) as im:
-                chw = image_array(im, {"image_size": [self.image_size, self.image_size], "source_scale": "pixel / 255"})
-        except OSError as e:
-            raise DataError(f"cannot read image {path}: {e}") from None
+        pre = {"image_size": [self.image_size, self.image_size], "source_scale": "pixel / 255"}
+        try:  # the decoder the served image entry runs, limits included
+            chw = decode_image(Path(path).read_bytes(), pre)
+        except (OSError, ValueError) as e:
+            raise DataError(f"cannot read image {path}: {getattr(e, 'strerror', None) or e}") from None
         return torch.from_numpy(chw), label
-
-
-def load_image_file(path: str | Path, image_size: int) -> np.ndarray:
-    """One image file as a float32 CHW array in [0, 1], preprocessed as in training."""
-    return ImageFolderDataset([(str(path), 0)], image_size)[0][0].numpy()

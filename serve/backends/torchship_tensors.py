@@ -44,8 +44,9 @@ def to_triton(name, a):
 
 def answer_each(requests, model_name, input_name, prepare):
     """A raw entry's preprocessing, one request at a time: ``prepare`` takes a request's bytes (its UINT8 vector)
-    and returns its output arrays by name; a ValueError it raises becomes that request's error response, naming
-    the model, and the others go on."""
+    and returns its output arrays by name; whatever it raises becomes that request's error response, naming the
+    model (a ValueError says why in words; anything else, from a decoder, is named by its type), and the others
+    in the batch go on."""
     responses = []
     for r in requests:
         t = pb_utils.get_input_tensor_by_name(r, input_name)
@@ -53,9 +54,10 @@ def answer_each(requests, model_name, input_name, prepare):
             if t is None:
                 raise ValueError(f"missing input '{input_name}'")
             outputs = prepare(np.ascontiguousarray(to_numpy(t)).reshape(-1).tobytes())
-        except ValueError as e:
+        except Exception as e:  # one request's bad input never fails the batch it came in
+            why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             responses.append(
-                pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{model_name}: {e}"))
+                pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{model_name}: {why}"))
             )
             continue
         responses.append(

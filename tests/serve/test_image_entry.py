@@ -3,6 +3,7 @@ training prepared its images, the model's answer out; a request that is not a us
 
 import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -30,6 +31,22 @@ def png(a: np.ndarray, mode: str = "L") -> bytes:
     buf = io.BytesIO()
     Image.fromarray(a.astype(np.uint8), mode=mode).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def bomb() -> bytes:
+    """A 24 KB PNG that decodes to 200 megapixels."""
+    buf = io.BytesIO()
+    Image.new("1", (20000, 10000)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def entry_answer(url: str, data: bytes):
+    """The image entry's logits for one file, or "megapixels" where it refused it for its size."""
+    with TritonClient(url) as client:
+        try:
+            return client.infer_all(ENTRY, {"image": np.frombuffer(data, np.uint8)[None]})["logits"]
+        except ClientError as e:
+            return "megapixels" if "megapixels this server decodes" in str(e) else str(e)
 
 
 def truncated() -> bytes:
@@ -125,6 +142,24 @@ def test_the_decoder_prepares_a_file_exactly_as_training_did():
         )
 
 
+@pytest.mark.parametrize("mode", ["1", "P", "LA", "I;16", "CMYK", "RGB"])
+def test_every_pixel_mode_users_send_becomes_the_rgb_the_model_takes(mode):
+    """Palette, gray with alpha, 16-bit gray, CMYK, 1-bit and RGB files: each decoded as Pillow's own conversion
+    to RGB gives it, resized in 8 bits and / 255 (TIFF for CMYK, PNG for the rest)."""
+    rgb = {"image_size": [24, 20], "source_scale": "pixel / 255"}
+    photo = Image.fromarray(np.random.default_rng(2).integers(0, 256, (30, 40, 3), np.uint8))
+    gray16 = Image.fromarray((np.asarray(photo.convert("L"), np.uint16) * 200).astype("<u2"))
+    im = gray16 if mode == "I;16" else photo.convert(mode)
+    assert im.mode == mode
+    buf = io.BytesIO()
+    im.save(buf, format="TIFF" if mode == "CMYK" else "PNG")
+    got = decode_image(buf.getvalue(), rgb)
+    with Image.open(io.BytesIO(buf.getvalue())) as back:
+        want = np.asarray(back.convert("RGB").resize((20, 24), Image.BILINEAR), np.float32).transpose(2, 0, 1) / 255
+    assert got.shape == (3, 24, 20) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize(
     "data, why",
     [
@@ -132,11 +167,14 @@ def test_the_decoder_prepares_a_file_exactly_as_training_did():
         (b"not an image at all", "not an image Pillow can read"),
         (truncated(), "damaged or truncated"),
         (png(np.zeros((300, 400))), "300 pixels, more than the 0.1 megapixels"),  # max_pixels 100,000 below
+        (bomb(), "200000000 pixels, more than the 0.1 megapixels"),  # past Pillow's own limit
+        (b"\x89PNG" + bytes(200_000), "200004 bytes, more than the 100000"),  # max_bytes below
     ],
 )
 def test_bad_files_are_refused_with_the_reason(data, why):
     with pytest.raises(ValueError, match=why):
-        decode_image(data, {"image_size": [32, 32], "source_scale": "pixel / 255"}, max_pixels=100_000)
+        pre = {"image_size": [32, 32], "source_scale": "pixel / 255"}
+        decode_image(data, pre, max_pixels=100_000, max_bytes=100_000)
 
 
 @pytest.mark.slow
@@ -158,6 +196,14 @@ def test_the_served_entry_answers_as_the_model_does_on_trainings_preprocessing(i
                 client.infer_all(
                     ENTRY, {"image": np.frombuffer(data, np.uint8)[None] if data else np.zeros((1, 0), np.uint8)}
                 )
+        # a decompression bomb among 16 good files, all sent at once: the 16 are answered as before, the bomb alone
+        # is refused (Pillow refuses it inside open(), before the entry's own limit)
+        good = [png(d) for d in DIGITS] + [png(d) for d in DIGITS[:4]]
+        with ThreadPoolExecutor(17) as pool:
+            answers = list(pool.map(entry_answer, [s.url] * 17, good[:8] + [bomb()] + good[8:]))
+        assert [a for a in answers if isinstance(a, str)] == ["megapixels"], answers
+        served = np.concatenate([a for a in answers if not isinstance(a, str)])
+        np.testing.assert_allclose(served, raw[[*range(12), 0, 1, 2, 3]], atol=1e-5)
         # a 12-megapixel photo straight from a phone is served
         grad = np.linspace(0, 255, 4000, dtype=np.float32)
         big = np.dstack([np.tile(grad, (3000, 1))] * 3).astype(np.uint8)

@@ -17,14 +17,17 @@ class TritonPythonModel:
         self.name = args["model_name"]
         params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
         self.pre = json.loads(params["preprocessing"])
-        self.max_pixels = int(params.get("max_pixels") or 0) or None
+        # the limits torchship repo writes into this config (torchship_imageio's defaults where a config has none)
+        self.limits = {k: int(params[k]) for k in ("max_pixels", "max_bytes") if params.get(k)}
         self.input = cfg["input"][0]["name"]
         self.output = cfg["output"][0]["name"]
 
     def execute(self, requests):
-        kwargs = {"max_pixels": self.max_pixels} if self.max_pixels else {}
         return answer_each(
-            requests, self.name, self.input, lambda data: {self.output: decode_image(data, self.pre, **kwargs)[None]}
+            requests,
+            self.name,
+            self.input,
+            lambda data: {self.output: decode_image(data, self.pre, **self.limits)[None]},
         )
 
     def finalize(self):
