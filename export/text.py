@@ -31,6 +31,24 @@ class TextSamples:
     inputs: dict[str, np.ndarray]
 
 
+PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>", "<PAD>")  # BERT's, RoBERTa's and T5's, and their kin
+
+
+def pad_id(tokenizer) -> int:
+    """The id the tokenizer pads with: its padding setting's, else its padding token's (one of PAD_TOKENS);
+    ConfigError where it names none, rather than a guess (RoBERTa pads with 1, and 0 is its <s>)."""
+    if tokenizer.padding:
+        return int(tokenizer.padding["pad_id"])
+    found = [t for t in PAD_TOKENS if tokenizer.token_to_id(t) is not None]
+    if not found:
+        raise ConfigError(
+            "--tokenizer: it names no padding token (no padding setting, and none of "
+            f"{', '.join(PAD_TOKENS)} in its vocabulary); set the model's own with "
+            "tokenizer.enable_padding(pad_id=ID, pad_token=TOKEN) and save it again"
+        )
+    return int(tokenizer.token_to_id(found[0]))
+
+
 def text_spec(sig: Signature, tokenizer) -> dict[str, Any]:
     """Which inputs of ``sig`` the tokenizer fills, their dtypes and the sequence range; ConfigError naming what
     does not fit: inputs other than token ids, an attention mask and token type ids; a sequence dim that is not
@@ -63,7 +81,7 @@ def text_spec(sig: Signature, tokenizer) -> dict[str, Any]:
             f"--tokenizer: its vocabulary holds {vocab} tokens, more than {ids[0].name}'s range "
             f"0..{int(ids[0].range[1])} (the model's embedding); is it the model's own tokenizer?"
         )
-    pad = tokenizer.padding["pad_id"] if tokenizer.padding else tokenizer.token_to_id("[PAD]") or 0
+    pad = pad_id(tokenizer)
     return {
         "inputs": {
             "ids": ids[0].name,

@@ -204,3 +204,52 @@ def test_an_export_keeps_the_tokenizer_and_refuses_an_altered_one(text_served, t
     (copy / "tokenizer" / "tokenizer.json").write_text("{}")
     with pytest.raises(ArtifactError, match="tokenizer/tokenizer.json was altered"):
         Export(copy).check_files()
+
+
+def test_after_the_runs_switch_the_text_entry_runs_the_winner_and_is_checked(text_served, monkeypatch):
+    """torchship run's switch on a text model: the winner copied under the plain name, the text entry pointed at
+    it on disk, then reloaded in the live server and checked there. The planted fault, the image entry's name
+    asked for (as the run once did), reloads nothing, and the live entry keeps running the old model."""
+    import serve.entries
+    from serve.bench.served_as import copy_as
+    from serve.entries import entry_target, retarget
+    from serve.parity import check_served
+    from torchship.manifest import Export
+    from torchship.pipeline.run import reload_entry
+
+    server, export, repo = text_served
+    manifest = Export(export).manifest
+    client = TritonClient(server.url)
+    copy_as(repo, "hf_bert_onnx", "onnx", "hf_bert")
+    server.load("hf_bert")
+    retarget(repo, "hf_bert", "hf_bert")
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(serve.entries, "entry_of", lambda mf: serve.entries.Entry("image", "hf_bert_image", "", ""))
+            assert reload_entry(server, repo, manifest) == []
+        assert entry_target(client.config(ENTRY, fresh=True)) == "hf_bert_onnx"  # the fault: left behind
+        assert reload_entry(server, repo, manifest) == [ENTRY]
+        assert entry_target(client.config(ENTRY, fresh=True)) == "hf_bert"
+        report = check_served(server.url, export, models=["hf_bert", ENTRY])
+        assert sorted(report["models"]) == ["hf_bert", ENTRY]
+    finally:
+        retarget(repo, "hf_bert", "hf_bert_onnx")
+        server.load(ENTRY)
+        client.unload("hf_bert")
+        shutil.rmtree(repo / "hf_bert")
+        client.close()
+
+
+def test_the_text_entry_pads_with_the_tokenizers_own_padding_token():
+    """Its padding setting's id, else its padding token's (RoBERTa's <pad> is 1, and 0 its <s>); a tokenizer that
+    names none is refused, rather than padded with a guessed 0."""
+    from tokenizers import Tokenizer, models
+
+    from export.text import pad_id
+
+    roberta = Tokenizer(models.WordLevel({"<s>": 0, "<pad>": 1, "</s>": 2, "hi": 3}, unk_token="<s>"))
+    assert pad_id(roberta) == 1
+    roberta.enable_padding(pad_id=2, pad_token="</s>")
+    assert pad_id(roberta) == 2
+    with pytest.raises(ConfigError, match="names no padding token"):
+        pad_id(Tokenizer(models.WordLevel({"<s>": 0, "hi": 1}, unk_token="<s>")))

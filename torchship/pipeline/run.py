@@ -271,7 +271,6 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
     is added to the repository under the export's plain name, loaded into the live server, and must pass
     served parity there before the run goes on."""
     from serve.bench.strategy import serve_by_strategy
-    from serve.entries import entry_names
     from serve.parity import check_served
 
     export = run.export()
@@ -288,16 +287,25 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
         server=server,
         bench=run.cfg["bench"],
     )
-    checked = [dest.name]  # live on the server: serve_by_strategy loaded it in its final form
-    entry = entry_names(export.manifest["name"])[0]
-    if (run.dirs["repo"] / entry).is_dir():  # the image entry now runs the winner behind it: reloaded, checked
-        server.load(entry)
-        checked.append(entry)
+    # live on the server: serve_by_strategy loaded it in its final form; the raw entry in front of it is reloaded
+    checked = [dest.name, *reload_entry(server, run.dirs["repo"], export.manifest)]
     check_served(server.url, export, models=checked)
     run.log(
         f"serving {winner['model']} as {dest.name}: {winner['why']} (served parity PASS under {' and '.join(checked)})"
     )
     return {**winner, "served_as": dest.name}
+
+
+def reload_entry(server, repo: Path, manifest: dict[str, Any]) -> list[str]:
+    """The export's raw entry (image or text), where the repository has one: reloaded on ``server``, so that it
+    runs the model now behind it; returns its name for the check ([] without one)."""
+    from serve.entries import entry_of
+
+    entry = entry_of(manifest)
+    if entry is None or not (repo / entry.name).is_dir():
+        return []
+    server.load(entry.name)
+    return [entry.name]
 
 
 @dataclass(frozen=True)
