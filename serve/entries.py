@@ -76,11 +76,6 @@ def entry_of(manifest: dict[str, Any]) -> Entry | None:
     return None
 
 
-def is_entry_name(model: str) -> bool:
-    """Whether a served model's name is a raw entry's (by its suffix)."""
-    return model.endswith((ENTRY_SUFFIX, TEXT_SUFFIX))
-
-
 def is_image_model(manifest: dict[str, Any]) -> bool:
     """One input, and the image preprocessing its training recorded."""
     return bool(manifest.get("preprocessing")) and len(manifest["inputs"]) == 1
@@ -184,7 +179,7 @@ def _write_ensemble(
     first.input_map[entry.input] = entry.input
     for t in tensors:
         first.output_map[t] = f"prepared_{t}"
-    ens.ensemble_scheduling.step.add(model_name=target, model_version=-1)
+    ens.ensemble_scheduling.step.add(model_name=target, model_version=version)  # pinned: put_behind names the live one
     for o in manifest["outputs"]:
         ens.ensemble_scheduling.step[1].output_map[o["name"]] = o["name"]
     (repo / entry.name / CONFIG).write_text(config_text(ens))
@@ -206,9 +201,14 @@ def put_behind(entry_dir: Path, repo: Path, target: str) -> None:
 
 
 def behind(repo: Path, target: str):
-    """The edit of an entry's configs that puts ``target`` behind its preprocessing, each config (the container's
-    config.pbtxt, the embedded server's embedded.pbtxt) naming the target's tensors as that server's config of the
-    target does: the container's torch_aoti names an AOTInductor package's tensors ARGS[0], RESULT, ..."""
+    """The edit of an entry's configs that puts ``target`` behind its preprocessing, at its live version, each config
+    (the container's config.pbtxt, the embedded server's embedded.pbtxt) naming the target's tensors as that
+    server's config of the target does: the container's torch_aoti names an AOTInductor package's tensors ARGS[0],
+    RESULT, ..."""
+
+    from .versions import live_version  # imported here: versions builds repositories, which write entries
+
+    version = live_version(repo / target)
 
     def edit(c: mc.ModelConfig, name: str) -> None:
         own = read_config(served_config_path(repo / target) if name == EMBEDDED_CONFIG else repo / target / CONFIG)
@@ -217,6 +217,7 @@ def behind(repo: Path, target: str):
         prepared = [v for v in c.ensemble_scheduling.step[0].output_map.values()]
         outputs = sorted(set(step.output_map.values()))
         step.model_name = target
+        step.model_version = version  # never "the highest loaded", which a version beside the live one would be
         step.ClearField("input_map")
         step.ClearField("output_map")
         for p in prepared:
@@ -251,3 +252,24 @@ def retarget(repo: Path, export_name: str, target: str) -> bool:
         return False
     put_behind(d, repo, target)
     return True
+
+
+def entries_in_front(repo: Path, model: str) -> list[str]:
+    """The raw entries of ``repo`` that run ``model`` behind their preprocessing."""
+    from .model_config import repository_models
+
+    found = []
+    for name in repository_models(repo):
+        steps = read_config(repo / name / CONFIG).ensemble_scheduling.step
+        if steps and steps[-1].model_name == model:
+            found.append(name)
+    return found
+
+
+def pin(version: int):
+    """The config edit that makes an entry run version ``version`` of the model behind it."""
+
+    def edit(c: mc.ModelConfig, name: str) -> None:
+        c.ensemble_scheduling.step[-1].model_version = version
+
+    return edit

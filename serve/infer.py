@@ -14,7 +14,7 @@ import numpy as np
 from torchship.errors import ClientError, DataError, ShapeError
 
 from .config import InferConfig
-from .entries import IMAGE_INPUT, PRE_SUFFIX, TEXT_INPUT, TEXT_PRE_SUFFIX, entry_target, is_entry_name
+from .entries import IMAGE_INPUT, PRE_SUFFIX, TEXT_INPUT, TEXT_PRE_SUFFIX, entry_target
 
 SHOWN = 6  # values of each output printed per request (--json prints them all)
 
@@ -123,10 +123,9 @@ def raw_entry(client, model: str, ready, name: str) -> str | None:
     if takes_files(client.config(model), name):
         return model
     for m in ready:
-        if is_entry_name(m):
-            cfg = client.config(m)
-            if takes_files(cfg, name) and entry_target(cfg) == model:
-                return m
+        cfg = client.config(m) if m != model else {}
+        if cfg and takes_files(cfg, name) and entry_target(cfg) == model:
+            return m
     return None
 
 

@@ -18,6 +18,7 @@ from torchship.names import FORMAT_PARAMETER, format_of
 from torchship.runtime import version_file_problems
 
 from .client import TritonClient
+from .entries import entries_in_front, pin
 from .model_config import CONFIG, edit_configs, read_config, served_config_path, versions
 from .parity import check_served
 from .versions import live_version, set_live
@@ -78,11 +79,12 @@ def switch(
         try:
             steps.run(
                 f"switched to version {target}; version {live} unloaded after its requests in flight",
-                lambda: both_then_one(client, model, base, live, target),
+                lambda: both_then_one(client, model, base, live, target, lambda v: repoint(client, d, v, live_config)),
             )
         except KeyboardInterrupt:  # the server finishes the switch or not on its own: wait for one version to be left
             serving = _settle(client, model, (live, target))
             set_live(d, serving)
+            repoint(client, d, serving, live_config)
             raise RolloutError(f"{model}: interrupted during the switch; version {serving} serves") from None
         except TorchshipError as e:
             raise ServerError(
@@ -129,13 +131,29 @@ def load_candidate(client: TritonClient, d: Path, target: int, live_config: dict
     client.load(cand, read_config(served_config_path(cdir, live_config)))
 
 
-def both_then_one(client: TritonClient, model: str, base, live: int, target: int) -> None:
+def both_then_one(client: TritonClient, model: str, base, live: int, target: int, move_entries=None) -> None:
     """Reload ``model`` with both versions, then with ``target`` alone: never a moment without a ready version (a
-    reload that changes versions keeps the old ones until the new are ready)."""
+    reload that changes versions keeps the old ones until the new are ready). In between, ``move_entries(target)``
+    points the raw entries in front of it at ``target``."""
     base.version_policy.specific.versions[:] = sorted({live, target})
     client.load(model, base)
+    if move_entries is not None:
+        move_entries(target)
     base.version_policy.specific.versions[:] = [target]
     client.load(model, base)
+
+
+def repoint(client: TritonClient, d: Path, version: int, live_config: dict[str, Any]) -> None:
+    """The raw entries in front of the model in ``d`` made to run ``version`` of it: in their configs on disk, and
+    reloaded where the server serves them, with the config of the kind it runs the model with (``live_config``).
+    They name the version they run, so that a version loaded beside the live one never answers their requests
+    before the switch."""
+    container = served_config_path(d, live_config).name == CONFIG
+    for name in entries_in_front(d.parent, d.name):
+        entry = d.parent / name
+        edit_configs(entry, pin(version), per_file=True)
+        if client.ready(name):
+            client.load(name, read_config(entry / CONFIG if container else served_config_path(entry)))
 
 
 def _settle(client: TritonClient, model: str, candidates: tuple[int, int], timeout_s: float = 60.0) -> int:

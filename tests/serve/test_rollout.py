@@ -69,11 +69,18 @@ def two_versions(exported, retrained, tmp_path):
 
 
 class Flood:
-    """16 threads, each sending one batch-1 request after another: (sent, answered, input index, output or error)."""
+    """16 threads, each sending one batch-1 request after another: (sent, answered, input index, output or error).
+    ``xs``: the model's input rows, or the files the image entry ``entry`` takes."""
 
-    def __init__(self, url, xs, threads=16):
+    def __init__(self, url, xs, threads=16, entry=None):
         self.url, self.xs, self.stop, self.log = url, xs, threading.Event(), []
+        self.entry = entry
         self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(threads)]
+
+    def send(self, client, k):
+        if self.entry is None:
+            return client.infer(MODEL, self.xs[k : k + 1])
+        return client.infer_all(self.entry, {"image": np.frombuffer(self.xs[k], np.uint8)[None]})["logits"]
 
     def run(self, seed):
         client, i = TritonClient(self.url), seed
@@ -81,7 +88,7 @@ class Flood:
             k = i % len(self.xs)
             t0 = time.monotonic()
             try:
-                out = client.infer(MODEL, self.xs[k : k + 1])
+                out = self.send(client, k)
             except Exception as e:  # every failure counts
                 out = e
             self.log.append((t0, time.monotonic(), k, out))
@@ -135,6 +142,51 @@ def test_a_flood_sees_no_failure_during_a_rollout_and_a_rollback(two_versions, e
     assert all(v == 1 for t0, _, v, _ in seen if t0 > back)  # after the rollback: version 1 only
     assert any(v == 2 for _, _, v, _ in seen) and live_version(repo / MODEL) == 1
     assert capsys.readouterr().out.count("tiny_cnn_onnx: ") >= 6  # a line per step
+
+
+@pytest.mark.slow
+def test_the_image_entry_answers_with_the_live_version_through_a_rollout(exported, retrained, tmp_path, monkeypatch):
+    """The entry names the version it runs. Entry traffic through a refused rollout whose candidate was loaded
+    beside the live version under the model's own name (the planted fault: Triton answers an unversioned step
+    with the highest version loaded) is all version 1's; through a rollout that passes, none fails and it is
+    version 2's once the switch is done."""
+    import serve.rollout
+    from serve.entries import entry_names
+    from serve.model_config import CONFIG, read_config
+    from tests.serve.test_image_entry import DIGITS, png, trained_inputs
+
+    entry = entry_names("tiny_cnn")[0]
+    repo = tmp_path / "repo"
+    build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",), cores=1))
+    add_version(retrained, repo, ONNX, log=lambda *a: None)
+    files = [png(d) for d in DIGITS]
+    expected = {
+        v: in_process(e, "onnx").run({"images": trained_inputs()})["logits"] for v, e in ((1, exported), (2, retrained))
+    }
+
+    def beside_live(client, d, target, live_config):  # loads the candidate under the model's own name
+        base = read_config(d / CONFIG)
+        base.version_policy.specific.versions[:] = [1, target]
+        client.load(d.name, base)
+        raise RuntimeError("the candidate's check failed")
+
+    with TritonServer(ServeConfig(repo=str(repo))) as s:
+        client = TritonClient(s.url)
+        with Flood(s.url, files, entry=entry) as flood, monkeypatch.context() as m:
+            m.setattr(serve.rollout, "load_candidate", beside_live)
+            with pytest.raises(RolloutError, match="version 1 still serves"):
+                switch(s.url, repo, MODEL, None, retrained)
+            assert client.ready(MODEL, "2")  # the candidate is loaded beside the live version, under its name
+            time.sleep(1.0)
+        assert {which(out, k, expected) for *_, k, out in flood.log} == {1}, len(flood.log)
+        s.load(MODEL)  # version 1 alone again
+        with Flood(s.url, files, entry=entry) as flood:
+            switch(s.url, repo, MODEL, None, retrained)
+            switched = time.monotonic()
+        seen = [(t0, which(out, k, expected)) for t0, _, k, out in flood.log]
+        assert None not in {v for _, v in seen}, [o for *_, o in flood.log if isinstance(o, Exception)][:3]
+        assert {v for t0, v in seen if t0 > switched} == {2}
+        assert read_config(repo / entry / CONFIG).ensemble_scheduling.step[-1].model_version == 2
 
 
 @pytest.mark.slow
