@@ -28,7 +28,9 @@ from .model_config import (
     config_dims,
     config_text,
     edit_configs,
+    live_version,
     read_config,
+    repository_models,
     served_config_path,
 )
 
@@ -206,8 +208,6 @@ def behind(repo: Path, target: str):
     server's config of the target does: the container's torch_aoti names an AOTInductor package's tensors ARGS[0],
     RESULT, ..."""
 
-    from .versions import live_version  # imported here: versions builds repositories, which write entries
-
     version = live_version(repo / target)
 
     def edit(c: mc.ModelConfig, name: str) -> None:
@@ -256,8 +256,6 @@ def retarget(repo: Path, export_name: str, target: str) -> bool:
 
 def entries_in_front(repo: Path, model: str) -> list[str]:
     """The raw entries of ``repo`` that run ``model`` behind their preprocessing."""
-    from .model_config import repository_models
-
     found = []
     for name in repository_models(repo):
         steps = read_config(repo / name / CONFIG).ensemble_scheduling.step

@@ -43,6 +43,16 @@ def manifest_names(config: dict) -> dict[str, str]:
     return json.loads(p["string_value"]) if p else {}
 
 
+def live_version(model_dir: Path) -> int:
+    """The version unversioned requests reach: the highest the config's version policy names, else the highest on
+    disk."""
+    c = read_config(model_dir / CONFIG)
+    on_disk = versions(model_dir)
+    if c.version_policy.WhichOneof("policy_choice") == "specific" and c.version_policy.specific.versions:
+        return max(c.version_policy.specific.versions)
+    return on_disk[-1]
+
+
 def served_config_path(model_dir: str | Path, live: Optional[dict] = None) -> Path:
     """The config a server loads a model with: the embedded server its embedded.pbtxt where it has one, else its
     config.pbtxt. ``live``: the model's config as a running server reports it (JSON), for a server that may be

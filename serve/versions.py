@@ -14,18 +14,8 @@ from torchship.errors import ArtifactError
 from torchship.runtime import PROVENANCE
 
 from .config import RepoConfig
-from .model_config import CONFIG, edit_configs, read_config, repository_models, versions
+from .model_config import CONFIG, edit_configs, live_version, read_config, repository_models, versions
 from .repository import build_repository
-
-
-def live_version(model_dir: Path) -> int:
-    """The version unversioned requests reach: the highest the config's version policy names, else the highest on
-    disk."""
-    c = read_config(model_dir / CONFIG)
-    on_disk = versions(model_dir)
-    if c.version_policy.WhichOneof("policy_choice") == "specific" and c.version_policy.specific.versions:
-        return max(c.version_policy.specific.versions)
-    return on_disk[-1]
 
 
 def live(version: int):
