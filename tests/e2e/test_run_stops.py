@@ -45,7 +45,7 @@ def test_ctrl_c_ends_with_one_line_and_leaves_no_process(tmp_path, stage, waits_
         "--config",
         str(CONFIG),
         "--set",
-        "train.nproc=2",
+        "train.nproc=2" if stage == "train" else "train.nproc=1",  # DDP ranks to stop; for the bench, the server
         "--set",
         "train.epochs=30" if stage == "train" else "train.epochs=1",
         "--set",
