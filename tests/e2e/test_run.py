@@ -14,6 +14,10 @@ CONFIG = Path(__file__).with_name("tiny.toml")
 RUN_KEY = "the-run-servers-key-7c1f0a9e"  # the key the run's server answers to, known here to look for it
 
 
+# the placement fixed, so the run searches none: the module's first run and tests/serve/test_strategy.py search it
+ONE_PLACEMENT = ("--set", "repo.instance_count=1", "--set", "repo.threads=1")
+
+
 @pytest.fixture(scope="module")
 def counted_run(tmp_path_factory):
     """The run, with this process's reads of its hand-over files counted: manifest.json parsed, reference.npz
@@ -269,6 +273,7 @@ def test_run_trains_and_serves_a_text_model_from_your_own_factories(tmp_path):
             'bench.variants=["onnx"]',
             "--set",
             "bench.concurrency=[1]",
+            *ONE_PLACEMENT,
         )
         == 0
     )
@@ -303,6 +308,7 @@ def test_from_export_reuses_the_checkpoint_without_retraining(run_dir):
             'export.formats=["onnx","torchscript"]',
             "--set",
             'bench.variants=["onnx"]',
+            *ONE_PLACEMENT,
         )
         == 0
     )
