@@ -135,6 +135,13 @@ class TritonClient:
         self._configs.pop(model, None)
         self._call(f"unload {model}", self.client.unload_model, model, headers=self.control_headers)
 
+    def repository_index(self) -> list[dict[str, Any]]:
+        """The repository's models and their states: a control call, presenting the key where there is one."""
+        index = self._call(
+            "repository index", self.client.get_model_repository_index, headers=self.control_headers, as_json=True
+        )
+        return index.get("models", [])
+
     def ready(self, model: str, version: str = "") -> bool:
         """Whether ``model`` (one version of it, where given) is ready for requests."""
         return bool(self._call(f"model {model}", self.client.is_model_ready, model, str(version)))

@@ -181,7 +181,7 @@ def _write_ensemble(
     first.input_map[entry.input] = entry.input
     for t in tensors:
         first.output_map[t] = f"prepared_{t}"
-    ens.ensemble_scheduling.step.add(model_name=target, model_version=version)  # pinned: put_behind names the live one
+    ens.ensemble_scheduling.step.add(model_name=target)  # put_behind names the target's live version
     for o in manifest["outputs"]:
         ens.ensemble_scheduling.step[1].output_map[o["name"]] = o["name"]
     (repo / entry.name / CONFIG).write_text(config_text(ens))

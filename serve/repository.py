@@ -258,14 +258,13 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
             entries = write_text_entry(tmp, manifest, target, max_batch, cfg.version, d, cores)
         container_aoti = "aoti" not in formats or "aoti" in have
         gpu = kind == mc.ModelInstanceGroup.KIND_GPU
-        (tmp / "README.md").write_text(
-            render_readme(manifest, names, formats, cfg, gpu, container_aoti, entry_of(manifest) if entries else None)
-        )
+        raw = entry_of(manifest) if entries else None
+        (tmp / "README.md").write_text(render_readme(manifest, names, formats, cfg, gpu, container_aoti, raw))
     return {
         "models": {f: names[f] for f in formats},
         "not_served": reasons,
         "path": str(out),
-        **({"entry": entries[-1], "entry_kind": entry_of(manifest).kind} if entries else {}),
+        **({"entry": raw.name, "entry_kind": raw.kind} if raw else {}),
     }
 
 

@@ -78,7 +78,7 @@ def check_restricted(client) -> None:
 
     keyless = TritonClient(client.url, timeout_s=10.0, access=replace(client.access, key=None))
     try:
-        keyless._call("repository index", keyless.client.get_model_repository_index)
+        keyless.repository_index()
     except AccessError:
         return
     finally:
