@@ -1,10 +1,19 @@
 """Fresh-process artifact runner: ``python -m export.runner SPEC.json`` loads one artifact the way a
-deployment would and writes its outputs on the reference inputs (the verifier compares them)."""
+deployment would and writes its outputs on the reference inputs (the verifier compares them).
+
+``python -m export.runner --host IDLE_S`` imports torch once, then runs each request read from stdin (one
+JSON line: the spec path and the environment) in a child forked for it, and answers each with the child's
+exit code (negative: the signal that killed it). The child is a process of its own that holds nothing of
+the export; only the import is shared. The host exits at the end of its input, or after IDLE_S seconds
+without a request."""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
+import select
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -48,5 +57,46 @@ def main(spec_path: str) -> int:
     return 0
 
 
+def _child(spec_path: str, env: dict[str, str]) -> int:
+    """In the forked child: the request's environment, stdin closed, stdout and stderr to the spec's log,
+    Ctrl-C as in any process."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(spec_path + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        return main(spec_path)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stderr.flush()
+
+
+def host(idle_s: float) -> int:
+    """Answer each spec path on stdin with the exit code of a child forked to run it; see the module's doc."""
+    import torch  # noqa: F401  (the import every child shares)
+    import torch._inductor.package  # noqa: F401  (AOTInductor's loader)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the verifier, and its end ends this host
+    stdin = sys.stdin.buffer.raw
+    while select.select([stdin], [], [], idle_s)[0]:
+        line = stdin.readline()
+        if not line.strip():
+            return 0
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_child(request["spec"], request["env"]))
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        sys.stdout.write(f"{code}\n")
+        sys.stdout.flush()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(host(float(sys.argv[2])) if sys.argv[1] == "--host" else main(sys.argv[1]))

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from export.fresh import HostError, exit_text, run_fresh
 from torchship import parity
 from torchship.device import usable_cpus
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ParityError
@@ -31,16 +29,6 @@ from torchship.manifest import (
     write_manifest,
 )
 from torchship.markdown import size, table
-
-
-def exit_text(code: int) -> str:
-    """A child's return code in words: "exited 3", or "was killed by SIGSEGV" for a signal (a crash in native code)."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name} (a crash inside the runtime)"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited {code}"
 
 
 def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, threads: int, tmp: Path) -> dict:
@@ -61,16 +49,17 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "export.runner", str(spec_path)], capture_output=True, text=True, env=env
-    )
+    try:
+        code, output = run_fresh(spec_path, env)
+    except HostError as e:
+        code, output = None, str(e)
     res = (
         json.loads(Path(spec["result"]).read_text())
         if Path(spec["result"]).exists()
         else {
             "ok": False,
-            "error": f"runner {exit_text(proc.returncode)}: "
-            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}",
+            "error": (f"runner {exit_text(code)}: " if code is not None else "")
+            + (output.strip().splitlines()[-1] if output.strip() else ""),
         }
     )
     res["seconds"] = time.perf_counter() - t0

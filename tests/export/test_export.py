@@ -184,7 +184,7 @@ print(json.dumps(seen))
 def test_a_runner_that_crashes_is_named_as_a_crash():
     """A runtime that crashes in native code kills the fresh-process runner with a signal: the failure
     says which, not a bare negative exit code."""
-    from export.verify import exit_text
+    from export.fresh import exit_text
 
     assert exit_text(3) == "exited 3"
     assert exit_text(-signal.SIGSEGV).startswith("was killed by SIGSEGV")

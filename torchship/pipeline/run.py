@@ -162,6 +162,7 @@ def stage_train(run: Run, t0: float) -> None:
 
 
 def stage_export(run: Run, t0: float) -> None:
+    from export.fresh import close_all
     from export.pipeline import export_model
     from torchship.errors import ParityError
 
@@ -177,6 +178,8 @@ def stage_export(run: Run, t0: float) -> None:
         except ParityError as e:
             run.done("export", t0, error=str(e))
             run.gate("export", False, str(e))
+        finally:
+            close_all()  # the verifier's hosts are not needed by the stages that serve and measure
     m = run._export.manifest
     failed = [n for n, e in m.get("verification", {}).get("artifacts", {}).items() if not e["pass"]]
     failed += [f["format"] for f in m["export_failures"]]

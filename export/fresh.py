@@ -1,0 +1,117 @@
+"""Fresh processes for the verifier: each artifact runs in a process of its own, forked by a host that has
+imported torch once (``python -m export.runner --host``), so that a second artifact does not pay the import.
+
+A host serves one request at a time; the verifier's threads each take a free host or start one. Each child
+runs under the environment of its request. A host is reused only from the same working folder and with
+the same variables that an import can read (IMPORT_ENV), and exits by itself after IDLE_S seconds without
+a request, or when ``close_all`` (run at this process's exit) closes its stdin."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+IDLE_S = 120.0  # a host not asked for this long exits; the next artifact starts another
+# the variables read while python, torch and their libraries are imported: a host started under others is not reused
+IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "KMP_", "MKL", "OPENBLAS", "TORCH", "PYTORCH", "CUDA", "NVIDIA", "PATH", "HOME")
+
+_free: dict[tuple, list[_Host]] = {}
+_lock = threading.Lock()
+
+
+class HostError(RuntimeError):
+    """The host ended without answering (its stderr's last line in the message)."""
+
+
+class _Host:
+    def __init__(self, env: dict[str, str]):
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "export.runner", "--host", str(IDLE_S)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            text=True,
+        )
+
+    def run(self, spec_path: Path, env: dict[str, str]) -> int:
+        try:
+            self.proc.stdin.write(json.dumps({"spec": str(spec_path), "env": env}) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            answer = ""
+        if not answer:
+            self.close()
+            self.log.seek(0)
+            lines = self.log.read().decode(errors="replace").strip().splitlines()
+            raise HostError(f"the runner's host {exit_text(self.proc.returncode)}: {lines[-1] if lines else ''}")
+        return int(answer)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass  # the host is gone already
+        self.proc.wait()
+
+
+def exit_text(code: int | None) -> str:
+    """A child's return code in words: "exited 3", or "was killed by SIGSEGV" for a signal (a crash in native code)."""
+    import signal
+
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (a crash inside the runtime)"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited {code}"
+
+
+def _take(key: tuple) -> _Host | None:
+    """A pooled host of ``key`` that is still running, if any (those that exited are reaped)."""
+    with _lock:
+        pool = _free.get(key, [])
+        while pool:
+            host = pool.pop()
+            if host.proc.poll() is None:
+                return host
+            host.close()
+    return None
+
+
+def run_fresh(spec_path: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Run ``export.runner``'s ``main(spec_path)`` in a fresh process under ``env``; return its exit code
+    (negative: the signal that killed it) and its output (stdout and stderr together)."""
+    key = (tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV))), os.getcwd())
+    for host in (_take(key), None):  # a pooled host may have exited, idle, just before this request: start one
+        fresh = host is None
+        host = host or _Host(env)
+        try:
+            code = host.run(spec_path, env)
+        except HostError:
+            if fresh:
+                raise
+            continue
+        with _lock:
+            _free.setdefault(key, []).append(host)
+        log = Path(f"{spec_path}.log")
+        return code, log.read_text(errors="replace") if log.exists() else ""
+    raise AssertionError("unreachable")
+
+
+@atexit.register
+def close_all() -> None:
+    """End every idle host and wait for it, so that none outlives this process (nor is left unreaped)."""
+    with _lock:
+        hosts = [h for pool in _free.values() for h in pool]
+        _free.clear()
+    for h in hosts:
+        h.close()

@@ -1,0 +1,84 @@
+"""The verifier's fresh processes: a host that imported torch once forks a child per artifact."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from export import fresh
+from export.verify import verify_export
+from torchship.manifest import read_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(d.name))
+    return found
+
+
+def test_the_host_runs_each_request_in_a_child_names_a_kill_and_exits_when_idle(tmp_path):
+    """A child killed by a signal is answered with the signal, and the host goes on; a request that fails
+    fails in its own child, with the reason in that child's log; an idle host exits by itself."""
+    blocked = tmp_path / "blocked.json"
+    os.mkfifo(blocked)  # the child blocks reading its spec until killed
+    host = subprocess.Popen(
+        [sys.executable, "-m", "export.runner", "--host", "3"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        host.stdin.write(json.dumps({"spec": str(blocked), "env": dict(os.environ)}) + "\n")
+        host.stdin.flush()
+        deadline = time.monotonic() + 120  # the host imports torch first
+        while not (child := children_of(host.pid)):
+            assert time.monotonic() < deadline and host.poll() is None
+            time.sleep(0.05)
+        assert child != [host.pid]
+        os.kill(child[0], signal.SIGKILL)
+        code = int(host.stdout.readline())
+        assert code == -signal.SIGKILL and fresh.exit_text(code).startswith("was killed by SIGKILL")
+
+        missing = tmp_path / "missing.json"
+        host.stdin.write(json.dumps({"spec": str(missing), "env": dict(os.environ)}) + "\n")
+        host.stdin.flush()
+        assert host.stdout.readline().strip() == "1"
+        assert "missing.json" in Path(f"{missing}.log").read_text()
+        assert host.wait(timeout=60) == 0  # 3 s without a request
+    finally:
+        if host.poll() is None:
+            host.kill()
+
+
+def test_a_host_that_ends_as_it_is_asked_is_replaced_and_the_artifact_still_verified(exported, tmp_path):
+    """A pooled host may reach its idle time just as a request comes: it reads the request and ends without an
+    answer. The request goes to a new host."""
+    d = tmp_path / "export"
+    shutil.copytree(exported, d)
+    verify_export(d, only=["torchscript"], log=lambda *a: None)
+    hosts = [h for pool in fresh._free.values() for h in pool]
+    assert hosts
+    for h in hosts:
+        h.close()
+        h.proc = subprocess.Popen(  # alive when taken from the pool, gone once it has read the request
+            [sys.executable, "-c", "import sys; sys.stdin.readline()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    verify_export(d, only=["torchscript"], log=lambda *a: None)
+    assert read_manifest(d)["verification"]["artifacts"]["torchscript"]["pass"]
