@@ -1,5 +1,7 @@
-"""Fresh processes for the verifier: each artifact runs in a process of its own, forked by a host that has
-imported torch once (``python -m export.runner --host``), so that a second artifact does not pay the import.
+"""Fresh processes for the verifier: each artifact runs in a process of its own. One that torch runs is
+forked by a host that has imported torch once (``python -m export.runner --host``), so that a second
+artifact does not pay the import; one that ONNX Runtime runs starts its own interpreter (it needs no torch,
+and its memory figure then holds none).
 
 A host serves one request at a time; the verifier's threads each take a free host or start one. Each child
 runs under the environment of its request. A host is reused only from the same working folder and with
@@ -87,9 +89,15 @@ def _take(key: tuple) -> _Host | None:
     return None
 
 
-def run_fresh(spec_path: Path, env: dict[str, str]) -> tuple[int, str]:
-    """Run ``export.runner``'s ``main(spec_path)`` in a fresh process under ``env``; return its exit code
-    (negative: the signal that killed it) and its output (stdout and stderr together)."""
+def run_fresh(spec_path: Path, env: dict[str, str], torch_runs_it: bool = True) -> tuple[int, str]:
+    """Run ``export.runner``'s ``main(spec_path)`` in a fresh process under ``env`` (forked from a host when
+    ``torch_runs_it``); return its exit code (negative: the signal that killed it) and its output (stdout and
+    stderr together). Raises HostError if the host ends without answering."""
+    if not torch_runs_it:
+        proc = subprocess.run(
+            [sys.executable, "-m", "export.runner", str(spec_path)], capture_output=True, text=True, env=env
+        )
+        return proc.returncode, proc.stdout + proc.stderr
     key = (tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV))), os.getcwd())
     for host in (_take(key), None):  # a pooled host may have exited, idle, just before this request: start one
         fresh = host is None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import select
 import signal
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from torchship.errors import first_line
+from torchship.procfs import own_peak_rss_bytes
 
 
 def main(spec_path: str) -> int:
@@ -49,7 +49,7 @@ def main(spec_path: str) -> int:
                 outs[f"{key}/{name}"] = out
         np.savez(spec["out"], **outs)
         result["ok"] = True
-        result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # loading and running it
+        result["peak_rss_bytes"] = own_peak_rss_bytes()  # loading and running it
     except Exception as e:  # reported to the verifier as this artifact's failure
         result["error"] = first_line(e)
         result["traceback"] = traceback.format_exc()[-4000:]

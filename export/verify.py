@@ -29,6 +29,7 @@ from torchship.manifest import (
     write_manifest,
 )
 from torchship.markdown import size, table
+from torchship.runtime import ONNX_FORMATS
 
 
 def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, threads: int, tmp: Path) -> dict:
@@ -50,7 +51,7 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     try:
-        code, output = run_fresh(spec_path, env)
+        code, output = run_fresh(spec_path, env, torch_runs_it=a["format"] not in ONNX_FORMATS)
     except HostError as e:
         code, output = None, str(e)
     res = (

@@ -54,6 +54,16 @@ def resident_bytes(pid: int) -> int:
         return 0
 
 
+def own_peak_rss_bytes() -> int:
+    """This process's peak resident memory in bytes, its own: Linux's VmHWM. (getrusage's ru_maxrss of a
+    process started by fork and exec keeps the parent's peak when that was larger.) 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+
+
 def tree(root: int) -> list[Proc]:
     """``root`` and all its live descendants, as /proc lists them now."""
     children: dict[int, list[Proc]] = {}

@@ -147,6 +147,9 @@ def padded_call(
     return [o[:n] for o in fns[b](xs)]
 
 
+ONNX_FORMATS = ("onnx", "onnx_int8")  # the formats ONNX Runtime runs; torch runs every other
+
+
 def load(
     fmt: str,
     path: str,
@@ -164,7 +167,7 @@ def load(
     allowed): for torch formats this process's TF32 settings are set, for ONNX Runtime its CUDA provider's.
     ``spin`` False: ONNX Runtime's idle intra-op threads sleep instead of spinning, so that processes sharing
     the cores (several instances of a served model) do not burn each other's time."""
-    if fmt in ("onnx", "onnx_int8"):
+    if fmt in ONNX_FORMATS:
         import onnxruntime as ort
 
         so = ort.SessionOptions()

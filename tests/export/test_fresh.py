@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from export import fresh
 from export.verify import verify_export
 from torchship.manifest import read_manifest
@@ -82,3 +84,15 @@ def test_a_host_that_ends_as_it_is_asked_is_replaced_and_the_artifact_still_veri
         )
     verify_export(d, only=["torchscript"], log=lambda *a: None)
     assert read_manifest(d)["verification"]["artifacts"]["torchscript"]["pass"]
+
+
+def test_an_artifacts_memory_figure_is_its_own_process_not_the_verifiers(exported, tmp_path):
+    """getrusage's peak of a process started by fork and exec keeps its parent's when that was larger: a
+    verifier holding 1.5 GiB would have reported 1.5 GiB for a tiny ONNX model."""
+    d = tmp_path / "export"
+    shutil.copytree(exported, d)
+    ballast = np.ones(3 << 26)  # 1.5 GiB, touched, in the verifier's process
+    verify_export(d, only=["onnx", "torchscript"], log=lambda *a: None)
+    del ballast
+    peaks = {n: e["peak_rss_bytes"] for n, e in read_manifest(d)["verification"]["artifacts"].items()}
+    assert 0 < peaks["onnx"] < 1 << 30 and 0 < peaks["torchscript"] < 1 << 30, peaks
