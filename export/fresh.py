@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,24 +52,27 @@ class _Host:
         except (BrokenPipeError, OSError):
             answer = ""
         if not answer:
-            self.close()
-            self.log.seek(0)
-            lines = self.log.read().decode(errors="replace").strip().splitlines()
+            lines = self.close().strip().splitlines()
             raise HostError(f"the runner's host {exit_text(self.proc.returncode)}: {lines[-1] if lines else ''}")
         return int(answer)
 
-    def close(self) -> None:
+    def close(self) -> str:
+        """End the host, wait for it, and return what it wrote to stderr."""
         try:
             self.proc.stdin.close()
         except OSError:
             pass  # the host is gone already
         self.proc.wait()
+        if self.log.closed:  # closed before
+            return ""
+        self.log.seek(0)
+        text = self.log.read().decode(errors="replace")
+        self.log.close()
+        return text
 
 
 def exit_text(code: int | None) -> str:
     """A child's return code in words: "exited 3", or "was killed by SIGSEGV" for a signal (a crash in native code)."""
-    import signal
-
     if code is not None and code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name} (a crash inside the runtime)"

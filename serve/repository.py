@@ -30,7 +30,7 @@ from torchship.errors import ArtifactError, ConfigError
 from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import Export, artifact, file_problem, passed_formats, reference_inputs, runs_tf32
 from torchship.names import FORMATS, model_names
-from torchship.runtime import PROVENANCE
+from torchship.runtime import ONNX_FORMATS, PROVENANCE
 
 from .config import (
     TRT_CACHE,
@@ -99,7 +99,7 @@ def build_config(
     group = c.instance_group.add(kind=kind, count=cfg.instance_count)
     if kind == mc.ModelInstanceGroup.KIND_GPU:
         group.gpus.append(0)
-    if fmt in ("onnx", "onnx_int8"):  # parameter names of Triton's onnxruntime backend
+    if fmt in ONNX_FORMATS:  # parameter names of Triton's onnxruntime backend
         _param(c, "intra_op_thread_count", cfg.threads)
         _param(c, "inter_op_thread_count", 1)
         if cfg.ort_accelerator != "none" and kind == mc.ModelInstanceGroup.KIND_GPU:

@@ -41,7 +41,7 @@ def load_variants(cfg: BenchConfig, inputs: BenchInputs, device: str) -> tuple[d
                 str(inputs.export_dir), artifact(manifest, v), ins, outs, device=device, threads=cfg.threads
             )
             runners[v] = r.run
-            if v in ("onnx", "onnx_int8"):
+            if v in runtime.ONNX_FORMATS:
                 notes[v] = f"ONNX Runtime providers: {', '.join(r.session.get_providers())}"
         except TorchshipError as e:
             notes[v] = f"skipped: {e}"
