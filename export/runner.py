@@ -79,8 +79,7 @@ def _child(spec_path: str, env: dict[str, str]) -> int:
 
 def host(idle_s: float) -> int:
     """Answer each spec path on stdin with the exit code of a child forked to run it; see the module's doc."""
-    import torch  # noqa: F401  (the import every child shares)
-    import torch._inductor.package  # noqa: F401  (AOTInductor's loader)
+    import torch  # noqa: F401  (the import every child shares; AOTInductor's loader needs no more: runtime.load_aoti)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the verifier, and its end ends this host
     stdin = sys.stdin.buffer.raw

@@ -215,7 +215,7 @@ def load(
         r.input_names = list(ep.graph_signature.user_inputs)
         return r
     if fmt in ("aoti", "aoti_int8", "aoti_bf16"):
-        return Runner(torch_fn(torch._inductor.aoti_load_package(path), device, threads), inputs, outputs)
+        return Runner(torch_fn(load_aoti(path), device, threads), inputs, outputs)
     if fmt == "aoti_buckets":
         runners = load_buckets(path, device)
         missing = sorted(set(buckets or ()) - set(runners))
@@ -259,6 +259,21 @@ def threads_in_use(runner: Runner) -> dict[str, Any]:
 def ort_cuda_options(device: str, tf32: bool = False) -> dict[str, Any]:
     """ONNX Runtime's CUDA provider options for ``device``: IEEE float32 unless ``tf32`` (its default allows TF32)."""
     return {"device_id": int(device.split(":")[1]) if ":" in device else 0, "use_tf32": "1" if tf32 else "0"}
+
+
+def load_aoti(path: str):
+    """An AOTInductor package's model, as a function of its input tensors returning its output tensors. torch's
+    public loader (aoti_load_package) wraps the C++ loader used here, but reaching it imports all of inductor
+    and dynamo, seconds of CPU in every process that loads a package (each served instance's); the C++ loader
+    needs only torch. A torch without that loader's signature gets the public one."""
+    import torch
+
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+        run = loader.boxed_run
+    except (AttributeError, TypeError):
+        return torch._inductor.aoti_load_package(path)
+    return lambda *xs: run(list(xs))
 
 
 def load_buckets(path: str, device: str = "cpu") -> dict:

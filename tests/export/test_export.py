@@ -181,6 +181,47 @@ print(json.dumps(seen))
 """
 
 
+# In a fresh process: an AOTInductor package loaded by torchship's runtime, whether that imported inductor, and
+# the same package where the C++ loader refuses torchship's call, as one of another signature would (the public
+# loader then).
+LOAD_AOTI = """
+import json, sys
+import numpy as np
+import torch
+from torchship import runtime
+x = np.random.default_rng(0).random((3, 3, 32, 32), dtype=np.float32)
+direct = runtime.load("aoti", sys.argv[1], ["images"], ["logits"]).run({"images": x})["logits"]
+inductor = "torch._inductor" in sys.modules
+real = torch._C._aoti.AOTIModelPackageLoader
+def other(*args, calls=[]):  # refuses torchship's call, as another signature would; the public loader's gets through
+    calls.append(args)
+    if len(calls) == 1:
+        raise TypeError("__init__(): incompatible constructor arguments")
+    return real(*args)
+other.load_metadata_from_package = real.load_metadata_from_package
+torch._C._aoti.AOTIModelPackageLoader = other
+public = runtime.load("aoti", sys.argv[1], ["images"], ["logits"]).run({"images": x})["logits"]
+print(json.dumps([inductor, "torch._inductor" in sys.modules, float(np.abs(direct - public).max())]))
+"""
+
+
+def test_an_aoti_package_loads_without_inductor_and_with_the_public_loader_as_fallback(exported):
+    """Every process that serves or verifies an AOTInductor package loads it: through torch's C++ loader it
+    needs no import of inductor and dynamo (seconds of CPU a served instance); a torch whose loader takes
+    other arguments gets the public loader, with the same outputs."""
+    art = next(a for a in read_manifest(exported)["artifacts"] if a["format"] == "aoti")
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_AOTI, str(exported / art["file"])],
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[2]),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    direct_imported, fallback_imported, diff = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not direct_imported, "loading an AOTInductor package imported torch._inductor"
+    assert fallback_imported and diff == 0.0, (fallback_imported, diff)
+
+
 def test_a_runner_that_crashes_is_named_as_a_crash():
     """A runtime that crashes in native code kills the fresh-process runner with a signal: the failure
     says which, not a bare negative exit code."""
