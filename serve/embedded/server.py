@@ -138,6 +138,9 @@ class TritonServer:
             "--log-verbose=0",
             f"--cache-directory={home / 'caches'}",
         ]
+        if not asks_auto_complete([self.repo, *self.extra_repos]):
+            # each model load would start one more python-backend stub process, only to ask for a config change
+            cmd.append("--disable-auto-complete-config")
         if not cuda_visible():
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
         return cmd + self.cfg.tls_flags() + list(self.cfg.triton_args)
@@ -411,6 +414,19 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def asks_auto_complete(repos: Sequence[str | Path]) -> bool:
+    """Whether a model in ``repos`` defines its own auto_complete_config (a python model's model.py): the
+    embedded server's backends are all python-based, and none of torchship's defines one."""
+    for repo in repos:
+        for f in Path(repo).glob("*/*/model.py"):
+            try:
+                if "auto_complete_config" in f.read_text(errors="replace"):
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def served_versions(model_dir: Path, config) -> list[int]:

@@ -465,3 +465,34 @@ def test_a_backend_process_that_never_starts_fails_the_start_in_time(repo, tmp_p
     t.join(120)
     assert not t.is_alive(), "start() still waits on a model whose backend never started"
     assert outcome["error"] and "tiny_cnn_onnx" in outcome["error"] and "planted failure" in outcome["error"], outcome
+
+
+OWN_AUTO_COMPLETE = """
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_output({"name": "DOUBLED", "data_type": "TYPE_FP32", "dims": [4]})
+        return config
+
+    def execute(self, requests):
+        raise NotImplementedError
+"""
+
+
+def test_a_model_that_completes_its_own_config_is_asked_and_ours_are_not(repo, tmp_path):
+    """Triton asks each python model for its config in a stub process of its own, one more per load: the
+    embedded server skips that for torchship's repositories (no model defines auto_complete_config), and
+    still asks where one does, whose served config then has the output it added."""
+    own = tmp_path / "own" / "doubler"
+    (own / "1").mkdir(parents=True)
+    (own / "config.pbtxt").write_text(
+        'name: "doubler"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input { name: "X" data_type: TYPE_FP32 dims: [4] }\ninstance_group { kind: KIND_CPU count: 1 }\n'
+    )
+    (own / "1" / "model.py").write_text(OWN_AUTO_COMPLETE)
+    assert "--disable-auto-complete-config" in TritonServer(ServeConfig(repo=str(repo))).command()
+    server = TritonServer(ServeConfig(repo=str(own.parent)))
+    assert "--disable-auto-complete-config" not in server.command()
+    with server:
+        outputs = TritonClient(server.url).config("doubler").get("output", [])
+    assert [o["name"] for o in outputs] == ["DOUBLED"], outputs
