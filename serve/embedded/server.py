@@ -254,8 +254,11 @@ class TritonServer:
                         f"tritonserver exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}"
                     )
                 # a bounded wait (a port taken by something that is not a gRPC server never answers), and it is this
-                # server that answers
-                if client.live(timeout_s=1.0) and listens_on(self.proc.pid, self.grpc_port) is not False:
+                # server that answers, and holds each of its ports: metrics is Triton's last bind, after it is live,
+                # and a failed one ends it
+                if client.live(timeout_s=1.0) and all(
+                    listens_on(self.proc.pid, p) is not False for p in self.ports.values()
+                ):
                     break
                 if time.monotonic() > deadline:
                     raise ServerError(f"tritonserver not live after {self.cfg.ready_timeout:.0f}s:\n{self.log_tail()}")
