@@ -240,9 +240,8 @@ def search(
     finally:
         client.close()
         shutil.rmtree(data.parent, ignore_errors=True)
-    # the sweep's other models, beyond the noise already and at a placement measured here: runners-up at most
     others = [p for p in swept if p not in first.near and p.placement in grid]
-    final = decide(points + others, kind, budget, cfg.stability / 100, manifest, results)
+    final = settle(points, others, kind, budget, cfg.stability / 100, manifest, results)
     record["levels"] = list(levels)
     record["seconds"] = round(time.perf_counter() - t0, 1)
     record["grid"] = [
@@ -254,6 +253,23 @@ def search(
         for p in points
     ]
     return final, record, live
+
+
+def settle(
+    searched: list[Point], others: list[Point], kind: str, budget, stability: float, manifest, results
+) -> Choice:
+    """The search's choice among the points it measured; the sweep's other models (further than the noise below
+    the best before the search, at a placement of the grid) are runners-up at most. A later window of a contender
+    that reads lower, on a busy machine, must not hand the plain name to a model the search never placed. Where
+    no searched point qualifies (a p99 budget), every point is considered."""
+    choice = choose(searched, kind, budget, stability)
+    if choice is None:
+        return decide(searched + others, kind, budget, stability, manifest, results)
+    for p in others:
+        if s := best_row(p.rows, kind, budget):
+            choice.scored[id(p)] = s
+            choice.points.append(p)
+    return choice
 
 
 def decide(points: list[Point], kind: str, budget, stability: float, manifest, results) -> Choice:

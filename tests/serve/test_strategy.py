@@ -108,6 +108,26 @@ def test_within_the_noise_the_stated_rule_chooses_and_beyond_it_the_figures_do()
     assert choose([fp32], "p99-budget", 10.0, 0.10) is None  # nothing within the budget
 
 
+def test_the_search_serves_a_point_it_measured_and_the_others_are_runners_up_at_most():
+    """The sweep's other models join the search's final choice as runners-up only: on a busy machine a contender's
+    later windows can read below another model's earlier sweep figure, and the plain name must still go to a
+    model the search placed (the summary's "as served" row is its figures). Under a p99 budget no searched point
+    meets, every point is considered."""
+    from serve.bench.search import settle
+    from serve.bench.strategy import winner_of
+
+    searched = [
+        Point("tiny_cnn_onnx", "float32", n, 2 // n, [row(16, rps, 5.0, 9.0)]) for n, rps in ((1, 800), (2, 900))
+    ]
+    other = Point("tiny_cnn_onnx_int8", "int8", 1, 2, [row(16, 1500, 4.0, 30.0)])
+    final = settle(searched, [other], "max-throughput", None, 0.10, MANIFEST, {})
+    assert final.chosen is searched[1] and other in final.points
+    w = winner_of(final, "max-throughput", MANIFEST)
+    assert (w["model"], w["instances"], w["runner_up"]["model"]) == ("tiny_cnn_onnx", 2, "tiny_cnn_onnx_int8")
+    calm = Point("tiny_cnn_onnx_int8", "int8", 1, 2, [row(16, 700, 4.0, 6.0)])
+    assert settle(searched, [calm], "p99-budget", 8.0, 0.10, MANIFEST, {}).chosen is calm  # only it meets 8 ms
+
+
 def test_a_budget_nothing_meets_and_a_bad_strategy_are_refused():
     with pytest.raises(ConfigError, match=r"no served model meets p99 <= 1 ms \(the lowest p99 measured was 3.00 ms\)"):
         pick(LOW_LATENCY_ONNX, "p99-budget=1", MANIFEST)
