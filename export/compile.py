@@ -2,15 +2,18 @@
 other and beside the other formats' exports. Each compile gets a fresh process (inductor's choice about
 oneDNN prepacking, once made in a process, holds for every later compile in it; see exporters.FREEZE),
 which rebuilds the model from the export's own inputs (the checkpoint, or the factory and weights file),
-as the parent did."""
+as the parent did. On a CPU the workers are forked from a fork server that imported what a compile imports
+(PRELOAD) and compiled nothing, so each starts fresh without paying the import again."""
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
 import shutil
+import threading
 import time
 import traceback
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -119,39 +122,95 @@ def tf32_field(cfg, device: str) -> dict[str, Any]:
     return {"tf32": True} if cfg.tf32 and device.startswith("cuda") and cfg.dtype == "float32" else {}
 
 
+# the fork server the CPU workers are forked from imports this module (export/preload.py) and compiles nothing
+PRELOAD = ("export.preload",)
+
+
+def start_method(device: str) -> str:
+    """forkserver for a CPU compile where the platform has it; spawn elsewhere: a CUDA compile's worker must not
+    be forked from a process whose imports may have touched the driver."""
+    return "forkserver" if device == "cpu" and "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
 class Compiler:
     """A pool of compile workers for one export, used as a context manager: on an error or Ctrl-C the workers
-    are ended at once, not awaited. ``submit`` returns an AsyncResult of _job's result."""
+    are ended at once, not awaited. ``submit`` returns a Future of _job's result. The pool starts in a thread of
+    its own on the first submit, so that the export goes on while the fork server imports; it and its fork
+    server end with the export."""
 
     def __init__(self, cfg, device: str, workers: int, work: Path):
         self.cfg, self.device, self.work, self.workers = cfg, device, work, workers
-        self.pool = None  # started on the first submit
-        self.jobs: list = []
+        self.method = start_method(device)
+        self.pool = None
+        self.jobs: list[Future] = []
+        self._queue: list[tuple[tuple, Future]] = []
+        self._lock = threading.Lock()
+        self._starter: threading.Thread | None = None
 
-    def submit(self, kind: str, batch: int = 0, out: Path | None = None):
-        if self.pool is None:
-            self.work.mkdir(parents=True, exist_ok=True)
-            self.pool = mp.get_context("spawn").Pool(processes=self.workers, maxtasksperchild=1)
+    def submit(self, kind: str, batch: int = 0, out: Path | None = None) -> Future:
         out = out or self.work / f"bs{batch}.weights.pt"
-        job = self.pool.apply_async(_job, (self.cfg, self.device, kind, batch, str(out)))
+        job: Future = Future()
         self.jobs.append(job)
+        with self._lock:
+            if self.pool is None:
+                self._queue.append(((self.cfg, self.device, kind, batch, str(out)), job))
+                if self._starter is None:
+                    self.work.mkdir(parents=True, exist_ok=True)
+                    self._starter = threading.Thread(target=self._start, name="compile-pool", daemon=True)
+                    self._starter.start()
+                return job
+        self._apply((self.cfg, self.device, kind, batch, str(out)), job)
         return job
+
+    def _start(self) -> None:
+        try:
+            ctx = mp.get_context(self.method)
+            if self.method == "forkserver":
+                ctx.set_forkserver_preload(list(PRELOAD))
+            pool = ctx.Pool(processes=self.workers, maxtasksperchild=1)
+        except Exception as e:  # every job waiting on the pool reports it as its format's failure
+            with self._lock:
+                queued, self._queue = self._queue, []
+            for _, job in queued:
+                job.set_result({"error": f"the compile workers could not start: {first_line(e)}"})
+            return
+        with self._lock:
+            self.pool, queued, self._queue = pool, self._queue, []
+        for args, job in queued:
+            self._apply(args, job)
+
+    def _apply(self, args: tuple, job: Future) -> None:
+        self.pool.apply_async(_job, args, callback=job.set_result, error_callback=job.set_exception)
 
     def busy(self) -> int:
         """How many cores the compiles hold now: one per job still running, at most one per worker."""
-        return min(self.workers, sum(not j.ready() for j in self.jobs))
+        return min(self.workers, sum(not j.done() for j in self.jobs))
 
     def __enter__(self) -> "Compiler":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        if self._starter is not None:
+            self._starter.join()
         if self.pool is not None:
             if exc_type is None:
                 self.pool.close()
             else:
                 self.pool.terminate()
             self.pool.join()
+            if self.method == "forkserver":
+                _stop_fork_server()
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _stop_fork_server() -> None:
+    """End this process's fork server (it holds torch and inductor in memory) once the export's compiles are done;
+    the next export starts another."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 def bucket_files(result: dict[str, Any]) -> list:

@@ -134,7 +134,7 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             arts.record(fmt, files, extra, time.perf_counter() - t0)
         for fmt, jobs in background.items():
             log(f"export {fmt}: waiting for its compile ...")
-            results = {b: job.get() for b, job in jobs.items()}
+            results = {b: job.result() for b, job in jobs.items()}
             error = next((r["error"] for r in results.values() if "error" in r), None)
             if error:
                 arts.fail(fmt, error)

@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Tuple
@@ -203,6 +204,35 @@ torch._C._aoti.AOTIModelPackageLoader = other
 public = runtime.load("aoti", sys.argv[1], ["images"], ["logits"]).run({"images": x})["logits"]
 print(json.dumps([inductor, "torch._inductor" in sys.modules, float(np.abs(direct - public).max())]))
 """
+
+
+def test_cpu_compiles_fork_from_a_server_that_imported_them_and_it_ends_with_the_export(trained, tmp_path):
+    """A CPU export's compile workers are forked from a fork server that imported what a compile imports
+    (export/preload.py), each worker a fresh process of its own; the server ends when the export does. A CUDA
+    export's workers are spawned."""
+    import dataclasses
+
+    from export.compile import Compiler, start_method
+    from export.config import ExportConfig
+    from torchship.config import build
+    from torchship.procfs import cmdline, processes
+
+    assert start_method("cuda:0") == "spawn"
+    cfg = build(ExportConfig, {"checkpoint": str(trained), "out": str(tmp_path / "out")})
+    cfg = dataclasses.replace(cfg, checkpoint=str(tmp_path / "gone"))  # the job fails in the worker, at once
+    with Compiler(cfg, "cpu", 2, tmp_path / "work") as compiler:
+        assert "error" in compiler.submit("aoti").result(timeout=300)
+        for _ in range(100):  # the worker that ran the job is being replaced: until the pool holds two again
+            parents = {p.pid: p.ppid for p in processes()}
+            mine = [pid for pid, ppid in parents.items() if ppid == os.getpid()]
+            servers = [pid for pid in mine if "forkserver" in " ".join(cmdline(pid))]
+            workers = [w.pid for w in compiler.pool._pool if w.pid in parents]
+            if len(workers) == 2:
+                break
+            time.sleep(0.1)
+        assert len(servers) == 1 and "export.preload" in " ".join(cmdline(servers[0])), servers
+        assert len(workers) == 2 and all(parents[w] == servers[0] for w in workers), (workers, servers)
+    assert servers[0] not in {p.pid for p in processes()}  # ended and reaped with the export
 
 
 def test_an_aoti_package_loads_without_inductor_and_with_the_public_loader_as_fallback(exported):
