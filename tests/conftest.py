@@ -27,8 +27,16 @@ def pytest_xdist_auto_num_workers(config):
     return min(4, len(os.sched_getaffinity(0)) + 1)
 
 
+# The files whose tests wait longest on their first fixture, handed to the workers first (each file runs on one
+# worker, in this order, the rest after them in collection order): the run's end to end, which builds its own,
+# then the shared exports (``exported``) and training, which many later files read.
+FIRST = ("tests/e2e/test_run.py", "tests/export/test_export.py", "tests/train/test_train.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The zoo runs only when asked for by name (-m zoo): it takes about an hour."""
+    """The files in FIRST first; the zoo only when asked for by name (-m zoo): it takes about an hour."""
+    rank = {f: i for i, f in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(FIRST)))
     if "zoo" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="the model zoo runs with -m zoo")
