@@ -19,9 +19,11 @@ ONE_PLACEMENT = ("--set", "repo.instance_count=1", "--set", "repo.threads=1")
 
 
 @pytest.fixture(scope="module")
-def counted_run(tmp_path_factory):
+def counted_run(tmp_path_factory, exported):
     """The run, with this process's reads of its hand-over files counted: manifest.json parsed, reference.npz
-    loaded and hashed, and the stage configs built. (The verifier's fresh processes read their own.)"""
+    loaded and hashed, and the stage configs built. (The verifier's fresh processes read their own.) It starts
+    once the shared export (``exported``, unused here) is built: the two compile beside each other otherwise,
+    and every file that waits on the shared export waits longer."""
     import torchship.manifest
     import torchship.pipeline.run
 
