@@ -146,12 +146,16 @@ class Compiler:
         self._queue: list[tuple[tuple, Future]] = []
         self._lock = threading.Lock()
         self._starter: threading.Thread | None = None
+        self._failed: str | None = None  # why the pool could not start: every job, later ones too, reports it
 
     def submit(self, kind: str, batch: int = 0, out: Path | None = None) -> Future:
         out = out or self.work / f"bs{batch}.weights.pt"
         job: Future = Future()
         self.jobs.append(job)
         with self._lock:
+            if self._failed is not None:
+                job.set_result({"error": self._failed})
+                return job
             if self.pool is None:
                 self._queue.append(((self.cfg, self.device, kind, batch, str(out)), job))
                 if self._starter is None:
@@ -170,9 +174,10 @@ class Compiler:
             pool = ctx.Pool(processes=self.workers, maxtasksperchild=1)
         except Exception as e:  # every job waiting on the pool reports it as its format's failure
             with self._lock:
+                self._failed = f"the compile workers could not start: {first_line(e)}"
                 queued, self._queue = self._queue, []
             for _, job in queued:
-                job.set_result({"error": f"the compile workers could not start: {first_line(e)}"})
+                job.set_result({"error": self._failed})
             return
         with self._lock:
             self.pool, queued, self._queue = pool, self._queue, []

@@ -235,6 +235,19 @@ def test_cpu_compiles_fork_from_a_server_that_imported_them_and_it_ends_with_the
     assert servers[0] not in {p.pid for p in processes()}  # ended and reaped with the export
 
 
+def test_compile_workers_that_cannot_start_fail_every_job_and_none_waits_forever(tmp_path):
+    """A pool that cannot start fails each job with the reason, the ones submitted before it failed and after."""
+    from export.compile import Compiler
+
+    with Compiler(None, "cpu", 1, tmp_path / "work") as compiler:
+        compiler.method = "no-such-start-method"
+        first = compiler.submit("aoti")
+        compiler._starter.join()
+        later = compiler.submit("aoti_int8")
+        for job in (first, later):
+            assert "the compile workers could not start" in job.result(timeout=10)["error"]
+
+
 def test_an_aoti_package_loads_without_inductor_and_with_the_public_loader_as_fallback(exported):
     """Every process that serves or verifies an AOTInductor package loads it: through torch's C++ loader it
     needs no import of inductor and dynamo (seconds of CPU a served instance); a torch whose loader takes
