@@ -9,10 +9,28 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.errors import ConfigError
 
+# the options whose default depends on the task: a detector learns from fewer, larger pictures per step
+TASK_DEFAULTS = {
+    "classify": {"epochs": 3, "batch_size": 64, "lr": 2e-3},
+    "detect": {"epochs": 10, "batch_size": 16, "lr": 3e-3},
+}
+
 
 @dataclass
 class TrainConfig:
-    arch: str = opt("resnet18", "model: resnet18, resnet50, mobilenet_v3_small, tiny_cnn, or package.module:factory")
+    arch: str = opt(
+        "resnet18",
+        "model: resnet18, resnet50, mobilenet_v3_small, tiny_cnn, a detector (tiny_fcos, fcos_resnet50_fpn, "
+        "retinanet_resnet50_fpn, ssdlite320_mobilenet_v3_large, fasterrcnn_mobilenet_v3_large_320_fpn), or "
+        "package.module:factory",
+    )
+    task: Literal["auto", "classify", "detect"] = opt(
+        "auto",
+        "what the model learns. auto: detect for a detector --arch, else classify. detect: boxes and labels, "
+        "from --data digits (the built-in pictures of digits on photos) or a COCO instances JSON (or its folder); "
+        "a package.module:factory detector is called with num_classes (the background counted) and trained as "
+        "torchvision's detectors are: model(images, targets) returns a dict of losses",
+    )
     data: str = opt(
         "digits",
         "dataset: 'digits' (scikit-learn's 8x8 digits, no download), 'synthetic', an ImageFolder PATH, or your own "
@@ -20,11 +38,18 @@ class TrainConfig:
         "tensor or a dict of tensors (see docs/any-model.md)",
     )
     image_size: Optional[int] = opt(
-        None, "input height and width in pixels (default: 32 for digits/synthetic, 224 for folders)"
+        None, "input height and width in pixels (default: 32 for digits/synthetic, 224 for folders, 128 to detect)"
     )
-    epochs: int = opt(3, "number of passes over the training split (the default digits reach 97-99 %% in 3)")
-    batch_size: int = opt(64, "global batch size, split evenly across DDP ranks")
-    lr: float = opt(2e-3, "peak learning rate of AdamW (warm-up then cosine decay)")
+    epochs: Optional[int] = opt(
+        None,
+        "passes over the training split (default: 3 to classify, where the digits reach 97-99 %%; 10 to detect)",
+    )
+    batch_size: Optional[int] = opt(
+        None, "global batch size, split evenly across DDP ranks (default: 64 to classify, 16 to detect)"
+    )
+    lr: Optional[float] = opt(
+        None, "peak learning rate of AdamW, warm-up then cosine decay (default: 2e-3 to classify, 3e-3 to detect)"
+    )
     weight_decay: float = opt(5e-4, "AdamW weight decay")
     amp: Literal["auto", "off", "bf16", "fp16"] = opt(
         "auto",
@@ -48,6 +73,7 @@ class TrainConfig:
     val_fraction: float = opt(0.2, "fraction of the data held out for validation (stratified)")
     synthetic_samples: int = opt(512, "number of samples for --data synthetic")
     num_classes: Optional[int] = opt(None, "classes for --data synthetic (default 10)")
+    pictures: int = opt(1500, "pictures in the built-in detection set (--task detect --data digits)")
     workers: int = opt(0, "DataLoader worker processes per rank (ImageFolder data)")
     grad_clip: Optional[float] = opt(None, "clip the global gradient norm to this value (unscaled first under fp16)")
     compile: bool = opt(False, "wrap the model in torch.compile (the saved weights stay unwrapped)")
@@ -64,6 +90,9 @@ class TrainConfig:
     progress: bool = opt(True, "show a progress bar on rank 0")
 
     def __post_init__(self) -> None:
+        for key, value in TASK_DEFAULTS["detect" if self.detection else "classify"].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         if self.epochs < 1:
             raise ConfigError("--epochs must be at least 1")
         if self.batch_size < 1:
@@ -84,6 +113,15 @@ class TrainConfig:
             raise ConfigError("--grad-clip must be positive")
         if self.synthetic_samples < 4:
             raise ConfigError("--synthetic-samples must be at least 4")
+        if self.pictures < 4:
+            raise ConfigError("--pictures must be at least 4")
+
+    @property
+    def detection(self) -> bool:
+        """Whether this run trains a detector (--task, or for auto the --arch)."""
+        from torchship.detectors import is_detector
+
+        return self.task == "detect" or (self.task == "auto" and is_detector(self.arch))
 
     def resolved_resume(self) -> Optional[str]:
         """--resume with 'auto' resolved: OUT when it already holds a checkpoint, else None."""

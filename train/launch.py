@@ -20,6 +20,7 @@ from torchship.errors import ConfigError, TorchshipError
 from . import checkpoint as ck
 from .config import TrainConfig
 from .data import BUILTIN_DATA, check_data_source, is_factory, scan_image_folder
+from .detect import check_detection
 from .loop import TrainResult, prepare_out, resolve_device, train
 
 ERROR_FILE_ENV = "TORCHSHIP_ERROR_FILE"
@@ -52,9 +53,12 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         d = resolve_checkpoint(resume, which="latest")
         load_meta(d)
         ck.load_train_state(d)
-    check_data_source(cfg.data)
-    if cfg.data not in BUILTIN_DATA and not is_factory(cfg.data):
-        scan_image_folder(cfg.data)
+    if cfg.detection:
+        check_detection(cfg)
+    else:
+        check_data_source(cfg.data)
+        if cfg.data not in BUILTIN_DATA and not is_factory(cfg.data):
+            scan_image_folder(cfg.data)
     cpus = usable_cpus()
     if device == "cpu" and world > cpus:
         print(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -23,21 +22,11 @@ from torchship.models import check_arch
 from . import checkpoint as ck
 from .config import TrainConfig
 from .data import DataSplit, check_data_source, collate_inputs, is_factory, load_data
+from .detect import check_detection, train_detector
 from .distributed import Dist, init_distributed, rank_batches, rank_loader
+from .result import TrainResult
 from .setup import Run, set_up
 from .userdata import load_user_data
-
-
-@dataclass
-class TrainResult:
-    best: Path  # checkpoint directory with the best validation accuracy
-    latest: Path  # most recent checkpoint directory (resumable)
-    val_acc: float  # validation accuracy of the last evaluation, 0..1
-    best_val_acc: float
-    steps: int  # optimizer steps taken in total (including before a resume)
-    wall_s: float  # seconds spent in this call
-    images_per_s: float  # training throughput of this call, all ranks together
-    world_size: int
 
 
 def resolve_device(cfg: TrainConfig) -> str:
@@ -131,13 +120,16 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
     """
     t_start = time.perf_counter()
     device = resolve_device(cfg)
-    check_data_source(cfg.data)  # before the run's folder and log exist
-    check_arch(cfg.arch)
+    if cfg.detection:
+        check_detection(cfg)  # before the run's folder and log exist
+    else:
+        check_data_source(cfg.data)
+        check_arch(cfg.arch)
     out = prepare_out(cfg)
     resume = cfg.resolved_resume()  # before this run writes a checkpoint of its own
     resume_dir = resolve_checkpoint(resume, which="latest") if resume else None
     ck.seed_everything(cfg.seed)
-    data = load_split(cfg)  # a data factory's mistakes too surface before anything is written
+    data = None if cfg.detection else load_split(cfg)  # a factory's mistakes surface before anything is written
     joining = not dist.is_initialized()
     d = init_distributed(device)
     log = None
@@ -151,6 +143,8 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
         if d.initialized:
             dist.barrier()
         log = _Log(out, d.main)
+        if cfg.detection:
+            return train_detector(cfg, d, device, out, log, on_step)
         return _train(cfg, data, d, device, out, resume_dir, log, on_step, t_start)
     finally:
         if log is not None and log.file:

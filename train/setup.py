@@ -119,13 +119,7 @@ def set_up(
             "val_fraction": cfg.val_fraction,
             "seed": cfg.seed,
         },
-        "train_config": as_dict(cfg),
-        "world_size": d.world,
-        "device": device,
-        "amp": amp,
-        "amp_reason": amp_reason,
-        "torch_version": torch.__version__,
-        "git_revision": git_revision(),
+        **run_record(cfg, d, device, amp, amp_reason),
     }
     heldout: dict[str, np.ndarray] = {}
     if data.signature is None:
@@ -166,6 +160,19 @@ def set_up(
     if resume_dir is not None:
         restore(run, ck.load_train_state(resume_dir), resume_dir)
     return run
+
+
+def run_record(cfg: TrainConfig, d: Dist, device: str, amp: str, amp_reason: str) -> dict[str, Any]:
+    """What every checkpoint's meta.json says of the run that wrote it, whatever the task."""
+    return {
+        "train_config": as_dict(cfg),
+        "world_size": d.world,
+        "device": device,
+        "amp": amp,
+        "amp_reason": amp_reason,
+        "torch_version": torch.__version__,
+        "git_revision": git_revision(),
+    }
 
 
 def restore(run: Run, state: dict[str, Any], resume_dir: Path) -> None:
