@@ -103,12 +103,14 @@ def build_reference(
     sample_set: str,
     tf32: bool = False,
     pace=None,
+    derive=parity.derive,
 ) -> Reference:
     """Run eager (``eager``: the float32 model) in float64 and ``exported`` (the module the artifacts are
     made from, in ``dtype``) on every set, and derive each output's bound from the two. On CUDA, float32
     runs in IEEE float32 (TF32 off), so that the bound is a float32 bound; with ``tf32`` eager runs once more
     with TF32 allowed, for the bound of the artifacts compiled so (parity.with_tf32). ``pace()``, where given, runs
-    before each chunk: the export sets the thread count there to the cores its compiles leave free."""
+    before each chunk: the export sets the thread count there to the cores its compiles leave free. ``derive``
+    turns the two into the bounds (a detector's: torchship.detection_parity.derive)."""
     names = [t.name for t in sig.inputs]
     outputs = [t.name for t in sig.outputs]
     with runtime.fp32_precision(device):
@@ -118,11 +120,11 @@ def build_reference(
     if ref is None:
         with runtime.fp32_precision(device):
             ref = low if dtype == "float32" else _run(runtime.torch_fn(eager, device), sets, names, outputs, max_batch)
-    tolerances = parity.derive(ref, low, dtype, fp64=not why, why=why)
+    tolerances = derive(ref, low, dtype, fp64=not why, why=why)
     if tf32:
         with runtime.fp32_precision(device, tf32=True):
             fast = _run(runtime.torch_fn(exported, device), sets, names, outputs, max_batch)
-        tolerances = parity.with_tf32(tolerances, parity.derive(ref, fast, dtype, fp64=not why, why=why))
+        tolerances = parity.with_tf32(tolerances, derive(ref, fast, dtype, fp64=not why, why=why))
     arrays: dict[str, np.ndarray] = {}
     for i, (key, feeds) in enumerate(sets.items()):
         for n in names:

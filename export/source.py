@@ -32,6 +32,7 @@ class Source:
     labels: Optional[np.ndarray] = None
     sample_set: str = "heldout"
     raw: Optional[RawSamples] = None  # held-out files as a client sends them, and training's tensors of them
+    detection: Optional[dict[str, Any]] = None  # a detector's: what its fixed-shape outputs keep, and its letterbox
 
 
 def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = ()) -> Source:
@@ -39,6 +40,8 @@ def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = 
     ``dims`` (NAME=MIN..MAX) replace the ranges of dynamic dims a checkpoint trained on your own data records."""
     ckdir = ck.resolve_checkpoint(checkpoint, which="best")
     model, meta = checkpoint_model(ckdir)
+    if meta.get("task") == "detection":
+        return _from_detection_checkpoint(ckdir, meta, model, dims)
     if "signature" in meta:
         return _from_data_checkpoint(ckdir, meta, model, dims)
     if dims:
@@ -55,15 +58,7 @@ def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = 
         WithPreprocessing(model, pre["mean"], pre["std"]).eval(),
         sig,
         export_name(meta["arch"]),
-        {
-            "kind": "checkpoint",
-            "path": str(ckdir.resolve()),
-            "weights_sha256": meta.get("weights_sha256"),
-            "arch": meta["arch"],
-            "model_args": meta.get("model_args", {}),
-            "metrics": meta.get("metrics", {}),
-            "git_revision": meta.get("git_revision"),
-        },
+        _description(ckdir, meta),
         classes=meta["classes"],
         preprocessing=pre,
     )
@@ -71,6 +66,50 @@ def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = 
         with np.load(ckdir / ck.HELDOUT) as held:
             src.samples, src.labels = {"images": held["images"].astype(np.float32)}, held["labels"]
             src.raw = RawSamples.from_arrays(held)
+    return src
+
+
+def _description(ckdir: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Where a checkpoint's model came from, for the manifest."""
+    return {
+        "kind": "checkpoint",
+        "path": str(ckdir.resolve()),
+        "weights_sha256": meta.get("weights_sha256"),
+        "arch": meta["arch"],
+        "model_args": meta.get("model_args", {}),
+        "metrics": meta.get("metrics", {}),
+        "git_revision": meta.get("git_revision"),
+    }
+
+
+def _from_detection_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.nn.Module, dims) -> Source:
+    """A detector: its deployable form (torchship.detectors.TopK), letterboxed pictures in, K detections out."""
+    from torchship.detectors import deployable
+
+    if dims:
+        raise ConfigError(f"--dim: checkpoint {ckdir} is a detector of fixed-size pictures; it has no dynamic dims")
+    top = deployable(model, meta)
+    c, s, k = meta["input_shape"][0], meta["input_shape"][-1], top.k
+    sig = Signature(
+        [TensorSpec("images", "float32", [BATCH, c, s, s])],
+        [
+            TensorSpec("boxes", "float32", [BATCH, k, 4]),
+            TensorSpec("scores", "float32", [BATCH, k]),
+            TensorSpec("labels", "int64", [BATCH, k]),
+            TensorSpec("count", "int64", [BATCH]),
+        ],
+    )
+    src = Source(
+        top,
+        sig,
+        export_name(meta["arch"]),
+        _description(ckdir, meta),
+        classes=meta["classes"],
+        detection={**meta["detections"], "letterbox": meta["letterbox"]},
+    )
+    if (ckdir / ck.HELDOUT).exists():
+        with np.load(ckdir / ck.HELDOUT) as held:
+            src.samples = {"images": held["images"].astype(np.float32)}
     return src
 
 
@@ -90,17 +129,7 @@ def _from_data_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.nn.Mod
         deployable,
         sig,
         export_name(meta["arch"]),
-        {
-            "kind": "checkpoint",
-            "path": str(ckdir.resolve()),
-            "weights_sha256": meta.get("weights_sha256"),
-            "arch": meta["arch"],
-            "model_args": meta.get("model_args", {}),
-            "metrics": meta.get("metrics", {}),
-            "data": meta.get("data", {}).get("factory"),
-            "git_revision": meta.get("git_revision"),
-            "output_keys": keys,
-        },
+        {**_description(ckdir, meta), "data": meta.get("data", {}).get("factory"), "output_keys": keys},
         classes=meta.get("classes"),
     )
     if (ckdir / ck.HELDOUT).exists():

@@ -86,10 +86,13 @@ def build_config(
         if image:  # Triton's image clients read the layout from here (dims must be [C, H, W])
             inp.format = mc.ModelInput.FORMAT_NCHW
     for i, spec in enumerate(manifest["outputs"]):
+        dims = config_dims(spec)
         out = c.output.add(
-            name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=config_dims(spec)
+            name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=dims or [1]
         )
-        if manifest.get("classes") and i == 0:  # Triton's classification extension, for classifiers
+        if not dims:  # one value per request (a detector's count): Triton needs dims, the model makes [batch]
+            out.reshape.SetInParent()
+        if manifest.get("classes") and i == 0 and "detection" not in manifest:  # the classification extension
             out.label_filename = "labels.txt"
     if runs_tf32(manifest, fmt):
         _param(c, "tf32", "true")  # the stand-in backends run it with TF32 allowed, as it was compiled and verified

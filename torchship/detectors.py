@@ -116,7 +116,8 @@ class OwnPostprocessing(nn.Module):
 class TopK(nn.Module):
     """A trained one-stage detector (FCOS or RetinaNet, torchvision's classes or the built-in tiny_fcos) as a
     fixed-shape graph: ``images`` [B, 3, S, S] in [0, 1] (letterboxed, torchship.boxes) -> boxes [B, K, 4] float32
-    (xyxy, the square's pixels), scores [B, K] float32, labels [B, K] int64 and count [B] int64. The first ``count``
+    (xyxy, the square's pixels), scores [B, K] float32, labels [B, K] int64 and count [B] int64 (boxes and scores
+    in the images' dtype). The first ``count``
     rows of each picture are its detections, highest score first; the rest are zeros.
 
     It computes what the detector's own postprocessing does (the same scores, box decoding, clipping, score
@@ -185,7 +186,15 @@ class TopK(nn.Module):
         count = present.sum(1)
         boxes = boxes.gather(1, order[..., None].expand(-1, -1, 4)) * present[..., None]
         labels = labels.gather(1, order) * present
-        return boxes.float(), (kept * present).float(), labels.long(), count.long()
+        return boxes, kept * present, labels.long(), count.long()
+
+
+def deployable(detector: nn.Module, meta: dict[str, Any]) -> "TopK":
+    """The TopK a detection checkpoint's meta describes, around its ``detector`` (weights loaded, eval mode)."""
+    det = meta.get("detections")
+    if not det:
+        TopK(detector, meta["input_shape"][-1])  # raises, saying why this detector has no fixed-shape form
+    return TopK(detector, meta["input_shape"][-1], det["k"], det["candidates"]).eval()
 
 
 def detections(outputs) -> list[dict[str, torch.Tensor]]:

@@ -93,7 +93,12 @@ def load_weights_file(path: str | Path, log=print) -> dict[str, torch.Tensor]:
 def checkpoint_model(ckdir: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The plain eval-mode model of a checkpoint directory with its weights loaded, and its metadata."""
     meta = load_meta(ckdir)
-    model = model_from_meta(meta)
+    if meta.get("task") == "detection":
+        from .detectors import build_detector
+
+        model = build_detector(meta["arch"], meta["num_classes"], meta["input_shape"][-1], meta.get("model_args"))
+    else:
+        model = model_from_meta(meta)
     load_into(model, load_weights(ckdir), f"checkpoint {ckdir}")
     return model.eval(), meta
 
@@ -104,6 +109,10 @@ def eager_from_manifest(manifest: dict[str, Any]) -> torch.nn.Module:
     names = [t["name"] for t in manifest["inputs"]]
     if src.get("kind") == "checkpoint":
         model, meta = checkpoint_model(Path(src["path"]))
+        if meta.get("task") == "detection":
+            from .detectors import deployable
+
+            return deployable(model, meta)
         if "signature" in meta:
             return named(model, names, src.get("output_keys"), meta.get("inputs_by") == "keyword")
         return WithPreprocessing(model, meta["preprocessing"]["mean"], meta["preprocessing"]["std"]).eval()

@@ -85,6 +85,14 @@ def bound(tolerances: dict[str, Any], output: str, tf32: bool = False) -> dict[s
 def describe(tolerances: dict[str, Any]) -> str:
     """One sentence saying how the bounds were set, for parity.md and the README of a run."""
     rule, dt = tolerances.get("rule"), tolerances.get("dtype", "float32")
+    if rule == "detection":
+        eager = "eager fp32's" if tolerances.get("fp64") else "no"
+        return (
+            f"Reference: eager in {'float64' if tolerances.get('fp64') else 'float32'}. Bounds for boxes and scores: "
+            f"{tolerances['multiple']:g} x {eager} own error against it on the detections the two share, plus "
+            f"{tolerances['floor_eps']:g} {dt} epsilons of their scale; labels exact; minimum mAP "
+            f"{tolerances['min_map']:g}."
+        )
     if rule == "fp64":
         eager = "eager fp32" if dt == "float32" else f"eager in {dt}"
         return (

@@ -390,6 +390,11 @@ def run_pipeline(
             f"(or start --from {producer})"
         )
     run = Run(run_dir, settings, log, configs)
+    if run.cfg["train"].detection:
+        raise ConfigError(
+            f"--arch {run.cfg['train'].arch}: torchship run does not take a detector yet; run its stages one by one "
+            "(torchship train, export, repo, serve, infer --check: docs/detection.md)"
+        )
     run.into, run.url = (Path(into) if into else None), url
     run.dirs["logs"].mkdir(parents=True, exist_ok=True)
     run.record["from"] = start

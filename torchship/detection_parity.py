@@ -1,0 +1,204 @@
+"""Parity for detectors (torchship.detectors.TopK's outputs): an artifact's detections are matched to the
+reference's by label and IoU, not element by element, because between two correct runs two boxes of nearly
+equal score may swap places, and a box near the score threshold, an NMS tie or the K-th place may appear or
+disappear.
+
+The bounds are derived as parity.derive's are: a matched box's coordinates and score may differ from the
+reference by MULTIPLE x eager float32's own error on the same detections, plus a floor. Every detection left
+unmatched must be such an exception (within the score bound of the threshold or of the K-th score, or in an NMS
+tie: a box of its label whose IoU with it lies within reach of the NMS threshold); each is named in the report.
+On the real samples, the artifact's mAP against the reference's detections must reach MIN_MAP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .boxes import iou
+from .parity import EPS, FLOOR_EPS, MULTIPLE
+
+OUTPUTS = ("boxes", "scores", "labels", "count")
+PASS_RULE = (
+    "Detections, not elements: each of the artifact's detections is paired with the reference's of its label that "
+    "it overlaps most (IoU above 0.5); a pair's box coordinates and score must lie within their bounds, every "
+    "detection left unpaired must sit within the score bound of the threshold or of the K-th score, or in an NMS "
+    "tie (each such exception is named below), and on the real samples the artifact's mAP against the reference's "
+    "detections must reach the minimum."
+)
+MATCH_IOU = 0.5  # a detection is paired with the reference's of its label that it overlaps most, above this
+MIN_MAP = 0.99  # the artifact's mAP against the reference's detections, on the real samples
+
+
+def pictures(outs: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each picture's detections (boxes [n, 4], scores [n], labels [n]) from TopK's outputs."""
+    out = []
+    for i, n in enumerate(np.asarray(outs["count"]).reshape(-1).astype(int)):
+        out.append((outs["boxes"][i, :n], outs["scores"][i, :n], outs["labels"][i, :n]))
+    return out
+
+
+def match(ref, got) -> list[tuple[int, int]]:
+    """(reference index, artifact index) pairs: each reference detection, highest score first, with the unpaired
+    artifact detection of its label that overlaps it most (IoU above MATCH_IOU)."""
+    (rb, _, rl), (gb, _, gl) = ref, got
+    if not len(rb) or not len(gb):
+        return []
+    overlap = iou(rb, gb)
+    pairs, used = [], set()
+    for i in range(len(rb)):
+        best, j_best = MATCH_IOU, None
+        for j in np.flatnonzero(gl == rl[i]):
+            if j not in used and overlap[i, j] > best:
+                best, j_best = overlap[i, j], int(j)
+        if j_best is not None:
+            used.add(j_best)
+            pairs.append((i, j_best))
+    return pairs
+
+
+def derive(reference, eager, dtype: str, fp64: bool, why: str = "", k: int = 100) -> dict[str, Any]:
+    """The tolerances of a detector's export (parity.derive's counterpart): the boxes' and the scores' bounds
+    from eager float32's error against the reference on the detections the two share."""
+    box_err = score_err = box_scale = 0.0
+    for s in range(len(reference["count"])):
+        refs = pictures({o: reference[o][s] for o in OUTPUTS})
+        lows = pictures({o: eager[o][s] for o in OUTPUTS})
+        for r, g in zip(refs, lows):
+            box_scale = max(box_scale, float(np.abs(r[0]).max(initial=0.0)))
+            for i, j in match(r, g):
+                box_err = max(box_err, float(np.abs(r[0][i].astype(np.float64) - g[0][j]).max()))
+                score_err = max(score_err, abs(float(r[1][i]) - float(g[1][j])))
+    multiple = MULTIPLE if fp64 else 1.0
+    outputs = {
+        "boxes": {"atol": multiple * box_err + FLOOR_EPS * EPS[dtype] * max(box_scale, 1.0), "rtol": 0.0},
+        "scores": {"atol": multiple * score_err + FLOOR_EPS * EPS[dtype], "rtol": 0.0},
+        "labels": {"atol": 0.0, "rtol": 0.0, "exact": True},
+        "count": {"atol": 0.0, "rtol": 0.0, "exact": True},
+    }
+    outputs["boxes"]["eager_error"], outputs["scores"]["eager_error"] = box_err, score_err
+    rule = {"rule": "detection", "multiple": multiple, "floor_eps": FLOOR_EPS, "fp64": fp64, "why": why}
+    return {**rule, "dtype": dtype, "outputs": outputs, "min_map": MIN_MAP, "k": k}
+
+
+def exception(d: int, mine, other, tol: dict[str, Any], det: dict[str, Any]) -> str | None:
+    """Why detection ``d`` of ``mine`` (a picture's detections) may be missing from ``other``, or None: its score
+    within the bound of the threshold or of a full picture's K-th score, or an NMS tie with a box of its label."""
+    box_tol, score_tol = tol["outputs"]["boxes"]["atol"], tol["outputs"]["scores"]["atol"]
+    boxes, scores, labels = mine
+    s = float(scores[d])
+    if abs(s - det["score_thresh"]) <= score_tol:
+        return f"score {s:.4f} within {score_tol:.2g} of the threshold {det['score_thresh']:g}"
+    for sc in (scores, other[1]):
+        if len(sc) >= tol["k"] and abs(s - float(sc[-1])) <= score_tol:
+            return f"score {s:.4f} within {score_tol:.2g} of the K-th score {float(sc[-1]):.4f}"
+    side = float(np.min(boxes[d, 2:] - boxes[d, :2]))
+    reach = 4 * box_tol / max(side, 1e-6) + 1e-6  # how far a box error within the bound moves an IoU
+    others = np.arange(len(scores)) != d
+    for b, sc, lab in ((boxes[others], scores[others], labels[others]), other):
+        same = np.flatnonzero(lab == labels[d])
+        if not len(same):
+            continue
+        overlap = iou(boxes[d : d + 1], b[same])[0]
+        near = np.abs(overlap - det["iou_thresh"]) <= reach
+        if near.any():
+            return (
+                f"an NMS tie: IoU {float(overlap[near][0]):.4f} with a box of its label (NMS at {det['iou_thresh']:g})"
+            )
+        tied = (overlap > det["iou_thresh"] - reach) & (np.abs(sc[same] - s) <= 2 * score_tol)
+        if tied.any():
+            return f"an NMS tie: a box of its label overlapping it, its score within {2 * score_tol:.2g}"
+    return None
+
+
+def check_set(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol, det, what: str, batch: int, real: bool):
+    """(row, failures) of one input set: every detection matched within the bounds or named as an exception; on
+    the real samples (``real``) the mAP against the reference too."""
+    row: dict[str, Any] = {"batch": batch, "bound": tol["outputs"]["boxes"]["atol"], "exceptions": []}
+    if got.get("count") is not None and got["count"].size == want["count"].size:  # served: [batch, 1]
+        got = {**got, "count": got["count"].reshape(want["count"].shape)}
+    missing = [o for o in OUTPUTS if got.get(o) is None or got[o].shape != want[o].shape]
+    if missing:
+        o = missing[0]
+        shape = "no such output" if got.get(o) is None else f"shape {list(got[o].shape)}, eager {list(want[o].shape)}"
+        return {**row, "pass": False}, [f"{what} output {o!r}: {shape}"]
+    failures: list[str] = []
+    box_err = score_err = 0.0
+    box_tol, score_tol = tol["outputs"]["boxes"]["atol"], tol["outputs"]["scores"]["atol"]
+    refs, gots = pictures(want), pictures(got)
+    for p, (r, g) in enumerate(zip(refs, gots)):
+        pairs = match(r, g)
+        for i, j in pairs:
+            box_err = max(box_err, float(np.abs(r[0][i].astype(np.float64) - g[0][j]).max()))
+            score_err = max(score_err, abs(float(r[1][i]) - float(g[1][j])))
+        for side, mine, other, idx in (
+            ("eager", r, g, {i for i, _ in pairs}),
+            ("artifact", g, r, {j for _, j in pairs}),
+        ):
+            for d in sorted(set(range(len(mine[1]))) - idx):
+                label, box = int(mine[2][d]), np.round(mine[0][d], 1).tolist()
+                why = exception(d, mine, other, tol, det)
+                if why is None:
+                    failures.append(
+                        f"{what}: picture {p}: {side}'s label {label} box {box} score {float(mine[1][d]):.4f} has no "
+                        f"match in the {'artifact' if side == 'eager' else 'reference'}"
+                    )
+                else:
+                    row["exceptions"].append(f"picture {p}: {side}'s label {label} box {box}: {why}")
+    row.update(max_abs=box_err, score_error=score_err, score_bound=score_tol)
+    if box_err > box_tol:
+        failures.append(f"{what}: a matched box is {box_err:.3g} pixels off, beyond the bound {box_tol:.3g}")
+    if score_err > score_tol:
+        failures.append(f"{what}: a matched score is {score_err:.3g} off, beyond the bound {score_tol:.3g}")
+    if real:
+        row["map"] = mean_ap(refs, gots)
+        if row["map"] < tol["min_map"]:
+            failures.append(f"{what}: mAP {row['map']:.4f} against eager's detections, below {tol['min_map']:g}")
+    row["pass"] = not failures
+    return row, failures[:5] + ([f"... and {len(failures) - 5} more"] if len(failures) > 5 else [])
+
+
+def mean_ap(refs, gots) -> float:
+    """COCO mAP (IoU 0.5 to 0.95) of ``gots`` against ``refs`` taken as the truth, by torchmetrics."""
+    import torch
+    from torchmetrics.detection import MeanAveragePrecision
+
+    metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
+
+    def t(b, s, lab):
+        b, s, lab = (torch.tensor(np.array(v)) for v in (b, s, lab))
+        return {"boxes": b.float().reshape(-1, 4), "scores": s.float(), "labels": lab.long()}
+
+    metric.update([t(*g) for g in gots], [t(*r) for r in refs])
+    got = float(metric.compute()["map"])
+    return 1.0 if got < 0 and not any(len(r[0]) for r in refs) else got  # -1: no detection to find at all
+
+
+def check_sets(manifest: dict[str, Any], ref, got, tol: dict[str, Any], name: str, sets=None) -> list[tuple]:
+    """parity.check_float_sets' counterpart for a detector: (set, "boxes", row, failure or None) per set."""
+    det, real = manifest["detection"], manifest["reference"].get("samples")
+    out = []
+    for key, batch in (manifest["reference"]["sets"] if sets is None else sets).items():
+        have = {o: got(key, o) for o in OUTPUTS}
+        want = {o: ref[f"expected/{key}/{o}"] for o in OUTPUTS}
+        row, failures = check_set(have, want, tol, det, f"{name}: {key}", batch, key == real)
+        out.append((key, "boxes", row, "; ".join(failures) or None))
+    return out
+
+
+def report_lines(entries: dict[str, Any]) -> list[str]:
+    """parity.md's detection section: each artifact's mAP against eager on the real samples, and its exceptions."""
+    lines = ["", "Detections, per artifact:", ""]
+    for name, entry in entries.items():
+        rows = entry.get("sets", {}).values()
+        maps = [r["map"] for r in rows if "map" in r]
+        excepted = [e for r in rows for e in r.get("exceptions", [])]
+        lines.append(
+            f"- `{name}`: "
+            + (f"mAP {maps[0]:.4f} against eager's detections on the real samples; " if maps else "")
+            + (f"{len(excepted)} unpaired detection(s), each an exception:" if excepted else "every detection paired")
+        )
+        lines += [f"  - {e}" for e in excepted[:20]] + (
+            [f"  - ... {len(excepted) - 20} more"] if len(excepted) > 20 else []
+        )
+    return lines
