@@ -30,7 +30,12 @@ def pytest_xdist_auto_num_workers(config):
 # The files whose tests wait longest on their first fixture, handed to the workers first (each file runs on one
 # worker, in this order, the rest after them in collection order): the run's end to end, which builds its own,
 # then the shared exports (``exported``) and training, which many later files read.
-FIRST = ("tests/e2e/test_run.py", "tests/export/test_export.py", "tests/train/test_train.py")
+FIRST = (
+    "tests/e2e/test_run.py",
+    "tests/export/test_export.py",
+    "tests/train/test_train.py",
+    "tests/export/test_detect_export.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

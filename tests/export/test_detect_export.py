@@ -13,6 +13,8 @@ from tests.conftest import run_cli
 from torchship.checkpoint import load_meta, load_weights, resolve_checkpoint
 from torchship.detectors import TopK, build_detector
 
+pytestmark = pytest.mark.slow  # a detector trained to detect, then exported: about half a minute before any test
+
 
 @pytest.fixture(scope="module")
 def detector(tmp_path_factory):
@@ -21,7 +23,8 @@ def detector(tmp_path_factory):
     root = tmp_path_factory.mktemp("detector")
     args = ["train", "--arch", "tiny_fcos", "--pictures", "200", "--epochs", "2", "--no-progress"]
     assert run_cli(*args, "--out", root / "train") == 0
-    assert run_cli("export", root / "train", "--formats", "torchscript", "--out", root / "export") == 0
+    export = ["export", root / "train", "--formats", "torchscript", "--max-batch", "8", "--out", root / "export"]
+    assert run_cli(*export) == 0
     return root
 
 
@@ -75,7 +78,6 @@ def test_the_faithful_detector_passes_with_every_detection_paired(detector):
     assert "mAP 1.0000 against eager's detections" in (detector / "export" / "parity.md").read_text()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "fault,says",
     [
@@ -99,7 +101,6 @@ def test_a_detector_is_refused_formats_that_cannot_carry_it(detector, tmp_path, 
     assert not out.exists()
 
 
-@pytest.mark.slow
 def test_the_served_detector_batches_and_answers_as_verified(detector, tmp_path, capsys):
     """The repository serves the fixed-shape detections with dynamic batching (the count as one value a picture),
     and served parity over gRPC matches them as the verifier does; a wrong model in the served folder fails it."""

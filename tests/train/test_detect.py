@@ -162,6 +162,7 @@ def test_a_coco_set_of_other_sizes_trains_letterboxed(tmp_path):
     assert (held["labels"][:, 0] == 1).all()
 
 
+@pytest.mark.slow
 def test_a_detector_topk_cannot_carry_trains_and_is_scored_as_in_eager(tmp_path):
     out = tmp_path / "frcnn"
     arch = "fasterrcnn_mobilenet_v3_large_320_fpn"
