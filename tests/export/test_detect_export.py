@@ -48,20 +48,31 @@ class Planted(TopK):
         return boxes, scores, labels, count
 
 
-def plant(export, fault, out):
-    """A copy of ``export`` whose TorchScript file holds the faulty model, its manifest hashes updated (the file
-    is what a faulty exporter would have written, not a tampered one)."""
-    shutil.copytree(export, out)
-    manifest = json.loads((out / "manifest.json").read_text())
+def faulty(export, fault, path):
+    """The TorchScript file a faulty exporter would have written for ``export``'s detector, at ``path``; its
+    sha256."""
+    manifest = json.loads((export / "manifest.json").read_text())
     ckpt = resolve_checkpoint(manifest["source"]["path"])
     meta = load_meta(ckpt)
     det = build_detector("tiny_fcos", meta["num_classes"], 128)
     det.load_state_dict(load_weights(ckpt))
     model = Planted(det.eval(), 128, meta["detections"]["k"], meta["detections"]["candidates"], fault).eval()
+    path.parent.mkdir(exist_ok=True)
     with torch.no_grad():
-        torch.jit.trace(model, torch.rand(2, 3, 128, 128)).save(out / "torchscript" / "model.pt")
-    art = manifest["artifacts"][0]
-    art["files"]["torchscript/model.pt"] = hashlib.sha256((out / "torchscript" / "model.pt").read_bytes()).hexdigest()
+        torch.jit.trace(model, torch.rand(2, 3, 128, 128)).save(path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def plant(export, faults, out):
+    """A copy of ``export`` with one TorchScript artifact per fault beside the faithful one (named torchscript_FAULT,
+    under its own folder, in the manifest with its hash): what faulty exporters would have written."""
+    shutil.copytree(export, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    faithful = manifest["artifacts"][0]
+    for fault in faults:
+        file = f"torchscript_{fault}/model.pt"
+        sha = faulty(export, fault, out / file)
+        manifest["artifacts"].append({**faithful, "name": f"torchscript_{fault}", "file": file, "files": {file: sha}})
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 
@@ -78,20 +89,20 @@ def test_the_faithful_detector_passes_with_every_detection_paired(detector):
     assert "mAP 1.0000 against eager's detections" in (detector / "export" / "parity.md").read_text()
 
 
-@pytest.mark.parametrize(
-    "fault,says",
-    [
-        ("xywh", "has no match"),
-        ("score_offset", "a matched score is"),
-        ("nms_iou", "has no match"),
-        ("labels_shifted", "has no match"),
-    ],
-)
-def test_each_planted_fault_fails_verification(detector, tmp_path, capsys, fault, says):
-    bad = plant(detector / "export", fault, tmp_path / fault)
+FAULTS = {"xywh": "has no match", "score_offset": "a matched score is", "nms_iou": "has no match",
+          "labels_shifted": "has no match"}  # fmt: skip
+
+
+def test_each_planted_fault_fails_verification(detector, tmp_path, capsys):
+    bad = plant(detector / "export", FAULTS, tmp_path / "bad")
     assert run_cli("verify", bad) == 3
     err = capsys.readouterr().err
-    assert "torchscript: heldout" in err and says in err, err[-2000:]
+    verdicts = json.loads((bad / "manifest.json").read_text())["verification"]["artifacts"]
+    assert verdicts["torchscript"]["pass"]  # the faithful one, verified beside them
+    for fault, says in FAULTS.items():
+        assert not verdicts[f"torchscript_{fault}"]["pass"], fault
+        assert any(says in f for f in verdicts[f"torchscript_{fault}"]["failures"]), (fault, err[-2000:])
+        assert f"torchscript_{fault}: heldout" in err
 
 
 def test_a_detector_is_refused_formats_that_cannot_carry_it(detector, tmp_path, capsys):
@@ -110,11 +121,10 @@ def test_the_served_detector_batches_and_answers_as_verified(detector, tmp_path,
 
     for repo in (tmp_path / "repo", tmp_path / "bad_repo"):
         build_repository(detector / "export", RepoConfig(out=str(repo), cores=1, image_entry=False))
-    bad = plant(detector / "export", "labels_shifted", tmp_path / "bad")  # a wrong model in the served folder
-    version = tmp_path / "bad_repo" / "tiny_fcos_torchscript" / "1"
-    shutil.copy(bad / "torchscript" / "model.pt", version / "model.pt")
+    version = tmp_path / "bad_repo" / "tiny_fcos_torchscript" / "1"  # a wrong model in the served folder
+    faulty(detector / "export", "labels_shifted", version / "model.pt")
     provenance = json.loads((version / "provenance.json").read_text())
-    provenance["files"]["model.pt"] = hashlib.sha256((version / "model.pt").read_bytes()).hexdigest()
+    provenance["files"]["model.pt"] = hashlib.sha256((version / "model.pt").read_bytes()).hexdigest()  # as written
     (version / "provenance.json").write_text(json.dumps(provenance))
     config = (tmp_path / "repo" / "tiny_fcos_torchscript" / "config.pbtxt").read_text()
     assert "dynamic_batching" in config and "reshape" in config and "label_filename" not in config
