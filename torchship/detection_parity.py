@@ -57,6 +57,20 @@ def match(ref, got) -> list[tuple[int, int]]:
     return pairs
 
 
+def pair_errors(ref, got, pairs) -> tuple[float, float]:
+    """The largest box-coordinate and score differences over ``pairs`` (match's) of two pictures' detections."""
+    box = max((float(np.abs(ref[0][i].astype(np.float64) - got[0][j]).max()) for i, j in pairs), default=0.0)
+    score = max((abs(float(ref[1][i]) - float(got[1][j])) for i, j in pairs), default=0.0)
+    return box, score
+
+
+def map_metric():
+    """The COCO mAP every detection figure in torchship is computed with (torchmetrics, pycocotools), xyxy boxes."""
+    from torchmetrics.detection import MeanAveragePrecision
+
+    return MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
+
+
 def derive(reference, eager, dtype: str, fp64: bool, why: str = "", k: int = 100) -> dict[str, Any]:
     """The tolerances of a detector's export (parity.derive's counterpart): the boxes' and the scores' bounds
     from eager float32's error against the reference on the detections the two share."""
@@ -66,9 +80,8 @@ def derive(reference, eager, dtype: str, fp64: bool, why: str = "", k: int = 100
         lows = pictures({o: eager[o][s] for o in OUTPUTS})
         for r, g in zip(refs, lows):
             box_scale = max(box_scale, float(np.abs(r[0]).max(initial=0.0)))
-            for i, j in match(r, g):
-                box_err = max(box_err, float(np.abs(r[0][i].astype(np.float64) - g[0][j]).max()))
-                score_err = max(score_err, abs(float(r[1][i]) - float(g[1][j])))
+            b, s_ = pair_errors(r, g, match(r, g))
+            box_err, score_err = max(box_err, b), max(score_err, s_)
     multiple = MULTIPLE if fp64 else 1.0
     outputs = {
         "boxes": {"atol": multiple * box_err + FLOOR_EPS * EPS[dtype] * max(box_scale, 1.0), "rtol": 0.0},
@@ -128,9 +141,8 @@ def check_set(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol, det,
     refs, gots = pictures(want), pictures(got)
     for p, (r, g) in enumerate(zip(refs, gots)):
         pairs = match(r, g)
-        for i, j in pairs:
-            box_err = max(box_err, float(np.abs(r[0][i].astype(np.float64) - g[0][j]).max()))
-            score_err = max(score_err, abs(float(r[1][i]) - float(g[1][j])))
+        b, s = pair_errors(r, g, pairs)
+        box_err, score_err = max(box_err, b), max(score_err, s)
         for side, mine, other, idx in (
             ("eager", r, g, {i for i, _ in pairs}),
             ("artifact", g, r, {j for _, j in pairs}),
@@ -161,9 +173,8 @@ def check_set(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol, det,
 def mean_ap(refs, gots) -> float:
     """COCO mAP (IoU 0.5 to 0.95) of ``gots`` against ``refs`` taken as the truth, by torchmetrics."""
     import torch
-    from torchmetrics.detection import MeanAveragePrecision
 
-    metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
+    metric = map_metric()
 
     def t(b, s, lab):
         b, s, lab = (torch.tensor(np.array(v)) for v in (b, s, lab))

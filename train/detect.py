@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from torchship.boxes import letterbox
+from torchship.detection_parity import map_metric
 from torchship.detectors import OwnPostprocessing, TopK, build_detector, detections, has_topk
 from torchship.device import resolve_amp
 from torchship.errors import ConfigError, DataError
@@ -89,9 +90,7 @@ def load_pictures(cfg: TrainConfig, size: int) -> tuple[DetectionSet, Pictures, 
 def evaluate(deployable: nn.Module, val: Pictures, d: Dist, per_rank: int, device: str, autocast) -> dict:
     """mAP, mAP@50 and mAR@100 of ``deployable`` (a TopK, or OwnPostprocessing) on the validation pictures, over
     all ranks."""
-    from torchmetrics.detection import MeanAveragePrecision
-
-    metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
+    metric = map_metric()
     deployable.eval()
     for idx in rank_batches(len(val), d, per_rank, 0, 0, shuffle=False):
         with autocast():
