@@ -35,6 +35,7 @@ FIRST = (
     "tests/export/test_export.py",
     "tests/train/test_train.py",
     "tests/export/test_detect_export.py",
+    "tests/e2e/test_run_detect.py",
 )
 
 

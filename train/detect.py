@@ -201,17 +201,16 @@ def train_detector(cfg: TrainConfig, d: Dist, device: str, out: Path, log, on_st
         record.update(lr=sched.get_last_lr()[0], pictures_per_s=pictures / max(elapsed, 1e-9), elapsed_s=elapsed)
         log.metrics(out, record)
         log(
-            f"epoch {epoch + 1}/{cfg.epochs}  step {step}  train_loss {record['train_loss']:.4f}  "
-            f"mAP {100 * last['map']:.1f}  mAP@50 {100 * last['map50']:.1f}  {record['pictures_per_s']:.0f} pictures/s"
+            f"epoch {epoch + 1}/{cfg.epochs}  step {step}  train_loss {record['train_loss']:.4f}  mAP "
+            f"{100 * last['map']:.1f}%  mAP@50 {100 * last['map50']:.1f}%  {record['pictures_per_s']:.0f} pictures/s"
         )
         best = max(best, last["map50"])
         _save(out, plain, dict(meta, epoch=epoch + 1, step=step, metrics=last), heldout, last["map50"], cfg, d)
         if cfg.max_steps is not None and step >= cfg.max_steps:
             break
     wall = time.perf_counter() - t_start
-    log(
-        f"done in {wall:.1f}s: best mAP@50 {100 * max(best, 0.0):.1f}; weights: {_index_path(out, 'best') / 'model.pt'}"
-    )
+    weights = _index_path(out, "best") / "model.pt"
+    log(f"done in {wall:.1f}s: best mAP@50 {100 * max(best, 0.0):.1f}%; weights: {weights}")
     return TrainResult(
         best=_index_path(out, "best"),
         latest=_index_path(out, "latest"),

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from torchship import parity
+from torchship import detection_parity, parity
 from torchship.errors import ParityError
 from torchship.manifest import artifact_of, runs_tf32
 from torchship.names import format_of
@@ -32,11 +32,17 @@ class ResponseCheck:
     bounds: dict[str, dict[str, float]] = field(default_factory=dict)
     min_sqnr_db: Optional[float] = None
     names: dict[str, str] = field(default_factory=dict)  # served output name -> the manifest's, where they differ
+    detection: Optional[dict[str, Any]] = None  # a detector's: its detections matched to the expected ones instead
 
     def judge(self, i: int, response) -> Optional[str]:
         """Why the response to request ``i`` is wrong, or None."""
         got = {self.names.get(k, k): v for k, v in decode_all(response).items()}
         rows = len(next(iter(self.expected.values())))
+        if self.detection is not None:
+            want = {o: v[i % rows][None] for o, v in self.expected.items()}
+            tol, det = self.detection["tolerances"], self.detection["rule"]
+            _, failures = detection_parity.check_set(got, want, tol, det, "the response", 1, real=False)
+            return failures[0] if failures else None
         for o, want in self.expected.items():
             g = got.get(o)
             w = want[i % rows][None]
@@ -104,34 +110,32 @@ def response_check(
     own answers on the idle server: each distinct request sent alone before the sweep, then at least the INT8
     gate's SQNR under load. ``singles`` are the bench's requests, request ``i`` being row ``i % rows`` of the
     pool they were drawn from. Where the bench's inputs have no reference (--shape at a size no reference set has),
-    an fp32 model too is held to its idle answers, within twice its bound (two runs each within it)."""
+    an fp32 model too is held to its idle answers, within twice its bound (two runs each within it). A detector's
+    responses are matched to the expected detections by label and IoU (torchship.detection_parity), as infer
+    --check matches them."""
     art = artifact_of(manifest, fmt) or {}
     tf32 = runs_tf32(manifest, fmt)
     outputs = [o["name"] for o in manifest["outputs"]]
     tol = manifest["tolerances"]
     names = {w: m for m, w in client.wire_names(model).items()}
-    if art.get("gate") or expected is None:
-        idle = [client.infer_all(model, singles[i]) for i in range(min(rows, len(singles)))]
-        own = {o: np.concatenate([r[o] for r in idle]) for o in outputs}
-        if art.get("gate"):
-            return ResponseCheck(
-                model,
-                own,
-                "its own answers on the idle server",
-                names=names,
-                min_sqnr_db=art["gate"].get("min_sqnr_db", parity.GATE["min_sqnr_db"]),
-            )
-        bounds = {
-            o: {k: 2 * v for k, v in parity.bound(tol, o, tf32).items() if k in ("atol", "rtol")} for o in outputs
-        }
-        return ResponseCheck(model, own, "its own answers on the idle server", bounds, names=names)
-    return ResponseCheck(
-        model,
-        {o: expected[o] for o in outputs},
-        "the reference",
-        {o: parity.bound(tol, o, tf32) for o in outputs},
-        names=names,
-    )
+    if not art.get("gate") and expected is not None:
+        if "detection" in manifest:  # matched as verify and infer --check match them: by label and IoU
+            det = {"tolerances": tol, "rule": manifest["detection"]}
+            return ResponseCheck(model, {o: expected[o] for o in outputs}, "the reference", names=names, detection=det)
+        bounds = {o: parity.bound(tol, o, tf32) for o in outputs}
+        return ResponseCheck(model, {o: expected[o] for o in outputs}, "the reference", bounds, names=names)
+    idle = [client.infer_all(model, singles[i]) for i in range(min(rows, len(singles)))]
+    own = {o: np.concatenate([r[o] for r in idle]) for o in outputs}
+    against = "its own answers on the idle server"
+    if art.get("gate"):
+        sqnr = art["gate"].get("min_sqnr_db", parity.GATE["min_sqnr_db"])
+        return ResponseCheck(model, own, against, names=names, min_sqnr_db=sqnr)
+    if "detection" in manifest:  # two runs, each within the bounds of the reference: twice the bounds apart
+        doubled = {o: {**b, "atol": 2 * b["atol"]} for o, b in tol["outputs"].items()}
+        det = {"tolerances": {**tol, "outputs": doubled}, "rule": manifest["detection"]}
+        return ResponseCheck(model, own, against, names=names, detection=det)
+    bounds = {o: {k: 2 * v for k, v in parity.bound(tol, o, tf32).items() if k in ("atol", "rtol")} for o in outputs}
+    return ResponseCheck(model, own, against, bounds, names=names)
 
 
 def check_of(client, model: str, inputs) -> ResponseCheck:

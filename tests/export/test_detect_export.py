@@ -114,7 +114,8 @@ def test_a_detector_is_refused_formats_that_cannot_carry_it(detector, tmp_path, 
 
 def test_the_served_detector_batches_and_answers_as_verified(detector, tmp_path, capsys):
     """The repository serves the fixed-shape detections with dynamic batching (the count as one value a picture),
-    and served parity over gRPC matches them as the verifier does; a wrong model in the served folder fails it."""
+    and served parity over gRPC matches them as the verifier does; at 16 in flight the server forms batches and
+    the bench matches every response the same way. A wrong model in the served folder fails both."""
     from serve.config import RepoConfig, ServeConfig
     from serve.embedded import TritonServer
     from serve.repository import build_repository
@@ -128,12 +129,22 @@ def test_the_served_detector_batches_and_answers_as_verified(detector, tmp_path,
     (version / "provenance.json").write_text(json.dumps(provenance))
     config = (tmp_path / "repo" / "tiny_fcos_torchscript" / "config.pbtxt").read_text()
     assert "dynamic_batching" in config and "reshape" in config and "label_filename" not in config
+    bench = ["--skip-in-process", "--concurrency", "16", "--requests", "64", "--window-s", "0.2", "--max-windows",
+             "3", "--load-generator", "python", "--no-cross-check", "--no-noop", "--no-raw-entry", "--no-plots",
+             "--no-progress"]  # fmt: skip
     for repo, code in ((tmp_path / "repo", 0), (tmp_path / "bad_repo", 3)):
         server = TritonServer(ServeConfig(repo=str(repo)))
         server.start()
         try:
             assert run_cli("infer", "--url", server.url, "--check", detector / "export") == code
+            out = tmp_path / f"bench_{repo.name}"
+            assert run_cli("bench", detector / "export", "--url", server.url, "--out", out, *bench) == code
         finally:
             server.stop()
+        (row,) = json.loads((out / "results.json").read_text())["served"]["models"]["tiny_fcos_torchscript"]["rows"]
+        assert row["checked"] == row["sent"] >= 64 and row["failed"] == 0
+        assert row["wrong"] == (0 if code == 0 else row["checked"]), row.get("first_wrong")
+        if code == 0:
+            assert row["server"]["avg_batch"] > 1
     out = capsys.readouterr()
     assert "served parity: PASS" in out.out and "has no match" in out.err

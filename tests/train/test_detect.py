@@ -208,9 +208,3 @@ def test_two_ranks_train_a_detector_and_score_every_validation_picture_once(tmp_
     assert 0 < alone["map50"] < 1
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == pytest.approx(alone, abs=1e-9)
-
-
-def test_the_pipeline_refuses_a_detector_before_it_writes_anything(tmp_path, capsys):
-    assert run_cli("run", "--arch", "tiny_fcos", "--out", tmp_path / "run") == 2
-    assert "torchship run does not take a detector yet" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()

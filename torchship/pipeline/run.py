@@ -23,6 +23,7 @@ ALIASES = {"serve": "check", "verify": "export"}
 @dataclass
 class RunConfig:
     min_accuracy: float = opt(0.9, "the train stage's gate: the best checkpoint's validation accuracy, 0..1")
+    min_map50: float = opt(0.5, "a detector's train gate: the best checkpoint's validation mAP@50, 0..1")
 
 
 def layout(run_dir: Path) -> dict[str, Path]:
@@ -156,8 +157,15 @@ def stage_train(run: Run, t0: float) -> None:
     # an existing train/ holds no checkpoint yet, or --overwrite said to replace them
     run_train(dataclasses.replace(run.cfg["train"], overwrite=True))
     meta = ck.load_meta(ck.resolve_checkpoint(run.dirs["train"], "best"))
+    about = {"arch": meta["arch"], "world_size": meta["world_size"], "amp": meta["amp"]}
+    if meta.get("task") == "detection":
+        got, floor = float(meta.get("metrics", {}).get("map50", 0.0)), run.cfg["run"].min_map50
+        run.done("train", t0, map50=got, **about)
+        detail = f"mAP@50 {100 * got:.1f}% on the validation pictures (gate: >= {100 * floor:.0f}%)"
+        run.gate("train", got >= floor, detail)
+        return
     acc, min_acc = float(meta.get("metrics", {}).get("val_acc", 0.0)), run.cfg["run"].min_accuracy
-    run.done("train", t0, val_acc=acc, arch=meta["arch"], world_size=meta["world_size"], amp=meta["amp"])
+    run.done("train", t0, val_acc=acc, **about)
     run.gate("train", acc >= min_acc, f"validation accuracy {100 * acc:.2f}% (gate: >= {100 * min_acc:.0f}%)")
 
 
@@ -390,11 +398,6 @@ def run_pipeline(
             f"(or start --from {producer})"
         )
     run = Run(run_dir, settings, log, configs)
-    if run.cfg["train"].detection:
-        raise ConfigError(
-            f"--arch {run.cfg['train'].arch}: torchship run does not take a detector yet; run its stages one by one "
-            "(torchship train, export, repo, serve, infer --check: docs/detection.md)"
-        )
     run.into, run.url = (Path(into) if into else None), url
     run.dirs["logs"].mkdir(parents=True, exist_ok=True)
     run.record["from"] = start

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .. import detection_parity
 from ..errors import TorchshipError
 from ..manifest import MANIFEST, read_manifest
 from ..markdown import table
@@ -57,7 +58,11 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
     # the summary is written after a failure too: a file that cannot be read is named, not raised
     manifest = manifest or _readable(lines, run_dir / "export" / MANIFEST, read_manifest, run_dir / "export")
     v = manifest.get("verification")
-    if v:
+    if v and "detection" in manifest:
+        header, rows = detection_parity.summary_rows(v["artifacts"])
+        lines += ["", "## Detections against eager's (worst case over held-out and random batches)", ""]
+        lines += table(header, rows)
+    elif v:
         rows, gated = [], []
         for name, e in v["artifacts"].items():
             if e.get("quantized"):
