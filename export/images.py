@@ -10,8 +10,10 @@ from typing import Any
 import numpy as np
 
 from torchship.errors import ConfigError, DataError
-from torchship.imageio import decode_image
+from torchship.imageio import decode_image, decode_picture
 from torchship.images import IMAGE_SUFFIXES, RAW_COUNT, RawSamples
+
+from .detection_source import letterbox_preprocessing
 
 SAMPLE_FILES = 64  # files read as real samples (calibration, gates) where --example-inputs gives none
 RAW_BYTES = 8 << 20  # the kept files' total, at most
@@ -65,12 +67,17 @@ def add_image_files(src, folder: str, log=print) -> None:
     RAW_BYTES in all), and, where --example-inputs gave no real samples, the tensors of up to SAMPLE_FILES of
     them as its samples."""
     pre = image_preprocessing(src.signature)
+    if src.detection is not None:  # a detector's pictures are letterboxed, as its served image entry does
+        pre = letterbox_preprocessing(src.detection["letterbox"]["size"])
     files = image_files(folder)
     root = Path(folder)
 
+    def decode(data: bytes) -> np.ndarray:
+        return decode_picture(data, pre["letterbox"]["size"])[0] if "letterbox" in pre else decode_image(data, pre)
+
     def tensors(paths: list[Path]) -> np.ndarray:
         try:
-            return np.stack([decode_image(p.read_bytes(), pre) for p in paths])
+            return np.stack([decode(p.read_bytes()) for p in paths])
         except ValueError as e:
             raise DataError(f"--image-files: {e}") from None
 

@@ -12,12 +12,16 @@ import numpy as np
 import torch
 
 from torchship import checkpoint as ck
+from torchship.detection_parity import OUTPUTS
+from torchship.detectors import has_topk
 from torchship.eager import checkpoint_model, load_weights_file, named
 from torchship.errors import CheckpointError, ConfigError, first_line
 from torchship.images import RawSamples
 from torchship.models import WithPreprocessing, make_model, parse_model_args
 from torchship.names import export_name
 from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_dims, parse_signature
+
+from .detection_source import letterbox_preprocessing, own_topk, topk_outputs, wrap_torchvision
 
 
 @dataclass
@@ -89,27 +93,20 @@ def _from_detection_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.n
     if dims:
         raise ConfigError(f"--dim: checkpoint {ckdir} is a detector of fixed-size pictures; it has no dynamic dims")
     top = deployable(model, meta)
-    c, s, k = meta["input_shape"][0], meta["input_shape"][-1], top.k
-    sig = Signature(
-        [TensorSpec("images", "float32", [BATCH, c, s, s])],
-        [
-            TensorSpec("boxes", "float32", [BATCH, k, 4]),
-            TensorSpec("scores", "float32", [BATCH, k]),
-            TensorSpec("labels", "int64", [BATCH, k]),
-            TensorSpec("count", "int64", [BATCH]),
-        ],
-    )
+    sig = Signature([TensorSpec("images", "float32", [BATCH, *meta["input_shape"]])], topk_outputs(top.k))
     src = Source(
         top,
         sig,
         export_name(meta["arch"]),
         _description(ckdir, meta),
         classes=meta["classes"],
+        preprocessing=letterbox_preprocessing(meta["letterbox"]["size"]),
         detection={**meta["detections"], "letterbox": meta["letterbox"]},
     )
     if (ckdir / ck.HELDOUT).exists():
         with np.load(ckdir / ck.HELDOUT) as held:
             src.samples = {"images": held["images"].astype(np.float32)}
+            src.raw = RawSamples.from_arrays(held)  # pictures as files, for the served image entry's check
     return src
 
 
@@ -176,7 +173,14 @@ def from_weights(
     ck.load_into(model, load_weights_file(weights, log), f"--weights {weights}")
     model.eval()
     samples = _examples(example_inputs, sig) if example_inputs else {}
+    detection, wrapped = None, None
+    if has_topk(model):  # a torchvision one-stage detector: exported with its postprocessing inside
+        if outputs and tuple(outputs) != OUTPUTS:
+            raise ConfigError(f"--output: a torchvision detector's outputs are {', '.join(OUTPUTS)}; drop --output")
+        model, detection = wrap_torchvision(model, sig, log)
+        outputs, wrapped = OUTPUTS, "TopK"
     deployable, keys = _deployable(model, sig, outputs)
+    detection = detection or own_topk(model, sig)  # a user's module that returns the top-K form itself
     from torchship.io import sha256_file
 
     return Source(
@@ -190,9 +194,11 @@ def from_weights(
             "weights": str(Path(weights).resolve()),
             "weights_sha256": sha256_file(weights),
             "output_keys": keys,
+            **({"wrapped": wrapped} if wrapped else {}),
         },
         samples=samples,
         sample_set="examples",
+        detection=detection,
     )
 
 

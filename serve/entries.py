@@ -25,24 +25,32 @@ from .model_config import (
     DTYPES,
     EMBEDDED_CONFIG,
     TENSOR_NAMES,
-    config_dims,
     config_text,
     edit_configs,
     live_version,
     read_config,
     repository_models,
     served_config_path,
+    served_dims,
 )
 
 IMAGE_INPUT = "image"  # the image entry's input: the file's bytes
 TEXT_INPUT = "text"  # the text entry's input: the text's UTF-8 bytes
-ENTRY_SUFFIX, PRE_SUFFIX = "_image", "_image_pre"
+ENTRY_SUFFIX, PRE_SUFFIX, POST_SUFFIX = "_image", "_image_pre", "_image_post"
+PICTURE_SIZE = "picture_size"  # a detector's image entry: the picture's width and height, from pre to post
+MODEL_STEP = 1  # an entry's ensemble steps: its preprocessing, the model, and a detector's boxes mapped back
+MODEL_OUT = "answer_"  # a detector's outputs inside its image entry, before their boxes are mapped back
 TEXT_SUFFIX, TEXT_PRE_SUFFIX = "_text", "_text_pre"
 SOURCES = Path(__file__).resolve().parent / "backends"
 ROOT = Path(__file__).resolve().parents[1]
 CARRIED = {
     "model.py": SOURCES / "image" / "model.py",
     "torchship_imageio.py": ROOT / "torchship" / "imageio.py",
+    "torchship_tensors.py": SOURCES / "torchship_tensors.py",
+}
+POST_CARRIED = {  # a detector's image entry, last step: boxes back in the picture's pixels
+    "model.py": SOURCES / "boxes" / "model.py",
+    "torchship_boxes.py": ROOT / "torchship" / "boxes.py",
     "torchship_tensors.py": SOURCES / "torchship_tensors.py",
 }
 TEXT_CARRIED = {
@@ -113,9 +121,32 @@ def write_image_entry(
     limits = {"max_pixels": str(MAX_PIXELS), "max_bytes": str(MAX_BYTES)}  # editable in its config.pbtxt
     pre = _pre_config(entry, max_batch, cores, {"preprocessing": json.dumps(manifest["preprocessing"]), **limits})
     pre.output.add(name=tensor["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in tensor["shape"][1:]])
+    detector = "detection" in manifest
+    if detector:
+        pre.output.add(name=PICTURE_SIZE, data_type=mc.TYPE_INT64, dims=[2])
     _write_pre(repo, pre, version, CARRIED)
+    if detector:
+        _write_post(repo, manifest, entry, max_batch, version, cores)
     _write_ensemble(repo, manifest, entry, target, [tensor["name"]], max_batch, version)
-    return [entry.pre, entry.name]
+    return [entry.pre, *([post_name(entry)] if detector else []), entry.name]
+
+
+def _write_post(repo: Path, manifest: dict[str, Any], entry: Entry, max_batch: int, version: int, cores: int) -> None:
+    """A detector's last step: its outputs and the picture's size in, the boxes in the picture's pixels out."""
+    post = mc.ModelConfig(name=post_name(entry), backend="python", max_batch_size=max_batch)
+    post.dynamic_batching.SetInParent()
+    post.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=max(1, min(cores, MAX_PRE_INSTANCES)))
+    post.parameters["letterbox_size"].string_value = str(manifest["detection"]["letterbox"]["size"])
+    for o in manifest["outputs"]:
+        post.input.add(name=o["name"], data_type=DTYPES[o["dtype"]], dims=served_dims(o))
+        post.output.add(name=o["name"], data_type=DTYPES[o["dtype"]], dims=served_dims(o))
+    post.input.add(name=PICTURE_SIZE, data_type=mc.TYPE_INT64, dims=[2])
+    _write_pre(repo, post, version, POST_CARRIED)
+
+
+def post_name(entry: Entry) -> str:
+    """A detector's image entry's last step (boxes back in the picture's pixels)."""
+    return entry.name.removesuffix(ENTRY_SUFFIX) + POST_SUFFIX
 
 
 def write_text_entry(
@@ -172,18 +203,30 @@ def _write_ensemble(
     ens = mc.ModelConfig(name=entry.name, platform="ensemble", max_batch_size=max_batch)
     ens.input.add(name=entry.input, data_type=mc.TYPE_UINT8, dims=[-1])
     for o in manifest["outputs"]:
-        ens.output.add(name=o["name"], data_type=DTYPES[o["dtype"]], dims=config_dims(o))
+        ens.output.add(name=o["name"], data_type=DTYPES[o["dtype"]], dims=served_dims(o))
     (repo / entry.name / str(version)).mkdir(parents=True, exist_ok=True)
-    if manifest.get("classes"):  # top-k with class names, as the model's own entry answers
+    if "detection" in manifest and manifest.get("classes"):  # what torchship infer names the labels by
+        ens.parameters["classes"].string_value = json.dumps(manifest["classes"])
+    elif manifest.get("classes"):  # top-k with class names, as the model's own entry answers
         ens.output[0].label_filename = "labels.txt"
         (repo / entry.name / "labels.txt").write_text("\n".join(manifest["classes"]) + "\n")
     first = ens.ensemble_scheduling.step.add(model_name=entry.pre, model_version=-1)
     first.input_map[entry.input] = entry.input
     for t in tensors:
         first.output_map[t] = f"prepared_{t}"
-    ens.ensemble_scheduling.step.add(model_name=target)  # put_behind names the target's live version
-    for o in manifest["outputs"]:
-        ens.ensemble_scheduling.step[1].output_map[o["name"]] = o["name"]
+    model = ens.ensemble_scheduling.step.add(model_name=target)  # put_behind names the target's live version
+    for t in tensors:
+        model.input_map[t] = f"prepared_{t}"
+    detector = "detection" in manifest
+    for o in manifest["outputs"]:  # a detector's go on to the step that maps its boxes back
+        model.output_map[o["name"]] = MODEL_OUT + o["name"] if detector else o["name"]
+    if detector:
+        first.output_map[PICTURE_SIZE] = PICTURE_SIZE
+        post = ens.ensemble_scheduling.step.add(model_name=post_name(entry), model_version=-1)
+        post.input_map[PICTURE_SIZE] = PICTURE_SIZE
+        for o in manifest["outputs"]:
+            post.input_map[o["name"]] = MODEL_OUT + o["name"]
+            post.output_map[o["name"]] = o["name"]
     (repo / entry.name / CONFIG).write_text(config_text(ens))
     put_behind(repo / entry.name, repo, target)
 
@@ -213,8 +256,10 @@ def behind(repo: Path, target: str):
     def edit(c: mc.ModelConfig, name: str) -> None:
         own = read_config(served_config_path(repo / target) if name == EMBEDDED_CONFIG else repo / target / CONFIG)
         served = {m: s for s, m in json.loads(own.parameters[TENSOR_NAMES].string_value or "{}").items()}
-        step = c.ensemble_scheduling.step[1]
-        prepared = [v for v in c.ensemble_scheduling.step[0].output_map.values()]
+        step = c.ensemble_scheduling.step[MODEL_STEP]
+        prepared = sorted(set(step.input_map.values())) or [  # an entry written before the model's inputs were
+            v for v in c.ensemble_scheduling.step[0].output_map.values() if v.startswith("prepared_")
+        ]
         outputs = sorted(set(step.output_map.values()))
         step.model_name = target
         step.model_version = version  # never "the highest loaded", which a version beside the live one would be
@@ -224,7 +269,8 @@ def behind(repo: Path, target: str):
             t = p.removeprefix("prepared_")
             step.input_map[served.get(t, t)] = p
         for o in outputs:
-            step.output_map[served.get(o, o)] = o
+            t = o.removeprefix(MODEL_OUT)
+            step.output_map[served.get(t, t)] = o
         # Triton refuses an ensemble that batches beyond a model in it: the winner may batch less than the first
         c.max_batch_size = min(c.max_batch_size, own.max_batch_size)
 
@@ -235,7 +281,7 @@ def entry_target(config: dict[str, Any]) -> str | None:
     """The model a raw entry runs behind its preprocessing, from its config as Triton serves it (JSON); None
     for a config that is no such ensemble."""
     steps = config.get("ensemble_scheduling", {}).get("step", [])
-    return steps[-1].get("model_name") if steps else None
+    return steps[MODEL_STEP].get("model_name") if len(steps) > MODEL_STEP else None
 
 
 def retarget(repo: Path, export_name: str, target: str) -> bool:
@@ -259,7 +305,7 @@ def entries_in_front(repo: Path, model: str) -> list[str]:
     found = []
     for name in repository_models(repo):
         steps = read_config(repo / name / CONFIG).ensemble_scheduling.step
-        if steps and steps[-1].model_name == model:
+        if len(steps) > MODEL_STEP and steps[MODEL_STEP].model_name == model:
             found.append(name)
     return found
 
@@ -268,6 +314,6 @@ def pin(version: int):
     """The config edit that makes an entry run version ``version`` of the model behind it."""
 
     def edit(c: mc.ModelConfig, name: str) -> None:
-        c.ensemble_scheduling.step[-1].model_version = version
+        c.ensemble_scheduling.step[MODEL_STEP].model_version = version
 
     return edit

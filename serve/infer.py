@@ -14,9 +14,10 @@ import numpy as np
 from torchship.errors import ClientError, DataError, ShapeError
 
 from .config import InferConfig
-from .entries import IMAGE_INPUT, PRE_SUFFIX, TEXT_INPUT, TEXT_PRE_SUFFIX, entry_target
+from .entries import IMAGE_INPUT, POST_SUFFIX, PRE_SUFFIX, TEXT_INPUT, TEXT_PRE_SUFFIX, entry_target
 
 SHOWN = 6  # values of each output printed per request (--json prints them all)
+SHOWN_BOXES = 10  # a picture's detections printed (--json prints them all)
 
 
 def run_infer(ns: InferConfig) -> int:
@@ -35,7 +36,7 @@ def run_infer(ns: InferConfig) -> int:
     client = TritonClient(ns.url)
     client.wait_ready(10)
     ready = client.require_models([ns.model] if ns.model else [])
-    model = ns.model or next((m for m in ready if not m.endswith((PRE_SUFFIX, TEXT_PRE_SUFFIX))), None)
+    model = ns.model or next((m for m in ready if not m.endswith((PRE_SUFFIX, POST_SUFFIX, TEXT_PRE_SUFFIX))), None)
     if model is None:
         raise ClientError(f"no model is ready at {ns.url}")
     if ns.text:
@@ -68,7 +69,9 @@ def run_infer(ns: InferConfig) -> int:
                 }
                 for t in entries
             ]
-        if outputs is not None:
+        if outputs is not None and is_detector(cfg):
+            row["detections"] = detections_of(outputs, class_names(cfg))
+        elif outputs is not None:
             row["outputs"] = {k: v.tolist() for k, v in outputs.items()}
         if label is not None:
             row["true_label"] = label
@@ -80,6 +83,9 @@ def run_infer(ns: InferConfig) -> int:
         parts = []
         if "top_k" in r:
             parts.append(", ".join(f"{t['label'] or t['index']} ({t['score']:.3f})" for t in r["top_k"]))
+        if "detections" in r:  # a picture's detections, one a line
+            print("\n".join(detections_lines(r["input"], r["detections"])))
+            continue
         for k, v in r.get("outputs", {}).items():
             flat = np.asarray(v).reshape(-1)
             parts.append(
@@ -89,6 +95,46 @@ def run_infer(ns: InferConfig) -> int:
         truth = f"   [true: {r['true_label']}]" if "true_label" in r else ""
         print(f"{r['input']}: {'   '.join(parts)}{truth}")
     return 0
+
+
+DETECTOR_OUTPUTS = {"boxes", "scores", "labels", "count"}
+
+
+def is_detector(cfg: dict[str, Any]) -> bool:
+    """A detector's fixed-shape outputs (torchship.detectors.TopK's), as its model or its image entry serves them."""
+    return {o["name"] for o in cfg["output"]} == DETECTOR_OUTPUTS
+
+
+def class_names(cfg: dict[str, Any]) -> list[str]:
+    """The class names a detector's config carries (label i is names[i - 1]); [] where it has none."""
+    text = cfg.get("parameters", {}).get("classes", {}).get("string_value")
+    return json.loads(text) if text else []
+
+
+def detections_of(outputs: dict[str, np.ndarray], names: list[str]) -> list[dict[str, Any]]:
+    """One picture's detections (its first ``count`` rows), highest score first, with their class names."""
+    n = int(np.asarray(outputs["count"]).reshape(-1)[0])
+    return [
+        {
+            "label": int(label),
+            "name": names[int(label) - 1] if 0 < int(label) <= len(names) else "",
+            "score": round(float(score), 4),
+            "box": [round(float(v), 1) for v in box],
+        }
+        for box, score, label in zip(outputs["boxes"][0, :n], outputs["scores"][0, :n], outputs["labels"][0, :n])
+    ]
+
+
+def detections_lines(name: str, found: list[dict[str, Any]]) -> list[str]:
+    """A picture's detections: a line saying how many, then "class (score) [x0, y0, x1, y1]" for each (SHOWN_BOXES
+    of them at most; --json gives them all), boxes in the picture's pixels where it came through the image entry."""
+    head = f"{name}: " + (f"{len(found)} detection(s)" if found else "no detections")
+    lines = [
+        f"  {d['name'] or d['label']} ({d['score']:.3f}) [{', '.join(f'{v:g}' for v in d['box'])}]"
+        for d in found[:SHOWN_BOXES]
+    ]
+    more = len(found) - SHOWN_BOXES
+    return [head, *lines] + ([f"  ... {more} more (--json lists them all)"] if more > 0 else [])
 
 
 def takes_image_arrays(cfg: dict[str, Any]) -> bool:
@@ -288,7 +334,7 @@ def _send_all(client, model: str, cfg: dict[str, Any], requests, ns) -> list:
     """(every output by name or None, the classification rows or None) per request: an image model answers
     with its top-k classes alone; any other with every output, plus the top-k of its first output when that
     output has class labels."""
-    image, labelled = takes_image_arrays(cfg), bool(cfg["output"][0].get("label_filename"))
+    image, labelled = takes_image_arrays(cfg) and not is_detector(cfg), bool(cfg["output"][0].get("label_filename"))
 
     def one(feeds, stream=None):
         top = client.classify(model, feeds, ns.top_k, ns.version, stream) if image or labelled else None

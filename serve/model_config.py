@@ -112,6 +112,12 @@ def config_dims(spec: dict[str, Any]) -> list[int]:
     return [d if isinstance(d, int) else -1 for d in spec["shape"][1:]]
 
 
+def served_dims(spec: dict[str, Any]) -> list[int]:
+    """config_dims, with [1] for a tensor of one value per request (a detector's count), which Triton needs dims
+    for; the model's own config reshapes it from the [batch] the model makes."""
+    return config_dims(spec) or [1]
+
+
 def aoti_tensor_names(manifest: dict[str, Any]) -> dict[str, str]:
     """The names the official container's PyTorch backend gives an AOTInductor package's tensors (26.05 on: read
     from the package's call specification), by the manifest's: the forward's positional arguments ARGS[0],

@@ -137,6 +137,8 @@ def check_entry(
     answers = {o: np.concatenate([g[o] for g in got]) for o in outputs}
     if quantized:  # a reduced precision: against its own answers on training's tensors, under its gate's floors
         return check_against_target(client, entry, target, export, answers, quantized["gate"], version, rows)
+    if "detection" in manifest:
+        return check_entry_detections(entry, export, raw, answers, tol, rows)
     failures = []
     trained = raw_entry.kind == "image" and manifest["source"].get("kind") == "checkpoint"
     for _, o, row, failure in check_float_sets(
@@ -150,6 +152,22 @@ def check_entry(
                 f"{'training' if trained else 'the export'}'s)"
             )
     return failures
+
+
+def check_entry_detections(entry: str, export: Export, raw, answers, tol: dict[str, Any], rows) -> list[str]:
+    """A detector's image entry: its detections on each held-out file, in the picture's pixels, matched to eager's
+    on training's tensors of the same files mapped back by the same letterbox, under the box bound stretched by
+    that mapping; and their mAP against eager's."""
+    manifest, ref = export.manifest, export.reference()
+    want = {o: ref[f"expected/{RAW_SET}/{o}"] for o in detection_parity.OUTPUTS}
+    sizes = detection_parity.picture_sizes([data for _, data in raw])
+    want, factor = detection_parity.in_pictures(want, sizes, manifest["detection"]["letterbox"]["size"])
+    bound = detection_parity.stretched(tol, factor)
+    what = f"{entry}: {RAW_SET}"
+    row, failures = detection_parity.check_set(answers, want, bound, manifest["detection"], what, len(raw), True)
+    rows[RAW_SET] = row
+    where = f" (from the files in {export.dir / RAW_SET}, through the server's letterbox, against eager's)"
+    return [f + where for f in failures[:1]] + failures[1:]
 
 
 def check_against_target(

@@ -38,7 +38,16 @@ from .config import (
     placement,
 )
 from .entries import entry_of, wants_image_entry, write_image_entry, write_text_entry
-from .model_config import CONFIG, DTYPES, EMBEDDED_CONFIG, TENSOR_NAMES, aoti_tensor_names, config_dims, config_text
+from .model_config import (
+    CONFIG,
+    DTYPES,
+    EMBEDDED_CONFIG,
+    TENSOR_NAMES,
+    aoti_tensor_names,
+    config_dims,
+    config_text,
+    served_dims,
+)
 from .repo_readme import render_readme
 from .servable import not_served, not_served_text, servable_formats, served_artifacts  # noqa: F401 (re-exported)
 
@@ -86,14 +95,15 @@ def build_config(
         if image:  # Triton's image clients read the layout from here (dims must be [C, H, W])
             inp.format = mc.ModelInput.FORMAT_NCHW
     for i, spec in enumerate(manifest["outputs"]):
-        dims = config_dims(spec)
         out = c.output.add(
-            name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=dims or [1]
+            name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=served_dims(spec)
         )
-        if not dims:  # one value per request (a detector's count): Triton needs dims, the model makes [batch]
+        if not config_dims(spec):  # one value per request (a detector's count): the model makes [batch]
             out.reshape.SetInParent()
         if manifest.get("classes") and i == 0 and "detection" not in manifest:  # the classification extension
             out.label_filename = "labels.txt"
+    if "detection" in manifest and manifest.get("classes"):  # what torchship infer names the labels by
+        _param(c, "classes", json.dumps(manifest["classes"]))
     if runs_tf32(manifest, fmt):
         _param(c, "tf32", "true")  # the stand-in backends run it with TF32 allowed, as it was compiled and verified
     if manifest.get("dims"):  # the stand-in backends refuse a dynamic dim outside its range

@@ -37,19 +37,13 @@ class Letterbox:
 
 
 def letterbox(image: np.ndarray, size: int) -> tuple[np.ndarray, Letterbox]:
-    """``image`` (float32 CHW in [0, 1]) scaled to fit a ``size`` x ``size`` square, aspect kept (bilinear), at
-    its top left, the rest PAD_VALUE; with the Letterbox that maps boxes between the two."""
-    import torch
+    """``image`` (float32 CHW in [0, 1]) fitted into a ``size`` x ``size`` square by the letterbox the served image
+    entry runs too (torchship.imageio.letterbox_array), the rest PAD_VALUE; with the Letterbox that maps boxes
+    between the two."""
+    from .imageio import letterbox_array  # here, so that the server can carry this file alone for Letterbox
 
-    c, h, w = image.shape
-    lb = Letterbox(w, h, size)
-    nh, nw = max(1, round(h * lb.scale)), max(1, round(w * lb.scale))
-    x = torch.from_numpy(np.ascontiguousarray(image, dtype=np.float32))[None]
-    if (nh, nw) != (h, w):
-        x = torch.nn.functional.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=True)
-    out = np.full((c, size, size), PAD_VALUE, dtype=np.float32)
-    out[:, :nh, :nw] = x[0].numpy()
-    return out, lb
+    out, (w, h) = letterbox_array(image, size, PAD_VALUE)
+    return out, Letterbox(w, h, size)
 
 
 def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:

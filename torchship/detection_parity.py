@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .boxes import iou
+from .boxes import Letterbox, iou
 from .parity import EPS, FLOOR_EPS, MULTIPLE
 
 OUTPUTS = ("boxes", "scores", "labels", "count")
@@ -197,6 +197,34 @@ def check_sets(manifest: dict[str, Any], ref, got, tol: dict[str, Any], name: st
         row, failures = check_set(have, want, tol, det, f"{name}: {key}", batch, key == real)
         out.append((key, "boxes", row, "; ".join(failures) or None))
     return out
+
+
+def picture_sizes(files: list[bytes]) -> list[tuple[int, int]]:
+    """Each encoded picture's (width, height), read from its header."""
+    import io
+
+    from PIL import Image
+
+    sizes = []
+    for data in files:
+        with Image.open(io.BytesIO(data)) as im:
+            sizes.append(im.size)
+    return sizes
+
+
+def in_pictures(outs: dict[str, np.ndarray], sizes: list[tuple[int, int]], size: int):
+    """(``outs`` with each picture's boxes mapped from the ``size`` square to the picture's own pixels, as the
+    served image entry answers; the factor by which that stretches a box error, the largest over the pictures)."""
+    boxes = np.array(outs["boxes"], dtype=np.float32)
+    for i, ((w, h), n) in enumerate(zip(sizes, np.asarray(outs["count"]).reshape(-1).astype(int))):
+        boxes[i, :n] = Letterbox(w, h, size).to_picture(boxes[i, :n])
+    return {**outs, "boxes": boxes}, max((max(w, h) / size for w, h in sizes), default=1.0)
+
+
+def stretched(tol: dict[str, Any], factor: float) -> dict[str, Any]:
+    """A detector's tolerances with the box bound multiplied by ``factor`` (boxes in a picture's pixels)."""
+    boxes = {**tol["outputs"]["boxes"], "atol": tol["outputs"]["boxes"]["atol"] * factor}
+    return {**tol, "outputs": {**tol["outputs"], "boxes": boxes}}
 
 
 def summary_rows(entries: dict[str, Any]) -> tuple[list[str], list[list[str]]]:

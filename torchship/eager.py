@@ -119,5 +119,10 @@ def eager_from_manifest(manifest: dict[str, Any]) -> torch.nn.Module:
     if src.get("kind") == "weights":
         model = make_model(src["model"], "the manifest's model", src.get("model_args", {}))
         load_into(model, load_weights_file(src["weights"], lambda *a: None), f"weights {src['weights']}")
+        if src.get("wrapped") == "TopK":  # a torchvision detector, exported with its postprocessing inside
+            from .detectors import TopK
+
+            det = manifest["detection"]
+            model = TopK(model.eval(), det["letterbox"]["size"], det["k"], det["candidates"])
         return named(model.eval(), names, src.get("output_keys"))
     raise CheckpointError("the manifest records no model source (export again)")

@@ -8,6 +8,7 @@ decompression bomb: a small file that decodes to gigabytes), whatever size Pillo
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
 from typing import Any
@@ -39,11 +40,48 @@ def image_array(im, pre: dict[str, Any]) -> np.ndarray:
     return np.ascontiguousarray(np.repeat(np.clip(gray, 0.0, 1.0)[None], int(pre.get("channels", 3)), axis=0))
 
 
+def letterbox_array(chw: np.ndarray, size: int, pad: float = 0.5) -> tuple[np.ndarray, tuple[int, int]]:
+    """A float32 CHW picture in [0, 1] fitted into a ``size`` x ``size`` square: scaled so that its longer side
+    fills it (each channel resized bilinearly in float, as Pillow's "F" images are), its aspect kept, placed at
+    the top left, the rest ``pad``. Returns the square and the picture's (width, height), which map boxes back
+    (torchship.boxes.Letterbox). The one letterbox training and the served image entry both run."""
+    from PIL import Image
+
+    c, h, w = chw.shape
+    scale = size / max(w, h)
+    nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
+    out = np.full((c, size, size), pad, dtype=np.float32)
+    if (nh, nw) == (h, w):
+        out[:, :h, :w] = chw
+    else:
+        for i in range(c):
+            plane = Image.fromarray(np.ascontiguousarray(chw[i], dtype=np.float32), mode="F")
+            out[i, :nh, :nw] = np.asarray(plane.resize((nw, nh), Image.BILINEAR), dtype=np.float32)
+    return out, (w, h)
+
+
+def decode_picture(
+    data: bytes, size: int, max_pixels: int = MAX_PIXELS, max_bytes: int = MAX_BYTES
+) -> tuple[np.ndarray, tuple[int, int]]:
+    """An encoded image file's bytes as a detector's input: RGB in [0, 1] (pixel / 255), letterboxed into a
+    ``size`` square (letterbox_array); with the picture's (width, height). ValueError as decode_image's."""
+    with _opened(data, max_pixels, max_bytes) as im:
+        rgb = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
+    return letterbox_array(np.ascontiguousarray(rgb.transpose(2, 0, 1)), size)
+
+
 def decode_image(
     data: bytes, pre: dict[str, Any], max_pixels: int = MAX_PIXELS, max_bytes: int = MAX_BYTES
 ) -> np.ndarray:
     """An encoded image file's bytes as the model's float32 CHW input (image_array); ValueError saying why
     where the bytes are not a usable image."""
+    with _opened(data, max_pixels, max_bytes) as im:
+        return image_array(im, pre)
+
+
+@contextlib.contextmanager
+def _opened(data: bytes, max_pixels: int, max_bytes: int):
+    """The decoded Pillow image of ``data``; ValueError saying why where the bytes are not a usable image."""
     from PIL import Image, UnidentifiedImageError
 
     if not len(data):
@@ -59,7 +97,7 @@ def decode_image(
                 if w * h > max_pixels:
                     raise ValueError(f"the image is {w} x {h} pixels, {too_big}; send it smaller")
                 im.load()
-                return image_array(im, pre)
+                yield im
     except Image.DecompressionBombError as e:  # beyond twice Pillow's own limit: refused inside open()
         size = str(e).split(" pixels")[0].removeprefix("Image size (")
         raise ValueError(f"the image is {size} pixels, {too_big}; send it smaller") from None

@@ -44,14 +44,14 @@ class RawSamples:
     names: list[str]
     files: list[bytes]
     inputs: np.ndarray  # float32 NCHW: each file through training's own preprocessing
-    labels: np.ndarray
+    labels: Optional[np.ndarray]  # a classifier's; None for a detector's pictures
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The samples as heldout.npz keeps them."""
         return {
             "raw/names": np.array(self.names),
             "raw/images": self.inputs,
-            "raw/labels": self.labels,
+            **({"raw/labels": self.labels} if self.labels is not None else {}),
             **{f"raw/file/{i}": np.frombuffer(f, np.uint8) for i, f in enumerate(self.files)},
         }
 
@@ -64,7 +64,7 @@ class RawSamples:
             names,
             [z[f"raw/file/{i}"].tobytes() for i in range(len(names))],
             z["raw/images"].astype(np.float32),
-            z["raw/labels"],
+            z["raw/labels"] if "raw/labels" in z else None,
         )
 
 

@@ -5,6 +5,7 @@ over all ranks. Checkpoints have the classification run's layout, with the detec
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from torchship.detection_parity import map_metric
 from torchship.detectors import OwnPostprocessing, TopK, build_detector, detections, has_topk
 from torchship.device import resolve_amp
 from torchship.errors import ConfigError, DataError
+from torchship.imageio import decode_picture
+from torchship.images import RAW_COUNT, RawSamples
 
 from . import checkpoint as ck
 from .config import TrainConfig
@@ -39,6 +42,7 @@ class Pictures:
     images: torch.Tensor
     boxes: list[torch.Tensor]
     labels: list[torch.Tensor]
+    picked: np.ndarray  # each one's index in the DetectionSet it was letterboxed from
 
     def __len__(self) -> int:
         return len(self.images)
@@ -81,7 +85,7 @@ def load_pictures(cfg: TrainConfig, size: int) -> tuple[DetectionSet, Pictures, 
             images.append(torch.from_numpy(img))
             boxes.append(torch.from_numpy(lb.to_model(data.boxes[i])))
             labels.append(torch.from_numpy(data.labels[i]))
-        return Pictures(torch.stack(images), boxes, labels)
+        return Pictures(torch.stack(images), boxes, labels, idx)
 
     return data, part(order[n_val:]), part(order[:n_val])
 
@@ -102,8 +106,9 @@ def evaluate(deployable: nn.Module, val: Pictures, d: Dist, per_rank: int, devic
     return {"map": float(got["map"]), "map50": float(got["map_50"]), "mar100": float(got["mar_100"])}
 
 
-def _heldout(val: Pictures) -> dict[str, np.ndarray]:
-    """The first validation pictures with their boxes padded to the most any of them has."""
+def _heldout(val: Pictures, data: DetectionSet) -> dict[str, np.ndarray]:
+    """The first validation pictures with their boxes padded to the most any of them has, and the first
+    RAW_COUNT of them as files (raw_pictures)."""
     n = min(HELDOUT_PICTURES, len(val))
     most = max(1, max(len(val.boxes[i]) for i in range(n)))
     boxes = np.zeros((n, most, 4), np.float32)
@@ -112,7 +117,24 @@ def _heldout(val: Pictures) -> dict[str, np.ndarray]:
         boxes[i, : len(val.boxes[i])] = val.boxes[i].numpy()
         labels[i, : len(val.labels[i])] = val.labels[i].numpy()
     count = np.asarray([len(val.boxes[i]) for i in range(n)], np.int64)
-    return {"images": val.images[:n].numpy(), "boxes": boxes, "labels": labels, "count": count}
+    raw = raw_pictures(data, val.picked[: min(RAW_COUNT, n)], val.images.shape[-1])
+    return {"images": val.images[:n].numpy(), "boxes": boxes, "labels": labels, "count": count, **raw.arrays()}
+
+
+def raw_pictures(data: DetectionSet, picked: np.ndarray, size: int) -> RawSamples:
+    """Pictures as a client sends them: each as a PNG file at its own size (8-bit, as a photo is), beside the
+    tensor training's letterbox makes of that file (what the served image entry is checked against)."""
+    from PIL import Image
+
+    names, files, tensors = [], [], []
+    for i in picked:
+        pixels = (data.images[i].transpose(1, 2, 0) * 255).round().clip(0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        names.append(f"picture-{int(i):05d}.png")
+        files.append(buf.getvalue())
+        tensors.append(decode_picture(files[-1], size)[0])
+    return RawSamples(names, files, np.stack(tensors), None)
 
 
 def train_detector(cfg: TrainConfig, d: Dist, device: str, out: Path, log, on_step: Optional[Callable] = None):
@@ -158,7 +180,7 @@ def train_detector(cfg: TrainConfig, d: Dist, device: str, out: Path, log, on_st
         "data": {"source": data.source, "train_pictures": len(train_set), "val_pictures": len(val), "seed": cfg.seed},
         **run_record(cfg, d, device, amp, amp_reason),
     }
-    heldout = _heldout(val) if d.main else {}
+    heldout = _heldout(val, data) if d.main else {}
     log(f"amp {amp}: {amp_reason}")
     log(
         f"training detector {cfg.arch} on {data.source}: {len(train_set)} train / {len(val)} val pictures of "

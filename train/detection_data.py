@@ -70,8 +70,10 @@ def compose(
 
 
 def builtin_detection(n: int, size: int = 128, seed: int = 0, per_image: int = 3) -> DetectionSet:
-    """``n`` pictures of ``size`` x ``size``: each a random crop of one of scikit-learn's two sample photos with
-    1 to ``per_image`` of its handwritten digits drawn on (compose). The same ``seed`` gives the same set."""
+    """``n`` pictures, each a random crop of one of scikit-learn's two sample photos, of a width and a height
+    each from 3/4 to 3/2 of ``size`` (so that the letterbox scales most of them, as it does a user's photos), with
+    1 to ``per_image`` of its handwritten digits drawn on (compose), their sides from 20 to 48 pixels once
+    letterboxed into ``size``. The same ``seed`` gives the same set."""
     from sklearn.datasets import load_digits, load_sample_images
 
     rng = np.random.default_rng(seed)
@@ -80,10 +82,15 @@ def builtin_detection(n: int, size: int = 128, seed: int = 0, per_image: int = 3
     out = DetectionSet([], [], [], DIGIT_CLASSES, f"built-in: scikit-learn's digits on its sample photos ({n})")
     for _ in range(n):
         photo = photos[rng.integers(len(photos))]
-        y, x = int(rng.integers(photo.shape[0] - size + 1)), int(rng.integers(photo.shape[1] - size + 1))
+        h, w = (int(v) for v in rng.integers(3 * size // 4, 3 * size // 2 + 1, size=2))
+        y, x = int(rng.integers(photo.shape[0] - h + 1)), int(rng.integers(photo.shape[1] - w + 1))
         picks = rng.integers(len(digits.images), size=int(rng.integers(1, per_image + 1)))
+        f = max(w, h) / size  # the picture's pixels per letterboxed pixel
         img, boxes, labels = compose(
-            photo[y : y + size, x : x + size], [(digits.images[k], int(digits.target[k])) for k in picks], rng
+            photo[y : y + h, x : x + w],
+            [(digits.images[k], int(digits.target[k])) for k in picks],
+            rng,
+            (round(20 * f), round(48 * f)),
         )
         out.images.append(img)
         out.boxes.append(boxes)

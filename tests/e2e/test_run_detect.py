@@ -25,10 +25,13 @@ def test_a_detector_runs_end_to_end_gated_on_its_map(tmp_path, capsys):
     record = json.loads((d / "run.json").read_text())
     assert [n for n, g in record["gates"].items() if g["pass"]] == ["export", "check", "bench"], record["gates"]
     served = json.loads((d / "served_parity.json").read_text())
-    assert list(served["models"]) == ["tiny_fcos_torchscript"]
+    assert sorted(served["models"]) == ["tiny_fcos_image", "tiny_fcos_torchscript"]  # the files, and the tensors
+    assert served["models"]["tiny_fcos_image"]["raw"]["map"] == 1.0
     results = json.loads((d / "bench" / "results.json").read_text())
     rows = {r["concurrency"]: r for r in results["served"]["models"]["tiny_fcos_torchscript"]["rows"]}
     assert all(r["checked"] == r["sent"] > 0 and r["wrong"] == 0 and r["failed"] == 0 for r in rows.values())
     assert rows[16]["server"]["avg_batch"] > 1  # the padded top-K batches
+    entry = results["served"]["entry"]  # the picture files sent as they are, each answer checked in their pixels
+    assert entry["model"] == "tiny_fcos_image" and all(r["wrong"] == 0 < r["checked"] for r in entry["rows"])
     summary = (d / "summary.md").read_text()
     assert "## Detections against eager's" in summary and "| tiny_fcos_torchscript |" in summary

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import once, run_cli
 from torchship.checkpoint import load_meta, load_weights, resolve_checkpoint
 from torchship.detectors import TopK, build_detector
 
@@ -18,14 +18,16 @@ pytestmark = pytest.mark.slow  # a detector trained to detect, then exported: ab
 
 @pytest.fixture(scope="module")
 def detector(tmp_path_factory):
-    """A tiny_fcos trained for two epochs (many detections, many of them overlapping: the NMS has work), exported
-    to TorchScript and verified."""
-    root = tmp_path_factory.mktemp("detector")
-    args = ["train", "--arch", "tiny_fcos", "--pictures", "200", "--epochs", "2", "--no-progress"]
-    assert run_cli(*args, "--out", root / "train") == 0
-    export = ["export", root / "train", "--formats", "torchscript", "--max-batch", "8", "--out", root / "export"]
-    assert run_cli(*export) == 0
-    return root
+    """A tiny_fcos trained for three epochs of 400 pictures: many detections on a picture, many of them overlapping
+    (the NMS has work), and none on a blank one. Exported to TorchScript and verified."""
+
+    def build(root):
+        args = ["train", "--arch", "tiny_fcos", "--pictures", "400", "--epochs", "3", "--no-progress"]
+        assert run_cli(*args, "--out", root / "train") == 0
+        export = ["export", root / "train", "--formats", "torchscript", "--max-batch", "8", "--out", root / "export"]
+        assert run_cli(*export) == 0
+
+    return once(tmp_path_factory, "detector", build)  # one per run, however the tests are spread over workers
 
 
 class Planted(TopK):
@@ -112,39 +114,136 @@ def test_a_detector_is_refused_formats_that_cannot_carry_it(detector, tmp_path, 
     assert not out.exists()
 
 
-def test_the_served_detector_batches_and_answers_as_verified(detector, tmp_path, capsys):
-    """The repository serves the fixed-shape detections with dynamic batching (the count as one value a picture),
-    and served parity over gRPC matches them as the verifier does; at 16 in flight the server forms batches and
-    the bench matches every response the same way. A wrong model in the served folder fails both."""
+def test_a_detector_from_own_weights_and_a_users_own_topk_export_serve_and_check(detector, tmp_path, capsys):
+    """torchvision's FCOS class from one's own weights (--model, --weights) is exported behind TopK; a user's module
+    that returns the top-K form itself (its own decoding and Fast NMS) is exported as it is, its thresholds read from
+    it. Both verify by matching detections, serve, and pass infer --check over gRPC."""
+    import numpy as np
+
     from serve.config import RepoConfig, ServeConfig
     from serve.embedded import TritonServer
     from serve.repository import build_repository
 
-    for repo in (tmp_path / "repo", tmp_path / "bad_repo"):
-        build_repository(detector / "export", RepoConfig(out=str(repo), cores=1, image_entry=False))
-    version = tmp_path / "bad_repo" / "tiny_fcos_torchscript" / "1"  # a wrong model in the served folder
-    faulty(detector / "export", "labels_shifted", version / "model.pt")
+    ckpt = resolve_checkpoint(detector / "train")
+    weights = load_weights(ckpt)
+    torch.save(weights, tmp_path / "fcos.pt")
+    torch.save({f"detector.{k}": v for k, v in weights.items()}, tmp_path / "wrapper.pt")
+    with np.load(ckpt / "heldout.npz") as held:
+        np.savez(tmp_path / "pictures.npz", images=held["images"].astype(np.float32))
+    common = ["--input", "images:float32:B,3,128,128", "--example-inputs", tmp_path / "pictures.npz",
+              "--formats", "torchscript", "--max-batch", "8"]  # fmt: skip
+    models = {
+        "fcos": ["--model", "torchship.detectors:tiny_fcos", "--model-arg", "num_classes=11"],
+        "user": ["--model", "tests.export.user_detectors:FastNMSTopK"],
+    }
+    for name, flags in models.items():
+        assert run_cli("export", *flags, "--weights", tmp_path / f"{'wrapper' if name == 'user' else name}.pt",
+                       *common, "--out", tmp_path / name) == 0, capsys.readouterr().err[-2000:]  # fmt: skip
+        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+        assert manifest["verification"]["pass"] and manifest["tolerances"]["rule"] == "detection"
+        assert manifest["source"].get("wrapped") == ("TopK" if name == "fcos" else None)
+        held = manifest["verification"]["artifacts"]["torchscript"]["sets"]["examples/boxes"]
+        assert held["map"] == 1.0 and held["pass"]
+        ref = np.load(tmp_path / name / "reference.npz")
+        assert ref["expected/examples/count"].sum() > 50  # real detections matched, not an empty check
+    user = json.loads((tmp_path / "user" / "manifest.json").read_text())["detection"]
+    assert (user["k"], user["score_thresh"], user["iou_thresh"], user["candidates"]) == (50, 0.2, 0.6, None)
+    repo = tmp_path / "repo"
+    for name in models:  # one server for both: each export's models copied into one repository
+        build_repository(tmp_path / name, RepoConfig(out=str(tmp_path / f"repo_{name}"), cores=1))
+        shutil.copytree(tmp_path / f"repo_{name}", repo, dirs_exist_ok=True)
+    server = TritonServer(ServeConfig(repo=str(repo)))
+    server.start()
+    try:
+        for name in models:
+            assert run_cli("infer", "--url", server.url, "--check", tmp_path / name) == 0
+    finally:
+        server.stop()
+    assert capsys.readouterr().out.count("served parity: PASS") == 2
+
+
+def rehash(version, file):
+    """provenance.json of a served version folder with ``file``'s sha256 as it is now: what a faulty build that
+    wrote the file would have recorded."""
     provenance = json.loads((version / "provenance.json").read_text())
-    provenance["files"]["model.pt"] = hashlib.sha256((version / "model.pt").read_bytes()).hexdigest()  # as written
+    provenance["files"][file] = hashlib.sha256((version / file).read_bytes()).hexdigest()
     (version / "provenance.json").write_text(json.dumps(provenance))
-    config = (tmp_path / "repo" / "tiny_fcos_torchscript" / "config.pbtxt").read_text()
+
+
+def skip_the_resize(version):
+    """The fault: a server-side letterbox that pastes the picture at its own size, cropped to the square, instead of
+    scaling it to fit (the preprocessing model's carried decoder)."""
+    decoder = version / "torchship_imageio.py"
+    text = decoder.read_text()
+    start, end = text.index("    if (nh, nw) == (h, w):"), text.index("    return out, (w, h)")
+    pasted = "    out[:, : min(h, size), : min(w, size)] = chw[:, :size, :size]\n"
+    decoder.write_text(text[:start] + pasted + text[end:])
+    rehash(version, "torchship_imageio.py")
+
+
+def levels(bench):
+    """The bench's levels of the detector's TorchScript model."""
+    return json.loads((bench / "results.json").read_text())["served"]["models"]["tiny_fcos_torchscript"]["rows"]
+
+
+BENCH = ["--skip-in-process", "--concurrency", "16", "--requests", "64", "--window-s", "0.2", "--max-windows", "3",
+         "--load-generator", "python", "--no-cross-check", "--no-noop", "--no-raw-entry", "--no-plots",
+         "--no-progress"]  # fmt: skip
+
+
+def test_the_served_detector_batches_answers_picture_files_and_fails_each_planted_fault(detector, tmp_path, capsys):
+    """The repository serves the fixed-shape detections with dynamic batching (the count as one value a picture),
+    and an image entry that letterboxes a picture file of any size in the server as training did and answers in
+    the picture's pixels. Served parity passes from tensors and from the held-out files; at 16 in flight the
+    server forms batches and the bench matches every response; infer prints each picture's detections, none for a
+    blank one. Then, on the same server, a letterbox that skips the resize fails infer --check (exit 3), and a
+    model with its labels shifted fails it and the bench (every response wrong)."""
+    import numpy as np
+    from PIL import Image
+
+    from serve.config import RepoConfig, ServeConfig
+    from serve.embedded import TritonServer
+    from serve.repository import build_repository
+
+    export, repo = detector / "export", tmp_path / "repo"
+    build_repository(export, RepoConfig(out=str(repo), cores=1))
+    config = (repo / "tiny_fcos_torchscript" / "config.pbtxt").read_text()
     assert "dynamic_batching" in config and "reshape" in config and "label_filename" not in config
-    bench = ["--skip-in-process", "--concurrency", "16", "--requests", "64", "--window-s", "0.2", "--max-windows",
-             "3", "--load-generator", "python", "--no-cross-check", "--no-noop", "--no-raw-entry", "--no-plots",
-             "--no-progress"]  # fmt: skip
-    for repo, code in ((tmp_path / "repo", 0), (tmp_path / "bad_repo", 3)):
-        server = TritonServer(ServeConfig(repo=str(repo)))
-        server.start()
-        try:
-            assert run_cli("infer", "--url", server.url, "--check", detector / "export") == code
-            out = tmp_path / f"bench_{repo.name}"
-            assert run_cli("bench", detector / "export", "--url", server.url, "--out", out, *bench) == code
-        finally:
-            server.stop()
-        (row,) = json.loads((out / "results.json").read_text())["served"]["models"]["tiny_fcos_torchscript"]["rows"]
-        assert row["checked"] == row["sent"] >= 64 and row["failed"] == 0
-        assert row["wrong"] == (0 if code == 0 else row["checked"]), row.get("first_wrong")
-        if code == 0:
-            assert row["server"]["avg_batch"] > 1
-    out = capsys.readouterr()
-    assert "served parity: PASS" in out.out and "has no match" in out.err
+    assert (repo / "tiny_fcos_image_post").is_dir()
+    files = sorted((export / "raw").iterdir())
+    sizes = [Image.open(f).size for f in files]
+    assert len(set(sizes)) > 4 and max(sizes[0]) != 128  # pictures the letterbox scales
+    Image.new("RGB", (150, 100), (128, 128, 128)).save(tmp_path / "blank.png")
+    server = TritonServer(ServeConfig(repo=str(repo)))
+    server.start()
+    try:
+        assert run_cli("infer", "--url", server.url, "--check", export) == 0
+        assert "served parity: PASS (2 models" in capsys.readouterr().out  # the model, and the image entry
+        assert run_cli("bench", export, "--url", server.url, "--out", tmp_path / "bench", *BENCH) == 0
+        assert run_cli("infer", "--url", server.url, files[0], tmp_path / "blank.png") == 0
+        printed = capsys.readouterr().out
+        assert run_cli("infer", "--url", server.url, "--json", files[0]) == 0
+        found = json.loads(capsys.readouterr().out)["results"][0]["detections"]
+
+        skip_the_resize(repo / "tiny_fcos_image_pre" / "1")
+        server.load("tiny_fcos_image_pre")
+        assert run_cli("infer", "--url", server.url, "--check", export) == 3
+        resize = capsys.readouterr().err
+
+        faulty(export, "labels_shifted", repo / "tiny_fcos_torchscript" / "1" / "model.pt")
+        rehash(repo / "tiny_fcos_torchscript" / "1", "model.pt")
+        server.load("tiny_fcos_torchscript")
+        assert run_cli("infer", "--url", server.url, "--check", export, "--model", "tiny_fcos_torchscript") == 3
+        labels = capsys.readouterr().err
+        assert run_cli("bench", export, "--url", server.url, "--out", tmp_path / "bad_bench", *BENCH) == 3
+    finally:
+        server.stop()
+    (row,), (bad,) = (levels(tmp_path / b) for b in ("bench", "bad_bench"))
+    assert row["checked"] == row["sent"] >= 64 and row["failed"] == row["wrong"] == 0 and row["server"]["avg_batch"] > 1
+    assert bad["wrong"] == bad["checked"] > 0, bad.get("first_wrong")
+    assert f"{files[0].name}: {len(found)} detection(s)" in printed and "blank.png: no detections" in printed
+    w, h = sizes[0]
+    boxes = np.array([d["box"] for d in found])
+    assert len(found) > 3 and (boxes[:, 2] <= w).all() and (boxes[:, 3] <= h).all()  # in the picture's pixels
+    assert "tiny_fcos_image: raw" in resize and "through the server's letterbox" in resize, resize[-2000:]
+    assert "tiny_fcos_torchscript" in labels and "has no match" in labels, labels[-2000:]

@@ -60,11 +60,14 @@ def test_the_built_in_set_is_real_photos_and_repeats_with_its_seed():
     assert all(np.array_equal(x, y) for x, y in zip(a.images, b.images))
     assert all(np.array_equal(x, y) for x, y in zip(a.boxes, b.boxes))
     assert not all(np.array_equal(x, y) for x, y in zip(a.images, c.images))
+    assert len({img.shape for img in a.images}) > 6  # pictures of many sizes, which the letterbox scales
     for img, boxes, labels in zip(a.images, a.boxes, a.labels):
-        assert img.shape == (3, 128, 128) and img.dtype == np.float32 and 0 <= img.min() and img.max() <= 1
-        assert img.std() > 0.05  # a photo under the digits, not a flat fill
+        c, h, w = img.shape
+        assert c == 3 and 96 <= min(h, w) and max(h, w) <= 192 and img.dtype == np.float32
+        assert 0 <= img.min() and img.max() <= 1 and img.std() > 0.05  # a photo under the digits, not a flat fill
         assert 1 <= len(boxes) == len(labels) <= 3 and ((1 <= labels) & (labels <= 10)).all()
-        assert (boxes[:, :2] >= 0).all() and (boxes[:, 2:] <= 128).all() and (boxes[:, 2:] > boxes[:, :2]).all()
+        assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= w).all() and (boxes[:, 3] <= h).all()
+        assert (boxes[:, 2:] > boxes[:, :2]).all()
         assert (iou(boxes, boxes) - np.eye(len(boxes)) < 1e-9).all()  # none overlaps another
 
 

@@ -33,6 +33,7 @@ class Entry:
     export: tuple[str, ...] = ()  # further export flags (batch limits)
     needs: str = ""  # an optional package it needs
     bench_shape: tuple[str, ...] = ()
+    formats: tuple[str, ...] = ()  # the formats it takes, where not every fp32 format (a detector's)
 
 
 IMAGE = ("--input", "images:float32:B,3,224,224")
@@ -87,6 +88,14 @@ ZOO = [
     Entry(
         "mlp_2gb", "big_mlp", {}, ("--input", "features:float32:B,4096"), ("--max-batch", "8", "--buckets", "1", "8")
     ),
+    Entry(
+        "fcos_resnet50_fpn",
+        "fcos_resnet50_fpn",
+        {},
+        ("--input", "images:float32:B,3,320,320"),
+        ("--max-batch", "4", "--odd-batch", "3"),
+        formats=("torchscript", "exported_program", "aoti", "onnx"),
+    ),
 ]
 BY_NAME = {e.name: e for e in ZOO}
 
@@ -96,6 +105,18 @@ def torchvision_model(arch: str, num_classes: int = 1000) -> nn.Module:
     import torchvision
 
     return WithPreprocessing(getattr(torchvision.models, arch)(num_classes=num_classes), IMAGENET_MEAN, IMAGENET_STD)
+
+
+def fcos_resnet50_fpn(size: int = 320, num_classes: int = 91, score_thresh: float = 0.05) -> nn.Module:
+    """torchvision's FCOS with a ResNet-50 FPN backbone, built for pictures of ``size`` x ``size`` (COCO's 91
+    labels); exported behind torchship's TopK, NMS inside. The threshold is torchvision's RetinaNet default: a
+    detector with random weights scores its boxes near 0.07, under FCOS's own 0.2."""
+    import torchvision
+
+    return torchvision.models.detection.fcos_resnet50_fpn(
+        weights=None, weights_backbone=None, num_classes=num_classes, min_size=size, max_size=size,
+        score_thresh=score_thresh,
+    )  # fmt: skip
 
 
 BERT_SIZES = {
@@ -176,7 +197,14 @@ def realistic(model: nn.Module, example: dict[str, torch.Tensor], seed: int = 0)
                 m.momentum = None  # a cumulative average over the calibration batches
             model.train()
             for _ in range(2):
-                model(**example)
+                if hasattr(model, "anchor_generator"):  # a torchvision detector in training mode wants targets:
+                    t = model.transform  # its backbone alone sees the images, normalized as its forward does
+                    x = next(iter(example.values()))
+                    model.backbone(
+                        (x - torch.tensor(t.image_mean)[:, None, None]) / torch.tensor(t.image_std)[:, None, None]
+                    )
+                else:
+                    model(**example)
             for m in bns:
                 m.momentum = 0.1
     return model.eval()

@@ -101,7 +101,7 @@ def run_model(entry: zoo.Entry, out: Path, serve: bool = True, keep: bool = Fals
         *entry.flags,
         *entry.export,
         "--formats",
-        *FP32_FORMATS,
+        *(entry.formats or FP32_FORMATS),
         "--name",
         entry.name,
         "--out",
@@ -116,6 +116,7 @@ def run_model(entry: zoo.Entry, out: Path, serve: bool = True, keep: bool = Fals
     v = m.get("verification", {})
     rec["reference"] = {
         "rule": m["tolerances"]["rule"],
+        "fp64": m["tolerances"]["rule"] == "fp64" or bool(m["tolerances"].get("fp64")),  # a detector's rule says
         "why": m["tolerances"].get("why", ""),
         "outputs": m["tolerances"]["outputs"],
     }
@@ -274,10 +275,14 @@ def markdown(records: list[dict[str, Any]], where: str, command: str) -> str:
     for rec in records:
         if rec.get("skipped") or rec.get("error"):
             continue
-        ref = "float64" if rec["reference"]["rule"] == "fp64" else f"float32 ({rec['reference']['why']})"
+        ref = "float64" if rec["reference"].get("fp64") else f"float32 ({rec['reference']['why']})"
         wall = rec["export"]["seconds"] + rec["verify"]["seconds"]
         best = _fastest(rec)
-        bounds = "; ".join(f"{t['scale']:.3g}, {t['atol']:.2e}" for t in rec["reference"]["outputs"].values())
+        bounds = "; ".join(
+            f"{t['scale']:.3g}, {t['atol']:.2e}" if "scale" in t else f"{name} within {t['atol']:.2e}"
+            for name, t in rec["reference"]["outputs"].items()
+            if not t.get("exact")  # a detector's labels and count: matched exactly
+        )
         lines.append(
             f"| {rec['model']} | {rec['weights_bytes'] / 1e6:,.0f} MB | {ref} | {bounds} | {wall:.0f} s | "
             f"{max(rec['export']['peak_rss_bytes'], rec['verify']['peak_rss_bytes']) / 2**30:.2f} GiB | {best} |"
