@@ -274,7 +274,7 @@ def _npz_request(p: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
 def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, dict[str, np.ndarray], Any]]:
     """(name, feeds by input name, true label or None) per request: image files and .npy rows one row per
     request (image models), .npz files one request each, --heldout samples one each."""
-    from torchship.imageio import decode_image
+    from torchship.imageio import decode_image, decode_picture
 
     image = takes_image_arrays(cfg)
     dims = [int(d) for d in cfg["input"][0]["dims"]]
@@ -309,7 +309,10 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
             out += [(f"{p.name}[{i}]", {first: row[None].astype(np.float32)}, None) for i, row in enumerate(arr)]
         else:
             try:  # 8-bit pixels / 255 at the model's own height and width, as the ImageFolder data set reads them
-                x = decode_image(p.read_bytes(), {"image_size": chw[-2:], "source_scale": "pixel / 255"})
+                if is_detector(cfg):  # a detector's: letterboxed, as its training and image entry do
+                    x = decode_picture(p.read_bytes(), chw[-1])[0]
+                else:
+                    x = decode_image(p.read_bytes(), {"image_size": chw[-2:], "source_scale": "pixel / 255"})
             except ValueError as e:
                 raise ShapeError(f"{p}: {e}") from None
             out.append((p.name, {first: x[None]}, None))

@@ -224,6 +224,9 @@ def test_the_served_detector_batches_answers_picture_files_and_fails_each_plante
         printed = capsys.readouterr().out
         assert run_cli("infer", "--url", server.url, "--json", files[0]) == 0
         found = json.loads(capsys.readouterr().out)["results"][0]["detections"]
+        tensor = ["--model", "tiny_fcos_torchscript", "--no-raw", "--json", files[0]]  # letterboxed by infer
+        assert run_cli("infer", "--url", server.url, *tensor) == 0
+        square = json.loads(capsys.readouterr().out)["results"][0]["detections"]
 
         skip_the_resize(repo / "tiny_fcos_image_pre" / "1")
         server.load("tiny_fcos_image_pre")
@@ -245,5 +248,8 @@ def test_the_served_detector_batches_answers_picture_files_and_fails_each_plante
     w, h = sizes[0]
     boxes = np.array([d["box"] for d in found])
     assert len(found) > 3 and (boxes[:, 2] <= w).all() and (boxes[:, 3] <= h).all()  # in the picture's pixels
+    assert [d["label"] for d in square] == [d["label"] for d in found]
+    mapped = np.minimum(np.array([d["box"] for d in square]) * max(w, h) / 128, [w, h, w, h])  # clipped to it
+    assert np.abs(mapped - boxes).max() < 0.5
     assert "tiny_fcos_image: raw" in resize and "through the server's letterbox" in resize, resize[-2000:]
     assert "tiny_fcos_torchscript" in labels and "has no match" in labels, labels[-2000:]
