@@ -9,12 +9,11 @@ from typing import Any, Optional
 
 import torch
 
+from torchship.boxes import letterbox_meta
 from torchship.detection_parity import OUTPUTS
 from torchship.detectors import TopK
 from torchship.errors import ConfigError
 from torchship.signature import BATCH, Signature, TensorSpec
-
-LETTERBOX_PAD = "bottom-right"  # torchship.boxes.letterbox: the picture at the top left of its square
 
 
 def topk_outputs(k: int) -> list[TensorSpec]:
@@ -92,7 +91,7 @@ def letterbox_preprocessing(size: int) -> dict[str, Any]:
         "value_range": [0.0, 1.0],
         "resize": "letterbox: scaled bilinearly to fit, aspect kept, at the top left, the rest 0.5",
         "source_scale": "pixel / 255",
-        "letterbox": {"size": size, "pad": LETTERBOX_PAD},
+        "letterbox": letterbox_meta(size),
     }
 
 
@@ -103,5 +102,5 @@ def detection_block(k: int, score_thresh, iou_thresh, size: int, candidates: Opt
         "candidates": candidates,
         "score_thresh": score_thresh,
         "iou_thresh": iou_thresh,
-        "letterbox": {"size": int(size), "pad": LETTERBOX_PAD},
+        "letterbox": letterbox_meta(size),
     }

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from torchship import detection_parity
 from torchship.errors import ClientError, DataError, ShapeError
 
 from .config import InferConfig
@@ -97,7 +98,7 @@ def run_infer(ns: InferConfig) -> int:
     return 0
 
 
-DETECTOR_OUTPUTS = {"boxes", "scores", "labels", "count"}
+DETECTOR_OUTPUTS = set(detection_parity.OUTPUTS)
 
 
 def is_detector(cfg: dict[str, Any]) -> bool:

@@ -160,9 +160,8 @@ def check_entry_detections(entry: str, export: Export, raw, answers, tol: dict[s
     that mapping; and their mAP against eager's."""
     manifest, ref = export.manifest, export.reference()
     want = {o: ref[f"expected/{RAW_SET}/{o}"] for o in detection_parity.OUTPUTS}
-    sizes = detection_parity.picture_sizes([data for _, data in raw])
-    want, factor = detection_parity.in_pictures(want, sizes, manifest["detection"]["letterbox"]["size"])
-    bound = detection_parity.stretched(tol, factor)
+    size = manifest["detection"]["letterbox"]["size"]
+    want, bound = detection_parity.for_picture_files(want, [data for _, data in raw], tol, size)
     what = f"{entry}: {RAW_SET}"
     row, failures = detection_parity.check_set(answers, want, bound, manifest["detection"], what, len(raw), True)
     rows[RAW_SET] = row

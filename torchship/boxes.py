@@ -36,6 +36,11 @@ class Letterbox:
         return out
 
 
+def letterbox_meta(size: int) -> dict:
+    """How a checkpoint and an export record the letterbox: the square's side, the picture at its top left."""
+    return {"size": int(size), "pad": "bottom-right"}
+
+
 def letterbox(image: np.ndarray, size: int) -> tuple[np.ndarray, Letterbox]:
     """``image`` (float32 CHW in [0, 1]) fitted into a ``size`` x ``size`` square by the letterbox the served image
     entry runs too (torchship.imageio.letterbox_array), the rest PAD_VALUE; with the Letterbox that maps boxes

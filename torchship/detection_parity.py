@@ -227,6 +227,13 @@ def stretched(tol: dict[str, Any], factor: float) -> dict[str, Any]:
     return {**tol, "outputs": {**tol["outputs"], "boxes": boxes}}
 
 
+def for_picture_files(outs: dict[str, np.ndarray], files: list[bytes], tol: dict[str, Any], size: int):
+    """What the image entry must answer for ``files``: the reference's detections on training's tensors of them
+    (``outs``) mapped into each picture's pixels, and ``tol`` with the box bound stretched by that mapping."""
+    mapped, factor = in_pictures(outs, picture_sizes(files), size)
+    return mapped, stretched(tol, factor)
+
+
 def summary_rows(entries: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of a detector's verification in one table: per artifact, its worst box and score errors
     over the sets beside their bounds, its mAP against eager on the real samples, and its unpaired detections."""

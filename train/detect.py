@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from torchship.boxes import letterbox
+from torchship.boxes import letterbox, letterbox_meta
 from torchship.detection_parity import map_metric
 from torchship.detectors import OwnPostprocessing, TopK, build_detector, detections, has_topk
 from torchship.device import resolve_amp
@@ -168,7 +168,7 @@ def train_detector(cfg: TrainConfig, d: Dist, device: str, out: Path, log, on_st
         "model_args": _model_args(cfg),
         "classes": data.classes,
         "input_shape": [3, size, size],
-        "letterbox": {"size": size, "pad": "bottom-right"},
+        "letterbox": letterbox_meta(size),
         "detections": {
             "k": deployable.k,
             "candidates": deployable.candidates,

@@ -52,13 +52,13 @@ class EntryRun:
         feeds = [{entry.input: np.frombuffer(data, np.uint8)[None]} for data in files]
         target = entry_target(client.config(entry.name))
         fmt = format_of(target, manifest, client.config(target))
-        expected, factor = inputs.raw_expected, 1.0
+        expected, bound = inputs.raw_expected, None
         if "detection" in manifest and expected is not None:  # the entry answers in each picture's own pixels
             size = manifest["detection"]["letterbox"]["size"]
-            expected, factor = detection_parity.in_pictures(expected, detection_parity.picture_sizes(files), size)
+            expected, bound = detection_parity.for_picture_files(expected, files, manifest["tolerances"], size)
         check = response_check(client, entry.name, manifest, fmt, expected, feeds, len(feeds))
-        if check.detection is not None:
-            check.detection["tolerances"] = detection_parity.stretched(check.detection["tolerances"], factor)
+        if check.detection is not None and bound is not None:
+            check.detection["tolerances"] = bound
         run = cls(entry.name, entry.kind, entry.pre, target, fmt, feeds, files, check, stats_of(client, entry.pre))
         if entry.kind == "text":
             run.tensor_feeds = [tokens_of(manifest, inputs.raw_inputs, i) for i in range(len(files))]
