@@ -194,6 +194,28 @@ def zero_calibrated(trained, tmp_path_factory) -> tuple[int, str, Path]:
 
 
 @pytest.fixture(scope="session")
+def detector_run(tmp_path_factory) -> Path:
+    """`torchship run` for a detector (tests/e2e/detect.toml: tiny_fcos, 400 pictures, 3 epochs, TorchScript),
+    first stopped by its mAP gate, set out of reach, then run again from export: the run folder ``run/`` (train/,
+    export/, model_repository/, ...) beside ``outcomes.json``, each run's exit code, stderr, record and whether
+    the export was there after it. Trained long enough for many detections on a picture, many of them overlapping
+    (the NMS has work), and none on a blank one: the detector the export and serving tests take apart."""
+
+    def make(root):
+        outcomes = []
+        for more in ([], ["--from", "export"]):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                code = run_cli("run", "--out", root / "run", "--config", ROOT / "tests/e2e/detect.toml", *more)
+            record = json.loads((root / "run" / "run.json").read_text())
+            exported = (root / "run" / "export").exists()
+            outcomes.append({"code": code, "stderr": err.getvalue(), "record": record, "exported": exported})
+        (root / "outcomes.json").write_text(json.dumps(outcomes))
+
+    return once(tmp_path_factory, "detector", make)
+
+
+@pytest.fixture(scope="session")
 def repo(exported, tmp_path_factory) -> Path:
     from serve.config import RepoConfig
     from serve.repository import build_repository

@@ -1,29 +1,24 @@
 """`torchship run` for a detector on the built-in pictures: the train stage gated on mAP@50, then export, repo,
-served parity and the bench, each response under load matched by the detection rule."""
+served parity and the bench, each response under load matched by the detection rule. The run is the shared
+``detector_run`` (tests/conftest.py), which the export and serving tests of the detector take apart."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
-
-pytestmark = pytest.mark.slow  # a detector trained, exported, served and measured: about a minute
-
-CONFIG = Path(__file__).with_name("detect.toml")
+pytestmark = pytest.mark.slow  # a detector trained, exported, served and measured: about a minute and a half
 
 
-def test_a_detector_runs_end_to_end_gated_on_its_map(tmp_path, capsys):
-    d = tmp_path / "run"
-    assert run_cli("run", "--out", d, "--config", CONFIG) == 3  # two epochs of 200 pictures: far from 99.9 %
-    err = capsys.readouterr().err
-    assert "stage train: mAP@50" in err and "(gate: >= 100%)" in err, err[-2000:]
-    record = json.loads((d / "run.json").read_text())
-    assert record["gates"]["train"]["pass"] is False and not (d / "export").exists()
+def test_a_detector_runs_end_to_end_gated_on_its_map(detector_run):
+    first, again = json.loads((detector_run / "outcomes.json").read_text())
+    assert first["code"] == 3  # three epochs of 400 pictures: far from 99.9 %
+    assert "stage train: mAP@50" in first["stderr"] and "(gate: >= 100%)" in first["stderr"], first["stderr"][-2000:]
+    assert first["record"]["gates"]["train"]["pass"] is False and not first["exported"]
 
-    assert run_cli("run", "--out", d, "--config", CONFIG, "--from", "export") == 0
-    record = json.loads((d / "run.json").read_text())
-    assert [n for n, g in record["gates"].items() if g["pass"]] == ["export", "check", "bench"], record["gates"]
+    d = detector_run / "run"
+    assert again["code"] == 0, again["stderr"][-2000:]
+    gates = again["record"]["gates"]
+    assert [n for n, g in gates.items() if g["pass"]] == ["export", "check", "bench"], gates
     served = json.loads((d / "served_parity.json").read_text())
     assert sorted(served["models"]) == ["tiny_fcos_image", "tiny_fcos_torchscript"]  # the files, and the tensors
     assert served["models"]["tiny_fcos_image"]["raw"]["map"] == 1.0

@@ -9,25 +9,18 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import once, run_cli
+from tests.conftest import run_cli
 from torchship.checkpoint import load_meta, load_weights, resolve_checkpoint
 from torchship.detectors import TopK, build_detector
 
-pytestmark = pytest.mark.slow  # a detector trained to detect, then exported: about half a minute before any test
+pytestmark = pytest.mark.slow  # a detector trained, exported and served first (detector_run): about 90 s
 
 
 @pytest.fixture(scope="module")
-def detector(tmp_path_factory):
-    """A tiny_fcos trained for three epochs of 400 pictures: many detections on a picture, many of them overlapping
-    (the NMS has work), and none on a blank one. Exported to TorchScript and verified."""
-
-    def build(root):
-        args = ["train", "--arch", "tiny_fcos", "--pictures", "400", "--epochs", "3", "--no-progress"]
-        assert run_cli(*args, "--out", root / "train") == 0
-        export = ["export", root / "train", "--formats", "torchscript", "--max-batch", "8", "--out", root / "export"]
-        assert run_cli(*export) == 0
-
-    return once(tmp_path_factory, "detector", build)  # one per run, however the tests are spread over workers
+def detector(detector_run):
+    """The shared detector run's folder (tests/conftest.py): its train/ (a tiny_fcos trained for three epochs of 400
+    pictures) and export/ (TorchScript, verified), which the tests here only read."""
+    return detector_run / "run"
 
 
 class Planted(TopK):
@@ -194,10 +187,11 @@ BENCH = ["--skip-in-process", "--concurrency", "16", "--requests", "64", "--wind
 def test_the_served_detector_batches_answers_picture_files_and_fails_each_planted_fault(detector, tmp_path, capsys):
     """The repository serves the fixed-shape detections with dynamic batching (the count as one value a picture),
     and an image entry that letterboxes a picture file of any size in the server as training did and answers in
-    the picture's pixels. Served parity passes from tensors and from the held-out files; at 16 in flight the
-    server forms batches and the bench matches every response; infer prints each picture's detections, none for a
-    blank one. Then, on the same server, a letterbox that skips the resize fails infer --check (exit 3), and a
-    model with its labels shifted fails it and the bench (every response wrong)."""
+    the picture's pixels: infer prints each picture's detections, none for a blank one. (That served parity passes
+    from tensors and from the held-out files, and that at 16 in flight the server forms batches and the bench
+    matches every response, the detector's run proves: tests/e2e/test_run_detect.py.) Then, on the same server, a
+    letterbox that skips the resize fails infer --check (exit 3), and a model with its labels shifted fails it and
+    the bench (every response wrong)."""
     import numpy as np
     from PIL import Image
 
@@ -217,9 +211,6 @@ def test_the_served_detector_batches_answers_picture_files_and_fails_each_plante
     server = TritonServer(ServeConfig(repo=str(repo)))
     server.start()
     try:
-        assert run_cli("infer", "--url", server.url, "--check", export) == 0
-        assert "served parity: PASS (2 models" in capsys.readouterr().out  # the model, and the image entry
-        assert run_cli("bench", export, "--url", server.url, "--out", tmp_path / "bench", *BENCH) == 0
         assert run_cli("infer", "--url", server.url, files[0], tmp_path / "blank.png") == 0
         printed = capsys.readouterr().out
         assert run_cli("infer", "--url", server.url, "--json", files[0]) == 0
@@ -241,8 +232,7 @@ def test_the_served_detector_batches_answers_picture_files_and_fails_each_plante
         assert run_cli("bench", export, "--url", server.url, "--out", tmp_path / "bad_bench", *BENCH) == 3
     finally:
         server.stop()
-    (row,), (bad,) = (levels(tmp_path / b) for b in ("bench", "bad_bench"))
-    assert row["checked"] == row["sent"] >= 64 and row["failed"] == row["wrong"] == 0 and row["server"]["avg_batch"] > 1
+    (bad,) = levels(tmp_path / "bad_bench")
     assert bad["wrong"] == bad["checked"] > 0, bad.get("first_wrong")
     assert f"{files[0].name}: {len(found)} detection(s)" in printed and "blank.png: no detections" in printed
     w, h = sizes[0]
