@@ -41,13 +41,13 @@ def letterbox_meta(size: int) -> dict:
     return {"size": int(size), "pad": "bottom-right"}
 
 
-def letterbox(image: np.ndarray, size: int) -> tuple[np.ndarray, Letterbox]:
-    """``image`` (float32 CHW in [0, 1]) fitted into a ``size`` x ``size`` square by the letterbox the served image
-    entry runs too (torchship.imageio.letterbox_array), the rest PAD_VALUE; with the Letterbox that maps boxes
-    between the two."""
-    from .imageio import letterbox_array  # here, so that the server can carry this file alone for Letterbox
+def letterbox(pixels: np.ndarray, size: int) -> tuple[np.ndarray, Letterbox]:
+    """``pixels`` (8-bit RGB, uint8 HWC) fitted into a ``size`` x ``size`` square by the letterbox the served image
+    entry runs too (torchship.imageio.letterbox_pixels), the rest PAD_VALUE; float32 CHW in [0, 1], with the
+    Letterbox that maps boxes between the two."""
+    from .imageio import letterbox_pixels  # here, so that the server can carry this file alone for Letterbox
 
-    out, (w, h) = letterbox_array(image, size, PAD_VALUE)
+    out, (w, h) = letterbox_pixels(pixels, size, PAD_VALUE)
     return out, Letterbox(w, h, size)
 
 

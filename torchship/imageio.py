@@ -40,34 +40,40 @@ def image_array(im, pre: dict[str, Any]) -> np.ndarray:
     return np.ascontiguousarray(np.repeat(np.clip(gray, 0.0, 1.0)[None], int(pre.get("channels", 3)), axis=0))
 
 
-def letterbox_array(chw: np.ndarray, size: int, pad: float = 0.5) -> tuple[np.ndarray, tuple[int, int]]:
-    """A float32 CHW picture in [0, 1] fitted into a ``size`` x ``size`` square: scaled so that its longer side
-    fills it (each channel resized bilinearly in float, as Pillow's "F" images are), its aspect kept, placed at
-    the top left, the rest ``pad``. Returns the square and the picture's (width, height), which map boxes back
-    (torchship.boxes.Letterbox). The one letterbox training and the served image entry both run."""
+def letterbox_pixels(rgb: np.ndarray, size: int, pad: float = 0.5) -> tuple[np.ndarray, tuple[int, int]]:
+    """An 8-bit RGB picture (uint8 HWC, as a photo is) fitted into a ``size`` x ``size`` square: float32 CHW in
+    [0, 1] (pixel / 255), scaled so that its longer side fills the square, resized bilinearly in 8 bits (as the
+    classifier's images are), its aspect kept, placed at the top left, the rest ``pad``. Returns the square and
+    the picture's (width, height), which map boxes back (torchship.boxes.Letterbox). The one letterbox training
+    and the served image entry both run (decode_picture runs it on a file's pixels)."""
     from PIL import Image
 
-    c, h, w = chw.shape
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise ValueError(f"a letterbox takes 8-bit RGB pixels (uint8, height x width x 3), not {rgb.dtype} {rgb.shape}")
+    return _letterbox(Image.fromarray(rgb, "RGB"), size, pad)
+
+
+def _letterbox(im, size: int, pad: float = 0.5) -> tuple[np.ndarray, tuple[int, int]]:
+    """letterbox_pixels of a Pillow RGB image (a file's is never copied at its full size into an array)."""
+    from PIL import Image
+
+    w, h = im.size
     scale = size / max(w, h)
-    nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
-    out = np.full((c, size, size), pad, dtype=np.float32)
-    if (nh, nw) == (h, w):
-        out[:, :h, :w] = chw
-    else:
-        for i in range(c):
-            plane = Image.fromarray(np.ascontiguousarray(chw[i], dtype=np.float32), mode="F")
-            out[i, :nh, :nw] = np.asarray(plane.resize((nw, nh), Image.BILINEAR), dtype=np.float32)
+    nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
+    if (nw, nh) != (w, h):
+        im = im.resize((nw, nh), Image.BILINEAR)
+    out = np.full((3, size, size), pad, dtype=np.float32)
+    out[:, :nh, :nw] = np.asarray(im, dtype=np.float32).transpose(2, 0, 1) / 255.0
     return out, (w, h)
 
 
 def decode_picture(
     data: bytes, size: int, max_pixels: int = MAX_PIXELS, max_bytes: int = MAX_BYTES
 ) -> tuple[np.ndarray, tuple[int, int]]:
-    """An encoded image file's bytes as a detector's input: RGB in [0, 1] (pixel / 255), letterboxed into a
-    ``size`` square (letterbox_array); with the picture's (width, height). ValueError as decode_image's."""
+    """An encoded image file's bytes as a detector's input: its RGB pixels letterboxed into a ``size`` square
+    (letterbox_pixels); with the picture's (width, height). ValueError as decode_image's."""
     with _opened(data, max_pixels, max_bytes) as im:
-        rgb = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
-    return letterbox_array(np.ascontiguousarray(rgb.transpose(2, 0, 1)), size)
+        return _letterbox(im.convert("RGB"), size)
 
 
 def decode_image(

@@ -128,9 +128,8 @@ def raw_pictures(data: DetectionSet, picked: np.ndarray, size: int) -> RawSample
 
     names, files, tensors = [], [], []
     for i in picked:
-        pixels = (data.images[i].transpose(1, 2, 0) * 255).round().clip(0, 255).astype(np.uint8)
         buf = io.BytesIO()
-        Image.fromarray(pixels).save(buf, format="PNG")
+        Image.fromarray(data.images[i]).save(buf, format="PNG")
         names.append(f"picture-{int(i):05d}.png")
         files.append(buf.getvalue())
         tensors.append(decode_picture(files[-1], size)[0])

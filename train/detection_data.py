@@ -1,9 +1,9 @@
 """Detection data: a COCO-format folder (images and an instances JSON), or the built-in offline set, scikit-learn's
 handwritten digits placed at random positions and scales on crops of its two sample photos, each with its box.
 
-Both give a DetectionSet: float32 CHW pictures in [0, 1] at their own sizes, and for each its boxes (xyxy, in the
-picture's pixels, torchship.boxes) and labels (1 to the number of classes; torchvision's detectors keep 0 for the
-background)."""
+Both give a DetectionSet: 8-bit RGB pictures (uint8 HWC, as a photo is) at their own sizes, and for each its
+boxes (xyxy, in the picture's pixels, torchship.boxes) and labels (1 to the number of classes; torchvision's
+detectors keep 0 for the background)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ INK = 0.25  # a digit pixel at or above this share of the darkest stroke is ink:
 
 @dataclass
 class DetectionSet:
-    images: list[np.ndarray]  # float32 CHW in [0, 1], each at its own size
+    images: list[np.ndarray]  # uint8 HWC RGB, each at its own size
     boxes: list[np.ndarray]  # float32 [n, 4] xyxy in the picture's pixels
     labels: list[np.ndarray]  # int64 [n], 1 .. len(classes)
     classes: list[str]
@@ -38,8 +38,8 @@ def compose(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``digits`` (each an 8 x 8 image in [0, 16] and its digit) drawn onto ``background`` (float32 HWC in [0, 1])
     at random places and side lengths within ``sizes``, none overlapping another, in a colour that stands out from
-    what lies under it. Returns (the picture CHW, boxes xyxy tight around each digit's ink, labels digit + 1); a
-    digit that finds no free place is left out."""
+    what lies under it. Returns (the picture, 8-bit RGB HWC; boxes xyxy tight around each digit's ink; labels
+    digit + 1); a digit that finds no free place is left out."""
     img = background.copy()
     h, w = img.shape[:2]
     taken: list[list[int]] = []
@@ -63,7 +63,7 @@ def compose(
         boxes.append([x + xs.min(), y + ys.min(), x + xs.max() + 1, y + ys.max() + 1])
         labels.append(digit + 1)
     return (
-        np.ascontiguousarray(img.transpose(2, 0, 1)),
+        (img * 255).round().clip(0, 255).astype(np.uint8),
         np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
         np.asarray(labels, dtype=np.int64),
     )
@@ -148,7 +148,7 @@ def read_coco(path: str | Path) -> DetectionSet:
         if file is None or file.suffix.lower() not in IMAGE_SUFFIXES:
             raise DataError(f"{path}: image {im['id']}'s file {name!r} is not an image file beside it or under images/")
         with Image.open(file) as pic:
-            pixels = np.asarray(pic.convert("RGB"), dtype=np.float32) / 255
+            pixels = np.asarray(pic.convert("RGB"))
         h, w = pixels.shape[:2]
         if (im.get("width", w), im.get("height", h)) != (w, h):
             raise DataError(f"{path}: {name} is {w} x {h} pixels, the JSON says {im.get('width')} x {im.get('height')}")
@@ -162,7 +162,7 @@ def read_coco(path: str | Path) -> DetectionSet:
                 f"{path}: annotation {a.get('id')}'s bbox {a['bbox']} (x, y, width, height) is empty or leaves "
                 f"{name} ({w} x {h})"
             )
-        out.images.append(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+        out.images.append(pixels)
         out.boxes.append(boxes)
         out.labels.append(np.asarray([label_of[a["category_id"]] for a in by_image[im["id"]]], dtype=np.int64))
         out.names.append(name)

@@ -168,8 +168,12 @@ def skip_the_resize(version):
     scaling it to fit (the preprocessing model's carried decoder)."""
     decoder = version / "torchship_imageio.py"
     text = decoder.read_text()
-    start, end = text.index("    if (nh, nw) == (h, w):"), text.index("    return out, (w, h)")
-    pasted = "    out[:, : min(h, size), : min(w, size)] = chw[:, :size, :size]\n"
+    start, end = text.index("    if (nw, nh) != (w, h):"), text.index("    return out, (w, h)")
+    pasted = (
+        "    chw = np.asarray(im, dtype=np.float32).transpose(2, 0, 1)[:, :size, :size] / 255.0\n"
+        "    out = np.full((3, size, size), pad, dtype=np.float32)\n"
+        "    out[:, : chw.shape[1], : chw.shape[2]] = chw\n"
+    )
     decoder.write_text(text[:start] + pasted + text[end:])
     rehash(version, "torchship_imageio.py")
 

@@ -17,7 +17,7 @@ BACKGROUND = 0.2  # a flat background: a pixel that differs from it is ink
 
 
 def change(img: np.ndarray) -> np.ndarray:
-    return np.abs(img - BACKGROUND).sum(0)
+    return np.abs(img / 255 - BACKGROUND).sum(-1)
 
 
 def test_each_box_holds_exactly_its_digits_ink_and_its_label_is_that_digit():
@@ -62,9 +62,9 @@ def test_the_built_in_set_is_real_photos_and_repeats_with_its_seed():
     assert not all(np.array_equal(x, y) for x, y in zip(a.images, c.images))
     assert len({img.shape for img in a.images}) > 6  # pictures of many sizes, which the letterbox scales
     for img, boxes, labels in zip(a.images, a.boxes, a.labels):
-        c, h, w = img.shape
-        assert c == 3 and 96 <= min(h, w) and max(h, w) <= 192 and img.dtype == np.float32
-        assert 0 <= img.min() and img.max() <= 1 and img.std() > 0.05  # a photo under the digits, not a flat fill
+        h, w, c = img.shape
+        assert c == 3 and 96 <= min(h, w) and max(h, w) <= 192 and img.dtype == np.uint8  # 8-bit, as a photo is
+        assert img.std() / 255 > 0.05  # a photo under the digits, not a flat fill
         assert 1 <= len(boxes) == len(labels) <= 3 and ((1 <= labels) & (labels <= 10)).all()
         assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= w).all() and (boxes[:, 3] <= h).all()
         assert (boxes[:, 2:] > boxes[:, :2]).all()
@@ -101,8 +101,8 @@ def test_a_coco_folder_reads_back_as_written(tmp_path):
     cats = [{"id": 9, "name": "nine"}, {"id": 5, "name": "five"}]
     got = read_coco(write_coco(tmp_path / "coco", [wide, tall], anns, cats))
     assert got.classes == ["five", "nine"] and got.names == ["0.png", "1.png"]
-    assert [im.shape for im in got.images] == [(3, 40, 64), (3, 50, 30)]
-    assert np.abs(got.images[0] - wide).max() <= 0.5 / 255 + 1e-6
+    assert [im.shape for im in got.images] == [(40, 64, 3), (50, 30, 3)]
+    assert np.array_equal(got.images[0], (wide.transpose(1, 2, 0) * 255).round())  # the PNG's 8-bit pixels
     assert got.boxes[0].tolist() == [[10, 5, 30, 35], [0, 0, 64, 40]] and got.labels[0].tolist() == [2, 1]
     assert got.boxes[1].tolist() == [[2.5, 3, 12.5, 15.5]] and got.labels[1].tolist() == [1]
     assert read_coco(tmp_path / "coco" / "instances.json").boxes[1].tolist() == got.boxes[1].tolist()
@@ -151,13 +151,40 @@ def test_a_coco_folder_without_its_json_or_its_images_is_refused(tmp_path):
 def test_the_letterbox_keeps_the_aspect_and_maps_boxes_there_and_back():
     """A 60 x 100 picture into a 50 square: scaled by 0.5 to 30 x 50 at the top left, the rest padded; a box
     maps to half its coordinates and back, and a model's box past the picture is clipped to it."""
-    pic = np.random.default_rng(0).random((3, 60, 100)).astype(np.float32)
+    pic = np.random.default_rng(0).integers(0, 256, (60, 100, 3), dtype=np.uint8)
     out, lb = letterbox(pic, 50)
     assert out.shape == (3, 50, 50) and lb.scale == 0.5
     assert (out[:, 30:, :] == PAD_VALUE).all() and not (out[:, :30, :] == PAD_VALUE).all()
-    assert abs(out[:, :30, :].mean() - pic.mean()) < 0.01
+    assert abs(out[:, :30, :].mean() - pic.mean() / 255) < 0.01
     boxes = np.array([[10, 20, 60, 50]], np.float32)
     assert lb.to_model(boxes).tolist() == [[5, 10, 30, 25]]
     assert np.allclose(lb.to_picture(lb.to_model(boxes)), boxes)
     assert lb.to_picture(np.array([[-4, 20, 55, 40]])).tolist() == [[0, 40, 100, 60]]
     assert np.allclose(iou([[0, 0, 10, 10]], [[5, 0, 15, 10], [20, 20, 30, 30], [0, 0, 10, 10]]), [[1 / 3, 0, 1]])
+
+
+def test_a_picture_file_is_letterboxed_exactly_as_training_letterboxed_its_pixels():
+    """The served image entry decodes a file and letterboxes it (decode_picture); training letterboxes the same
+    8-bit pixels (boxes.letterbox): the two squares are equal bit for bit, for pictures of six sizes. A
+    letterbox that resized in float instead (as torchship's first one did) is caught by the same comparison."""
+    import io
+
+    from PIL import Image
+
+    from torchship.imageio import decode_picture, letterbox_pixels
+
+    data = builtin_detection(6, size=64, seed=3)
+    for pixels in data.images:
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        square, (w, h) = decode_picture(buf.getvalue(), 64)
+        np.testing.assert_array_equal(square, letterbox(pixels, 64)[0])
+        assert (w, h) == (pixels.shape[1], pixels.shape[0])
+    nh, nw = round(h * 64 / max(w, h)), round(w * 64 / max(w, h))
+    in_float = [
+        np.asarray(Image.fromarray(p).resize((nw, nh), Image.BILINEAR), np.float32)
+        for p in (pixels / 255).astype(np.float32).transpose(2, 0, 1)
+    ]
+    assert np.abs(np.stack(in_float) - square[:, :nh, :nw]).max() > 0
+    with pytest.raises(ValueError, match="8-bit RGB pixels"):
+        letterbox_pixels(pixels.astype(np.float32) / 255, 64)
