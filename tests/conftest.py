@@ -29,19 +29,21 @@ def pytest_xdist_auto_num_workers(config):
 
 # The files whose tests wait longest on their first fixture, handed to the workers first (each file runs on one
 # worker, in this order, the rest after them in collection order): the run's end to end, which builds its own,
-# then the shared exports (``exported``) and training, which many later files read.
+# then the shared exports (``exported``), training and the detector's run (``detector_run``), which later files read.
 FIRST = (
     "tests/e2e/test_run.py",
     "tests/export/test_export.py",
     "tests/train/test_train.py",
     "tests/export/test_detect_export.py",
-    "tests/e2e/test_run_detect.py",
 )
+# Files that only read what a file in FIRST builds, handed out last: a worker that took one early would wait idle
+LAST = ("tests/e2e/test_run_detect.py",)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files in FIRST first; the zoo only when asked for by name (-m zoo): it takes about an hour."""
-    rank = {f: i for i, f in enumerate(FIRST)}
+    """The files in FIRST first, those in LAST last; the zoo only when asked for by name (-m zoo): it takes about
+    an hour."""
+    rank = {f: i for i, f in enumerate(FIRST)} | {f: len(FIRST) + 1 + i for i, f in enumerate(LAST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(FIRST)))
     if "zoo" in (config.getoption("markexpr") or ""):
         return

@@ -183,7 +183,7 @@ def levels(bench):
     return json.loads((bench / "results.json").read_text())["served"]["models"]["tiny_fcos_torchscript"]["rows"]
 
 
-BENCH = ["--skip-in-process", "--concurrency", "16", "--requests", "64", "--window-s", "0.2", "--max-windows", "3",
+BENCH = ["--skip-in-process", "--concurrency", "16", "--requests", "32", "--window-s", "0.2", "--max-windows", "3",
          "--load-generator", "python", "--no-cross-check", "--no-noop", "--no-raw-entry", "--no-plots",
          "--no-progress"]  # fmt: skip
 
