@@ -73,3 +73,22 @@ def test_tf32_is_refused_where_it_means_nothing():
 
     with pytest.raises(ConfigError, match="--tf32 applies to float32 on CUDA"):
         build(ExportConfig, {"checkpoint": "x", "tf32": True, "device": "cpu"})
+
+
+def test_a_torchscript_file_computes_ieee_float32_on_a_gpu_whatever_tf32_was_at_export(tmp_path):
+    """Tracing records cuDNN's TF32 switch as the last argument of each aten::_convolution. Exported under
+    torch's default (TF32 allowed), the file would compute in TF32 on any GPU, past the strict float32 bound
+    it is verified against, whatever the serving process sets."""
+    from export import exporters
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1)).eval()
+    before = runtime.set_tf32(True)  # torch's default on CUDA, set on any machine
+    try:
+        exporters.torchscript(model, (torch.rand(2, 3, 8, 8),), tmp_path / "model.pt")
+        assert tf32_settings() == (True, True), "the exporter must put back the settings it found"
+    finally:
+        runtime.restore_tf32(before)
+    graph = torch.jit.load(str(tmp_path / "model.pt")).graph
+    convs = [n for n in graph.nodes() if n.kind() == "aten::_convolution"]
+    assert len(convs) == 2
+    assert [list(n.inputs())[-1].toIValue() for n in convs] == [False, False]
