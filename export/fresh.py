@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,6 +80,17 @@ def exit_text(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited {code}"
+
+
+def crash_site(output: str) -> str:
+    """Where a child that crashed in native code was, from the Python stack faulthandler wrote to its log (the
+    runner enables it): "in _load_aoti (.../_package.py:1045)", the innermost frame; "" where none was written."""
+    for line in output.splitlines():
+        m = re.match(r'\s+File "(.+)", line (\d+) in (\S+)', line)
+        if m:  # faulthandler lists the most recent call first
+            path, lineno, func = m.groups()
+            return f"in {func} ({'/'.join(Path(path).parts[-2:])}:{lineno})"
+    return ""
 
 
 def _take(key: tuple) -> _Host | None:

@@ -9,6 +9,7 @@ without a request."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import select
@@ -24,6 +25,7 @@ from torchship.procfs import own_peak_rss_bytes
 
 
 def main(spec_path: str) -> int:
+    faulthandler.enable()  # a crash in native code leaves its Python stack in the log (fresh.crash_site)
     spec = json.loads(Path(spec_path).read_text())
     from torchship import runtime
 

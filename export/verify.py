@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from export.fresh import HostError, exit_text, run_fresh
+from export.fresh import HostError, crash_site, exit_text, run_fresh
 from torchship import detection_parity, parity
 from torchship.device import usable_cpus
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ParityError
@@ -60,14 +60,22 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
         if Path(spec["result"]).exists()
         else {
             "ok": False,
-            "error": (f"runner {exit_text(code)}: " if code is not None else "")
-            + (output.strip().splitlines()[-1] if output.strip() else ""),
+            "error": _runner_failure(code, output),
         }
     )
     res["seconds"] = time.perf_counter() - t0
     if res.get("ok"):
         res["outputs"] = dict(np.load(spec["out"]))
     return res
+
+
+def _runner_failure(code: int | None, output: str) -> str:
+    """Why a runner wrote no result: how it ended and, for a crash, the Python frame it crashed in, else its
+    last line of output."""
+    site = crash_site(output) if code is not None and code < 0 else ""
+    last = output.strip().splitlines()[-1] if output.strip() else ""
+    head = f"runner {exit_text(code)}" if code is not None else ""
+    return " ".join(p for p in (head, site) if p) if site else ": ".join(p for p in (head, last) if p)
 
 
 def verify_export(

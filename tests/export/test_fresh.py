@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from export import fresh
-from export.verify import verify_export
+from export.verify import _runner_failure, verify_export
 from torchship.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +63,20 @@ def test_the_host_runs_each_request_in_a_child_names_a_kill_and_exits_when_idle(
         os.kill(child[0], signal.SIGKILL)
         code = int(host.stdout.readline())
         assert code == -signal.SIGKILL and fresh.exit_text(code).startswith("was killed by SIGKILL")
+
+        crashed = tmp_path / "crashed.json"  # a crash in native code: its Python frame is named
+        os.mkfifo(crashed)
+        host.stdin.write(json.dumps({"spec": str(crashed), "env": dict(os.environ)}) + "\n")
+        host.stdin.flush()
+        while not (child := [c for c in children_of(host.pid) if writes_to(c, f"{crashed}.log")]):
+            assert time.monotonic() < deadline and host.poll() is None
+            time.sleep(0.05)
+        os.kill(child[0], signal.SIGSEGV)
+        assert int(host.stdout.readline()) == -signal.SIGSEGV
+        log = Path(f"{crashed}.log").read_text()
+        site = fresh.crash_site(log)  # blocked opening its spec: the innermost frame is pathlib's open
+        assert "export/runner.py" in log and re.fullmatch(r"in open \(\S*pathlib\S*\.py:\d+\)", site), log
+        assert _runner_failure(-signal.SIGSEGV, log) == f"runner {fresh.exit_text(-signal.SIGSEGV)} {site}"
 
         missing = tmp_path / "missing.json"
         host.stdin.write(json.dumps({"spec": str(missing), "env": dict(os.environ)}) + "\n")
