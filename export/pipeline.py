@@ -108,9 +108,8 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             derive=parity.derive if src.detection is None else partial(detection_parity.derive, k=src.detection["k"]),
         )
         # a detector's count is the same for every picture when each fills its K: not a blind check
-        _check_degenerate(
-            [o for o in ref.degenerate if src.detection is None or o == "boxes"], cfg.allow_degenerate, log
-        )
+        ref.degenerate = [o for o in ref.degenerate if src.detection is None or o == "boxes"]
+        _check_degenerate(ref.degenerate, cfg.allow_degenerate, log)
         tolerances = (
             ref.tolerances
             if cfg.atol is None and cfg.rtol is None

@@ -21,12 +21,13 @@ from .parity import EPS, FLOOR_EPS, MULTIPLE
 OUTPUTS = ("boxes", "scores", "labels", "count")
 PASS_RULE = (
     "Detections, not elements: each of the artifact's detections is paired with the reference's of its label that "
-    "it overlaps most (IoU above 0.5); a pair's box coordinates and score must lie within their bounds, every "
-    "detection left unpaired must sit within the score bound of the threshold or of the K-th score, or in an NMS "
-    "tie (each such exception is named below), and on the real samples the artifact's mAP against the reference's "
-    "detections must reach the minimum."
+    "it overlaps most (IoU above 0.5, each box taken as at least one pixel wide and high); a pair's box coordinates "
+    "and score must lie within their bounds, every detection left unpaired must sit within the score bound of the "
+    "threshold or of the K-th score, or in an NMS tie (each such exception is named below), and on the real samples "
+    "the artifact's mAP against the reference's detections must reach the minimum."
 )
 MATCH_IOU = 0.5  # a detection is paired with the reference's of its label that it overlaps most, above this
+MIN_SIDE = 1.0  # pixels: for pairing and mAP a box is at least this wide and high (one clipped to an edge has none)
 MIN_MAP = 0.99  # the artifact's mAP against the reference's detections, on the real samples
 
 
@@ -38,13 +39,25 @@ def pictures(outs: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, 
     return out
 
 
+def solid(boxes: np.ndarray) -> np.ndarray:
+    """``boxes`` [n, 4] xyxy with each side shorter than MIN_SIDE widened to it about its centre: a box of no
+    width or height (clipped to the picture's edge, or an untrained model's) overlaps nothing, not even its own
+    copy, so without this two runs that agree on it could never be paired."""
+    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4).copy()
+    centre, half = (b[:, :2] + b[:, 2:]) / 2, np.maximum(b[:, 2:] - b[:, :2], MIN_SIDE) / 2
+    short = b[:, 2:] - b[:, :2] < MIN_SIDE
+    b[:, :2] = np.where(short, centre - half, b[:, :2])
+    b[:, 2:] = np.where(short, centre + half, b[:, 2:])
+    return b
+
+
 def match(ref, got) -> list[tuple[int, int]]:
     """(reference index, artifact index) pairs: each reference detection, highest score first, with the unpaired
-    artifact detection of its label that overlaps it most (IoU above MATCH_IOU)."""
+    artifact detection of its label that overlaps it most (IoU of their solid boxes above MATCH_IOU)."""
     (rb, _, rl), (gb, _, gl) = ref, got
     if not len(rb) or not len(gb):
         return []
-    overlap = iou(rb, gb)
+    overlap = iou(solid(rb), solid(gb))
     pairs, used = [], set()
     for i in range(len(rb)):
         best, j_best = MATCH_IOU, None
@@ -107,8 +120,8 @@ def exception(d: int, mine, other, tol: dict[str, Any], det: dict[str, Any]) -> 
             return f"score {s:.4f} within {score_tol:.2g} of the K-th score {float(sc[-1]):.4f}"
     if det.get("iou_thresh") is None:  # a wrapper of the user's that did not say its NMS threshold
         return None
-    side = float(np.min(boxes[d, 2:] - boxes[d, :2]))
-    reach = 4 * box_tol / max(side, 1e-6) + 1e-6  # how far a box error within the bound moves an IoU
+    side = max(float(np.min(boxes[d, 2:] - boxes[d, :2])), MIN_SIDE)
+    reach = 4 * box_tol / side + 1e-6  # how far a box error within the bound moves an IoU (NMS's own, of the boxes)
     others = np.arange(len(scores)) != d
     for b, sc, lab in ((boxes[others], scores[others], labels[others]), other):
         same = np.flatnonzero(lab == labels[d])
@@ -179,7 +192,7 @@ def mean_ap(refs, gots) -> float:
     metric = map_metric()
 
     def t(b, s, lab):
-        b, s, lab = (torch.tensor(np.array(v)) for v in (b, s, lab))
+        b, s, lab = (torch.tensor(np.array(v)) for v in (solid(b), s, lab))
         return {"boxes": b.float().reshape(-1, 4), "scores": s.float(), "labels": lab.long()}
 
     metric.update([t(*g) for g in gots], [t(*r) for r in refs])
