@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from torchship.device import torch_threads
-from torchship.runtime import BUCKET_PREFIX, restore_tf32, set_tf32
+from torchship.runtime import BUCKET_PREFIX, tf32_allowed
 from torchship.signature import BATCH, Signature
 
 
@@ -55,14 +55,10 @@ def torchscript(model: torch.nn.Module, ex: tuple, path: Path) -> dict[str, Any]
     """A traced convolution records cuDNN's TF32 switch as a constant of the graph (the last argument of
     aten::_convolution), and torch allows TF32 by default: traced so, the file would compute in TF32 on any
     GPU whatever the loading process sets. Traced with TF32 off, it computes IEEE float32 as verified."""
-    previous = set_tf32(False)
-    try:
-        with quiet(), torch.no_grad():
-            traced = torch.jit.trace(model, ex, check_trace=False)
-            frozen = torch.jit.freeze(traced.eval())
-            frozen.save(str(path))
-    finally:
-        restore_tf32(previous)
+    with tf32_allowed(False), quiet(), torch.no_grad():
+        traced = torch.jit.trace(model, ex, check_trace=False)
+        frozen = torch.jit.freeze(traced.eval())
+        frozen.save(str(path))
     return {}
 
 

@@ -43,12 +43,12 @@ def solid(boxes: np.ndarray) -> np.ndarray:
     """``boxes`` [n, 4] xyxy with each side shorter than MIN_SIDE widened to it about its centre: a box of no
     width or height (clipped to the picture's edge, or an untrained model's) overlaps nothing, not even its own
     copy, so without this two runs that agree on it could never be paired."""
-    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4).copy()
-    centre, half = (b[:, :2] + b[:, 2:]) / 2, np.maximum(b[:, 2:] - b[:, :2], MIN_SIDE) / 2
-    short = b[:, 2:] - b[:, :2] < MIN_SIDE
-    b[:, :2] = np.where(short, centre - half, b[:, :2])
-    b[:, 2:] = np.where(short, centre + half, b[:, 2:])
-    return b
+    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    centre, side = (b[:, :2] + b[:, 2:]) / 2, b[:, 2:] - b[:, :2]
+    short = side < MIN_SIDE
+    return np.concatenate(
+        [np.where(short, centre - MIN_SIDE / 2, b[:, :2]), np.where(short, centre + MIN_SIDE / 2, b[:, 2:])], axis=1
+    )
 
 
 def match(ref, got) -> list[tuple[int, int]]:

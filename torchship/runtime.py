@@ -76,17 +76,21 @@ def restore_tf32(previous: tuple[bool, bool]) -> None:
 
 
 @contextlib.contextmanager
-def fp32_precision(device: str, tf32: bool = False):
-    """On CUDA: float32 computed as IEEE float32 (``tf32`` False) or with TF32 allowed, inside the block; the
-    settings before it are restored after. Elsewhere: nothing (CPUs have no TF32)."""
-    if not device.startswith("cuda"):
-        yield
-        return
-    previous = set_tf32(tf32)
+def tf32_allowed(allowed: bool):
+    """set_tf32 for the block, on any machine, and what it replaced put back after."""
+    previous = set_tf32(allowed)
     try:
         yield
     finally:
         restore_tf32(previous)
+
+
+@contextlib.contextmanager
+def fp32_precision(device: str, tf32: bool = False):
+    """On CUDA: float32 computed as IEEE float32 (``tf32`` False) or with TF32 allowed, inside the block; the
+    settings before it are restored after. Elsewhere: nothing (CPUs have no TF32)."""
+    with tf32_allowed(tf32) if device.startswith("cuda") else contextlib.nullcontext():
+        yield
 
 
 def torch_fn(module, device: str, threads: int = 0):
