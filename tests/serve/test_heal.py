@@ -89,8 +89,9 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
     assert recovered < 10, (errors[:2], errors[-2:], killed, settled)
     assert status["heals"] == 1 and status["events"][0]["model"] == MODEL
     # failures only in the window: requests in flight at the kill (sent up to a second before: the stub's health
-    # check waits 1 s) until the model serves again
-    assert failed and all(killed - 1.0 <= t <= killed + recovered for t in failed)
+    # check waits 1 s) until the model serves again. There may be none: where the heal took 0.1 s, the requests in
+    # flight at the kill waited about a second and were answered
+    assert all(killed - 1.0 <= t <= killed + recovered for t in failed)
     assert down and all(killed <= t <= killed + recovered + 0.5 for t in down)  # not ready while down, only then
     assert all(ok for t, ok in log if t > killed + recovered + 0.5)
     err = capfd.readouterr().err
