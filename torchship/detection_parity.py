@@ -77,13 +77,6 @@ def pair_errors(ref, got, pairs) -> tuple[float, float]:
     return box, score
 
 
-def map_metric():
-    """The COCO mAP every detection figure in torchship is computed with (torchmetrics, pycocotools), xyxy boxes."""
-    from torchmetrics.detection import MeanAveragePrecision
-
-    return MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools")
-
-
 def derive(reference, eager, dtype: str, fp64: bool, why: str = "", k: int = 100) -> dict[str, Any]:
     """The tolerances of a detector's export (parity.derive's counterpart): the boxes' and the scores' bounds
     from eager float32's error against the reference on the detections the two share."""
@@ -186,17 +179,10 @@ def check_set(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol, det,
 
 
 def mean_ap(refs, gots) -> float:
-    """COCO mAP (IoU 0.5 to 0.95) of ``gots`` against ``refs`` taken as the truth, by torchmetrics."""
-    import torch
+    """COCO mAP (IoU 0.5 to 0.95) of ``gots`` against ``refs`` taken as the truth (torchship.coco)."""
+    from .coco import coco_map
 
-    metric = map_metric()
-
-    def t(b, s, lab):
-        b, s, lab = (torch.tensor(np.array(v)) for v in (solid(b), s, lab))
-        return {"boxes": b.float().reshape(-1, 4), "scores": s.float(), "labels": lab.long()}
-
-    metric.update([t(*g) for g in gots], [t(*r) for r in refs])
-    got = float(metric.compute()["map"])
+    got = coco_map([(solid(b), lab) for b, _, lab in refs], [(solid(b), s, lab) for b, s, lab in gots])["map"]
     return 1.0 if got < 0 and not any(len(r[0]) for r in refs) else got  # -1: no detection to find at all
 
 

@@ -1,6 +1,6 @@
 """Training a detector: ``train_detector(cfg)``, alone or as one torchrun rank. Pictures are letterboxed to
 --image-size squares (torchship.boxes), the model's own losses are summed, and every epoch ends with the mAP of
-the detector's deployable form (torchship.detectors.TopK) on the validation pictures, computed by torchmetrics
+the detector's deployable form (torchship.detectors.TopK) on the validation pictures, computed by pycocotools
 over all ranks. Checkpoints have the classification run's layout, with the detection meta export needs."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from torchship.boxes import letterbox, letterbox_meta
-from torchship.detection_parity import map_metric
+from torchship.coco import coco_map
 from torchship.detectors import OwnPostprocessing, TopK, build_detector, detections, has_topk
 from torchship.device import resolve_amp
 from torchship.errors import ConfigError, DataError
@@ -94,16 +94,19 @@ def load_pictures(cfg: TrainConfig, size: int) -> tuple[DetectionSet, Pictures, 
 def evaluate(deployable: nn.Module, val: Pictures, d: Dist, per_rank: int, device: str, autocast) -> dict:
     """mAP, mAP@50 and mAR@100 of ``deployable`` (a TopK, or OwnPostprocessing) on the validation pictures, over
     all ranks."""
-    metric = map_metric()
+    truths, found = [], []
     deployable.eval()
     for idx in rank_batches(len(val), d, per_rank, 0, 0, shuffle=False):
         with autocast():
             out = deployable(val.images[idx].to(device))
-        preds = [{k: v.float() if v.is_floating_point() else v for k, v in p.items()} for p in detections(out)]
-        metric.update(preds, val.targets(idx, device))
+        found += [tuple(p[k].float().cpu().numpy() for k in ("boxes", "scores", "labels")) for p in detections(out)]
+        truths += [(val.boxes[i].numpy(), val.labels[i].numpy()) for i in idx]
     deployable.train()
-    got = metric.compute()
-    return {"map": float(got["map"]), "map50": float(got["map_50"]), "mar100": float(got["mar_100"])}
+    if d.world > 1:  # each rank scored its share: every rank computes the mAP of all of them
+        shares = [None] * d.world
+        torch.distributed.all_gather_object(shares, (truths, found))
+        truths, found = [t for s in shares for t in s[0]], [f for s in shares for f in s[1]]
+    return coco_map(truths, found)
 
 
 def _heldout(val: Pictures, data: DetectionSet) -> dict[str, np.ndarray]:
