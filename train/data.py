@@ -89,14 +89,14 @@ def digits_inputs(images: np.ndarray, image_size: int) -> torch.Tensor:
 
 def load_digits(image_size: int, val_fraction: float, seed: int) -> DataSplit:
     """scikit-learn's 1,797 handwritten digits (8x8, 17 grey levels), upsampled and made RGB."""
-    from sklearn.datasets import load_digits as sk_digits
+    from .bundled import digits
 
-    bunch = sk_digits()
-    x = digits_inputs(bunch.images, image_size)
-    y = torch.from_numpy(bunch.target.astype(np.int64))
+    images, target = digits()
+    x = digits_inputs(images, image_size)
+    y = torch.from_numpy(target)
     tr, va = _stratified_split(y.numpy(), val_fraction, seed)
     split = _tensor_split(x, y, [str(c) for c in range(10)], val_fraction, seed, "digits", "pixel / 16", (tr, va))
-    split.raw = lambda: _digit_files(bunch.images[va[:RAW_COUNT]], bunch.target[va[:RAW_COUNT]], image_size)
+    split.raw = lambda: _digit_files(images[va[:RAW_COUNT]], target[va[:RAW_COUNT]], image_size)
     return split
 
 

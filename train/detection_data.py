@@ -74,21 +74,21 @@ def builtin_detection(n: int, size: int = 128, seed: int = 0, per_image: int = 3
     each from 3/4 to 3/2 of ``size`` (so that the letterbox scales most of them, as it does a user's photos), with
     1 to ``per_image`` of its handwritten digits drawn on (compose), their sides from 20 to 48 pixels once
     letterboxed into ``size``. The same ``seed`` gives the same set."""
-    from sklearn.datasets import load_digits, load_sample_images
+    from .bundled import digits, sample_photos
 
     rng = np.random.default_rng(seed)
-    digits = load_digits()
-    photos = [im.astype(np.float32) / 255 for im in load_sample_images().images]
+    images, target = digits()
+    photos = [im.astype(np.float32) / 255 for im in sample_photos()]
     out = DetectionSet([], [], [], DIGIT_CLASSES, f"built-in: scikit-learn's digits on its sample photos ({n})")
     for _ in range(n):
         photo = photos[rng.integers(len(photos))]
         h, w = (int(v) for v in rng.integers(3 * size // 4, 3 * size // 2 + 1, size=2))
         y, x = int(rng.integers(photo.shape[0] - h + 1)), int(rng.integers(photo.shape[1] - w + 1))
-        picks = rng.integers(len(digits.images), size=int(rng.integers(1, per_image + 1)))
+        picks = rng.integers(len(images), size=int(rng.integers(1, per_image + 1)))
         f = max(w, h) / size  # the picture's pixels per letterboxed pixel
         img, boxes, labels = compose(
             photo[y : y + h, x : x + w],
-            [(digits.images[k], int(digits.target[k])) for k in picks],
+            [(images[k], int(target[k])) for k in picks],
             rng,
             (round(20 * f), round(48 * f)),
         )
