@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from sklearn.datasets import load_digits
 
 from serve.client import TritonClient
 from serve.config import RepoConfig, ServeConfig
@@ -21,10 +20,11 @@ from tests.conftest import run_cli
 from torchship.errors import ClientError, ConfigError
 from torchship.imageio import decode_image, image_array
 from torchship.runtime import PROVENANCE, sha256_file
+from train.bundled import digits, sample_photos
 from train.data import _resize
 
 ENTRY, PRE = entry_names("tiny_cnn")
-DIGITS = load_digits().images[:12]  # the raw 8x8 digits, values 0..16, as training read them
+DIGITS = digits()[0][:12]  # the raw 8x8 digits, values 0..16, as training read them
 
 
 def png(a: np.ndarray, mode: str = "L") -> bytes:
@@ -267,10 +267,8 @@ PHOTO_KINDS = (
 def photo_folder(root, per_class: int = 20, seed: int = 0):
     """An ImageFolder of two classes, crops of scikit-learn's two photos at random places and sizes, saved as
     users keep photos: JPEG, PNG, WebP, grayscale and RGBA files in turn."""
-    from sklearn.datasets import load_sample_images
-
     g = np.random.default_rng(seed)
-    for c, photo in zip(("temple", "flower"), load_sample_images().images):
+    for c, photo in zip(("temple", "flower"), sample_photos()):
         (root / c).mkdir(parents=True)
         h, w = photo.shape[:2]
         for k in range(per_class):
