@@ -99,7 +99,9 @@ def evaluate(deployable: nn.Module, val: Pictures, d: Dist, per_rank: int, devic
     for idx in rank_batches(len(val), d, per_rank, 0, 0, shuffle=False):
         with autocast():
             out = deployable(val.images[idx].to(device))
-        found += [tuple(p[k].float().cpu().numpy() for k in ("boxes", "scores", "labels")) for p in detections(out)]
+        for p in detections(out):
+            boxes, scores, labels = (p[k].cpu() for k in ("boxes", "scores", "labels"))
+            found.append((boxes.float().numpy(), scores.float().numpy(), labels.numpy()))
         truths += [(val.boxes[i].numpy(), val.labels[i].numpy()) for i in idx]
     deployable.train()
     if d.world > 1:  # each rank scored its share: every rank computes the mAP of all of them
