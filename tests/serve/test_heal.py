@@ -17,6 +17,10 @@ from serve.embedded.process import stub_processes
 from serve.model_config import read_config
 
 MODEL = "tiny_cnn_onnx"
+# A stub killed while it holds its shared memory's lock takes Triton 2.51's python backend down with it: the next
+# execute throws this and the server aborts (SIGABRT), a fault of the backend no healer can reach (open upstream as
+# triton-inference-server/server#8882; here about one kill in ten). That outcome is reported as an expected failure.
+UPSTREAM_ABORT = "boost::interprocess::lock_exception"
 
 
 @pytest.mark.slow
@@ -73,6 +77,8 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
         stop.set()
         for t in threads:
             t.join()
+        if s.proc.poll() is not None and UPSTREAM_ABORT in s.log_path.read_text(errors="replace"):
+            pytest.xfail(f"Triton aborted on {UPSTREAM_ABORT} after the kill (server log: {s.log_path})")
         status = json.loads(s.healer.heals_file.read_text())
     log = [(t, ok) for t, ok in log if t > settled]  # from the kill's side of the reload on
     ready = [(t, r) for t, r in ready if t > settled]
