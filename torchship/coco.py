@@ -18,18 +18,19 @@ Truth = tuple[np.ndarray, np.ndarray]  # boxes [N, 4] xyxy, labels [N]
 Found = tuple[np.ndarray, np.ndarray, np.ndarray]  # boxes [N, 4] xyxy, scores [N], labels [N]
 
 
-def _dataset(pictures, labels_of, scores_of=None) -> dict:
-    """A COCO dataset dict of ``pictures``: one image each (its index as id), one annotation a box (ids from 1:
-    COCOeval takes id 0 for "unmatched"), xywh with the box's own area."""
+def _dataset(pictures) -> dict:
+    """A COCO dataset dict of ``pictures``, each (boxes, labels, scores or None): one image a picture (its index
+    as id), one annotation a box (ids from 1: COCOeval takes id 0 for "unmatched"), xywh with the box's own area."""
     annotations = []
-    for image, picture in enumerate(pictures):
-        boxes = np.asarray(picture[0], np.float64).reshape(-1, 4)
-        for k, (x0, y0, x1, y1) in enumerate(boxes.tolist()):
+    for image, (boxes, labels, scores) in enumerate(pictures):
+        labels = np.asarray(labels).reshape(-1)
+        scores = None if scores is None else np.asarray(scores, np.float64).reshape(-1)
+        for k, (x0, y0, x1, y1) in enumerate(np.asarray(boxes, np.float64).reshape(-1, 4).tolist()):
             w, h = x1 - x0, y1 - y0
             a = {"id": len(annotations) + 1, "image_id": image, "bbox": [x0, y0, w, h], "area": w * h, "iscrowd": 0}
-            a["category_id"] = int(labels_of(picture)[k])
-            if scores_of is not None:
-                a["score"] = float(scores_of(picture)[k])
+            a["category_id"] = int(labels[k])
+            if scores is not None:
+                a["score"] = float(scores[k])
             annotations.append(a)
     return {"info": {}, "images": [{"id": i} for i in range(len(pictures))], "annotations": annotations}
 
@@ -43,8 +44,8 @@ def coco_map(truths: Sequence[Truth], found: Sequence[Found]) -> dict[str, float
 
     if len(truths) != len(found):
         raise ValueError(f"{len(found)} pictures' detections against {len(truths)} pictures' truth")
-    gt = _dataset(truths, lambda t: np.asarray(t[1]).reshape(-1))
-    dt = _dataset(found, lambda f: np.asarray(f[2]).reshape(-1), lambda f: np.asarray(f[1]).reshape(-1))
+    gt = _dataset([(boxes, labels, None) for boxes, labels in truths])
+    dt = _dataset([(boxes, labels, scores) for boxes, scores, labels in found])
     classes = sorted({a["category_id"] for a in gt["annotations"] + dt["annotations"]})
     gt["categories"] = dt["categories"] = [{"id": c, "name": str(c)} for c in classes]
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools reports each step on stdout

@@ -82,12 +82,9 @@ def test_a_torchscript_file_computes_ieee_float32_on_a_gpu_whatever_tf32_was_at_
     from export import exporters
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1)).eval()
-    before = runtime.set_tf32(True)  # torch's default on CUDA, set on any machine
-    try:
+    with runtime.tf32_allowed(True):  # torch's default on CUDA, set on any machine
         exporters.torchscript(model, (torch.rand(2, 3, 8, 8),), tmp_path / "model.pt")
         assert tf32_settings() == (True, True), "the exporter must put back the settings it found"
-    finally:
-        runtime.restore_tf32(before)
     graph = torch.jit.load(str(tmp_path / "model.pt")).graph
     convs = [n for n in graph.nodes() if n.kind() == "aten::_convolution"]
     assert len(convs) == 2

@@ -19,7 +19,7 @@ from serve.model_config import read_config
 MODEL = "tiny_cnn_onnx"
 # A stub killed while it holds its shared memory's lock takes Triton 2.51's python backend down with it: the next
 # execute throws this and the server aborts (SIGABRT), a fault of the backend no healer can reach (open upstream as
-# triton-inference-server/server#8882; here about one kill in ten). That outcome is reported as an expected failure.
+# triton-inference-server/server#8882). That outcome is reported as an expected failure.
 UPSTREAM_ABORT = "boost::interprocess::lock_exception"
 
 
@@ -95,8 +95,8 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
     assert recovered < 10, (errors[:2], errors[-2:], killed, settled)
     assert status["heals"] == 1 and status["events"][0]["model"] == MODEL
     # failures only in the window: requests in flight at the kill (sent up to a second before: the stub's health
-    # check waits 1 s) until the model serves again. There may be none: where the heal took 0.1 s, the requests in
-    # flight at the kill waited about a second and were answered
+    # check waits 1 s) until the model serves again. There may be none: requests in flight at the kill can wait out
+    # that second and be answered after a quick heal
     assert all(killed - 1.0 <= t <= killed + recovered for t in failed)
     assert down and all(killed <= t <= killed + recovered + 0.5 for t in down)  # not ready while down, only then
     assert all(ok for t, ok in log if t > killed + recovered + 0.5)
