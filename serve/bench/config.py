@@ -37,7 +37,11 @@ class BenchConfig:
     url: Optional[str] = opt(
         None, "benchmark an already-running Triton at HOST:PORT instead of starting the embedded one"
     )
-    repo: Optional[str] = opt(None, "repository for the embedded server (default: built from the export into OUT/repo)")
+    repo: Optional[str] = opt(
+        None,
+        "repository for the embedded server, which loads from it only the models it times "
+        "(default: built from the export into OUT/repo)",
+    )
     out: str = opt("runs/bench", "directory for results.json, report.md and the plots")
     variants: tuple[str, ...] = opt(
         (), "in-process variants, of " + ", ".join(IN_PROCESS) + " (default: eager and every format the export has)"

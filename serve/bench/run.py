@@ -100,7 +100,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
             own = server is None and not cfg.url
             try:
                 if own:
-                    server = served.start_own_server(cfg, export, out)
+                    server = served.start_own_server(cfg, export, out, plan)
                 url = server.url if server is not None else cfg.url
                 log(f"served: {url}")
                 if cfg.soak:

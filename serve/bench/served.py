@@ -41,9 +41,10 @@ def bench_server(serve_cfg, manifest: dict, out: Path):
     return TritonServer(serve_cfg, extra_repos=[noop_repo(out, manifest)])
 
 
-def start_own_server(cfg: BenchConfig, export, out: Path):
+def start_own_server(cfg: BenchConfig, export, out: Path, plan: ServedPlan):
     """The bench's own embedded server: on --repo, else on a repository built from ``export`` (an Export) into
-    OUT/repo."""
+    OUT/repo, with the models ``plan`` times loaded (the raw entry's steps with it), not the repository's others:
+    each would start a backend process of its own."""
     from ..config import RepoConfig
     from ..repository import build_repository
 
@@ -59,10 +60,9 @@ def start_own_server(cfg: BenchConfig, export, out: Path):
                 text_entry=None if cfg.raw_entry else False,
             ),
         )
-    server = bench_server(
-        dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log")), export.manifest, out
-    )
-    return server.start()
+    models = cfg.serve.models or (*plan.models, *([plan.entry] if plan.entry else []))
+    serve_cfg = dataclasses.replace(cfg.serve, repo=str(repo), log=str(out / "tritonserver.log"), models=models)
+    return bench_server(serve_cfg, export.manifest, out).start()
 
 
 def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:

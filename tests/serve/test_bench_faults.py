@@ -154,12 +154,14 @@ def test_bench_passes_triton_arguments_to_its_server(exported, tmp_path, capsys)
 @pytest.mark.slow
 def test_a_server_stop_note_reaches_the_bench_log_results_and_report(exported, tmp_path, monkeypatch):
     """When the bench's own server had to be killed (a model that would not unload), the bench says so
-    rather than ending as if the server stopped cleanly."""
+    rather than ending as if the server stopped cleanly. That server loaded the one model timed (and the no-op
+    model the bench times beside it), not the repository's others: each a backend process more."""
     from serve.embedded import TritonServer
 
-    real_stop = TritonServer.stop
+    real_stop, loaded = TritonServer.stop, []
 
     def stop_with_note(self):
+        loaded.append(list(self.loaded))
         code = real_stop(self)
         self.stop_note = "tiny_cnn_onnx still loaded (planted)"
         return code
@@ -180,6 +182,7 @@ def test_a_server_stop_note_reaches_the_bench_log_results_and_report(exported, t
     )
     lines = []
     results = run_bench(cfg, log=lines.append)
+    assert [sorted(names) for names in loaded] == [["_torchship_noop", "tiny_cnn_onnx"]]
     assert results["server_stop_note"] == "tiny_cnn_onnx still loaded (planted)"
     assert "note: tiny_cnn_onnx still loaded (planted)" in lines
     assert "killed at the end: tiny_cnn_onnx still loaded" in (tmp_path / "report.md").read_text()
