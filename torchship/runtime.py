@@ -281,17 +281,61 @@ def load_aoti(path: str):
 
 
 def load_buckets(path: str, device: str = "cpu") -> dict:
-    """batch size -> the loaded static-batch model of an aoti_buckets archive, all sharing one copy of the
-    weights. torch's public loader (aoti_load_package) loads one model and not weights stored apart from
-    its code, so this uses the loader underneath it; the export tests run it on every aoti_buckets export."""
-    from torch.export.pt2_archive._package import load_pt2
+    """batch size -> the loaded static-batch model of an aoti_buckets archive (a function of its input tensors
+    returning its output tensors), all sharing one copy of the weights where the archive stores them apart from
+    the code. torch's public loader (aoti_load_package) loads one model and not weights stored apart; the loader
+    underneath it (load_pt2) imports torch's export serializer and dynamo with it, 1.3 s of CPU and 150 MB in each
+    process that loads an archive (each served instance's). So this reads the archive itself and hands each model
+    to the C++ loader (as load_aoti does); a torch without that loader's signature gets load_pt2. The export tests
+    run it on every aoti_buckets export, with weights shared and prepacked."""
+    import torch
 
     index = int(device.split(":")[1]) if device.startswith("cuda:") else -1
-    runners = load_pt2(path, load_weights_from_disk=True, device_index=index).aoti_runners
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader
+        runners = {}
+        for name, constants in _bucket_parts(path).items():
+            model = loader(path, name, False, 1, index)
+            if constants:  # user_managed: the loader keeps pointers to these tensors, which the closure keeps alive
+                model.load_constants(constants, False, True, True)
+            runners[name] = lambda *xs, run=model.boxed_run, keep=constants: run(list(xs))
+    except (AttributeError, TypeError):
+        from torch.export.pt2_archive._package import load_pt2
+
+        runners = load_pt2(path, load_weights_from_disk=True, device_index=index).aoti_runners
     return {
         int(n[len(BUCKET_PREFIX) :]): r
         for n, r in runners.items()
         if n.startswith(BUCKET_PREFIX) and n[len(BUCKET_PREFIX) :].isdigit()
+    }
+
+
+def _bucket_parts(path: str) -> dict:
+    """The models of a .pt2 archive (a zip under one top folder), each with the constants it reads from the
+    archive's shared weights ({} where its library holds them): name -> {constant: tensor}, the tensors views
+    of one loaded copy, as load_pt2 builds them."""
+    import io
+    import zipfile
+
+    import torch
+
+    with zipfile.ZipFile(path) as z:
+        files = z.namelist()
+        top = files[0].split("/")[0] + "/"
+        aoti, weights_dir = top + "data/aotinductor/", top + "data/weights/"
+        models = {f[len(aoti) :].split("/")[0] for f in files if f.startswith(aoti)}
+        configs = {
+            f[len(aoti) :].split("/")[0]: json.loads(z.read(f))
+            for f in files
+            if f.startswith(aoti) and f.endswith("weights_config.json")
+        }
+        weights = {f[len(weights_dir) :]: torch.load(io.BytesIO(z.read(f))) for f in files if f.startswith(weights_dir)}
+    return {
+        m: {
+            name: weights[file].as_strided(shape, stride, offset)
+            for name, (file, shape, stride, offset) in configs.get(m, {}).items()
+        }
+        for m in sorted(models)
     }
 
 

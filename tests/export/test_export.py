@@ -182,17 +182,17 @@ print(json.dumps(seen))
 """
 
 
-# In a fresh process: an AOTInductor package loaded by torchship's runtime, whether that imported inductor, and
-# the same package where the C++ loader refuses torchship's call, as one of another signature would (the public
-# loader then).
+# In a fresh process: an AOTInductor package (sys.argv[2]: aoti, or aoti_buckets' archive) loaded by torchship's
+# runtime, whether that imported inductor or dynamo, and the same package where the C++ loader refuses
+# torchship's call, as one of another signature would (the public loader then, or load_pt2).
 LOAD_AOTI = """
 import json, sys
 import numpy as np
 import torch
 from torchship import runtime
 x = np.random.default_rng(0).random((3, 3, 32, 32), dtype=np.float32)
-direct = runtime.load("aoti", sys.argv[1], ["images"], ["logits"]).run({"images": x})["logits"]
-inductor = "torch._inductor" in sys.modules
+direct = runtime.load(sys.argv[2], sys.argv[1], ["images"], ["logits"]).run({"images": x})["logits"]
+imported = [m for m in ("torch._inductor", "torch._dynamo") if m in sys.modules]
 real = torch._C._aoti.AOTIModelPackageLoader
 def other(*args, calls=[]):  # refuses torchship's call, as another signature would; the public loader's gets through
     calls.append(args)
@@ -201,8 +201,8 @@ def other(*args, calls=[]):  # refuses torchship's call, as another signature wo
     return real(*args)
 other.load_metadata_from_package = real.load_metadata_from_package
 torch._C._aoti.AOTIModelPackageLoader = other
-public = runtime.load("aoti", sys.argv[1], ["images"], ["logits"]).run({"images": x})["logits"]
-print(json.dumps([inductor, "torch._inductor" in sys.modules, float(np.abs(direct - public).max())]))
+public = runtime.load(sys.argv[2], sys.argv[1], ["images"], ["logits"]).run({"images": x})["logits"]
+print(json.dumps([imported, "torch._inductor" in sys.modules, float(np.abs(direct - public).max())]))
 """
 
 
@@ -248,20 +248,21 @@ def test_compile_workers_that_cannot_start_fail_every_job_and_none_waits_forever
             assert "the compile workers could not start" in job.result(timeout=10)["error"]
 
 
-def test_an_aoti_package_loads_without_inductor_and_with_the_public_loader_as_fallback(exported):
+@pytest.mark.parametrize("fmt", ["aoti", "aoti_buckets"])
+def test_an_aoti_package_loads_without_inductor_and_with_the_public_loader_as_fallback(exported, fmt):
     """Every process that serves or verifies an AOTInductor package loads it: through torch's C++ loader it
     needs no import of inductor and dynamo (seconds of CPU a served instance); a torch whose loader takes
-    other arguments gets the public loader, with the same outputs."""
-    art = next(a for a in read_manifest(exported)["artifacts"] if a["format"] == "aoti")
+    other arguments gets the public loader (load_pt2 for a bucket archive), with the same outputs."""
+    art = next(a for a in read_manifest(exported)["artifacts"] if a["format"] == fmt)
     out = subprocess.run(
-        [sys.executable, "-c", LOAD_AOTI, str(exported / art["file"])],
+        [sys.executable, "-c", LOAD_AOTI, str(exported / art["file"]), fmt],
         capture_output=True,
         text=True,
         cwd=str(Path(__file__).resolve().parents[2]),
     )
     assert out.returncode == 0, out.stderr[-2000:]
     direct_imported, fallback_imported, diff = json.loads(out.stdout.strip().splitlines()[-1])
-    assert not direct_imported, "loading an AOTInductor package imported torch._inductor"
+    assert direct_imported == [], f"loading an AOTInductor package imported {direct_imported}"
     assert fallback_imported and diff == 0.0, (fallback_imported, diff)
 
 
