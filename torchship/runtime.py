@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import threading
+import zipfile
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -284,10 +286,10 @@ def load_buckets(path: str, device: str = "cpu") -> dict:
     """batch size -> the loaded static-batch model of an aoti_buckets archive (a function of its input tensors
     returning its output tensors), all sharing one copy of the weights where the archive stores them apart from
     the code. torch's public loader (aoti_load_package) loads one model and not weights stored apart; the loader
-    underneath it (load_pt2) imports torch's export serializer and dynamo with it, 1.3 s of CPU and 150 MB in each
-    process that loads an archive (each served instance's). So this reads the archive itself and hands each model
-    to the C++ loader (as load_aoti does); a torch without that loader's signature gets load_pt2. The export tests
-    run it on every aoti_buckets export, with weights shared and prepacked."""
+    underneath it (load_pt2) imports torch's export serializer and dynamo with it, more CPU and memory than the load
+    itself in each process that loads an archive (each served instance). So this reads the archive itself and hands
+    each model to the C++ loader (as load_aoti does); a torch without that loader's signature gets load_pt2. The
+    export tests run it on every aoti_buckets export, with weights shared and prepacked."""
     import torch
 
     index = int(device.split(":")[1]) if device.startswith("cuda:") else -1
@@ -314,9 +316,6 @@ def _bucket_parts(path: str) -> dict:
     """The models of a .pt2 archive (a zip under one top folder), each with the constants it reads from the
     archive's shared weights ({} where its library holds them): name -> {constant: tensor}, the tensors views
     of one loaded copy, as load_pt2 builds them."""
-    import io
-    import zipfile
-
     import torch
 
     with zipfile.ZipFile(path) as z:
