@@ -45,6 +45,8 @@ def coco_map(truths: Sequence[Truth], found: Sequence[Found]) -> dict[str, float
     if len(truths) != len(found):
         raise ValueError(f"{len(found)} pictures' detections against {len(truths)} pictures' truth")
     gt = _dataset([(boxes, labels, None) for boxes, labels in truths])
+    if not gt["annotations"]:
+        return {"map": -1.0, "map50": -1.0, "mar100": -1.0}
     dt = _dataset([(boxes, labels, scores) for boxes, scores, labels in found])
     classes = sorted({a["category_id"] for a in gt["annotations"] + dt["annotations"]})
     gt["categories"] = dt["categories"] = [{"id": c, "name": str(c)} for c in classes]
@@ -53,8 +55,6 @@ def coco_map(truths: Sequence[Truth], found: Sequence[Found]) -> dict[str, float
         coco_gt.dataset, coco_dt.dataset = gt, dt
         coco_gt.createIndex()
         coco_dt.createIndex()
-        if not gt["annotations"]:
-            return {"map": -1.0, "map50": -1.0, "mar100": -1.0}
         e = COCOeval(coco_gt, coco_dt, iouType="bbox")
         e.evaluate()
         e.accumulate()

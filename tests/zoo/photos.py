@@ -17,9 +17,10 @@ import numpy as np
 def crops(count: int = 64, size: int = 224, seed: int = 0) -> np.ndarray:
     import torch
     import torch.nn.functional as F
-    from sklearn.datasets import load_sample_images
 
-    photos = [torch.from_numpy(i).permute(2, 0, 1).float() / 255 for i in load_sample_images().images]
+    from train.bundled import sample_photos
+
+    photos = [torch.from_numpy(i).permute(2, 0, 1).float() / 255 for i in sample_photos()]
     g = np.random.default_rng(seed)
     out = np.empty((count, 3, size, size), np.float32)
     for k in range(count):
@@ -51,14 +52,16 @@ def crop_files(out, count: int = 64, seed: int = 0) -> list:
     from pathlib import Path
 
     from PIL import Image
-    from sklearn.datasets import load_sample_images
 
+    from train.bundled import sample_photos
+
+    photos = sample_photos()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     g = np.random.default_rng(seed)
     paths = []
     for k in range(count):
-        photo = load_sample_images().images[k % 2]
+        photo = photos[k % len(photos)]
         h, w = photo.shape[:2]
         side = int(g.integers(min(h, w) // 3, min(h, w) + 1))
         y, x = int(g.integers(0, h - side + 1)), int(g.integers(0, w - side + 1))
