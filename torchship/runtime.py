@@ -275,11 +275,18 @@ def load_aoti(path: str):
     import torch
 
     try:
-        loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
-        run = loader.boxed_run
+        run = _cpp_loader(path, "model").boxed_run
     except (AttributeError, TypeError):
         return torch._inductor.aoti_load_package(path)
     return lambda *xs: run(list(xs))
+
+
+def _cpp_loader(path: str, name: str, device_index: int = -1):
+    """torch's C++ loader of the model ``name`` in the .pt2 archive at ``path`` (one runner, not single-threaded),
+    the one call of its private signature here: a torch where it differs raises AttributeError or TypeError."""
+    import torch
+
+    return torch._C._aoti.AOTIModelPackageLoader(path, name, False, 1, device_index)
 
 
 def load_buckets(path: str, device: str = "cpu") -> dict:
@@ -290,14 +297,11 @@ def load_buckets(path: str, device: str = "cpu") -> dict:
     itself in each process that loads an archive (each served instance). So this reads the archive itself and hands
     each model to the C++ loader (as load_aoti does); a torch without that loader's signature gets load_pt2. The
     export tests run it on every aoti_buckets export, with weights shared and prepacked."""
-    import torch
-
     index = int(device.split(":")[1]) if device.startswith("cuda:") else -1
     try:
-        loader = torch._C._aoti.AOTIModelPackageLoader
         runners = {}
         for name, constants in _bucket_parts(path).items():
-            model = loader(path, name, False, 1, index)
+            model = _cpp_loader(path, name, index)
             if constants:  # user_managed: the loader keeps pointers to these tensors, which the closure keeps alive
                 model.load_constants(constants, False, True, True)
             runners[name] = lambda *xs, run=model.boxed_run, keep=constants: run(list(xs))
