@@ -123,7 +123,7 @@ def tf32_field(cfg, device: str) -> dict[str, Any]:
 
 
 # the fork server the CPU workers are forked from imports this module (export/preload.py) and compiles nothing
-PRELOAD = ("export.preload",)
+PRELOAD = ("torchship.export.preload",)
 
 
 def start_method(device: str) -> str:

@@ -1,5 +1,5 @@
 """Fresh processes for the verifier: each artifact runs in a process of its own. One that torch runs is
-forked by a host that has imported torch once (``python -m export.runner --host``), so that a second
+forked by a host that has imported torch once (``python -m torchship.export.runner --host``), so that a second
 artifact does not pay the import; one that ONNX Runtime runs starts its own interpreter (it needs no torch,
 and its memory figure then holds none).
 
@@ -37,7 +37,7 @@ class _Host:
     def __init__(self, env: dict[str, str]):
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "export.runner", "--host", str(IDLE_S)],
+            [sys.executable, "-m", "torchship.export.runner", "--host", str(IDLE_S)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -106,12 +106,12 @@ def _take(key: tuple) -> _Host | None:
 
 
 def run_fresh(spec_path: Path, env: dict[str, str], torch_runs_it: bool = True) -> tuple[int, str]:
-    """Run ``export.runner``'s ``main(spec_path)`` in a fresh process under ``env`` (forked from a host when
+    """Run ``torchship.export.runner``'s ``main(spec_path)`` in a fresh process under ``env`` (forked from a host when
     ``torch_runs_it``); return its exit code (negative: the signal that killed it) and its output (stdout and
     stderr together). Raises HostError if the host ends without answering."""
     if not torch_runs_it:
         proc = subprocess.run(
-            [sys.executable, "-m", "export.runner", str(spec_path)], capture_output=True, text=True, env=env
+            [sys.executable, "-m", "torchship.export.runner", str(spec_path)], capture_output=True, text=True, env=env
         )
         return proc.returncode, proc.stdout + proc.stderr
     key = (tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV))), os.getcwd())

@@ -21,9 +21,9 @@ MODULES = (
     "sympy.combinatorics",
     "sympy.physics",
     "torchao.quantization.pt2e",
-    "export.exporters",
-    "export.quantize",
-    "export.source",
+    "torchship.export.exporters",
+    "torchship.export.quantize",
+    "torchship.export.source",
 )
 QUIET = ("torch.utils.cpp_extension", "torch.utils._pytree")
 

@@ -1,7 +1,7 @@
-"""Fresh-process artifact runner: ``python -m export.runner SPEC.json`` loads one artifact the way a
+"""Fresh-process artifact runner: ``python -m torchship.export.runner SPEC.json`` loads one artifact the way a
 deployment would and writes its outputs on the reference inputs (the verifier compares them).
 
-``python -m export.runner --host IDLE_S`` imports torch once, then runs each request read from stdin (one
+``python -m torchship.export.runner --host IDLE_S`` imports torch once, then runs each request read from stdin (one
 JSON line: the spec path and the environment) in a child forked for it, and answers each with the child's
 exit code (negative: the signal that killed it). The child is a process of its own that holds nothing of
 the export; only the import is shared. The host exits at the end of its input, or after IDLE_S seconds

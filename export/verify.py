@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from export.fresh import HostError, crash_site, exit_text, run_fresh
 from torchship import detection_parity, parity
 from torchship.device import usable_cpus
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ParityError
+from torchship.export.fresh import HostError, crash_site, exit_text, run_fresh
 from torchship.io import atomic_write_text
 from torchship.manifest import (
     FAILED,

@@ -15,6 +15,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+import torchship
 from torchship.errors import ConfigError
 from torchship.imageio import MAX_BYTES, MAX_PIXELS
 from torchship.io import atomic_write_text, sha256_file
@@ -42,20 +43,20 @@ MODEL_STEP = 1  # an entry's ensemble steps: its preprocessing, the model, and a
 MODEL_OUT = "answer_"  # a detector's outputs inside its image entry, before their boxes are mapped back
 TEXT_SUFFIX, TEXT_PRE_SUFFIX = "_text", "_text_pre"
 SOURCES = Path(__file__).resolve().parent / "backends"
-ROOT = Path(__file__).resolve().parents[1]
+CONTRACTS = Path(torchship.__file__).resolve().parent  # where torchship/imageio.py and its like are installed
 CARRIED = {
     "model.py": SOURCES / "image" / "model.py",
-    "torchship_imageio.py": ROOT / "torchship" / "imageio.py",
+    "torchship_imageio.py": CONTRACTS / "imageio.py",
     "torchship_tensors.py": SOURCES / "torchship_tensors.py",
 }
 POST_CARRIED = {  # a detector's image entry, last step: boxes back in the picture's pixels
     "model.py": SOURCES / "boxes" / "model.py",
-    "torchship_boxes.py": ROOT / "torchship" / "boxes.py",
+    "torchship_boxes.py": CONTRACTS / "boxes.py",
     "torchship_tensors.py": SOURCES / "torchship_tensors.py",
 }
 TEXT_CARRIED = {
     "model.py": SOURCES / "text" / "model.py",
-    "torchship_textio.py": ROOT / "torchship" / "textio.py",
+    "torchship_textio.py": CONTRACTS / "textio.py",
     "torchship_tensors.py": SOURCES / "torchship_tensors.py",
 }
 

@@ -81,8 +81,8 @@ def run_cli(*argv: str) -> int:
 def trained(tmp_path_factory) -> Path:
     """A tiny CNN trained for a few epochs on the digits: the checkpoint directory."""
     from torchship.config import build
-    from train.config import TrainConfig
-    from train.loop import train
+    from torchship.train.config import TrainConfig
+    from torchship.train.loop import train
 
     def make(out):
         train(
@@ -113,9 +113,9 @@ def python() -> str:
 @pytest.fixture(scope="session")
 def exported(trained, tmp_path_factory) -> Path:
     """Every fp32 format exported (example batch 2, max batch 8, buckets 1/8) and verified."""
-    from export.config import ExportConfig
-    from export.pipeline import run_export
     from torchship.config import build
+    from torchship.export.config import ExportConfig
+    from torchship.export.pipeline import run_export
     from torchship.runtime import FP32_FORMATS
 
     def make(d):
@@ -142,9 +142,9 @@ def int8_export(trained, tmp_path_factory) -> Path:
     """The tiny CNN as fp32 ONNX, INT8 ONNX and INT8 AOTInductor (calibrated on its held-out samples), verified.
     The gate allows a 2-point drop: the tiny CNN (85 %) has near-ties, and one of its 64 held-out samples is 1.6
     points."""
-    from export.config import ExportConfig
-    from export.pipeline import run_export
     from torchship.config import build
+    from torchship.export.config import ExportConfig
+    from torchship.export.pipeline import run_export
 
     def make(d):
         run_export(
@@ -219,8 +219,8 @@ def detector_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def repo(exported, tmp_path_factory) -> Path:
-    from serve.config import RepoConfig
-    from serve.repository import build_repository
+    from torchship.serve.config import RepoConfig
+    from torchship.serve.repository import build_repository
 
     out = tmp_path_factory.mktemp("repo") / "model_repository"
     # one core per model: the shared server's models serve beside the other workers' servers on the same cores, and
@@ -238,7 +238,7 @@ def backend(monkeypatch):
     from torchship import runtime
 
     monkeypatch.setitem(sys.modules, "torchship_runtime", runtime)
-    from serve.backends import torchship_backend
+    from torchship.serve.backends import torchship_backend
 
     return torchship_backend
 
@@ -246,8 +246,8 @@ def backend(monkeypatch):
 @pytest.fixture(scope="session")
 def server(repo):
     """One real embedded Triton server for the serve tests."""
-    from serve.config import ServeConfig
-    from serve.embedded import TritonServer
+    from torchship.serve.config import ServeConfig
+    from torchship.serve.embedded import TritonServer
 
     s = TritonServer(ServeConfig(repo=str(repo)))
     s.start()

@@ -12,11 +12,11 @@ import onnx
 import pytest
 from torch import nn
 
-from serve.client import TritonClient
 from torchship import runtime
 from torchship.errors import ClientError
 from torchship.io import sha256_file
 from torchship.manifest import read_manifest, write_manifest
+from torchship.serve.client import TritonClient
 
 
 class FlipChannels(nn.Module):
@@ -105,7 +105,7 @@ def assert_onnx_served(url, exported, x) -> None:
 def refused_then_served(stream, exported) -> None:
     """A wrong-shaped request on ``stream`` is refused with the server's message; the next one is served
     and equals in-process ONNX Runtime."""
-    from serve.client import decode, request
+    from torchship.serve.client import decode, request
 
     with pytest.raises(ClientError, match="unexpected shape|shape"):
         stream(request("tiny_cnn_onnx", np.zeros((1, 3, 16, 16), np.float32), "images"))

@@ -1,4 +1,4 @@
-"""``torchrun --nproc-per-node=N -m train [FLAGS]``: one training rank."""
+"""``torchrun --nproc-per-node=N -m torchship.train [FLAGS]``: one training rank."""
 
 import sys
 

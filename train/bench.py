@@ -1,6 +1,6 @@
-"""Training throughput, side by side: ``python -m train.bench [--steps N] [--rounds R]``.
+"""Training throughput, side by side: ``python -m torchship.train.bench [--steps N] [--rounds R]``.
 
-Runs the real training (``python -m train``: one process, or torchrun ranks) for each configuration,
+Runs the real training (``python -m torchship.train``: one process, or torchrun ranks) for each configuration,
 alternating their order over rounds so machine noise falls on all alike, and prints images/s
 (median over rounds) with the machine it ran on. One intra-op thread per rank unless the
 configuration says otherwise.
@@ -51,7 +51,7 @@ def one(label: str, nproc: int, threads: int, amp: str, arch: str, steps: int, b
             if nproc > 1
             else [sys.executable]
         )
-        cmd = [*launcher, "-m", "train", *args]
+        cmd = [*launcher, "-m", "torchship.train", *args]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             raise SystemExit(f"{label} failed:\n{p.stderr[-2000:]}")

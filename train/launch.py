@@ -83,7 +83,7 @@ def run_train(cfg: TrainConfig) -> TrainResult | None:
     if nproc <= 1 or under_torchrun:
         return train(cfg)
     preflight(cfg, nproc)
-    launch_torchrun(["-m", "train", *to_argv(cfg, exclude=("nproc",))], nproc)
+    launch_torchrun(["-m", "torchship.train", *to_argv(cfg, exclude=("nproc",))], nproc)
     return None
 
 
@@ -157,8 +157,10 @@ def main_cli(ns: argparse.Namespace) -> int:
 
 
 def rank_main(argv: list[str] | None = None) -> int:
-    """Entry point for ``torchrun ... -m train FLAGS`` (the user's own torchrun line)."""
-    p = argparse.ArgumentParser(prog="python -m train", description="torchship training, one rank per process")
+    """Entry point for ``torchrun ... -m torchship.train FLAGS`` (the user's own torchrun line)."""
+    p = argparse.ArgumentParser(
+        prog="python -m torchship.train", description="torchship training, one rank per process"
+    )
     add_dataclass_arguments(p, TrainConfig, exclude=("nproc",))
     try:
         cfg = build(TrainConfig, namespace_overrides(p.parse_args(argv), TrainConfig), {"nproc": 1})

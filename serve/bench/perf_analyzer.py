@@ -1,7 +1,7 @@
 """Triton's perf_analyzer as the served load generator (torchship's Python client is then the cross-check).
 
 The binary ships inside the ``tritonclient==2.51.0`` manylinux1 wheel (the PyPI package
-``perf-analyzer`` is a placeholder). ``python -m serve.bench.perf_analyzer install`` fetches that wheel
+``perf-analyzer`` is a placeholder). ``python -m torchship.serve.bench.perf_analyzer install`` fetches that wheel
 with pip, unpacks the binary into a cache folder and links the two libraries it needs from the
 nvidia-pytriton wheel under their plain names.
 """
@@ -184,7 +184,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["install"]:
         print(install())
     else:
-        print(locate() or "perf_analyzer not installed; run: python -m serve.bench.perf_analyzer install")
+        print(locate() or "perf_analyzer not installed; run: python -m torchship.serve.bench.perf_analyzer install")
 
 
 def python_window(res: dict[str, Any], why: str) -> dict[str, Any]:

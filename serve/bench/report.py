@@ -165,7 +165,7 @@ def client_share_lines(served: dict[str, Any], gen: str) -> list[str]:
         share = r["client_cpu_us"] * r["requests_per_s"] / 1e6 / cores
         if share > CLIENT_SHARE:
             cheaper = (
-                "; perf_analyzer costs less a request: python -m serve.bench.perf_analyzer install"
+                "; perf_analyzer costs less a request: python -m torchship.serve.bench.perf_analyzer install"
                 if gen == "python"
                 else ""
             )

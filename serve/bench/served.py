@@ -74,7 +74,7 @@ def served_plan(cfg: BenchConfig, manifest: dict, server=None) -> ServedPlan:
 
     if cfg.load_generator == "perf_analyzer" and not locate(cfg.perf_analyzer):
         raise BenchError(
-            "--load-generator perf_analyzer: perf_analyzer not found; python -m serve.bench.perf_analyzer "
+            "--load-generator perf_analyzer: perf_analyzer not found; python -m torchship.serve.bench.perf_analyzer "
             "install fetches it, or give --perf-analyzer PATH"
         )
     error = None

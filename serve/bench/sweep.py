@@ -51,7 +51,11 @@ def load_generators(
 
     binary = locate(cfg.perf_analyzer)
     if not binary:
-        return PYTHON, None, "perf_analyzer not found (python -m serve.bench.perf_analyzer install fetches it)"
+        return (
+            PYTHON,
+            None,
+            "perf_analyzer not found (python -m torchship.serve.bench.perf_analyzer install fetches it)",
+        )
     data.write_text(input_data_json(pool))
     pa = LoadGenerator("perf_analyzer", binary, data)
     size = sum(v[0].nbytes for v in pool.values())

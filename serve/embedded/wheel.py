@@ -13,12 +13,13 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+import torchship
 from torchship.errors import ServerError
 
 from ..access import KEY_ENVS
 
 BACKENDS_SRC = Path(__file__).resolve().parents[1] / "backends"
-RUNTIME_SRC = Path(__file__).resolve().parents[2] / "torchship" / "runtime.py"
+RUNTIME_SRC = Path(torchship.__file__).resolve().parent / "runtime.py"
 # Python-based stand-ins for Triton's native backends the wheel lacks, and torchship's no-op model
 BACKENDS = ("onnxruntime", "pytorch", "torchship")
 

@@ -200,8 +200,8 @@ def test_dict_samples_reach_forward_by_keyword(text_checkpoint, tmp_path):
     training did. Planted fault: the same checkpoint taken by position feeds the mask as the ids."""
     import torch
 
-    from export.source import from_checkpoint
     from torchship import checkpoint as ck
+    from torchship.export.source import from_checkpoint
 
     def accuracy(ckpt) -> float:
         src = from_checkpoint(ckpt)
@@ -323,9 +323,9 @@ def test_a_trace_right_only_at_its_traced_length_fails_at_another(tmp_path, caps
 
 @pytest.mark.slow
 def test_a_perturbed_weight_in_one_artifact_fails_verification_and_is_not_served(text_export, tmp_path, capsys):
-    from export.verify import verify_export
-    from serve.config import RepoConfig
-    from serve.repository import build_repository
+    from torchship.export.verify import verify_export
+    from torchship.serve.config import RepoConfig
+    from torchship.serve.repository import build_repository
 
     d = copy_export(text_export, tmp_path)
     perturb_onnx(d, 1.0)
@@ -340,9 +340,9 @@ def test_a_perturbed_weight_in_one_artifact_fails_verification_and_is_not_served
 @pytest.fixture(scope="module")
 def served(mlp_export, text_export, tmp_path_factory):
     """One embedded Triton serving both models (one repository holding the models of both exports)."""
-    from serve.config import RepoConfig, ServeConfig
-    from serve.embedded import TritonServer
-    from serve.repository import build_repository
+    from torchship.serve.config import RepoConfig, ServeConfig
+    from torchship.serve.embedded import TritonServer
+    from torchship.serve.repository import build_repository
 
     root = tmp_path_factory.mktemp("served")
     build_repository(mlp_export, RepoConfig(out=str(root / "mlp")))
@@ -358,7 +358,7 @@ def served(mlp_export, text_export, tmp_path_factory):
 
 @pytest.mark.slow
 def test_served_outputs_match_eager_for_both_models(served, mlp_export, text_export):
-    from serve.parity import check_served
+    from torchship.serve.parity import check_served
 
     for export, models in (
         (mlp_export, 2),
@@ -374,7 +374,7 @@ def test_served_outputs_match_eager_for_both_models(served, mlp_export, text_exp
 
 @pytest.mark.slow
 def test_bad_requests_are_refused_naming_the_input_and_the_server_goes_on(served):
-    from serve.client import TritonClient
+    from torchship.serve.client import TritonClient
 
     client = TritonClient(served.url)
     ids = np.random.default_rng(0).integers(0, 50, (1, 70))
@@ -403,9 +403,9 @@ def test_bad_requests_are_refused_naming_the_input_and_the_server_goes_on(served
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["mlp", "text"])
 def test_a_short_bench_of_each_model(which, served, request, tmp_path):
-    from serve.bench.config import BenchConfig
-    from serve.bench.run import run_bench
     from torchship.config import build
+    from torchship.serve.bench.config import BenchConfig
+    from torchship.serve.bench.run import run_bench
 
     export = request.getfixturevalue(f"{which}_export")
     name = read_manifest(export)["name"]
@@ -484,9 +484,9 @@ def test_bench_shape_picks_the_size_of_a_dynamic_dim(text_export, tmp_path, caps
     where none has it; a size outside the export's range, or a dim it lacks, is refused naming --shape."""
     import torch
 
-    from serve.bench.config import BenchConfig
     from torchship.config import build
     from torchship.manifest import bench_inputs, read_reference
+    from torchship.serve.bench.config import BenchConfig
 
     m = read_manifest(text_export)
     ref = read_reference(text_export, m)
@@ -528,7 +528,7 @@ def test_bench_shape_picks_the_size_of_a_dynamic_dim(text_export, tmp_path, caps
             "window_s": 0.1,
         },
     )
-    from serve.bench.run import run_bench
+    from torchship.serve.bench.run import run_bench
 
     run_bench(cfg, log=lambda *a: None)
     assert "Inputs: random inputs at S=40" in (tmp_path / "b" / "report.md").read_text()

@@ -39,11 +39,11 @@ def readme_text_flags() -> list[str]:
 def test_the_readme_text_command_exports_serves_and_checks_hf_bert(tmp_path):
     import torch
 
-    from serve.config import RepoConfig, ServeConfig
-    from serve.embedded import TritonServer
-    from serve.parity import check_served
-    from serve.repository import build_repository
     from tests.anymodel.models import hf_bert
+    from torchship.serve.config import RepoConfig, ServeConfig
+    from torchship.serve.embedded import TritonServer
+    from torchship.serve.parity import check_served
+    from torchship.serve.repository import build_repository
 
     flags = readme_text_flags()
     assert "--input-range" in flags and "attention_mask=mask" in flags, flags

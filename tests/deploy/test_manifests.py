@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from export.config import default_formats
-from serve.config import (
+from torchship.export.config import default_formats
+from torchship.names import model_names
+from torchship.serve.config import (
     DEFAULT_GRPC_PORT,
     DEFAULT_HTTP_PORT,
     DEFAULT_METRICS_PORT,
@@ -18,9 +19,8 @@ from serve.config import (
     TRITON_IMAGE,
     RepoConfig,
 )
-from serve.repository import servable_formats
-from torchship.names import model_names
-from train.config import TrainConfig
+from torchship.serve.repository import servable_formats
+from torchship.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve.embedded.process import free_ports
+from torchship.serve.embedded.process import free_ports
 
 pytestmark = pytest.mark.slow  # real servers, compiles or processes: the full run, not the fast tier
 

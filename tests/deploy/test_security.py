@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve.access import KEY_HEADER, RESTRICTED
 from tests.deploy.test_manifests import DEPLOY, k8s, tool
+from torchship.serve.access import KEY_HEADER, RESTRICTED
 
 TEST_KEY = "a-test-key-0123456789"
 # checkov's own network calls (its version check, Prisma Cloud's mappings) stay off: the scan is offline
@@ -92,7 +92,7 @@ def test_every_pod_runs_unprivileged_and_read_only(name):
 
 
 def test_network_policies_open_only_the_serving_ports():
-    from serve.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
+    from torchship.serve.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 
     pol = k8s("NetworkPolicy", "torchship-triton")
     dep = k8s("Deployment", "torchship-triton")
@@ -139,7 +139,7 @@ def compose_flags(tmp_path: Path) -> list[str]:
 
 
 def test_every_deployment_gives_triton_the_same_key_flags_as_torchship_serve(tmp_path):
-    from serve.access import restricted_flags
+    from torchship.serve.access import restricted_flags
 
     dep = k8s("Deployment", "torchship-triton")["spec"]["template"]["spec"]["containers"][0]
     isvc = yaml.safe_load((DEPLOY / "kserve" / "inferenceservice.yaml").read_text())["spec"]["predictor"]["model"]
@@ -157,7 +157,7 @@ def test_every_deployment_gives_triton_the_same_key_flags_as_torchship_serve(tmp
 def test_the_repository_readmes_docker_command_restricts_the_control_plane(repo, tmp_path):
     """The docker run command in the README torchship repo writes, its sh -c script run by a real sh with the key
     file it reads holding TEST_KEY: Triton gets torchship serve's key flags."""
-    from serve.access import restricted_flags
+    from torchship.serve.access import restricted_flags
 
     readme = (repo / "README.md").read_text()
     (script,) = re.findall(r"sh -c '([^']*)'", readme)
@@ -174,10 +174,10 @@ def test_the_deployments_key_flags_refuse_the_attack_on_a_real_triton(repo, tmp_
     """Triton started with the flags compose gives it (the same as Kubernetes' and KServe's, above): the planted
     attacks are refused without the key, and torchship's own control calls, presenting the key as --key-file
     would, load every model."""
-    import serve.embedded.server as embedded
-    from serve.config import ServeConfig
-    from serve.embedded import TritonServer
+    import torchship.serve.embedded.server as embedded
     from tests.helpers import plant_attacks
+    from torchship.serve.config import ServeConfig
+    from torchship.serve.embedded import TritonServer
 
     flags = compose_flags(tmp_path)
     monkeypatch.setattr(embedded, "restricted_flags", lambda key: flags)

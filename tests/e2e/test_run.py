@@ -58,13 +58,15 @@ def counted_run(tmp_path_factory, exported):
         mp.setattr(torchship.manifest, "_load_npz", counted_load)
         mp.setattr(torchship.manifest, "sha256_file", counted_hash)
         mp.setattr(torchship.pipeline.run, "stage_configs", counted_configs)
-        import serve.embedded.server
-        import serve.parity
+        import torchship.serve.embedded.server
+        import torchship.serve.parity
 
-        mp.setattr(serve.embedded.server.secrets, "token_urlsafe", lambda n: RUN_KEY)
-        servers, check = [], serve.parity.check_served
-        start = serve.embedded.server.TritonServer.start
-        mp.setattr(serve.embedded.server.TritonServer, "start", lambda self: servers.append(self) or start(self))
+        mp.setattr(torchship.serve.embedded.server.secrets, "token_urlsafe", lambda n: RUN_KEY)
+        servers, check = [], torchship.serve.parity.check_served
+        start = torchship.serve.embedded.server.TritonServer.start
+        mp.setattr(
+            torchship.serve.embedded.server.TritonServer, "start", lambda self: servers.append(self) or start(self)
+        )
 
         def attacked_then_checked(url, *a, **k):  # the run's server, attacked while it serves the check stage
             from tests.helpers import plant_attacks
@@ -76,7 +78,7 @@ def counted_run(tmp_path_factory, exported):
             attacks["marker written"] = (d.parent / "marker").exists()
             return check(url, *a, **k)
 
-        mp.setattr(serve.parity, "check_served", attacked_then_checked)
+        mp.setattr(torchship.serve.parity, "check_served", attacked_then_checked)
         assert run_cli("run", "--out", d, "--config", CONFIG) == 0
     return d, reads, attacks
 
@@ -157,9 +159,9 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     assert rec["peak_rss_bytes"] > 0 and rec["server_exit_code"] == 0
     index = json.loads((run_dir / "train/checkpoints/index.json").read_text())
     assert (run_dir / "train/checkpoints" / index["best"] / "model.pt").exists()
-    from export.config import default_formats
-    from serve.repository import servable_formats, served_artifacts
+    from torchship.export.config import default_formats
     from torchship.names import model_names
+    from torchship.serve.repository import servable_formats, served_artifacts
 
     m = json.loads((run_dir / "export/manifest.json").read_text())
     # the default formats of this CPU: float32 always, a reduced precision where it computes one natively (each
@@ -192,7 +194,7 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
     assert list(parity["models"]["tiny_cnn_image"]) == ["raw"]  # checked from the export's held-out files
     assert (run_dir / "export/raw").is_dir() and m["reference"]["raw"]["batch"] == 16
     # after the bench, the entry runs the winner behind it
-    from serve.model_config import CONFIG, read_config
+    from torchship.serve.model_config import CONFIG, read_config
 
     ens = read_config(run_dir / "model_repository/tiny_cnn_image" / CONFIG)
     assert ens.ensemble_scheduling.step[-1].model_name == "tiny_cnn"
@@ -227,7 +229,7 @@ def test_every_stage_output_exists_and_is_consistent(run_dir):
         assert needle in summary
     # one set of figures for what serves as tiny_cnn: those of the placement written into its configs, in
     # winner.json, the summary, the bench report and the repository's README alike
-    from serve.bench.placement import placement_of
+    from torchship.serve.bench.placement import placement_of
 
     written = json.loads((run_dir / "model_repository/tiny_cnn/winner.json").read_text())
     assert written["figures"] == winner["figures"] == bench["winner"]["figures"]
@@ -362,12 +364,12 @@ def test_a_run_stopped_by_an_error_says_where_and_how_to_go_on(run_dir, tmp_path
 
 @pytest.mark.slow
 def test_an_interrupted_run_says_so(run_dir, tmp_path, monkeypatch, capsys):
-    import serve.bench.run
+    import torchship.serve.bench.run
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(serve.bench.run, "run_bench", interrupt)
+    monkeypatch.setattr(torchship.serve.bench.run, "run_bench", interrupt)
     bad = tmp_path / "run"
     shutil.copytree(run_dir, bad)
     assert run_cli("run", "--out", bad, "--config", CONFIG, "--from", "bench") == 130

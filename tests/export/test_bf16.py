@@ -57,11 +57,11 @@ def test_a_bf16_artifact_is_gated_and_its_planted_faults_are_refused(tmp_path):
     """Each artifact below is the model computing in bfloat16 behind float32 inputs and outputs (an ExportedProgram,
     as a faulty exporter could have written it), listed under the gate a bf16 artifact carries: the faithful one
     passes on the real samples, each planted fault is refused."""
-    from export.exporters import example, exported_program
-    from export.source import CastWrapper
-    from export.verify import verify_export
     from torchship.eager import named
     from torchship.errors import ParityError
+    from torchship.export.exporters import example, exported_program
+    from torchship.export.source import CastWrapper
+    from torchship.export.verify import verify_export
     from torchship.signature import parse_signature
 
     torch.save(color_cnn().state_dict(), tmp_path / "w.pt")
@@ -130,7 +130,7 @@ def test_a_bf16_artifact_is_gated_and_its_planted_faults_are_refused(tmp_path):
     ],
 )
 def test_the_default_formats_follow_the_cpu(flags, reduced):
-    from export.config import default_formats
+    from torchship.export.config import default_formats
 
     formats, why = default_formats("cpu", flags)
     assert list(formats) == ["torchscript", "onnx", *reduced]
@@ -139,11 +139,10 @@ def test_the_default_formats_follow_the_cpu(flags, reduced):
 
 
 def test_default_reduced_precisions_are_optional_and_need_real_samples(monkeypatch):
-    import export.config
-    from export.config import ExportConfig
     from torchship.config import build
+    from torchship.export.config import ExportConfig
 
-    monkeypatch.setattr(export.config, "cpu_flags", lambda: {"avx512_vnni", "avx512_bf16"})
+    monkeypatch.setattr("torchship.export.config.cpu_flags", lambda: {"avx512_vnni", "avx512_bf16"})
     cfg = build(ExportConfig, {"checkpoint": "c"})
     resolved, why = cfg.for_device("cpu")
     assert resolved.formats == ("torchscript", "onnx", "onnx_int8", "aoti_bf16") and resolved.optional == (
@@ -157,9 +156,9 @@ def test_default_reduced_precisions_are_optional_and_need_real_samples(monkeypat
 
 @pytest.mark.slow
 def test_an_aoti_bf16_export_compiles_passes_its_gate_and_is_served_batched(trained, tmp_path):
-    from serve.config import RepoConfig
-    from serve.model_config import read_config
-    from serve.repository import build_repository
+    from torchship.serve.config import RepoConfig
+    from torchship.serve.model_config import read_config
+    from torchship.serve.repository import build_repository
 
     d = tmp_path / "export"
     assert run_cli("export", trained, "--formats", "onnx", "aoti_bf16", "--max-batch", "8", "--out", d) == 0

@@ -113,9 +113,9 @@ def test_a_detector_from_own_weights_and_a_users_own_topk_export_serve_and_check
     it. Both verify by matching detections, serve, and pass infer --check over gRPC."""
     import numpy as np
 
-    from serve.config import RepoConfig, ServeConfig
-    from serve.embedded import TritonServer
-    from serve.repository import build_repository
+    from torchship.serve.config import RepoConfig, ServeConfig
+    from torchship.serve.embedded import TritonServer
+    from torchship.serve.repository import build_repository
 
     ckpt = resolve_checkpoint(detector / "train")
     weights = load_weights(ckpt)
@@ -199,9 +199,9 @@ def test_the_served_detector_batches_answers_picture_files_and_fails_each_plante
     import numpy as np
     from PIL import Image
 
-    from serve.config import RepoConfig, ServeConfig
-    from serve.embedded import TritonServer
-    from serve.repository import build_repository
+    from torchship.serve.config import RepoConfig, ServeConfig
+    from torchship.serve.embedded import TritonServer
+    from torchship.serve.repository import build_repository
 
     export, repo = detector / "export", tmp_path / "repo"
     build_repository(export, RepoConfig(out=str(repo), cores=1))

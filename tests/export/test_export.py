@@ -106,7 +106,7 @@ def test_normalization_lives_in_the_graph(exported):
 
 
 def test_verifier_rejects_a_perturbed_onnx_initializer(exported, tmp_path):
-    from export.verify import verify_export
+    from torchship.export.verify import verify_export
 
     d = copy_export(exported, tmp_path)
     perturb_onnx(d, 0.05)
@@ -117,7 +117,7 @@ def test_verifier_rejects_a_perturbed_onnx_initializer(exported, tmp_path):
 
 
 def test_verifier_rejects_a_perturbed_torchscript_weight(exported, tmp_path):
-    from export.verify import verify_export
+    from torchship.export.verify import verify_export
 
     d = copy_export(exported, tmp_path)
     m = torch.jit.load(str(d / "torchscript/model.pt"))
@@ -145,7 +145,7 @@ def _times_ten(module, inputs: Tuple[torch.Tensor], output: torch.Tensor):
 
 
 def test_sha256_mismatch_and_missing_artifact_are_reported(exported, tmp_path):
-    from export.verify import verify_export
+    from torchship.export.verify import verify_export
 
     d = copy_export(exported, tmp_path)
     with open(d / "exported_program/model.pt2", "r+b") as f:
@@ -212,9 +212,9 @@ def test_cpu_compiles_fork_from_a_server_that_imported_them_and_it_ends_with_the
     export's workers are spawned."""
     import dataclasses
 
-    from export.compile import Compiler, start_method
-    from export.config import ExportConfig
     from torchship.config import build
+    from torchship.export.compile import Compiler, start_method
+    from torchship.export.config import ExportConfig
     from torchship.procfs import cmdline, processes
 
     assert start_method("cuda:0") == "spawn"
@@ -230,14 +230,14 @@ def test_cpu_compiles_fork_from_a_server_that_imported_them_and_it_ends_with_the
             if len(workers) == 2:
                 break
             time.sleep(0.1)
-        assert len(servers) == 1 and "export.preload" in " ".join(cmdline(servers[0])), servers
+        assert len(servers) == 1 and "torchship.export.preload" in " ".join(cmdline(servers[0])), servers
         assert len(workers) == 2 and all(parents[w] == servers[0] for w in workers), (workers, servers)
     assert servers[0] not in {p.pid for p in processes()}  # ended and reaped with the export
 
 
 def test_compile_workers_that_cannot_start_fail_every_job_and_none_waits_forever(tmp_path):
     """A pool that cannot start fails each job with the reason, the ones submitted before it failed and after."""
-    from export.compile import Compiler
+    from torchship.export.compile import Compiler
 
     with Compiler(None, "cpu", 1, tmp_path / "work") as compiler:
         compiler.method = "no-such-start-method"
@@ -269,7 +269,7 @@ def test_an_aoti_package_loads_without_inductor_and_with_the_public_loader_as_fa
 def test_a_runner_that_crashes_is_named_as_a_crash():
     """A runtime that crashes in native code kills the fresh-process runner with a signal: the failure
     says which, not a bare negative exit code."""
-    from export.fresh import exit_text
+    from torchship.export.fresh import exit_text
 
     assert exit_text(3) == "exited 3"
     assert exit_text(-signal.SIGSEGV).startswith("was killed by SIGSEGV")
@@ -277,8 +277,8 @@ def test_a_runner_that_crashes_is_named_as_a_crash():
 
 def test_default_buckets_are_the_powers_of_two_up_to_the_max_batch():
     """No batch computes more than twice its rows: the next bucket up from n rows is below 2n."""
-    from export.config import ExportConfig
     from torchship.config import build
+    from torchship.export.config import ExportConfig
     from torchship.runtime import bucket_for
 
     assert build(ExportConfig, {"checkpoint": "c"}).buckets == (1, 2, 4, 8, 16, 32)
@@ -434,8 +434,8 @@ def test_an_out_path_that_is_a_file_is_refused_and_kept(exported, tmp_path, caps
 @pytest.mark.slow
 def test_unexportable_format_is_reported_and_others_kept(tmp_path, capsys):
     from torchship.config import build
-    from train.config import TrainConfig
-    from train.loop import train
+    from torchship.train.config import TrainConfig
+    from torchship.train.loop import train
 
     res = train(
         build(

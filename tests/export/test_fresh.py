@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from export import fresh
-from export.verify import _runner_failure, verify_export
+from torchship.export import fresh
+from torchship.export.verify import _runner_failure, verify_export
 from torchship.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ def test_the_host_runs_each_request_in_a_child_names_a_kill_and_exits_when_idle(
     blocked = tmp_path / "blocked.json"
     os.mkfifo(blocked)  # the child blocks reading its spec until killed
     host = subprocess.Popen(
-        [sys.executable, "-m", "export.runner", "--host", "3"],
+        [sys.executable, "-m", "torchship.export.runner", "--host", "3"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from export.quantize import int8_scheme, quantized_kernels
 from tests.conftest import run_cli
+from torchship.export.quantize import int8_scheme, quantized_kernels
 from torchship.parity import GATE, check_quantized, sqnr_db
 
 
@@ -124,11 +124,11 @@ def test_an_aoti_int8_export_calls_int8_kernels_and_passes_the_gate(int8_export)
 def test_a_package_compiled_back_to_fp32_is_refused(trained, tmp_path, monkeypatch):
     """The planted fault: without freezing, AOTInductor compiles the quantized graph's quantize/dequantize pairs
     as plain fp32 arithmetic, which would pass the gate while running no faster; the kernel count refuses it."""
-    from export import exporters
-    from export.config import ExportConfig
-    from export.quantize import aoti_int8
-    from export.source import artifact_model, load_source
     from torchship.config import build
+    from torchship.export import exporters
+    from torchship.export.config import ExportConfig
+    from torchship.export.quantize import aoti_int8
+    from torchship.export.source import artifact_model, load_source
 
     src = load_source(build(ExportConfig, {"checkpoint": str(trained)}), log=lambda *a: None)
     model = artifact_model(src, "float32", "cpu")

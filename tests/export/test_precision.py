@@ -50,7 +50,7 @@ def test_a_tf32_bound_is_derived_beside_the_strict_one():
 def test_an_artifact_compiled_with_tf32_is_held_to_its_tf32_bound_and_reported(exported, tmp_path):
     """Planted: a strict bound no artifact can meet, a TF32 bound of the recorded size, and aoti_buckets marked
     as compiled with TF32. It passes on its TF32 bound, with the strict bound beside it; onnx, strict, fails."""
-    from export.verify import verify_export
+    from torchship.export.verify import verify_export
 
     d = copy_export(exported, tmp_path)
     m = read_manifest(d)
@@ -67,9 +67,9 @@ def test_an_artifact_compiled_with_tf32_is_held_to_its_tf32_bound_and_reported(e
 
 
 def test_tf32_is_refused_where_it_means_nothing():
-    from export.config import ExportConfig
     from torchship.config import build
     from torchship.errors import ConfigError
+    from torchship.export.config import ExportConfig
 
     with pytest.raises(ConfigError, match="--tf32 applies to float32 on CUDA"):
         build(ExportConfig, {"checkpoint": "x", "tf32": True, "device": "cpu"})
@@ -79,7 +79,7 @@ def test_a_torchscript_file_computes_ieee_float32_on_a_gpu_whatever_tf32_was_at_
     """Tracing records cuDNN's TF32 switch as the last argument of each aten::_convolution. Exported under
     torch's default (TF32 allowed), the file would compute in TF32 on any GPU, past the strict float32 bound
     it is verified against, whatever the serving process sets."""
-    from export import exporters
+    from torchship.export import exporters
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1)).eval()
     with runtime.tf32_allowed(True):  # torch's default on CUDA, set on any machine

@@ -149,13 +149,13 @@ def test_a_bfloat16_export_is_held_to_eager_rounding_in_bfloat16(trained, export
 def test_onnx_external_data_is_hashed_verified_copied_and_served(tmp_path, monkeypatch, capsys):
     """Above protobuf's 2 GB limit ONNX keeps the weights in a file beside the graph. The limit is lowered
     here so that a small model takes that path; the zoo's 2.5 GB MLP takes it for real."""
-    from export import exporters
-    from serve.config import RepoConfig, ServeConfig
-    from serve.embedded import TritonServer
-    from serve.parity import check_served
-    from serve.repository import build_repository
     from tests.anymodel.models import mlp
     from torchship.errors import ArtifactError
+    from torchship.export import exporters
+    from torchship.serve.config import RepoConfig, ServeConfig
+    from torchship.serve.embedded import TritonServer
+    from torchship.serve.parity import check_served
+    from torchship.serve.repository import build_repository
 
     monkeypatch.setattr(exporters, "ONNX_EXTERNAL_BYTES", 0)
     w = save_weights(mlp, tmp_path / "w.pt")
@@ -177,7 +177,7 @@ def test_onnx_external_data_is_hashed_verified_copied_and_served(tmp_path, monke
     data = d / "onnx" / "model.onnx.data"
     data.write_bytes(data.read_bytes()[:-8])  # the weights file alone, truncated
     with pytest.raises(ArtifactError, match="onnx/model.onnx.data was altered or truncated"):
-        from export.verify import verify_export
+        from torchship.export.verify import verify_export
 
         verify_export(d)
 
@@ -233,7 +233,7 @@ def test_the_bucket_archive_stores_the_weights_once(tmp_path):
 
 
 def test_auto_bucket_weights_prepack_on_a_cpu_while_the_copies_stay_small():
-    from export.compile import PREPACK_LIMIT, bucket_weights
+    from torchship.export.compile import PREPACK_LIMIT, bucket_weights
 
     buckets = (1, 2, 4, 8, 16, 32)
     assert bucket_weights("auto", "cpu", 45 << 20, buckets)[0] == "prepacked"

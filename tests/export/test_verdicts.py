@@ -55,8 +55,8 @@ def test_an_artifact_without_a_verdict_is_not_served(exported, tmp_path, capsys)
 def test_a_verdict_on_other_files_does_not_count(exported, tmp_path):
     """An artifact changed after it passed (and its manifest hash updated to match, as a careless re-export
     would) is no longer verified: its verdict was reached on other bytes."""
-    from serve.config import RepoConfig
-    from serve.repository import build_repository
+    from torchship.serve.config import RepoConfig
+    from torchship.serve.repository import build_repository
 
     d = copy_export(exported, tmp_path)
     with open(d / "torchscript" / "model.pt", "ab") as f:
@@ -67,8 +67,8 @@ def test_a_verdict_on_other_files_does_not_count(exported, tmp_path):
 
 
 def test_repo_refuses_a_file_altered_after_verification(exported, tmp_path):
-    from serve.config import RepoConfig
-    from serve.repository import build_repository
+    from torchship.serve.config import RepoConfig
+    from torchship.serve.repository import build_repository
 
     d = copy_export(exported, tmp_path)
     with open(d / "onnx" / "model.onnx", "ab") as f:

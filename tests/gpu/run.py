@@ -115,7 +115,7 @@ def phase(run: Run, name: str, need_s: float, fn: Callable[[Run], Any]) -> None:
 def environment(run: Run) -> dict[str, Any]:
     import torch
 
-    from serve.bench.stats import device_peak, machine_info
+    from torchship.serve.bench.stats import device_peak, machine_info
 
     info = machine_info()
     info["torch_cuda"] = torch.version.cuda
@@ -149,7 +149,15 @@ def train(run: Run, channels_last: bool = False) -> dict[str, Any]:
         "--keep-last",
         "1",
     ]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "train"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "-m",
+        "torchship.train",
+    ]
     plain = [*TS, "train", "--nproc", "1"]
     cases = [("fp32", plain, ["--amp", "off"]), ("amp auto, DDP world 1", torchrun, ["--amp", "auto"])]
     if run.a.device == "cuda":
@@ -270,8 +278,8 @@ def served(run: Run) -> dict[str, Any]:
 
 
 def serve_and_sweep(run: Run, export: Path, fmt: str) -> dict[str, Any]:
-    from serve.client import TritonClient
-    from serve.embedded.process import free_ports
+    from torchship.serve.client import TritonClient
+    from torchship.serve.embedded.process import free_ports
 
     gpu = run.a.device == "cuda"
     repo = export.parent / f"{export.name}_repo"
@@ -580,9 +588,9 @@ def resident(run: Run) -> dict[str, Any]:
     and aoti in bf16 at the largest batch: the figure to hold against the bf16 matmul roofline."""
     import torch
 
-    from serve.bench.stats import flops_per_sample
     from torchship.eager import eager_from_manifest
     from torchship.manifest import read_manifest
+    from torchship.serve.bench.stats import flops_per_sample
 
     d = run.work / "export_bf16"
     m = read_manifest(d)

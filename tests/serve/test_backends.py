@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from serve.bench.stats import served_count, settled_stats, stats_of
-from serve.client import TritonClient
-from serve.config import ServeConfig
-from serve.embedded import TritonServer
-from serve.parity import check_served
 from tests.conftest import run_cli
 from tests.helpers import MODELS, alter_onnx_weight, in_process, rehash_version, scale
 from torchship.errors import ParityError
+from torchship.serve.bench.stats import served_count, settled_stats, stats_of
+from torchship.serve.client import TritonClient
+from torchship.serve.config import ServeConfig
+from torchship.serve.embedded import TritonServer
+from torchship.serve.parity import check_served
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

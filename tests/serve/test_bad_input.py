@@ -6,10 +6,10 @@ import shutil
 import numpy as np
 import pytest
 
-from serve.client import TritonClient
 from tests.conftest import run_cli
 from tests.helpers import MODELS, in_process
 from torchship.errors import ClientError
+from torchship.serve.client import TritonClient
 
 
 def raw_infer(url, model, name, shape, datatype, payload: bytes):

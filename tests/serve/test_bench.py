@@ -7,14 +7,14 @@ import shutil
 
 import pytest
 
-from serve.bench.compare import compare
-from serve.bench.config import BenchConfig
-from serve.bench.run import run_bench
-from serve.bench.sweeps import ServedPlan, plan_sweeps
-from serve.config import default_placement
 from tests.conftest import run_cli
 from tests.helpers import BENCH_SHORT as SHORT
 from torchship.config import build
+from torchship.serve.bench.compare import compare
+from torchship.serve.bench.config import BenchConfig
+from torchship.serve.bench.run import run_bench
+from torchship.serve.bench.sweeps import ServedPlan, plan_sweeps
+from torchship.serve.config import default_placement
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_the_server_cpu_figure_counts_the_servers_backend_processes():
 def test_the_report_says_how_much_a_bucketed_model_pads(bench_run):
     """Triton's per-batch-size execution counts give the images the bucketed _aoti model computed per
     image sent; batches between buckets are padded up (2 sent in bucket 8 computes 8)."""
-    from serve.bench.report import computed_per_request
+    from torchship.serve.bench.report import computed_per_request
 
     results, out = bench_run
     aoti = results["served"]["models"]["tiny_cnn_aoti"]
@@ -146,7 +146,7 @@ def test_the_report_says_how_much_a_bucketed_model_pads(bench_run):
 
 def test_in_process_beside_served_pairs_each_model_with_its_own_artifact(bench_run):
     """The served _aoti model runs the batch-bucket packages, so it sits beside aoti_buckets in-process."""
-    from serve.bench.beside import side_by_side
+    from torchship.serve.bench.beside import side_by_side
 
     results, _ = bench_run
     rows = [line.split(" | ") for line in side_by_side(results) if line.startswith("| tiny_cnn_")]
@@ -158,7 +158,7 @@ def test_in_process_beside_served_pairs_each_model_with_its_own_artifact(bench_r
 def test_the_winner_as_served_is_set_beside_in_process_at_the_point_the_search_chose(bench_run):
     """torchship run's summary: the winner as it ends up served (the instances x threads the search chose, from the
     search's windows), beside the same artifact in-process; not the sweep's figures nor another grid point's."""
-    from serve.bench.beside import side_by_side
+    from torchship.serve.bench.beside import side_by_side
 
     results, _ = bench_run
     onnx = results["served"]["models"]["tiny_cnn_onnx"]["rows"]
@@ -190,8 +190,8 @@ def test_the_winner_as_served_is_set_beside_in_process_at_the_point_the_search_c
 def test_a_model_served_from_the_plain_aoti_package_appears_in_every_table(exported, tmp_path):
     """Where only the dynamic aoti package verified (no bucket archive), the server runs model.pt2: the bench records
     that artifact, and the report sets the model beside aoti in-process, as it does in every other table."""
-    from serve.bench.beside import side_by_side
     from torchship.manifest import read_manifest, write_manifest
+    from torchship.serve.bench.beside import side_by_side
 
     d = tmp_path / "export"
     shutil.copytree(exported, d)
@@ -267,7 +267,7 @@ def test_progress_total_counts_every_window(bench_run, exported):
     """The progress bar's total, planned before anything runs, is three windows per served level and per
     in-process variant and batch: what the run measures when every level settles at once; the rest of
     the windows it ran grow the total as they come."""
-    from serve.bench.in_process import in_process_runs
+    from torchship.serve.bench.in_process import in_process_runs
 
     results, out = bench_run
     s = results["served"]
@@ -327,7 +327,7 @@ def test_compare_detects_a_planted_2x_slowdown(bench_run, exported, tmp_path, ca
 
 
 def test_no_variant_reads_above_its_roof_and_the_report_says_what_set_it():
-    from serve.bench.report import probe_share, roofs
+    from torchship.serve.bench.report import probe_share, roofs
 
     lim = {
         "flops_per_sample": 1e9,

@@ -7,13 +7,13 @@ import shutil
 import numpy as np
 import pytest
 
-from serve.bench.compare import compare
-from serve.bench.config import BenchConfig
-from serve.bench.run import run_bench
 from tests.conftest import run_cli
 from tests.helpers import BENCH_SHORT as SHORT
 from torchship.config import build
 from torchship.errors import BenchError, ServerError
+from torchship.serve.bench.compare import compare
+from torchship.serve.bench.config import BenchConfig
+from torchship.serve.bench.run import run_bench
 
 
 def test_perf_analyzer_asked_for_but_missing_is_refused(exported, tmp_path):
@@ -23,8 +23,10 @@ def test_perf_analyzer_asked_for_but_missing_is_refused(exported, tmp_path):
         {"export_dir": str(exported), "out": str(tmp_path), "perf_analyzer": str(tmp_path / "nowhere")},
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("serve.bench.perf_analyzer.locate", lambda explicit=None: None)
-        with pytest.raises(BenchError, match="perf_analyzer not found; python -m serve.bench.perf_analyzer install"):
+        mp.setattr("torchship.serve.bench.perf_analyzer.locate", lambda explicit=None: None)
+        with pytest.raises(
+            BenchError, match="perf_analyzer not found; python -m torchship.serve.bench.perf_analyzer install"
+        ):
             run_bench(cfg, log=lambda *a: None)
 
 
@@ -59,10 +61,10 @@ def test_compare_threshold_replaces_the_spread():
 
 @pytest.mark.slow
 def test_unreachable_server_keeps_partial_results(exported, tmp_path, monkeypatch):
-    import serve.bench.served
-    from serve.embedded.process import free_ports
+    import torchship.serve.bench.served
+    from torchship.serve.embedded.process import free_ports
 
-    monkeypatch.setattr(serve.bench.served, "READY_WAIT_S", 2.0)
+    monkeypatch.setattr(torchship.serve.bench.served, "READY_WAIT_S", 2.0)
     cfg = build(
         BenchConfig,
         SHORT,
@@ -119,7 +121,7 @@ def test_budget_no_configuration_meets(exported, server, tmp_path, capsys):
 def test_one_at_a_time_counts_each_refusal_and_goes_on(server):
     """Concurrency 1: every good request is timed, every refused one is an error with the server's
     message, and the requests after a refusal are still sent."""
-    from serve.bench.load import closed_loop
+    from torchship.serve.bench.load import closed_loop
 
     good = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
     bad = np.zeros((1, 3, 16, 16), np.float32)
@@ -156,7 +158,7 @@ def test_a_server_stop_note_reaches_the_bench_log_results_and_report(exported, t
     """When the bench's own server had to be killed (a model that would not unload), the bench says so
     rather than ending as if the server stopped cleanly. That server loaded the one model timed (and the no-op
     model the bench times beside it), not the repository's others: each a backend process more."""
-    from serve.embedded import TritonServer
+    from torchship.serve.embedded import TritonServer
 
     real_stop, loaded = TritonServer.stop, []
 
@@ -212,9 +214,9 @@ def test_a_backend_that_corrupts_one_row_of_a_batch_is_caught_under_load(exporte
     """Planted: a backend that returns one wrong row in batches of 4 or more. Batch-1 requests one at a time
     never form such a batch, so concurrency 1 checks clean; at 16 in flight the batcher forms them, and the
     bench fails naming the model and the level, with its results and report written."""
-    import serve.embedded.server as server_module
-    from serve.embedded.wheel import backend_dir
+    import torchship.serve.embedded.server as server_module
     from torchship.errors import ParityError
+    from torchship.serve.embedded.wheel import backend_dir
 
     planted = tmp_path / "backends"
     shutil.copytree(backend_dir(), planted)
@@ -244,7 +246,7 @@ def test_a_backend_that_corrupts_one_row_of_a_batch_is_caught_under_load(exporte
 
 def test_a_wrong_answer_from_the_image_entry_fails_the_bench():
     """The entry's rows go through the same verdict as the models': one wrong response names it."""
-    from serve.bench.checks import wrong_in
+    from torchship.serve.bench.checks import wrong_in
 
     row = {"concurrency": 4, "checked": 12, "wrong": 1, "first_wrong": "request 3: output 'logits' max abs error 2"}
     err = wrong_in({"models": {}, "entry": {"model": "tiny_cnn_image", "rows": [row]}})

@@ -4,15 +4,17 @@ own share of the cores, and windows perf_analyzer could not measure."""
 import numpy as np
 import pytest
 
-from serve.bench.config import BenchConfig
-from serve.bench.perf_analyzer import locate
-from serve.bench.run import run_bench
-from serve.bench.sweep import PACED_CHECKS
 from tests.helpers import BENCH_SHORT as SHORT
 from torchship.config import build
+from torchship.serve.bench.config import BenchConfig
+from torchship.serve.bench.perf_analyzer import locate
+from torchship.serve.bench.run import run_bench
+from torchship.serve.bench.sweep import PACED_CHECKS
 
 
-@pytest.mark.skipif(not locate(), reason="perf_analyzer not installed (python -m serve.bench.perf_analyzer install)")
+@pytest.mark.skipif(
+    not locate(), reason="perf_analyzer not installed (python -m torchship.serve.bench.perf_analyzer install)"
+)
 def test_perf_analyzer_sends_the_sweep_and_the_python_client_cross_checks(exported, server, tmp_path):
     """--load-generator perf_analyzer: the levels are perf_analyzer's windows (Triton counted every request
     it sent), settled under the same rule; the Python client repeats concurrency 1 and the highest level,
@@ -50,7 +52,7 @@ def test_perf_analyzer_sends_the_sweep_and_the_python_client_cross_checks(export
 
 
 def test_a_load_generator_that_takes_the_servers_cores_is_named_beside_the_figures():
-    from serve.bench.report import client_share_lines
+    from torchship.serve.bench.report import client_share_lines
 
     def served(us):
         return {
@@ -67,14 +69,14 @@ def test_a_load_generator_that_takes_the_servers_cores_is_named_beside_the_figur
 
     (line,) = client_share_lines(served(150), "python")
     assert line.startswith("- m: the load generator took 15 % of the 2 cores at concurrency 16 (150 µs a request)")
-    assert "python -m serve.bench.perf_analyzer install" in line
+    assert "python -m torchship.serve.bench.perf_analyzer install" in line
     assert client_share_lines(served(50), "python") == []  # 5 %: within what the server can spare
 
 
 def test_auto_sends_large_requests_with_the_cheaper_python_client(tmp_path):
     """perf_analyzer cost 4x the Python client's CPU a request on resnet50's 588 KiB images: auto keeps it for
     small requests only, and says why."""
-    from serve.bench.sweep import PA_MAX_REQUEST_BYTES, load_generators
+    from torchship.serve.bench.sweep import PA_MAX_REQUEST_BYTES, load_generators
 
     fake = tmp_path / "perf_analyzer"
     fake.write_text("#!/bin/sh\n")
@@ -96,7 +98,7 @@ def test_auto_sends_large_requests_with_the_cheaper_python_client(tmp_path):
 def test_a_perf_analyzer_window_too_short_is_measured_again_not_counted_as_failed_requests():
     """On a busy machine perf_analyzer's window can hold no completed request, or three windows that disagree past
     any bound: retried longer, then measured by the Python client, never counted as a failed request."""
-    from serve.bench.perf_analyzer import python_window, too_short
+    from torchship.serve.bench.perf_analyzer import python_window, too_short
 
     assert too_short(
         "perf_analyzer exited 3: No valid requests recorded within time interval. Please use a larger time window."

@@ -8,17 +8,17 @@ import socket
 import numpy as np
 import pytest
 
-from serve.client import TritonClient
 from tests.conftest import run_cli
 from tests.helpers import MODELS, in_process, refused_then_served
 from torchship.errors import ServerError
 from torchship.manifest import read_manifest
+from torchship.serve.client import TritonClient
 
 
 def test_one_stream_carries_requests_in_turn_and_survives_a_refusal(server, exported):
     """Every model over one ModelStreamInfer call answers as the unary call does, for its own request; a
     refused request raises and the stream keeps serving."""
-    from serve.client import InferStream, decode, infer_channel, request
+    from torchship.serve.client import InferStream, decode, infer_channel, request
 
     channel, unary = infer_channel(server.url)
     stream = InferStream(channel)
@@ -36,7 +36,7 @@ def test_one_stream_carries_requests_in_turn_and_survives_a_refusal(server, expo
 
 @pytest.mark.slow
 def test_unreachable_server_is_a_clear_error(capsys, exported):
-    from serve.embedded.process import free_ports
+    from torchship.serve.embedded.process import free_ports
 
     assert run_cli("infer", "--url", f"127.0.0.1:{free_ports()[0]}", "--heldout", exported) == 2
     assert "is the server running" in capsys.readouterr().err
@@ -53,7 +53,7 @@ def test_unreachable_server_is_a_clear_error(capsys, exported):
     ],
 )
 def test_a_malformed_url_is_refused_before_any_connection(capsys, exported, url, says):
-    from serve.config import check_url
+    from torchship.serve.config import check_url
 
     for argv in (("infer", "--url", url, "--heldout", exported), ("bench", exported, "--url", url)):
         assert run_cli(*argv) == 2
@@ -81,7 +81,7 @@ def test_a_url_that_is_not_a_grpc_endpoint_is_named(server, exported, capsys):
 def test_infer_refuses_a_bad_local_path_before_connecting(case, tmp_path, capsys):
     """A missing or unsendable FILE, or a --heldout that is not an export, is named at once, not after
     waiting for a server (none runs at this URL)."""
-    from serve.embedded.process import free_ports
+    from torchship.serve.embedded.process import free_ports
 
     (tmp_path / "notes.txt").write_text("x")
     arg = {"missing": [tmp_path / "nope.npy"], "suffix": [tmp_path / "notes.txt"], "heldout": ["--heldout", tmp_path]}[
@@ -98,7 +98,7 @@ def test_infer_refuses_a_bad_local_path_before_connecting(case, tmp_path, capsys
 
 
 def test_unreachable_server_is_a_clear_error_on_the_lean_path():
-    from serve.embedded.process import free_ports
+    from torchship.serve.embedded.process import free_ports
 
     client = TritonClient(f"127.0.0.1:{free_ports()[0]}", timeout_s=5)
     client._configs["m"] = {"input": [{"name": "images"}], "output": [{"name": "logits"}]}  # skip the config fetch
@@ -235,7 +235,7 @@ def test_infer_over_one_stream_prints_what_unary_calls_print(server, exported, t
 def test_a_reloaded_model_is_read_with_the_config_it_now_serves(server):
     """A client that read a model's config reads it again once it reloads the model: the winner's search loads one
     name with each contender's files in turn, and would check one against another's format otherwise."""
-    from serve.model_config import read_config, served_config_path
+    from torchship.serve.model_config import read_config, served_config_path
 
     path = served_config_path(server.repo / "tiny_cnn_onnx")
     client = server.client()

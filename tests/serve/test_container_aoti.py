@@ -15,12 +15,12 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from serve.config import ServeConfig
-from serve.embedded import TritonServer
-from serve.model_config import CONFIG, EMBEDDED_CONFIG, TENSOR_NAMES
-from serve.repository import aoti_tensor_names
 from torchship.errors import ClientError, ParityError
 from torchship.manifest import read_manifest
+from torchship.serve.config import ServeConfig
+from torchship.serve.embedded import TritonServer
+from torchship.serve.model_config import CONFIG, EMBEDDED_CONFIG, TENSOR_NAMES
+from torchship.serve.repository import aoti_tensor_names
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -110,11 +110,11 @@ def container_names_server(repo, tmp_path_factory):
 
 @pytest.mark.slow
 def test_infer_and_bench_translate_the_containers_names(container_names_server, exported, tmp_path):
-    from serve.bench.config import BenchConfig
-    from serve.bench.run import run_bench
-    from serve.client import TritonClient
-    from serve.parity import check_served
     from torchship.config import build
+    from torchship.serve.bench.config import BenchConfig
+    from torchship.serve.bench.run import run_bench
+    from torchship.serve.client import TritonClient
+    from torchship.serve.parity import check_served
 
     url = container_names_server.url
     client = TritonClient(url)
@@ -150,8 +150,8 @@ def test_infer_and_bench_translate_the_containers_names(container_names_server, 
 @pytest.mark.slow
 def test_without_the_translation_the_requests_are_refused(container_names_server, exported, monkeypatch):
     """The planted fault: a client that sends the manifest's names to the container's model."""
-    from serve.client import TritonClient
-    from serve.parity import check_served
+    from torchship.serve.client import TritonClient
+    from torchship.serve.parity import check_served
 
     monkeypatch.setattr(TritonClient, "wire_names", lambda self, model: {})
     with pytest.raises((ClientError, ParityError)) as e:

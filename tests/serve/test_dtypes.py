@@ -31,9 +31,9 @@ FLAGS = [
 
 @pytest.fixture(scope="module")
 def dtypes_served(tmp_path_factory):
-    from serve.config import RepoConfig, ServeConfig
-    from serve.embedded import TritonServer
-    from serve.repository import build_repository
+    from torchship.serve.config import RepoConfig, ServeConfig
+    from torchship.serve.embedded import TritonServer
+    from torchship.serve.repository import build_repository
 
     d = tmp_path_factory.mktemp("dtypes")
     torch.save({}, d / "w.pt")
@@ -73,8 +73,8 @@ def feeds(n: int = 5) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("model", ["dtypes_onnx", "dtypes_torchscript"])
 def test_every_dtype_comes_back_exactly(dtypes_served, model):
-    from serve.client import TritonClient
     from tests.anymodel.models import dtypes
+    from torchship.serve.client import TritonClient
 
     server, _ = dtypes_served
     x = feeds()
@@ -95,7 +95,7 @@ def test_every_dtype_comes_back_exactly(dtypes_served, model):
 
 
 def test_the_served_check_passes_for_every_dtype(dtypes_served):
-    from serve.parity import check_served
+    from torchship.serve.parity import check_served
 
     server, export = dtypes_served
     assert check_served(server.url, export)["pass"]

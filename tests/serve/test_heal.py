@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from serve.client import TritonClient
-from serve.config import ServeConfig
-from serve.embedded import TritonServer
-from serve.embedded.process import stub_processes
-from serve.model_config import read_config
+from torchship.serve.client import TritonClient
+from torchship.serve.config import ServeConfig
+from torchship.serve.embedded import TritonServer
+from torchship.serve.embedded.process import stub_processes
+from torchship.serve.model_config import read_config
 
 MODEL = "tiny_cnn_onnx"
 # A stub killed while it holds its shared memory's lock takes Triton 2.51's python backend down with it: the next

@@ -10,18 +10,18 @@ import pytest
 import torch
 from PIL import Image
 
-from serve.client import TritonClient
-from serve.config import RepoConfig, ServeConfig
-from serve.embedded import TritonServer
-from serve.entries import entry_names
-from serve.model_config import CONFIG, read_config
-from serve.repository import build_repository
 from tests.conftest import run_cli
 from torchship.errors import ClientError, ConfigError
 from torchship.imageio import decode_image, image_array
 from torchship.runtime import PROVENANCE, sha256_file
-from train.bundled import digits, sample_photos
-from train.data import _resize
+from torchship.serve.client import TritonClient
+from torchship.serve.config import RepoConfig, ServeConfig
+from torchship.serve.embedded import TritonServer
+from torchship.serve.entries import entry_names
+from torchship.serve.model_config import CONFIG, read_config
+from torchship.serve.repository import build_repository
+from torchship.train.bundled import digits, sample_photos
+from torchship.train.data import _resize
 
 ENTRY, PRE = entry_names("tiny_cnn")
 DIGITS = digits()[0][:12]  # the raw 8x8 digits, values 0..16, as training read them
@@ -285,11 +285,11 @@ def photo_folder(root, per_class: int = 20, seed: int = 0):
 def photo_served(tmp_path_factory):
     """A tiny CNN trained on photo files (RGB, 32x32), exported to ONNX with its held-out files, and served with
     its image entry: (server, export directory, repository)."""
-    from export.config import ExportConfig
-    from export.pipeline import run_export
     from torchship.config import build
-    from train.config import TrainConfig
-    from train.loop import train
+    from torchship.export.config import ExportConfig
+    from torchship.export.pipeline import run_export
+    from torchship.train.config import TrainConfig
+    from torchship.train.loop import train
 
     tmp = tmp_path_factory.mktemp("photos")
     data = photo_folder(tmp / "data")
@@ -393,8 +393,8 @@ def test_the_entry_moved_in_front_of_a_model_that_batches_less_batches_no_more_t
     """Triton refuses an ensemble whose max batch exceeds a model in it: the strategy's winner may batch less."""
     import shutil
 
-    from serve.entries import retarget
-    from serve.model_config import config_text
+    from torchship.serve.entries import retarget
+    from torchship.serve.model_config import config_text
 
     repo = tmp_path / "repo"
     shutil.copytree(image_repo, repo)
@@ -411,9 +411,9 @@ def test_each_server_gets_the_entry_naming_the_tensors_as_its_config_of_the_mode
     """The official container's torch_aoti names an AOTInductor package's tensors ARGS[0] and RESULT, the embedded
     server's config images and logits: with the aoti model behind it, the entry's config.pbtxt maps the former,
     its embedded.pbtxt the latter, and the embedded server runs it, checked from the files."""
-    from serve.entries import retarget
-    from serve.model_config import EMBEDDED_CONFIG
-    from serve.parity import check_served
+    from torchship.serve.entries import retarget
+    from torchship.serve.model_config import EMBEDDED_CONFIG
+    from torchship.serve.parity import check_served
 
     repo = tmp_path / "repo"
     build_repository(exported, RepoConfig(out=str(repo), formats=("onnx", "aoti"), cores=1, image_entry=True))

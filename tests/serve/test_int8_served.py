@@ -7,13 +7,13 @@ import shutil
 import numpy as np
 import pytest
 
-from serve.config import RepoConfig, ServeConfig
-from serve.embedded import TritonServer
-from serve.parity import check_served
-from serve.repository import build_repository
 from tests.conftest import run_cli
 from tests.helpers import rehash_version
 from torchship.errors import ParityError
+from torchship.serve.config import RepoConfig, ServeConfig
+from torchship.serve.embedded import TritonServer
+from torchship.serve.parity import check_served
+from torchship.serve.repository import build_repository
 
 pytestmark = pytest.mark.slow  # real servers, compiles or processes: the full run, not the fast tier
 
@@ -43,7 +43,7 @@ def test_the_int8_models_are_served_and_pass_the_gate(int8_repo, int8_export, ca
 
 def test_a_badly_calibrated_int8_model_fails_served_parity(int8_repo, int8_export, tmp_path):
     """The planted fault: the served file swapped for one calibrated on all-zero images."""
-    from export.quantize import int8_scheme, onnx_int8
+    from torchship.export.quantize import int8_scheme, onnx_int8
 
     bad = tmp_path / "repo"
     shutil.copytree(int8_repo, bad)

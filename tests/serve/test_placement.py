@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from serve.bench.placement import candidates, grid_of, placement_edit, placement_of
-from serve.config import RepoConfig, ServeConfig, default_placement
-from serve.embedded import TritonServer
-from serve.embedded.process import stub_processes
-from serve.model_config import CONFIGS, edit_configs, read_config, repository_models
-from serve.repository import build_repository
 from torchship.errors import ConfigError
+from torchship.serve.bench.placement import candidates, grid_of, placement_edit, placement_of
+from torchship.serve.config import RepoConfig, ServeConfig, default_placement
+from torchship.serve.embedded import TritonServer
+from torchship.serve.embedded.process import stub_processes
+from torchship.serve.model_config import CONFIGS, edit_configs, read_config, repository_models
+from torchship.serve.repository import build_repository
 
 ENTRY = "tiny_cnn_image"
 
@@ -68,7 +68,7 @@ def test_without_cores_the_configs_use_the_cpus_this_process_may_run_on(exported
     """The CPU affinity (a container's cpuset, taskset), not the host's count: one CPU allowed, one thread."""
     code = (
         "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "from serve.config import RepoConfig; from serve.repository import build_repository; "
+        "from serve.config import RepoConfig; from torchship.serve.repository import build_repository; "
         f"build_repository({str(exported)!r}, RepoConfig(out={str(tmp_path / 'one')!r}))"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())

@@ -9,12 +9,12 @@ import pytest
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from serve.config import ServeConfig
-from serve.embedded import TritonServer
-from serve.model_config import EMBEDDED_CONFIG
 from tests.conftest import run_cli
 from torchship.errors import ServerError
 from torchship.manifest import read_manifest, read_reference
+from torchship.serve.config import ServeConfig
+from torchship.serve.embedded import TritonServer
+from torchship.serve.model_config import EMBEDDED_CONFIG
 
 
 def cfg(path):
@@ -71,9 +71,9 @@ def test_layout_and_configs(repo, exported):
 def test_without_the_aoti_package_the_aoti_model_serves_the_buckets_and_the_readme_says_so(exported, tmp_path, backend):
     """The official container's torch_aoti reads one package, not the bucket archive: where the export has no
     verified aoti package, the embedded config is the model's only config, and the README says why."""
-    from serve.config import RepoConfig
-    from serve.repository import build_repository
     from torchship.manifest import write_manifest
+    from torchship.serve.config import RepoConfig
+    from torchship.serve.repository import build_repository
 
     d = tmp_path / "export"
     shutil.copytree(exported, d)
@@ -255,8 +255,8 @@ def test_a_gpu_instance_runs_on_cuda_only_where_its_runtime_can(backend, monkeyp
 def test_a_repository_serves_on_a_device_only_the_artifacts_made_for_it(int8_export, tmp_path, capsys):
     """AOTInductor packages are compiled for the device they were exported on, INT8 models quantized for its CPU:
     a GPU repository from a CPU export leaves them out, and says so in one line; the float ONNX model serves."""
-    from serve.servable import not_served
     from torchship.manifest import read_manifest
+    from torchship.serve.servable import not_served
 
     out = tmp_path / "repo"
     assert run_cli("repo", int8_export, "--out", out, "--instance-kind", "gpu") == 0
@@ -351,7 +351,7 @@ def test_a_tampered_model_is_not_served_by_a_real_triton(repo, tmp_path, monkeyp
 
 def test_a_models_two_configs_are_edited_together_or_not_at_all(repo, tmp_path):
     """The one function every config edit goes through: both files or neither."""
-    from serve.model_config import CONFIG, edit_configs, read_config
+    from torchship.serve.model_config import CONFIG, edit_configs, read_config
 
     mdir = tmp_path / "tiny_cnn_aoti"
     shutil.copytree(repo / "tiny_cnn_aoti", mdir)

@@ -8,16 +8,16 @@ import time
 import numpy as np
 import pytest
 
-from serve.client import TritonClient
-from serve.config import RepoConfig, ServeConfig
-from serve.embedded import TritonServer
-from serve.model_config import versions
-from serve.parity import check_served
-from serve.repository import build_repository
-from serve.rollout import previous, switch
-from serve.versions import add_version, history, live_version
 from tests.helpers import alter_onnx_weight, in_process, rehash_version, scale
 from torchship.errors import ArtifactError, ParityError, RolloutError
+from torchship.serve.client import TritonClient
+from torchship.serve.config import RepoConfig, ServeConfig
+from torchship.serve.embedded import TritonServer
+from torchship.serve.model_config import versions
+from torchship.serve.parity import check_served
+from torchship.serve.repository import build_repository
+from torchship.serve.rollout import previous, switch
+from torchship.serve.versions import add_version, history, live_version
 
 MODEL = "tiny_cnn_onnx"
 ONNX = RepoConfig(formats=("onnx",))
@@ -28,11 +28,11 @@ ONNX = RepoConfig(formats=("onnx",))
 @pytest.fixture(scope="module")
 def retrained(tmp_path_factory):
     """The tiny CNN trained again from another seed, exported to ONNX: version 2, with other outputs."""
-    from export.config import ExportConfig
-    from export.pipeline import run_export
     from torchship.config import build
-    from train.config import TrainConfig
-    from train.loop import train
+    from torchship.export.config import ExportConfig
+    from torchship.export.pipeline import run_export
+    from torchship.train.config import TrainConfig
+    from torchship.train.loop import train
 
     out = tmp_path_factory.mktemp("retrained")
     res = train(
@@ -150,10 +150,10 @@ def test_the_image_entry_answers_with_the_live_version_through_a_rollout(exporte
     beside the live version under the model's own name (the planted fault: Triton answers an unversioned step
     with the highest version loaded) is all version 1's; through a rollout that passes, none fails and it is
     version 2's once the switch is done."""
-    import serve.rollout
-    from serve.entries import entry_names
-    from serve.model_config import CONFIG, read_config
+    import torchship.serve.rollout
     from tests.serve.test_image_entry import DIGITS, png, trained_inputs
+    from torchship.serve.entries import entry_names
+    from torchship.serve.model_config import CONFIG, read_config
 
     entry = entry_names("tiny_cnn")[0]
     repo = tmp_path / "repo"
@@ -173,7 +173,7 @@ def test_the_image_entry_answers_with_the_live_version_through_a_rollout(exporte
     with TritonServer(ServeConfig(repo=str(repo))) as s:
         client = TritonClient(s.url)
         with Flood(s.url, files, entry=entry) as flood, monkeypatch.context() as m:
-            m.setattr(serve.rollout, "load_candidate", beside_live)
+            m.setattr(torchship.serve.rollout, "load_candidate", beside_live)
             with pytest.raises(RolloutError, match="version 1 still serves"):
                 switch(s.url, repo, MODEL, None, retrained)
             assert client.ready(MODEL, "2")  # the candidate is loaded beside the live version, under its name
@@ -251,12 +251,12 @@ def test_the_second_model_workflow_in_one_command(exported, tmp_path, capsys):
 def test_ctrl_c_during_a_rollout_leaves_one_version_serving_and_says_which(
     two_versions, exported, retrained, monkeypatch
 ):
-    import serve.rollout
+    import torchship.serve.rollout
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(serve.rollout, "check_served", interrupted)  # Ctrl-C while version 2 is being checked
+    monkeypatch.setattr(torchship.serve.rollout, "check_served", interrupted)  # Ctrl-C while version 2 is being checked
     repo = two_versions
     with TritonServer(ServeConfig(repo=str(repo))) as s:
         with pytest.raises(RolloutError, match=r"version 2 refused \(interrupted\); version 1 still serves"):
@@ -286,7 +286,7 @@ def test_a_rollout_hands_each_server_the_config_it_runs(exported, tmp_path):
     """An AOTInductor model has two configs: config.pbtxt (torch_aoti, the official container's) and embedded.pbtxt
     (the embedded server's stand-in). The rollout loads the candidate and the switch with the one the server at
     --url runs, read from the config it reports for the live model."""
-    from serve.model_config import CONFIG, EMBEDDED_CONFIG, served_config_path
+    from torchship.serve.model_config import CONFIG, EMBEDDED_CONFIG, served_config_path
 
     build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), formats=("aoti",)))
     d = tmp_path / "repo" / "tiny_cnn_aoti"

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from serve.access import GRPC_KEY_HEADER, KEY_ENV, KEY_HEADER, Access, key_path
-from serve.client import TritonClient
-from serve.config import ServeConfig
-from serve.embedded import TritonServer, describe
 from tests.conftest import ROOT, run_cli
 from tests.helpers import plant_attacks
 from torchship.errors import AccessError, ServerError
+from torchship.serve.access import GRPC_KEY_HEADER, KEY_ENV, KEY_HEADER, Access, key_path
+from torchship.serve.client import TritonClient
+from torchship.serve.config import ServeConfig
+from torchship.serve.embedded import TritonServer, describe
 
 VICTIM = "tiny_cnn_onnx"
 
@@ -66,7 +66,7 @@ def test_with_the_key_the_same_calls_are_accepted(repo, tmp_path):
 def test_a_server_that_answers_control_without_the_key_does_not_start(repo, fault, monkeypatch):
     """Fails closed: once live, each start makes one control call without the key, and a server that answers it
     (started without the restriction, or with the helper that hands it over skipped) is stopped, in one line."""
-    import serve.embedded.server as embedded
+    import torchship.serve.embedded.server as embedded
 
     if fault == "no restriction flags":
         monkeypatch.setattr(embedded, "restricted_flags", lambda key: [])
@@ -89,7 +89,7 @@ def test_the_helper_hands_over_every_argument_and_keeps_the_users_preload(tmp_pa
     """hidden_args.c on its own, in a program named tritonserver: all of 70 hidden arguments arrive after the
     visible ones, the file is removed, and the children see the user's own LD_PRELOAD and none of torchship's
     variables; an unreadable file stops the program before main, saying why."""
-    from serve.embedded import hidden
+    from torchship.serve.embedded import hidden
 
     lib, why = hidden.shim(tmp_path)
     if lib is None:
@@ -136,7 +136,7 @@ def test_the_key_stays_out_of_sight(server):
 
 def test_a_client_finds_the_key_of_a_server_on_this_machine_or_is_told_what_to_give(server, tmp_path):
     code = (
-        "import sys; from serve.client import TritonClient; c = TritonClient(sys.argv[1]); "
+        "import sys; from torchship.serve.client import TritonClient; c = TritonClient(sys.argv[1]); "
         "c.client.get_model_repository_index(headers=c.control_headers); print(c.access.key_source)"
     )
     env = {k: v for k, v in os.environ.items() if k not in (KEY_ENV, "TORCHSHIP_TRITON_KEY_FILE")}
@@ -152,7 +152,7 @@ def test_a_client_finds_the_key_of_a_server_on_this_machine_or_is_told_what_to_g
 
 
 def test_a_key_file_flag_is_read_at_the_boundary(server, tmp_path, capsys):
-    from serve.access import remember, with_flags
+    from torchship.serve.access import remember, with_flags
 
     assert run_cli("rollback", tmp_path, "--url", server.url, "--key-file", tmp_path / "absent.key") == 2
     err = capsys.readouterr().err.strip()
@@ -239,7 +239,7 @@ def test_tls_options_are_checked_at_the_boundary(tmp_path):
 def test_without_a_working_compiler_the_key_goes_on_the_command_line_with_a_warning(tmp_path, monkeypatch, capsys):
     """The branches of hide(): the helper built by cc takes the arguments off the command line; where no
     compiler is found, or the one found fails, they stay on it, and one line says which and what that exposes."""
-    from serve.embedded import hidden
+    from torchship.serve.embedded import hidden
 
     env: dict[str, str] = {}
     shown, path = hidden.hide(["--secret=1"], tmp_path, env)
@@ -262,7 +262,7 @@ def test_without_a_working_compiler_the_key_goes_on_the_command_line_with_a_warn
 def test_a_backend_folder_others_can_open_is_refused(tmp_path, monkeypatch):
     """The server runs the code in that folder (and preloads the helper from it): one that others can only read
     is closed to them, one that another user made or can write to is refused, naming it."""
-    from serve.embedded import wheel
+    from torchship.serve.embedded import wheel
 
     monkeypatch.setattr(wheel.tempfile, "gettempdir", lambda: str(tmp_path))
     d = wheel.private_dir()
@@ -281,7 +281,7 @@ def test_a_key_goes_only_to_the_server_it_was_made_for_and_never_in_plaintext_of
     server on this machine or to the one $TORCHSHIP_TRITON_KEY_SERVER names; a key for a server on another
     machine without TLS is refused before any connection (192.0.2.1 is a documentation address: nothing is
     sent), unless --insecure-key."""
-    import serve.access as access
+    import torchship.serve.access as access
     from torchship.errors import ConfigError
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
@@ -312,8 +312,8 @@ def test_a_key_goes_only_to_the_server_it_was_made_for_and_never_in_plaintext_of
 
 
 def test_the_key_files_of_servers_that_are_gone_are_removed(tmp_path, monkeypatch):
-    import serve.access as access
-    from serve.embedded.process import free_ports
+    import torchship.serve.access as access
+    from torchship.serve.embedded.process import free_ports
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     gone = access.write_key(f"127.0.0.1:{free_ports()[0]}", "old")
@@ -355,7 +355,7 @@ def test_torchship_serve_refuses_the_attack_and_removes_its_key_when_it_stops(re
     """torchship serve as a user starts it, in a process of its own: the planted attacks are refused, the key file
     it prints is its user's alone, a key in the user's environment reaches neither tritonserver nor the backends,
     and the key file is gone once the server stops."""
-    from serve.embedded.process import free_ports
+    from torchship.serve.embedded.process import free_ports
 
     grpc, http = free_ports(n=2)
     proc = subprocess.Popen(

@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve.client import TritonClient
-from serve.config import ServeConfig
-from serve.embedded import TritonServer
 from tests.conftest import run_cli
 from tests.helpers import assert_onnx_served, in_process, refused_then_served, rehash_version
 from torchship.errors import ClientError, ServerError
+from torchship.serve.client import TritonClient
+from torchship.serve.config import ServeConfig
+from torchship.serve.embedded import TritonServer
 
 
 def test_explicit_model_control_unload_and_load(server, exported):
@@ -88,7 +88,7 @@ def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported, tmp
     its shutdown would wait out the exit timeout and fail; stop() ends it once every request is answered
     and says which model would not unload. The log is a file of the test's (a temp log goes after a clean
     stop), so that it can be read whichever way the stop went."""
-    from serve.client import InferStream, infer_channel
+    from torchship.serve.client import InferStream, infer_channel
 
     log = tmp_path / "tritonserver.log"
     server = TritonServer(ServeConfig(repo=str(repo), models=("tiny_cnn_onnx",), log=str(log))).start()
@@ -111,7 +111,7 @@ def test_a_stream_whose_first_request_is_refused_still_stops(repo, exported, tmp
 
 
 def test_unload_stall_is_read_from_the_log():
-    from serve.embedded.shutdown import UNLOAD_STALL_TICKS, live_at_exit, loaded_models, unload_stalled
+    from torchship.serve.embedded.shutdown import UNLOAD_STALL_TICKS, live_at_exit, loaded_models, unload_stalled
 
     head = (
         'Signal (15) received.\n"Timeout 20: Found 1 model versions that have in-flight inferences"\n'
@@ -237,7 +237,7 @@ def test_each_endpoint_gets_its_own_port(repo, capsys, monkeypatch):
     """Ports left to the system are distinct and avoid the ones given, even where the system hands a
     closed port out again (picked one at a time, Triton then refuses to start: 'cannot listen to HTTP
     requests and metrics requests at the same address and port')."""
-    import serve.embedded.process as srv
+    import torchship.serve.embedded.process as srv
 
     monkeypatch.setattr(
         srv,
@@ -306,7 +306,7 @@ def test_another_server_on_the_picked_grpc_port_is_not_taken_for_this_one(repo, 
 
 def test_a_given_port_taken_after_the_check_is_named(repo, tmp_path, monkeypatch):
     """A port the user gave is not picked again: the error names the flag and keeps the log."""
-    from serve.embedded.process import free_ports
+    from torchship.serve.embedded.process import free_ports
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     port = free_ports()[0]
@@ -367,7 +367,7 @@ def test_a_start_interrupted_while_waiting_on_the_starter_ends_the_child(monkeyp
     """Ctrl-C (here a SIGINT whose handler raises) while the caller waits for the starter thread: the caller
     gets the interrupt at once, and the child that the starter brings up after it is killed, not orphaned
     (nothing else holds its Popen)."""
-    from serve.embedded import process as server
+    from torchship.serve.embedded import process as server
 
     class Interrupted(BaseException):
         pass
@@ -411,8 +411,8 @@ def test_a_killed_client_process_leaves_no_server_behind(repo, tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(f"""
 import sys, time
-from serve.config import ServeConfig
-from serve.embedded import TritonServer
+from torchship.serve.config import ServeConfig
+from torchship.serve.embedded import TritonServer
 s = TritonServer(ServeConfig(repo={str(repo)!r}, models=("tiny_cnn_onnx",),
                              log={str(tmp_path / "server.log")!r})).start()
 print(s.proc.pid, flush=True)
@@ -444,7 +444,7 @@ time.sleep(600)
 def test_a_backend_process_that_never_starts_fails_the_start_in_time(repo, tmp_path, monkeypatch):
     """Planted: the Python stub cannot start (as when it cannot find libpython). The load call is bounded by
     --ready-timeout and the error carries the server log's tail, instead of start() waiting for good."""
-    import serve.embedded.server as server_mod
+    import torchship.serve.embedded.server as server_mod
 
     broken = tmp_path / "backends"
     shutil.copytree(server_mod.backend_dir(), broken)

@@ -7,12 +7,12 @@ import shutil
 import numpy as np
 import pytest
 
-from serve.bench.soak import growth_per_1000, parse_duration, soak_failure
-from serve.config import RepoConfig
-from serve.model_config import CONFIG, config_text, read_config
-from serve.repository import build_repository
 from tests.conftest import run_cli
 from torchship.errors import ConfigError
+from torchship.serve.bench.soak import growth_per_1000, parse_duration, soak_failure
+from torchship.serve.config import RepoConfig
+from torchship.serve.model_config import CONFIG, config_text, read_config
+from torchship.serve.repository import build_repository
 
 
 def test_growth_is_the_slope_after_the_caches_fill():
@@ -90,7 +90,7 @@ class TritonPythonModel(Base):
 
 def leaky_repo(exported, tmp_path):
     """The export's ONNX model served by a python-backend model.py that leaks, answering correctly."""
-    from serve.embedded.wheel import backend_dir
+    from torchship.serve.embedded.wheel import backend_dir
 
     repo = tmp_path / "leaky"
     build_repository(exported, RepoConfig(out=str(repo), formats=("onnx",)))
@@ -105,7 +105,7 @@ def leaky_repo(exported, tmp_path):
 
 @pytest.mark.slow
 def test_a_soak_checks_every_response_and_catches_a_planted_leak(exported, tmp_path, capsys):
-    from serve.bench.served_as import copy_as
+    from torchship.serve.bench.served_as import copy_as
 
     out = tmp_path / "healthy"
     repo = tmp_path / "repo"

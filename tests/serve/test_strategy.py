@@ -6,15 +6,15 @@ import os
 
 import pytest
 
-from serve.bench.placement import grid_of, placement_of
-from serve.bench.search import Point, choose, deep_level, search_levels
-from serve.bench.strategy import pick
-from serve.config import ServeConfig, parse_strategy
-from serve.embedded import TritonServer
-from serve.model_config import read_config
-from serve.parity import check_served
 from tests.conftest import run_cli
 from torchship.errors import ConfigError
+from torchship.serve.bench.placement import grid_of, placement_of
+from torchship.serve.bench.search import Point, choose, deep_level, search_levels
+from torchship.serve.bench.strategy import pick
+from torchship.serve.config import ServeConfig, parse_strategy
+from torchship.serve.embedded import TritonServer
+from torchship.serve.model_config import read_config
+from torchship.serve.parity import check_served
 
 MANIFEST = {"name": "tiny_cnn", "max_batch": 8}
 
@@ -62,7 +62,7 @@ def test_the_strategy_picks_from_the_figures(res, strategy, model, runner_up):
 def test_max_throughput_is_read_where_the_server_saturates_not_deeper_in_the_queue():
     """Throughput level from 16 to 64 in flight (within 5 %): the winner's figures, the recommendation's batch
     and its p99 are those at 16; a clear gain at 64 (more than 5 %) still takes 64."""
-    from serve.bench.recommend import recommend
+    from torchship.serve.bench.recommend import recommend
 
     flat = results(
         [row(1, 30, 33.0, 44.0), row(16, 34, 463.0, 491.0)],
@@ -85,7 +85,7 @@ def test_within_the_noise_the_stated_rule_chooses_and_beyond_it_the_figures_do()
     """The choice repeats from run to run: points whose scores lie within the noise (the windows' agreement, or a
     row's own spread where it is wider) are ordered by the higher precision, then the lower p99, then the fewer
     instances, not by which window was luckier."""
-    from serve.bench.search import Point, choose
+    from torchship.serve.bench.search import Point, choose
 
     def p(model, precision, instances, rps, p99, spread=0.0, p50=5.0):
         return Point(model, precision, instances, 2 // instances, [{**row(16, rps, p50, p99), "spread": spread}])
@@ -113,8 +113,8 @@ def test_the_search_serves_a_point_it_measured_and_the_others_are_runners_up_at_
     later windows can read below another model's earlier sweep figure, and the plain name must still go to a
     model the search placed (the summary's "as served" row is its figures). Under a p99 budget no searched point
     meets, every point is considered."""
-    from serve.bench.search import settle
-    from serve.bench.strategy import winner_of
+    from torchship.serve.bench.search import settle
+    from torchship.serve.bench.strategy import winner_of
 
     searched = [
         Point("tiny_cnn_onnx", "float32", n, 2 // n, [row(16, rps, 5.0, 9.0)]) for n, rps in ((1, 800), (2, 900))
@@ -138,9 +138,9 @@ def test_a_budget_nothing_meets_and_a_bad_strategy_are_refused():
 
 @pytest.mark.slow
 def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_export, tmp_path, capsys, monkeypatch):
-    import serve.bench.config
+    import torchship.serve.bench.config
 
-    monkeypatch.setitem(serve.bench.config.SHORT_BENCH, "window_s", 0.1)  # the search, in shorter windows
+    monkeypatch.setitem(torchship.serve.bench.config.SHORT_BENCH, "window_s", 0.1)  # the search, in shorter windows
     bench = tmp_path / "results.json"
     bench.write_text(json.dumps(FAST_INT8))
     repo = tmp_path / "repo"
@@ -188,9 +188,9 @@ def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_ex
 
 @pytest.mark.slow
 def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_path, capsys, monkeypatch):
-    import serve.bench.config
+    import torchship.serve.bench.config
 
-    monkeypatch.setitem(serve.bench.config.SHORT_BENCH, "window_s", 0.1)  # the same bench, in shorter windows
+    monkeypatch.setitem(torchship.serve.bench.config.SHORT_BENCH, "window_s", 0.1)  # the same bench, in shorter windows
     repo = tmp_path / "repo"
     assert (
         run_cli("repo", int8_export, "--out", repo, "--formats", "onnx", "onnx_int8", "--strategy", "max-throughput")
@@ -212,7 +212,9 @@ def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_pa
     for model in placement["contenders"]:
         at = {(g["instances"], g["threads"]) for g in placement["grid"] if g["model"] == model}
         assert at == set(grid_of(cores)), at
-    levels = search_levels("max-throughput", serve.bench.config.SHORT_BENCH["concurrency"], deep_level(8, cores))
+    levels = search_levels(
+        "max-throughput", torchship.serve.bench.config.SHORT_BENCH["concurrency"], deep_level(8, cores)
+    )
     for g in placement["grid"]:
         assert set(levels) <= {r["concurrency"] for r in g["rows"]}
         assert all(r["checked"] > 0 and r["wrong"] == 0 for r in g["rows"])
@@ -245,9 +247,9 @@ def test_bad_strategy_input_is_refused_and_writes_nothing(exported, tmp_path, ca
 def test_a_smaller_max_batch_takes_the_warm_up_down_with_it(exported, tmp_path):
     """A warm-up above max_batch_size fails the load (and over the load API crashed Triton 2.51): the batching edit
     brings each warm-up within the new max batch."""
-    from serve.bench.recommend import batching_edit
-    from serve.config import RepoConfig
-    from serve.repository import build_repository
+    from torchship.serve.bench.recommend import batching_edit
+    from torchship.serve.config import RepoConfig
+    from torchship.serve.repository import build_repository
 
     build_repository(exported, RepoConfig(out=str(tmp_path / "repo"), formats=("onnx",)))
     c = read_config(tmp_path / "repo" / "tiny_cnn_onnx" / "config.pbtxt")

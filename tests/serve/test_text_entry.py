@@ -7,14 +7,14 @@ import shutil
 import numpy as np
 import pytest
 
-from serve.client import TritonClient
-from serve.config import RepoConfig, ServeConfig
-from serve.embedded import TritonServer
-from serve.repository import build_repository
 from tests.anymodel.texts import make_tokenizer, sample_texts
 from tests.conftest import run_cli
 from torchship.errors import ClientError, ConfigError
 from torchship.runtime import PROVENANCE, sha256_file
+from torchship.serve.client import TritonClient
+from torchship.serve.config import RepoConfig, ServeConfig
+from torchship.serve.embedded import TritonServer
+from torchship.serve.repository import build_repository
 from torchship.signature import parse_signature
 from torchship.textio import bucket, decode_text, encode, load_tokenizer
 
@@ -63,7 +63,7 @@ def test_bad_text_is_refused_with_the_reason(data, why):
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tokenizer):
     from tokenizers import Tokenizer
 
-    from export.text import text_spec
+    from torchship.export.text import text_spec
 
     sig = parse_signature(
         ["input_ids:int64:B,S", "attention_mask:int64:B,S"], ["S=1..64"], ["input_ids=0..99", "attention_mask=mask"]
@@ -210,12 +210,12 @@ def test_after_the_runs_switch_the_text_entry_runs_the_winner_and_is_checked(tex
     """torchship run's switch on a text model: the winner copied under the plain name, the text entry pointed at
     it on disk, then reloaded in the live server and checked there. The planted fault, the image entry's name
     asked for (as the run once did), reloads nothing, and the live entry keeps running the old model."""
-    import serve.entries
-    from serve.bench.served_as import copy_as
-    from serve.entries import entry_target, retarget
-    from serve.parity import check_served
+    import torchship.serve.entries
     from torchship.manifest import Export
     from torchship.pipeline.run import reload_entry
+    from torchship.serve.bench.served_as import copy_as
+    from torchship.serve.entries import entry_target, retarget
+    from torchship.serve.parity import check_served
 
     server, export, repo = text_served
     manifest = Export(export).manifest
@@ -225,7 +225,11 @@ def test_after_the_runs_switch_the_text_entry_runs_the_winner_and_is_checked(tex
     retarget(repo, "hf_bert", "hf_bert")
     try:
         with monkeypatch.context() as m:
-            m.setattr(serve.entries, "entry_of", lambda mf: serve.entries.Entry("image", "hf_bert_image", "", ""))
+            m.setattr(
+                torchship.serve.entries,
+                "entry_of",
+                lambda mf: torchship.serve.entries.Entry("image", "hf_bert_image", "", ""),
+            )
             assert reload_entry(server, repo, manifest) == []
         assert entry_target(client.config(ENTRY, fresh=True)) == "hf_bert_onnx"  # the fault: left behind
         assert reload_entry(server, repo, manifest) == [ENTRY]
@@ -245,7 +249,7 @@ def test_the_text_entry_pads_with_the_tokenizers_own_padding_token():
     names none is refused, rather than padded with a guessed 0."""
     from tokenizers import Tokenizer, models
 
-    from export.text import pad_id
+    from torchship.export.text import pad_id
 
     roberta = Tokenizer(models.WordLevel({"<s>": 0, "<pad>": 1, "</s>": 2, "hi": 3}, unk_token="<s>"))
     assert pad_id(roberta) == 1

@@ -3,8 +3,8 @@ settles stops at the cap and is marked unstable."""
 
 import pytest
 
-from serve.bench.stats import merge_deltas
-from serve.bench.windows import settle, settle_rounds, spread
+from torchship.serve.bench.stats import merge_deltas
+from torchship.serve.bench.windows import settle, settle_rounds, spread
 
 
 def source(values):
@@ -43,7 +43,7 @@ def test_the_minimum_holds_even_when_the_first_windows_agree():
 
 
 def test_a_window_beyond_the_plan_grows_the_progress_total():
-    from serve.bench.windows import ticker
+    from torchship.serve.bench.windows import ticker
 
     class Bar:
         total, n = 3, 0
@@ -81,7 +81,7 @@ def test_rounds_visit_every_unsettled_cell_in_turn():
 
 def test_a_level_that_settles_in_one_of_two_states_is_marked_moved():
     # the last three windows agree, but the level ran at 1300 before settling at 1140: another run may settle at either
-    from serve.bench.report import served_lines
+    from torchship.serve.bench.report import served_lines
 
     it = iter(
         [900, 1300, 1290, 1140, 1300, 1145, 1150, 1138]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-import train.loop as loop
+import torchship.train.loop as loop
 from torchship.config import build
-from train.config import TrainConfig
-from train.loop import train
+from torchship.train.config import TrainConfig
+from torchship.train.loop import train
 
 if os.environ.get("TORCHSHIP_PLANT_SAME_SHARD") == "1":
     real = loop.rank_batches

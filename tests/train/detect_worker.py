@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from tests.train.test_detect import Oracle
 from torchship.config import build
-from train.config import TrainConfig
-from train.detect import evaluate, load_pictures
-from train.distributed import init_distributed
-from train.loop import train
+from torchship.train.config import TrainConfig
+from torchship.train.detect import evaluate, load_pictures
+from torchship.train.distributed import init_distributed
+from torchship.train.loop import train
 
 out = Path(sys.argv[1])
 d = init_distributed("cpu")  # joined here, so that it outlives train()

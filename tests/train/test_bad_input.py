@@ -113,8 +113,8 @@ def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(tmp_path, capsys
 
 def test_more_ranks_than_cpus_is_noted(tmp_path, monkeypatch, capsys):
     from torchship.config import build
-    from train import launch
-    from train.config import TrainConfig
+    from torchship.train import launch
+    from torchship.train.config import TrainConfig
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     launch.preflight(build(TrainConfig, {"arch": "tiny_cnn", "data": "synthetic", "out": str(tmp_path / "o")}), 2)
@@ -126,7 +126,7 @@ def test_default_ranks_are_one_process_on_a_cpu_and_one_per_gpu(monkeypatch):
     machine's), which trains faster there than DDP ranks; on CUDA one rank per GPU. Each says why."""
     import torch
 
-    from train import launch
+    from torchship.train import launch
 
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 5})
@@ -156,7 +156,7 @@ def test_existing_output_is_not_overwritten(trained, tmp_path, capsys):
 )
 def test_a_rank_that_dies_without_an_error_is_named(code, says, monkeypatch):
     """A rank killed by the out-of-memory killer leaves no traceback: the launcher says what killed it."""
-    from train.launch import launch_torchrun
+    from torchship.train.launch import launch_torchrun
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # launch_torchrun sets it if unset; leave this process as it was
     with pytest.raises(TorchshipError, match=says):

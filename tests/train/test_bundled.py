@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits, load_sample_images
 
-from train import bundled
+from torchship.train import bundled
 
 
 def same_as_sklearn():

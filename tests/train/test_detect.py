@@ -13,9 +13,9 @@ import torch
 from tests.conftest import run_cli
 from torchship.detectors import TopK, build_detector, detections, nms_keep
 from torchship.errors import ConfigError
-from train.config import TrainConfig
-from train.detect import evaluate, load_pictures
-from train.distributed import Dist
+from torchship.train.config import TrainConfig
+from torchship.train.detect import evaluate, load_pictures
+from torchship.train.distributed import Dist
 
 
 def spread(detector: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:

@@ -11,7 +11,7 @@ from sklearn.neighbors import KNeighborsClassifier
 
 from torchship.boxes import PAD_VALUE, iou, letterbox
 from torchship.errors import DataError
-from train.detection_data import DIGIT_CLASSES, INK, builtin_detection, compose, read_coco
+from torchship.train.detection_data import DIGIT_CLASSES, INK, builtin_detection, compose, read_coco
 
 BACKGROUND = 0.2  # a flat background: a pixel that differs from it is ink
 

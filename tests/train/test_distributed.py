@@ -99,7 +99,7 @@ def test_a_cuda_rank_takes_its_gpu_and_nccl(monkeypatch):
     """The CUDA branch, forced on any machine: a rank under torchrun selects its local GPU and asks for NCCL."""
     import torch.distributed as dist
 
-    from train.distributed import init_distributed
+    from torchship.train.distributed import init_distributed
 
     seen = {}
     monkeypatch.setenv("RANK", "1")

@@ -12,8 +12,8 @@ from torchship import checkpoint as ck
 from torchship.config import build
 from torchship.errors import CheckpointError
 from torchship.models import build_model
-from train.config import TrainConfig
-from train.loop import train
+from torchship.train.config import TrainConfig
+from torchship.train.loop import train
 
 
 def cfg(tmp_path, **kw) -> TrainConfig:

@@ -12,9 +12,9 @@ from tests.anymodel.models import tabular, topic_texts
 from tests.conftest import run_cli
 from torchship import checkpoint as ck
 from torchship.config import build
-from train.config import TrainConfig
-from train.loop import train
-from train.userdata import infer_signature
+from torchship.train.config import TrainConfig
+from torchship.train.loop import train
+from torchship.train.userdata import infer_signature
 
 MODELS = "tests.anymodel.models"
 

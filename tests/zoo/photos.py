@@ -18,7 +18,7 @@ def crops(count: int = 64, size: int = 224, seed: int = 0) -> np.ndarray:
     import torch
     import torch.nn.functional as F
 
-    from train.bundled import sample_photos
+    from torchship.train.bundled import sample_photos
 
     photos = [torch.from_numpy(i).permute(2, 0, 1).float() / 255 for i in sample_photos()]
     g = np.random.default_rng(seed)
@@ -53,7 +53,7 @@ def crop_files(out, count: int = 64, seed: int = 0) -> list:
 
     from PIL import Image
 
-    from train.bundled import sample_photos
+    from torchship.train.bundled import sample_photos
 
     photos = sample_photos()
     out = Path(out)

@@ -170,8 +170,8 @@ def _reason(v: dict, name: str, entry: dict) -> str:
 
 def _serve(entry: zoo.Entry, d: Path, ts: list[str], log: Path) -> dict[str, Any]:
     """repo, a real embedded Triton, infer --check and a short bench against it."""
-    from serve.config import ServeConfig
-    from serve.embedded import TritonServer
+    from torchship.serve.config import ServeConfig
+    from torchship.serve.embedded import TritonServer
 
     served: dict[str, Any] = {
         "repo": _command([*ts, "repo", str(d / "export"), "--out", str(d / "repo"), "--overwrite"], log)

@@ -125,12 +125,12 @@ def zoo_weights(tmp_path_factory):
 def export_with_faults(name: str, tmp, faults: dict, weights, head_scale: float = 1.0):
     """Export the zoo model ``name`` (``weights``, the head scaled by ``head_scale``) to an ExportedProgram,
     then add one artifact per fault, made from the faulty model the same way."""
-    from export.config import ExportConfig
-    from export.exporters import example, exported_program
-    from export.pipeline import run_export
-    from export.source import load_source
     from tests.zoo.run import model_args
     from torchship.config import build
+    from torchship.export.config import ExportConfig
+    from torchship.export.exporters import example, exported_program
+    from torchship.export.pipeline import run_export
+    from torchship.export.source import load_source
 
     spec = MODELS[name]
     entry = spec["entry"]
@@ -180,7 +180,7 @@ def _flags(flags: tuple[str, ...]) -> dict:
 
 
 def verdicts(d) -> dict[str, dict]:
-    from export.verify import verify_export
+    from torchship.export.verify import verify_export
 
     with pytest.raises(ParityError):
         verify_export(d, log=lambda *a: None)

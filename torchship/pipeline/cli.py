@@ -11,23 +11,32 @@ from ..errors import Interrupted, TorchshipError
 
 # subcommand -> (module, help). Modules are imported lazily so `torchship --help` is fast.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("train.launch", "train a model with DDP/AMP and write checkpoints"),
+    "train": ("torchship.train.launch", "train a model with DDP/AMP and write checkpoints"),
     "export": (
-        "export.cli",
+        "torchship.export.cli",
         "export a checkpoint, or your own model and weights, to TorchScript, ExportedProgram, "
         "AOTInductor and ONNX, then verify each against eager in float64",
     ),
-    "verify": ("export.cli", "re-verify an export directory (hashes, then parity against its float64 reference)"),
-    "repo": ("serve.cli", "build a Triton model repository from an export manifest"),
-    "serve": ("serve.cli", "start the embedded Triton Inference Server on a repository"),
-    "infer": ("serve.cli", "send images, .npz requests or an export's samples to a Triton server over gRPC"),
+    "verify": (
+        "torchship.export.cli",
+        "re-verify an export directory (hashes, then parity against its float64 reference)",
+    ),
+    "repo": ("torchship.serve.cli", "build a Triton model repository from an export manifest"),
+    "serve": ("torchship.serve.cli", "start the embedded Triton Inference Server on a repository"),
+    "infer": ("torchship.serve.cli", "send images, .npz requests or an export's samples to a Triton server over gRPC"),
     "rollout": (
-        "serve.cli",
+        "torchship.serve.cli",
         "switch a running Triton to each model's newest version on disk, once its served "
         "outputs pass the parity check, without a failed request",
     ),
-    "rollback": ("serve.cli", "switch a running Triton back to an earlier version still on disk, the same way"),
-    "bench": ("serve.bench.cli", "benchmark in-process and served latency/throughput, or compare two results"),
+    "rollback": (
+        "torchship.serve.cli",
+        "switch a running Triton back to an earlier version still on disk, the same way",
+    ),
+    "bench": (
+        "torchship.serve.bench.cli",
+        "benchmark in-process and served latency/throughput, or compare two results",
+    ),
     "run": (
         "torchship.pipeline.run_cli",
         "every stage in one run folder: train, export (each format verified against "

@@ -47,10 +47,10 @@ DEFAULT_STRATEGY = "max-throughput"  # what torchship run serves under the plain
 
 def stage_configs(settings: dict[str, dict[str, Any]], dirs: dict[str, Path]) -> dict[str, Any]:
     """Every section as its stage's typed config, with the run folder's paths filled in."""
-    from export.config import ExportConfig
-    from serve.bench.config import SHORT_BENCH, BenchConfig
-    from serve.config import RepoConfig, ServeConfig
-    from train.config import TrainConfig
+    from torchship.export.config import ExportConfig
+    from torchship.serve.bench.config import SHORT_BENCH, BenchConfig
+    from torchship.serve.config import RepoConfig, ServeConfig
+    from torchship.train.config import TrainConfig
 
     serve = _build_section(
         "serve", ServeConfig, settings, {"repo": str(dirs["repo"]), "log": str(dirs["logs"] / "tritonserver.log")}
@@ -142,7 +142,7 @@ class Run:
         """The embedded server on the run's repository, with the bench's no-op model beside it; started on
         first use, so that the check and the bench measure the same server."""
         if self.server is None:
-            from serve.bench.served import bench_server
+            from torchship.serve.bench.served import bench_server
 
             self.server = bench_server(self.cfg["serve"], self.export().manifest, self.dirs["bench"])
             self.server.start()
@@ -152,7 +152,7 @@ class Run:
 
 def stage_train(run: Run, t0: float) -> None:
     from torchship import checkpoint as ck
-    from train.launch import run_train
+    from torchship.train.launch import run_train
 
     # an existing train/ holds no checkpoint yet, or --overwrite said to replace them
     run_train(dataclasses.replace(run.cfg["train"], overwrite=True))
@@ -170,9 +170,9 @@ def stage_train(run: Run, t0: float) -> None:
 
 
 def stage_export(run: Run, t0: float) -> None:
-    from export.fresh import close_all
-    from export.pipeline import export_model
     from torchship.errors import ParityError
+    from torchship.export.fresh import close_all
+    from torchship.export.pipeline import export_model
 
     cfg = dataclasses.replace(run.cfg["export"], overwrite=True)
     with open(run.dirs["logs"] / "export.log", "w") as elog:
@@ -207,7 +207,7 @@ def stage_export(run: Run, t0: float) -> None:
 
 
 def stage_repo(run: Run, t0: float) -> None:
-    from serve.repository import build_repository
+    from torchship.serve.repository import build_repository
 
     res = build_repository(run.export(), dataclasses.replace(run.cfg["repo"], overwrite=True))
     entry = res.get("entry")
@@ -229,8 +229,8 @@ def entry_sizes(export, entry: str) -> dict[str, Any]:
 
 
 def stage_check(run: Run, t0: float) -> None:
-    from serve.parity import check_served, served_markdown
     from torchship.errors import ParityError
+    from torchship.serve.parity import check_served, served_markdown
 
     try:
         report = check_served(run.served().url, run.export())
@@ -245,10 +245,10 @@ def stage_check(run: Run, t0: float) -> None:
 
 
 def stage_bench(run: Run, t0: float) -> None:
-    from serve.bench.results import level_rows
-    from serve.bench.run import run_bench
-    from serve.repository import served_artifacts
     from torchship.errors import ParityError
+    from torchship.serve.bench.results import level_rows
+    from torchship.serve.bench.run import run_bench
+    from torchship.serve.repository import served_artifacts
 
     cfg = run.cfg["bench"]
     if not run.settings["bench"].get("variants"):  # in-process, what the summary sets beside each served model
@@ -265,7 +265,7 @@ def stage_bench(run: Run, t0: float) -> None:
     if winner:  # the bench's results and report name what serves, with the figures that chose it
         results["winner"] = winner
         atomic_write_json(run.dirs["bench"] / "results.json", results)
-    from serve.bench.report import write_report
+    from torchship.serve.bench.report import write_report
 
     write_report(results, run.dirs["bench"], plots=plots)
     run.done("bench", t0, report=str(run.dirs["bench"] / "report.md"), **({"winner": winner} if winner else {}))
@@ -281,8 +281,8 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
     """The repo stage's --strategy (max-throughput by default) judged on the bench just measured: the winner
     is added to the repository under the export's plain name, loaded into the live server, and must pass
     served parity there before the run goes on."""
-    from serve.bench.strategy import serve_by_strategy
-    from serve.parity import check_served
+    from torchship.serve.bench.strategy import serve_by_strategy
+    from torchship.serve.parity import check_served
 
     export = run.export()
     server = run.served()
@@ -310,7 +310,7 @@ def serve_the_winner(run: Run, results: dict[str, Any]) -> dict[str, Any]:
 def reload_entry(server, repo: Path, manifest: dict[str, Any]) -> list[str]:
     """The export's raw entry (image or text), where the repository has one: reloaded on ``server``, so that it
     runs the model now behind it; returns its name for the check ([] without one)."""
-    from serve.entries import entry_of
+    from torchship.serve.entries import entry_of
 
     entry = entry_of(manifest)
     if entry is None or not (repo / entry.name).is_dir():
@@ -343,8 +343,8 @@ STAGE_NAMES = tuple(s.name for s in STAGES)
 def stage_rollout(run: Run, t0: float) -> None:
     """--into REPO --url URL: the export becomes the next version of its models in the live server's repository,
     switched to once its served outputs pass the parity check; the live version serves on otherwise."""
-    from serve.rollout import switch
-    from serve.versions import add_version
+    from torchship.serve.rollout import switch
+    from torchship.serve.versions import add_version
 
     added = add_version(run.export(), run.into, run.cfg["repo"], log=run.log)
     switched = {m: switch(run.url, run.into, m, v, run.export(), log=run.log)["live"] for m, v in added.items()}

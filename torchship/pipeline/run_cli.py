@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from serve.access import access_from_arguments, add_access_arguments
+from torchship.serve.access import access_from_arguments, add_access_arguments
 
 from ..config import load_config_file
 from ..errors import ConfigError
@@ -80,7 +80,7 @@ def main_run(ns: argparse.Namespace) -> int:
     access_from_arguments(ns, ns.url)
     train_cfg = configs["train"]
     if ns.start == "train":  # and where training would run (fp16 needs CUDA), before the run folder is made
-        from train.loop import resolve_device
+        from torchship.train.loop import resolve_device
 
         try:
             resolve_device(train_cfg)

@@ -97,16 +97,16 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
         lines += ["", entry_line(entry, record["stages"].get("bench", {}).get("winner"))]
     results = run_dir / "bench" / "results.json"
     if "bench" in record["stages"]:
-        from serve.bench.beside import side_by_side
-        from serve.bench.compare import load_results
-        from serve.bench.report import served_lines
+        from torchship.serve.bench.beside import side_by_side
+        from torchship.serve.bench.compare import load_results
+        from torchship.serve.bench.report import served_lines
 
         b = _readable(lines, results, load_results, results)
         if b.get("served"):
             lines += [""] + served_lines(b["served"], b.get("config", {}))
             winner = record["stages"]["bench"].get("winner")
             if winner:
-                from serve.bench.placement import winner_lines
+                from torchship.serve.bench.placement import winner_lines
 
                 lines += winner_lines(winner)
             rec = b.get("recommendation", {})
@@ -117,7 +117,7 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
                     "",
                 ]
         if b:
-            from serve.bench.entry import entry_lines
+            from torchship.serve.bench.entry import entry_lines
 
             lines += side_by_side(b, record["stages"]["bench"].get("winner")) + entry_lines(b.get("served", {}))
     lines += [
