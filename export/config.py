@@ -11,7 +11,7 @@ from torchship.config import opt
 from torchship.device import cpu_flags, native_precisions
 from torchship.errors import ConfigError
 from torchship.parity import GATE
-from torchship.runtime import BF16_FORMATS, FORMATS, INT8_FORMATS
+from torchship.runtime import ARTIFACT_FORMATS, BF16_FORMATS, INT8_FORMATS
 
 
 def reduced_format(precision: str, flags: set[str]) -> str:
@@ -114,7 +114,7 @@ class ExportConfig:
     out: str = opt("runs/export", "export directory to create")
     formats: tuple[str, ...] = opt(
         (),
-        "formats to export: " + ", ".join(FORMATS) + ". Default: torchscript and onnx "
+        "formats to export: " + ", ".join(ARTIFACT_FORMATS) + ". Default: torchscript and onnx "
         "in float32; on CUDA also aoti (the official container's torch_aoti); on a CPU "
         "also aoti_int8 where it multiplies 8-bit integers natively (VNNI, AMX-INT8) "
         "and aoti_bf16 where it computes bfloat16 natively (AVX512-BF16, AMX), each "
@@ -218,12 +218,13 @@ class ExportConfig:
                 raise ConfigError(f"{flag} {path}: no such file")
         if self.text_samples and not self.tokenizer:
             raise ConfigError("--text-samples goes with --tokenizer (the samples are sent as text to the text entry)")
-        unknown = [f for f in self.formats if f not in FORMATS]
+        unknown = [f for f in self.formats if f not in ARTIFACT_FORMATS]
         if unknown:
-            raise ConfigError(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
-        stray = [f for f in self.optional if f not in (self.formats or FORMATS)]
+            raise ConfigError(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(ARTIFACT_FORMATS)}")
+        stray = [f for f in self.optional if f not in (self.formats or ARTIFACT_FORMATS)]
         if stray:
-            raise ConfigError(f"--optional {stray[0]} is not among --formats ({', '.join(self.formats or FORMATS)})")
+            among = ", ".join(self.formats or ARTIFACT_FORMATS)
+            raise ConfigError(f"--optional {stray[0]} is not among --formats ({among})")
         if self.max_batch < 2:
             raise ConfigError("--max-batch must be at least 2 (a batch of 1 cannot be exported as dynamic)")
         if not 1 <= self.odd_batch <= self.max_batch:

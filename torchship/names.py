@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from .runtime import ARTIFACTS
+
 
 @dataclass(frozen=True)
 class ServedFormat:
@@ -18,8 +20,11 @@ class ServedFormat:
     platform: str
     file: str
     artifacts: tuple[str, ...]
-    precision: str = "model"
     made_for: str = ""
+
+    @property
+    def precision(self) -> str:
+        return ARTIFACTS[self.artifacts[0]]
 
 
 COMPILED, QUANTIZED = "compiled", "quantized"
@@ -27,9 +32,9 @@ FORMATS = {  # the one table of served formats: one Triton model each, in this o
     "onnx": ServedFormat("onnxruntime_onnx", "model.onnx", ("onnx",)),
     "torchscript": ServedFormat("pytorch_libtorch", "model.pt", ("torchscript",)),
     "aoti": ServedFormat("torch_aoti", "model.pt2", ("aoti_buckets", "aoti"), made_for=COMPILED),
-    "onnx_int8": ServedFormat("onnxruntime_onnx", "model.onnx", ("onnx_int8",), "int8", made_for=QUANTIZED),
-    "aoti_int8": ServedFormat("torch_aoti", "model.pt2", ("aoti_int8",), "int8", made_for=COMPILED),
-    "aoti_bf16": ServedFormat("torch_aoti", "model.pt2", ("aoti_bf16",), "bf16", made_for=COMPILED),
+    "onnx_int8": ServedFormat("onnxruntime_onnx", "model.onnx", ("onnx_int8",), made_for=QUANTIZED),
+    "aoti_int8": ServedFormat("torch_aoti", "model.pt2", ("aoti_int8",), made_for=COMPILED),
+    "aoti_bf16": ServedFormat("torch_aoti", "model.pt2", ("aoti_bf16",), made_for=COMPILED),
 }
 SERVED_FORMATS = tuple(FORMATS)
 FORMAT_PARAMETER = (

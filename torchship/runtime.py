@@ -17,10 +17,23 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-FP32_FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")  # in the model's own dtype
-INT8_FORMATS = ("onnx_int8", "aoti_int8")  # quantized: gated on accuracy rather than rounding
-BF16_FORMATS = ("aoti_bf16",)  # computing in bfloat16 behind float32 inputs and outputs: gated on accuracy too
-FORMATS = (*FP32_FORMATS, *INT8_FORMATS, *BF16_FORMATS)
+# The one table of artifact formats (what the exporter writes and this module loads), each with what it computes
+# in: "model" (the model's own dtype), "int8" (quantized: gated on accuracy rather than rounding) or "bf16" (in
+# bfloat16 behind float32 inputs and outputs: gated on accuracy too). torchship.names' FORMATS serves them.
+ARTIFACTS = {
+    "torchscript": "model",
+    "exported_program": "model",
+    "aoti": "model",
+    "aoti_buckets": "model",
+    "onnx": "model",
+    "onnx_int8": "int8",
+    "aoti_int8": "int8",
+    "aoti_bf16": "bf16",
+}
+ARTIFACT_FORMATS = tuple(ARTIFACTS)
+FP32_FORMATS, INT8_FORMATS, BF16_FORMATS = (
+    tuple(f for f, p in ARTIFACTS.items() if p == precision) for precision in ("model", "int8", "bf16")
+)
 BUCKET_PREFIX = "bs"  # the model name of each static batch size inside an aoti_buckets archive: bs1, bs8, ...
 
 
@@ -231,7 +244,7 @@ def load(
             )
         fns = {b: torch_fn(r, device, threads) for b, r in runners.items() if not buckets or b in buckets}
         return Runner(lambda xs: padded_call(fns, xs), inputs, outputs)
-    raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(FORMATS)}")
+    raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(ARTIFACT_FORMATS)}")
 
 
 def threads_in_use(runner: Runner) -> dict[str, Any]:
@@ -395,7 +408,3 @@ def version_file_problems(version_dir: str | os.PathLike, loads: Sequence[str] =
         elif sha256_file(path) != sha:
             problems.append(f"{name} differs from the sha256 in {PROVENANCE} (altered or truncated)")
     return problems
-
-
-def default_threads() -> int:
-    return int(os.environ.get("TORCHSHIP_THREADS", "1"))

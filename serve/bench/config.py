@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from torchship.config import opt
 from torchship.device import usable_cpus
 from torchship.errors import ConfigError
-from torchship.runtime import FORMATS
+from torchship.runtime import ARTIFACT_FORMATS
 
 from ..config import ServeConfig, check_url, default_placement
 
@@ -28,7 +28,7 @@ SHORT_BENCH = {
     "raw_entry": False,
 }
 SOAK_BOUND_KIB = 64.0  # growth per 1000 requests past which the soak fails (see bench_soak)
-IN_PROCESS = ("eager", *FORMATS)
+IN_PROCESS = ("eager", *ARTIFACT_FORMATS)
 
 
 @dataclass
