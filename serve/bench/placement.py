@@ -25,19 +25,16 @@ def grid_of(cores: int) -> list[tuple[int, int]]:
     return [default] + [p for p in candidates(cores) if p != default]
 
 
-def placement_of(c: mc.ModelConfig) -> tuple[int, int]:
-    """(CPU instances, intra-op threads per instance) of a config."""
+def placement_of(c: mc.ModelConfig | dict[str, Any]) -> tuple[int, int]:
+    """(CPU instances, intra-op threads per instance) of a config: a ModelConfig, or its JSON form as a server
+    reports it."""
+    if isinstance(c, dict):
+        from google.protobuf import json_format
+
+        c = json_format.ParseDict(c, mc.ModelConfig(), ignore_unknown_fields=True)
     instances = sum(g.count or 1 for g in c.instance_group if g.kind != mc.ModelInstanceGroup.KIND_GPU) or 1
     threads = next((int(c.parameters[k].string_value) for k in THREAD_PARAMETERS if k in c.parameters), 1)
     return instances, threads
-
-
-def served_placement(config: dict[str, Any]) -> tuple[int, int]:
-    """placement_of for a config in Triton's JSON form, as a server reports it."""
-    groups = [g for g in config.get("instance_group", []) if g.get("kind") != "KIND_GPU"]
-    params = config.get("parameters") or {}
-    threads = next((int(params[k]["string_value"]) for k in THREAD_PARAMETERS if k in params), 1)
-    return sum(int(g.get("count", 1)) for g in groups) or 1, threads
 
 
 def placement_edit(instances: int, threads: int) -> Callable[[mc.ModelConfig], None]:

@@ -8,7 +8,7 @@ import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from torchship.device import usable_cpus
 from torchship.errors import BenchError, TorchshipError
@@ -25,10 +25,10 @@ from .entry import EntryRun
 from .inputs import BenchInputs
 from .load import open_loop
 from .noop import NOOP_MODEL, noop_repo
-from .placement import served_placement
+from .placement import placement_of
 from .results import timed
-from .sweep import PYTHON, LoadGenerator, Sweeper, load_generators
-from .sweeps import ServedPlan, Sweep, left_out, plan_sweeps
+from .sweep import PYTHON, Sweeper, load_generators
+from .sweeps import ServedPlan, Sweep, SweepKind, left_out, plan_sweeps
 
 READY_WAIT_S = 15.0  # how long the bench waits for the server at --url to say it is ready
 
@@ -138,7 +138,7 @@ def model_record(client, model: str, manifest: dict) -> dict[str, Any]:
     """What the bench records of a served model before sweeping it, as its config reads."""
     c = client.config(model)
     buckets = c.get("parameters", {}).get("buckets", {}).get("string_value", "")
-    instances, threads = served_placement(c)
+    instances, threads = placement_of(c)
     fmt = format_of(model, manifest, c)
     return {
         "format": fmt,
@@ -196,29 +196,26 @@ def bench_served(
     try:
         for sw in plan.sweeps:
             with timed(results, sw.kind):
-                if sw.kind in ("noop", "cross_check") and reconfigured:
+                if sw.kind.on_repository_config and reconfigured:
                     for model in reconfigured:
                         server.load(model, override=config(model))  # back to the repository's config
                     reconfigured.clear()
-                if sw.kind in ("batching_off", "delay"):
+                if sw.kind.reconfigures:
                     for model in sw.models:
                         c = config(model)
-                        if sw.kind == "batching_off":
-                            c.ClearField("dynamic_batching")
-                        else:
-                            c.dynamic_batching.max_queue_delay_microseconds = sw.delay_us
+                        sw.edit(c)
                         server.load(model, override=c)
                     reconfigured.update(sw.models)
-                if sw.kind == "entry":
+                if sw.kind is SweepKind.ENTRY:
                     served["entry"] = entry_sweep(sweeper, inputs, plan.entry, sw.levels)
-                elif sw.kind == "noop":
+                elif sw.kind is SweepKind.NOOP:
                     served["noop"] = noop_sweep(sweeper, inputs, server if plan.embedded else None, sw)
                 else:
-                    swept = sweeper.run(
-                        list(sw.models), inputs.singles, sw.levels, checks, other if sw.kind == "cross_check" else None
-                    )
-                    record(served, sw, swept, other)
-                    if sw.kind == "models" and plan.embedded:  # each instance's memory once it served every batch size
+                    cross = other if sw.kind is SweepKind.CROSS_CHECK else None
+                    swept = sweeper.run(list(sw.models), inputs.singles, sw.levels, checks, cross)
+                    for model, rows in swept.items():
+                        sw.record(served, model, rows, cross.name if cross else None)
+                    if sw.kind is SweepKind.MODELS and plan.embedded:  # each instance's memory once it served all
                         for model, rss in server.instance_memory().items():
                             if model in served["models"]:
                                 served["models"][model]["instance_rss_bytes"] = rss
@@ -240,19 +237,6 @@ def bench_served(
             for m in models
         }
     client.close()
-
-
-def record(served: dict[str, Any], sw: Sweep, swept: dict[str, list], other: Optional[LoadGenerator]) -> None:
-    """A sweep's rows, where its kind keeps them in results["served"]."""
-    for model, rows in swept.items():
-        if sw.kind == "models":
-            served["models"][model]["rows"] = rows
-        elif sw.kind == "batching_off":
-            served["batching_off"][model] = {"rows": rows}
-        elif sw.kind == "delay":
-            served["delays"].setdefault(model, {})[str(sw.delay_us)] = {"rows": rows}
-        else:
-            served["cross_check"] = {"load_generator": other.name, "model": model, "rows": rows}
 
 
 def entry_sweep(sweeper: Sweeper, inputs: BenchInputs, entry: str, levels: tuple[int, ...]) -> dict[str, Any]:

@@ -198,7 +198,7 @@ def bench_soak(
     from ..client import TritonClient
     from ..embedded.process import stub_processes
     from .checks import check_of
-    from .placement import served_placement
+    from .placement import placement_of
 
     client = TritonClient(url)
     client.wait_ready(15)
@@ -247,7 +247,7 @@ def bench_soak(
                     f"not sampled: the server at {url} is not this bench's own, so its processes are "
                     "not known here (soak an embedded server: leave out --url)"
                 )
-            res["instances"], res["threads"] = served_placement(client.config(model))
+            res["instances"], res["threads"] = placement_of(client.config(model))
             out[model] = res
             save()
     finally:

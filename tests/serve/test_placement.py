@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from google.protobuf import json_format
 
 from torchship.errors import ConfigError
 from torchship.serve.bench.placement import candidates, grid_of, placement_edit, placement_of
@@ -23,12 +24,16 @@ ENTRY = "tiny_cnn_image"
 def placements(repo):
     """{(model, config file): (instances, threads)} over every config of the repository's tensor models (the
     image entry is an ensemble, and its preprocessing runs one instance per core: pre_instances)."""
-    return {
+    found = {
         (m, name): placement_of(read_config(repo / m / name))
         for m in repository_models(repo)
         for name in CONFIGS
         if (repo / m / name).exists() and not m.startswith(f"{ENTRY}")
     }
+    for (m, name), placement in found.items():  # the JSON form a server reports reads the same
+        as_json = json_format.MessageToDict(read_config(repo / m / name), preserving_proto_field_name=True)
+        assert placement_of(as_json) == placement, (m, name)
+    return found
 
 
 def pre_instances(repo) -> int:
@@ -68,7 +73,7 @@ def test_without_cores_the_configs_use_the_cpus_this_process_may_run_on(exported
     """The CPU affinity (a container's cpuset, taskset), not the host's count: one CPU allowed, one thread."""
     code = (
         "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "from serve.config import RepoConfig; from torchship.serve.repository import build_repository; "
+        "from torchship.serve.config import RepoConfig; from torchship.serve.repository import build_repository; "
         f"build_repository({str(exported)!r}, RepoConfig(out={str(tmp_path / 'one')!r}))"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())
