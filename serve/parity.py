@@ -13,7 +13,7 @@ from torchship.errors import ClientError, ParityError, ShapeError
 from torchship.manifest import RAW_SET, Export, raw_files, reference_inputs, runs_tf32
 from torchship.markdown import table
 from torchship.names import format_of, models_of
-from torchship.parity import check_float_sets, check_quantized_sets, sqnr_db
+from torchship.parity import check_float_sets, check_quantized, check_quantized_sets
 
 from .client import TritonClient
 from .entries import Entry, entry_of, entry_target
@@ -180,36 +180,23 @@ def check_against_target(
     rows: dict[str, Any],
 ) -> list[str]:
     """A reduced-precision model behind the entry: the entry's answers on the files against the model's own on
-    the tensors training made of them (the gate held it to eager already): the same top-1 on every file, and
-    each float output at least the gate's SQNR floor from them."""
+    the tensors training made of them (the gate held it to eager already), under the same gate, with every top-1
+    the same (parity.check_quantized)."""
     ref = export.reference()
     mine = client.infer_batches(target, reference_inputs(ref, export.manifest, RAW_SET), version)
     first = export.manifest["outputs"][0]["name"]
-    agree = float(np.mean(answers[first].argmax(-1) == mine[first].argmax(-1))) if answers[first].ndim == 2 else 1.0
-    sqnr = {o: round(sqnr_db(answers[o], mine[o]), 2) for o in answers if answers[o].dtype.kind == "f"}
-    floor = gate.get("min_sqnr_db", 0.0)
-    failures = (
-        [
-            f"{entry}: {RAW_SET}: top-1 differs from {target}'s on training's tensors of the same files for "
-            f"{round((1 - agree) * len(answers[first]))} of {len(answers[first])}"
-        ]
-        if agree < 1.0
-        else []
+    against = f"{target}'s answers on training's tensors of the same files"
+    row, failures = check_quantized(
+        answers,
+        mine,
+        None,
+        {**gate, "min_top1_agreement": 1.0},
+        f"{entry}: {RAW_SET}",
+        len(answers[first]),
+        True,
+        against,
     )
-    failures += [
-        f"{entry}: {RAW_SET} output {o!r}: SQNR {v:.1f} dB against {target}'s answers on training's tensors "
-        f"of the same files, below {floor:g} dB"
-        for o, v in sqnr.items()
-        if v < floor
-    ]
-    rows[RAW_SET] = {
-        "batch": len(answers[first]),
-        "gate": dict(gate),
-        "sqnr_db": sqnr,
-        "top1_agreement": round(agree, 4),
-        "pass": not failures,
-        "output": first,
-    }
+    rows[RAW_SET] = {**row, "output": first}
     return failures
 
 

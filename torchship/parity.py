@@ -199,6 +199,24 @@ def sqnr_db(got: np.ndarray, want: np.ndarray) -> float:
     return float("inf") if noise == 0 else 10.0 * float(np.log10(max(signal, 1e-300) / noise))
 
 
+def sqnr_floor(gate: dict[str, float]) -> float:
+    """The SQNR a reduced-precision output must reach under ``gate``, in dB (GATE's where the gate names none)."""
+    return gate.get("min_sqnr_db", GATE["min_sqnr_db"])
+
+
+def sqnr_failures(
+    got: dict[str, np.ndarray], want: dict[str, np.ndarray], outputs, floor: float, what: str, against: str
+) -> list[str]:
+    """Each float output of ``outputs`` whose SQNR against ``want`` is below ``floor`` dB, in words."""
+    found = []
+    for o in outputs:
+        if np.issubdtype(want[o].dtype, np.floating):
+            s = sqnr_db(got[o], want[o])
+            if s < floor:
+                found.append(f"{what} output {o!r}: SQNR {s:.1f} dB against {against}, below {floor:g} dB")
+    return found
+
+
 def check_quantized(
     got: dict[str, Optional[np.ndarray]],
     want: dict[str, np.ndarray],
@@ -207,12 +225,14 @@ def check_quantized(
     what: str,
     batch: int,
     real: bool,
+    against: str = "eager",
 ) -> tuple[dict[str, Any], list[str]]:
-    """(row, failures) of a quantized artifact on one input set. Every output must have eager's shape and be
-    finite. On the real samples (``real``) it must also pass the gate: with ``labels``, accuracy within
-    ``max_accuracy_drop`` points of eager's; without, top-1 agreement with eager of at least
-    ``min_top1_agreement`` for a classifier's first output, and for every other float output an SQNR of at least
-    ``min_sqnr_db``. Random inputs lie outside what the artifact was calibrated on: only reported there."""
+    """(row, failures) of a reduced-precision model's outputs on one input set, against ``want`` (eager's, or
+    what ``against`` names). Every output must have want's shape and be finite. On the real samples (``real``)
+    it must also pass the gate: with ``labels``, accuracy within ``max_accuracy_drop`` points of eager's;
+    without, top-1 agreement of at least ``min_top1_agreement`` for a classifier's first output, and for every
+    other float output an SQNR of at least ``sqnr_floor(gate)``. Random inputs lie outside what the artifact was
+    calibrated on: only reported there."""
     row: dict[str, Any] = {"batch": batch, "gate": dict(gate), "sqnr_db": {}}
     failures: list[str] = []
     names = list(want)
@@ -250,13 +270,10 @@ def check_quantized(
                 )
         elif agree < gate["min_top1_agreement"]:
             failures.append(
-                f"{what}: top-1 agrees with eager on {100 * agree:.1f} % of {len(g)} real samples "
+                f"{what}: top-1 agrees with {against} on {100 * agree:.1f} % of {len(g)} real samples "
                 f"(at least {100 * gate['min_top1_agreement']:g} % needed)"
             )
-    for o in rest if classifier else names:
-        s = row["sqnr_db"].get(o)
-        if s is not None and s < gate["min_sqnr_db"]:
-            failures.append(f"{what} output {o!r}: SQNR {s:.1f} dB against eager, below {gate['min_sqnr_db']:g} dB")
+    failures += sqnr_failures(got, want, rest if classifier else names, sqnr_floor(gate), what, against)
     row["pass"] = not failures
     return row, failures
 

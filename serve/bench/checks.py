@@ -51,11 +51,9 @@ class ResponseCheck:
                     "missing" if g is None else f"has shape {list(g.shape)}, expected {list(w.shape)}"
                 )
             if self.min_sqnr_db is not None:
-                if np.issubdtype(w.dtype, np.floating) and parity.sqnr_db(g, w) < self.min_sqnr_db:
-                    return (
-                        f"output {o!r} at SQNR {parity.sqnr_db(g, w):.1f} dB against {self.against}, below "
-                        f"{self.min_sqnr_db:g} dB"
-                    )
+                low = parity.sqnr_failures({o: g}, {o: w}, [o], self.min_sqnr_db, "", self.against)
+                if low:
+                    return low[0].lstrip()
                 continue
             b = self.bounds[o]
             verdict = parity.compare(g, w, b["atol"], b.get("rtol", 0.0))
@@ -128,8 +126,7 @@ def response_check(
     own = {o: np.concatenate([r[o] for r in idle]) for o in outputs}
     against = "its own answers on the idle server"
     if art.get("gate"):
-        sqnr = art["gate"].get("min_sqnr_db", parity.GATE["min_sqnr_db"])
-        return ResponseCheck(model, own, against, names=names, min_sqnr_db=sqnr)
+        return ResponseCheck(model, own, against, names=names, min_sqnr_db=parity.sqnr_floor(art["gate"]))
     if "detection" in manifest:  # two runs, each within the bounds of the reference: twice the bounds apart
         doubled = {o: {**b, "atol": 2 * b["atol"]} for o, b in tol["outputs"].items()}
         det = {"tolerances": {**tol, "outputs": doubled}, "rule": manifest["detection"]}
@@ -164,8 +161,11 @@ def wrong_in(served: dict[str, Any]) -> Optional[ParityError]:
         for d, dd in by.items()
     ]
     entry = served.get("entry", {})
+    kind = entry.get("kind", "image")
     if "rows" in entry:
-        sweeps.append((" (the image entry, from the held-out files)", entry["model"], entry["rows"]))
+        sweeps.append((f" (the {kind} entry, from the held-out files)", entry["model"], entry["rows"]))
+    if "tensor_rows" in entry:  # the model behind a text entry, sent the token tensors of the same texts
+        sweeps.append((f" (behind the {kind} entry, its texts' token tensors)", entry["target"], entry["tensor_rows"]))
     failures = [
         f"{model} at concurrency {r['concurrency']}{how}: {r['wrong']} of {r['checked']} checked responses wrong "
         f"(first: {r.get('first_wrong')})"

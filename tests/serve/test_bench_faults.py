@@ -252,3 +252,20 @@ def test_a_wrong_answer_from_the_image_entry_fails_the_bench():
     err = wrong_in({"models": {}, "entry": {"model": "tiny_cnn_image", "rows": [row]}})
     assert err is not None and "tiny_cnn_image at concurrency 4 (the image entry, from the held-out files)" in str(err)
     assert wrong_in({"models": {}, "entry": {"model": "tiny_cnn_image", "rows": [{**row, "wrong": 0}]}}) is None
+
+
+def test_a_wrong_answer_from_the_text_entry_or_the_model_behind_it_fails_the_bench():
+    """A text entry's sweep has two sets of rows: the entry's, from the texts, and the model behind it, from their
+    token tensors. A wrong response in either fails the bench, naming the text entry."""
+    from torchship.serve.bench.checks import wrong_in
+
+    row = {"concurrency": 4, "checked": 12, "wrong": 1, "first_wrong": "request 3: output 'logits' max abs error 2"}
+    ok = {**row, "wrong": 0}
+    entry = {"model": "bert_text", "kind": "text", "target": "bert_onnx", "rows": [ok], "tensor_rows": [ok]}
+    assert wrong_in({"models": {}, "entry": entry}) is None
+    err = wrong_in({"models": {}, "entry": {**entry, "rows": [row]}})
+    assert err is not None and "bert_text at concurrency 4 (the text entry, from the held-out files)" in str(err)
+    err = wrong_in({"models": {}, "entry": {**entry, "tensor_rows": [row]}})
+    assert err is not None and "bert_onnx at concurrency 4 (behind the text entry, its texts' token tensors)" in str(
+        err
+    )
