@@ -267,24 +267,25 @@ class ExportConfig:
                 + (f" with --dtype {self.dtype}" if self.dtype != "float32" else " with --device cpu")
             )
 
-    def for_device(self, device: str, real_samples: bool = True, detector: bool = False) -> tuple["ExportConfig", str]:
+    def for_device(self, device: str, real_samples: bool = True, no_reduced: str = "") -> tuple["ExportConfig", str]:
         """(this config with --formats resolved for ``device``, a line saying what was chosen and why):
         default_formats where none were given. The reduced precisions it adds are optional (a failure is reported
         and not served), and are left out without real samples (a checkpoint's held-out split, or
-        --example-inputs) to calibrate and gate them on, with --dtype other than float32, or for a detector."""
+        --example-inputs) to calibrate and gate them on, with --dtype other than float32, or where the model's
+        task says why not (``no_reduced``)."""
         if self.formats:
             return self, ""
 
         formats, why = default_formats(device)
         reduced = [f for f in formats if f in (*INT8_FORMATS, *BF16_FORMATS)]
-        if reduced and (not real_samples or self.dtype != "float32" or detector):
+        if reduced and (not real_samples or self.dtype != "float32" or no_reduced):
             formats = tuple(f for f in formats if f not in reduced)
             why += f"; {', '.join(reduced)} left out: " + (
                 "no real samples to calibrate and gate them on (give --example-inputs)"
                 if not real_samples
                 else f"--dtype {self.dtype} is already reduced"
                 if self.dtype != "float32"
-                else "a detector's reduced precisions have no gate yet"
+                else no_reduced
             )
             reduced = []
         stray = [f for f in self.optional if f not in formats]
@@ -296,21 +297,6 @@ class ExportConfig:
         return dataclasses.replace(
             self, formats=formats, optional=tuple(dict.fromkeys((*self.optional, *reduced)))
         ), why
-
-
-DETECTOR_FORMATS = ("torchscript", "exported_program", "aoti", "onnx")  # the float32 formats that carry TopK
-
-
-def check_detector_formats(cfg: ExportConfig) -> None:
-    """ConfigError for a format a detector is not exported to, or a --dtype other than float32."""
-    other = [f for f in cfg.formats if f not in DETECTOR_FORMATS]
-    if other:
-        raise ConfigError(
-            f"--formats {' '.join(other)}: a detector exports to {', '.join(DETECTOR_FORMATS)} (its reduced "
-            "precisions have no detection gate yet, and aoti_buckets no batching of its fixed-size outputs)"
-        )
-    if cfg.dtype != "float32":
-        raise ConfigError(f"--dtype {cfg.dtype}: a detector exports in float32")
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:

@@ -80,21 +80,6 @@ def own_topk(model: torch.nn.Module, sig: Signature) -> Optional[dict[str, Any]]
     return detection_block(k, attr("score_thresh"), attr("iou_thresh", "nms_thresh"), size)
 
 
-def letterbox_preprocessing(size: int) -> dict[str, Any]:
-    """What the served image entry does to a picture file for a detector (torchship.imageio.decode_picture): RGB,
-    pixel / 255, letterboxed into a ``size`` square."""
-    return {
-        "image_size": [size, size],
-        "channels": 3,
-        "layout": "NCHW",
-        "dtype": "float32",
-        "value_range": [0.0, 1.0],
-        "resize": "letterbox: scaled bilinearly to fit, aspect kept, at the top left, the rest 0.5",
-        "source_scale": "pixel / 255",
-        "letterbox": letterbox_meta(size),
-    }
-
-
 def detection_block(k: int, score_thresh, iou_thresh, size: int, candidates: Optional[int] = None) -> dict[str, Any]:
     """What the manifest records of a detector's fixed-shape outputs and the pictures it takes."""
     return {

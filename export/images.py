@@ -13,8 +13,6 @@ from torchship.errors import ConfigError, DataError
 from torchship.imageio import decode_image, decode_picture
 from torchship.images import IMAGE_SUFFIXES, RAW_COUNT, RawSamples
 
-from .detection_source import letterbox_preprocessing
-
 SAMPLE_FILES = 64  # files read as real samples (calibration, gates) where --example-inputs gives none
 RAW_BYTES = 8 << 20  # the kept files' total, at most
 
@@ -66,9 +64,8 @@ def add_image_files(src, folder: str, log=print) -> None:
     """Give a weights export (``src``) the image preprocessing, up to RAW_COUNT of the files as they are (at most
     RAW_BYTES in all), and, where --example-inputs gave no real samples, the tensors of up to SAMPLE_FILES of
     them as its samples."""
-    pre = image_preprocessing(src.signature)
-    if src.detection is not None:  # a detector's pictures are letterboxed, as its served image entry does
-        pre = letterbox_preprocessing(src.detection["letterbox"]["size"])
+    # a detector's pictures are letterboxed, as its served image entry does
+    pre = src.task.picture_preprocessing({"detection": src.detection}) or image_preprocessing(src.signature)
     files = image_files(folder)
     root = Path(folder)
 

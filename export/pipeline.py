@@ -7,7 +7,6 @@ import shutil
 import sys
 import time
 from contextlib import ExitStack
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 
 import torchship
-from torchship import detection_parity, parity
+from torchship import parity
 from torchship.device import resolve_device, torch_threads, usable_cpus
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ConfigError, DegenerateError, ParityError, first_line
 from torchship.io import check_out_dir, sha256_file, staging_dir
@@ -25,7 +24,7 @@ from torchship.signature import Signature
 
 from . import exporters, quantize
 from .compile import Compiler, bucket_files, bucket_weights, tf32_field, workers_for
-from .config import ExportConfig, check_detector_formats
+from .config import ExportConfig
 from .images import add_image_files
 from .reference import build_reference, input_sets
 from .source import artifact_model, load_source
@@ -57,10 +56,9 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
     text = load_text(sig, cfg.tokenizer, cfg.text_samples, log) if cfg.tokenizer else None
     device = resolve_device(cfg.device)
     if not cfg.formats:
-        cfg, why = cfg.for_device(device, real_samples=bool(src.samples), detector=src.detection is not None)
+        cfg, why = cfg.for_device(device, real_samples=bool(src.samples), no_reduced=src.task.no_reduced)
         log(f"formats: {', '.join(cfg.formats)} (the default here: {why}; --formats chooses)")
-    if src.detection is not None:
-        check_detector_formats(cfg)
+    src.task.check_formats(cfg.formats, cfg.dtype)
     eager = src.model.to(device)
     model = artifact_model(src, cfg.dtype, device)
     name = cfg.name or src.name
@@ -105,10 +103,9 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             src.sample_set,
             tf32="tf32" in tf32_field(cfg, device),
             pace=pace,
-            derive=parity.derive if src.detection is None else partial(detection_parity.derive, k=src.detection["k"]),
+            derive=src.task.derive(src.detection),
         )
-        # a detector's count is the same for every picture when each fills its K: not a blind check
-        ref.degenerate = [o for o in ref.degenerate if src.detection is None or o == "boxes"]
+        ref.degenerate = src.task.blind(ref.degenerate)
         _check_degenerate(ref.degenerate, cfg.allow_degenerate, log)
         tolerances = (
             ref.tolerances
@@ -251,7 +248,8 @@ def build_manifest(
         "artifacts": arts.artifacts,
         "export_failures": arts.failures,
     }
-    if src.detection is not None:
+    manifest["task"] = src.task.name
+    if src.detection is not None:  # what its fixed-shape outputs keep, and the letterbox of its pictures
         manifest["detection"] = src.detection
     if src.preprocessing:
         pre, shape = src.preprocessing, src.signature.inputs[0].shape[1:]

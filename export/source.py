@@ -14,14 +14,15 @@ import torch
 from torchship import checkpoint as ck
 from torchship.detection_parity import OUTPUTS
 from torchship.detectors import has_topk
-from torchship.eager import checkpoint_model, load_weights_file, named
+from torchship.eager import checkpoint_model, load_weights_file
 from torchship.errors import CheckpointError, ConfigError, first_line
 from torchship.images import RawSamples
-from torchship.models import WithPreprocessing, make_model, parse_model_args
+from torchship.models import WithPreprocessing, make_model, named, parse_model_args
 from torchship.names import export_name
 from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_dims, parse_signature
+from torchship.tasks import DETECTION, Task, task_of
 
-from .detection_source import letterbox_preprocessing, own_topk, topk_outputs, wrap_torchvision
+from .detection_source import own_topk, topk_outputs, wrap_torchvision
 
 
 @dataclass
@@ -38,13 +39,18 @@ class Source:
     raw: Optional[RawSamples] = None  # held-out files as a client sends them, and training's tensors of them
     detection: Optional[dict[str, Any]] = None  # a detector's: what its fixed-shape outputs keep, and its letterbox
 
+    @property
+    def task(self) -> Task:
+        """Its task, by the rule its manifest will be read with."""
+        return task_of({"detection": self.detection} if self.detection else {})
+
 
 def from_checkpoint(checkpoint: str | Path, dims: list[str] | tuple[str, ...] = ()) -> Source:
     """The eval-mode model with preprocessing baked in, rebuilt from the checkpoint's files alone.
     ``dims`` (NAME=MIN..MAX) replace the ranges of dynamic dims a checkpoint trained on your own data records."""
     ckdir = ck.resolve_checkpoint(checkpoint, which="best")
     model, meta = checkpoint_model(ckdir)
-    if meta.get("task") == "detection":
+    if task_of(meta) is DETECTION:
         return _from_detection_checkpoint(ckdir, meta, model, dims)
     if "signature" in meta:
         return _from_data_checkpoint(ckdir, meta, model, dims)
@@ -100,7 +106,7 @@ def _from_detection_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.n
         export_name(meta["arch"]),
         _description(ckdir, meta),
         classes=meta["classes"],
-        preprocessing=letterbox_preprocessing(meta["letterbox"]["size"]),
+        preprocessing=DETECTION.picture_preprocessing({"detection": meta}),
         detection={**meta["detections"], "letterbox": meta["letterbox"]},
     )
     if (ckdir / ck.HELDOUT).exists():

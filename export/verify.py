@@ -7,13 +7,12 @@ import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from torchship import detection_parity, parity
+from torchship import parity
 from torchship.device import usable_cpus
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ParityError
 from torchship.export.fresh import HostError, crash_site, exit_text, run_fresh
@@ -31,6 +30,7 @@ from torchship.manifest import (
 )
 from torchship.markdown import size, table
 from torchship.runtime import ONNX_FORMATS
+from torchship.tasks import task_of
 
 
 def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, threads: int, tmp: Path) -> dict:
@@ -220,7 +220,7 @@ def _judge(
     tf32 = bool(a.get("tf32"))
     if tf32:
         entry["tf32"] = True
-    check = detection_parity.check_sets if "detection" in manifest else partial(parity.check_float_sets, tf32=tf32)
+    check = task_of(manifest).check_sets(tf32)
     for key, o, row, failure in check(manifest, ref, lambda key, o: res["outputs"].get(f"{key}/{o}"), tol, name):
         entry["sets"][f"{key}/{o}"] = {**row, "output": o}
         if failure:
@@ -259,13 +259,7 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         f"# Parity: {manifest['name']} artifacts against the reference",
         "",
         f"Verified {v['verified_at']} on {v['device']}; each artifact loaded in a fresh process. "
-        f"{parity.describe(tol)} "
-        + (
-            detection_parity.PASS_RULE
-            if "detection" in manifest
-            else "Pass: every output within its bound, and on real samples the same top-1 class, or one within the "
-            "bound of it in the reference."
-        ),
+        f"{parity.describe(tol)} {task_of(manifest).pass_rule}",
         "",
     ]
     masks = [t["name"] for t in manifest["inputs"] if t.get("values") == "mask"]
@@ -330,8 +324,7 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts),
     ]
     lines += [line for note in tf32_notes for line in ("", note)]
-    if "detection" in manifest:
-        lines += detection_parity.report_lines(v["artifacts"])
+    lines += task_of(manifest).report_lines(v["artifacts"])
     lines += [
         "",
         "What each artifact cost (export: the seconds to make it, an AOTInductor package's compile included; "

@@ -20,6 +20,7 @@ from torchship.errors import ConfigError
 from torchship.imageio import MAX_BYTES, MAX_PIXELS
 from torchship.io import atomic_write_text, sha256_file
 from torchship.runtime import PROVENANCE
+from torchship.tasks import task_of
 
 from .model_config import (
     CONFIG,
@@ -122,14 +123,14 @@ def write_image_entry(
     limits = {"max_pixels": str(MAX_PIXELS), "max_bytes": str(MAX_BYTES)}  # editable in its config.pbtxt
     pre = _pre_config(entry, max_batch, cores, {"preprocessing": json.dumps(manifest["preprocessing"]), **limits})
     pre.output.add(name=tensor["name"], data_type=mc.TYPE_FP32, dims=[int(d) for d in tensor["shape"][1:]])
-    detector = "detection" in manifest
-    if detector:
+    maps_back = task_of(manifest).maps_back  # a detector's boxes, mapped back to the picture by a last step
+    if maps_back:
         pre.output.add(name=PICTURE_SIZE, data_type=mc.TYPE_INT64, dims=[2])
     _write_pre(repo, pre, version, CARRIED)
-    if detector:
+    if maps_back:
         _write_post(repo, manifest, entry, max_batch, version, cores)
     _write_ensemble(repo, manifest, entry, target, [tensor["name"]], max_batch, version)
-    return [entry.pre, *([post_name(entry)] if detector else []), entry.name]
+    return [entry.pre, *([post_name(entry)] if maps_back else []), entry.name]
 
 
 def _write_post(repo: Path, manifest: dict[str, Any], entry: Entry, max_batch: int, version: int, cores: int) -> None:
@@ -206,9 +207,10 @@ def _write_ensemble(
     for o in manifest["outputs"]:
         ens.output.add(name=o["name"], data_type=DTYPES[o["dtype"]], dims=served_dims(o))
     (repo / entry.name / str(version)).mkdir(parents=True, exist_ok=True)
-    if "detection" in manifest and manifest.get("classes"):  # what torchship infer names the labels by
-        ens.parameters["classes"].string_value = json.dumps(manifest["classes"])
-    elif manifest.get("classes"):  # top-k with class names, as the model's own entry answers
+    task = task_of(manifest)
+    for key, value in task.label_parameters(manifest).items():  # what torchship infer names the labels by
+        ens.parameters[key].string_value = value
+    if manifest.get("classes") and task.labels_file:  # top-k with class names, as the model's own entry answers
         ens.output[0].label_filename = "labels.txt"
         (repo / entry.name / "labels.txt").write_text("\n".join(manifest["classes"]) + "\n")
     first = ens.ensemble_scheduling.step.add(model_name=entry.pre, model_version=-1)
@@ -218,10 +220,9 @@ def _write_ensemble(
     model = ens.ensemble_scheduling.step.add(model_name=target)  # put_behind names the target's live version
     for t in tensors:
         model.input_map[t] = f"prepared_{t}"
-    detector = "detection" in manifest
     for o in manifest["outputs"]:  # a detector's go on to the step that maps its boxes back
-        model.output_map[o["name"]] = MODEL_OUT + o["name"] if detector else o["name"]
-    if detector:
+        model.output_map[o["name"]] = MODEL_OUT + o["name"] if task.maps_back else o["name"]
+    if task.maps_back:
         first.output_map[PICTURE_SIZE] = PICTURE_SIZE
         post = ens.ensemble_scheduling.step.add(model_name=post_name(entry), model_version=-1)
         post.input_map[PICTURE_SIZE] = PICTURE_SIZE

@@ -11,14 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from torchship import detection_parity
 from torchship.errors import ClientError, DataError, ShapeError
+from torchship.tasks import task_of
 
 from .config import InferConfig
 from .entries import IMAGE_INPUT, POST_SUFFIX, PRE_SUFFIX, TEXT_INPUT, TEXT_PRE_SUFFIX, entry_target
 
 SHOWN = 6  # values of each output printed per request (--json prints them all)
-SHOWN_BOXES = 10  # a picture's detections printed (--json prints them all)
 
 
 def run_infer(ns: InferConfig) -> int:
@@ -57,7 +56,7 @@ def run_infer(ns: InferConfig) -> int:
         requests = _gather(ns, cfg, heldout)
     if not requests:
         raise ClientError("nothing to send: give FILES, --heldout EXPORT_DIR or --check EXPORT_DIR")
-    rows = []
+    rows, task = [], task_of(cfg)
     for (name, _feeds, label), (outputs, top) in zip(requests, _send_all(client, model, cfg, requests, ns)):
         row: dict[str, Any] = {"input": name}
         if top is not None:  # Triton returns min(top_k, classes) 'score:index:label' entries per row
@@ -70,8 +69,9 @@ def run_infer(ns: InferConfig) -> int:
                 }
                 for t in entries
             ]
-        if outputs is not None and is_detector(cfg):
-            row["detections"] = detections_of(outputs, class_names(cfg))
+        read = task.answer_rows(outputs, cfg) if outputs is not None else None
+        if read is not None:
+            row.update(read)
         elif outputs is not None:
             row["outputs"] = {k: v.tolist() for k, v in outputs.items()}
         if label is not None:
@@ -84,8 +84,9 @@ def run_infer(ns: InferConfig) -> int:
         parts = []
         if "top_k" in r:
             parts.append(", ".join(f"{t['label'] or t['index']} ({t['score']:.3f})" for t in r["top_k"]))
-        if "detections" in r:  # a picture's detections, one a line
-            print("\n".join(detections_lines(r["input"], r["detections"])))
+        lines = task.answer_lines(r["input"], r)
+        if lines is not None:  # the task's own reading of an answer (a picture's detections, one a line)
+            print("\n".join(lines))
             continue
         for k, v in r.get("outputs", {}).items():
             flat = np.asarray(v).reshape(-1)
@@ -96,46 +97,6 @@ def run_infer(ns: InferConfig) -> int:
         truth = f"   [true: {r['true_label']}]" if "true_label" in r else ""
         print(f"{r['input']}: {'   '.join(parts)}{truth}")
     return 0
-
-
-DETECTOR_OUTPUTS = set(detection_parity.OUTPUTS)
-
-
-def is_detector(cfg: dict[str, Any]) -> bool:
-    """A detector's fixed-shape outputs (torchship.detectors.TopK's), as its model or its image entry serves them."""
-    return {o["name"] for o in cfg["output"]} == DETECTOR_OUTPUTS
-
-
-def class_names(cfg: dict[str, Any]) -> list[str]:
-    """The class names a detector's config carries (label i is names[i - 1]); [] where it has none."""
-    text = cfg.get("parameters", {}).get("classes", {}).get("string_value")
-    return json.loads(text) if text else []
-
-
-def detections_of(outputs: dict[str, np.ndarray], names: list[str]) -> list[dict[str, Any]]:
-    """One picture's detections (its first ``count`` rows), highest score first, with their class names."""
-    n = int(np.asarray(outputs["count"]).reshape(-1)[0])
-    return [
-        {
-            "label": int(label),
-            "name": names[int(label) - 1] if 0 < int(label) <= len(names) else "",
-            "score": round(float(score), 4),
-            "box": [round(float(v), 1) for v in box],
-        }
-        for box, score, label in zip(outputs["boxes"][0, :n], outputs["scores"][0, :n], outputs["labels"][0, :n])
-    ]
-
-
-def detections_lines(name: str, found: list[dict[str, Any]]) -> list[str]:
-    """A picture's detections: a line saying how many, then "class (score) [x0, y0, x1, y1]" for each (SHOWN_BOXES
-    of them at most; --json gives them all), boxes in the picture's pixels where it came through the image entry."""
-    head = f"{name}: " + (f"{len(found)} detection(s)" if found else "no detections")
-    lines = [
-        f"  {d['name'] or d['label']} ({d['score']:.3f}) [{', '.join(f'{v:g}' for v in d['box'])}]"
-        for d in found[:SHOWN_BOXES]
-    ]
-    more = len(found) - SHOWN_BOXES
-    return [head, *lines] + ([f"  ... {more} more (--json lists them all)"] if more > 0 else [])
 
 
 def takes_image_arrays(cfg: dict[str, Any]) -> bool:
@@ -275,8 +236,6 @@ def _npz_request(p: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
 def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, dict[str, np.ndarray], Any]]:
     """(name, feeds by input name, true label or None) per request: image files and .npy rows one row per
     request (image models), .npz files one request each, --heldout samples one each."""
-    from torchship.imageio import decode_image, decode_picture
-
     image = takes_image_arrays(cfg)
     dims = [int(d) for d in cfg["input"][0]["dims"]]
     chw = dims[1:] if int(cfg.get("max_batch_size", 0)) == 0 else dims
@@ -310,10 +269,7 @@ def _gather(ns, cfg: dict[str, Any], heldout: dict | None) -> list[tuple[str, di
             out += [(f"{p.name}[{i}]", {first: row[None].astype(np.float32)}, None) for i, row in enumerate(arr)]
         else:
             try:  # 8-bit pixels / 255 at the model's own height and width, as the ImageFolder data set reads them
-                if is_detector(cfg):  # a detector's: letterboxed, as its training and image entry do
-                    x = decode_picture(p.read_bytes(), chw[-1])[0]
-                else:
-                    x = decode_image(p.read_bytes(), {"image_size": chw[-2:], "source_scale": "pixel / 255"})
+                x = task_of(cfg).decode_file(p.read_bytes(), chw)  # as its training and image entry do
             except ValueError as e:
                 raise ShapeError(f"{p}: {e}") from None
             out.append((p.name, {first: x[None]}, None))
@@ -338,7 +294,7 @@ def _send_all(client, model: str, cfg: dict[str, Any], requests, ns) -> list:
     """(every output by name or None, the classification rows or None) per request: an image model answers
     with its top-k classes alone; any other with every output, plus the top-k of its first output when that
     output has class labels."""
-    image, labelled = takes_image_arrays(cfg) and not is_detector(cfg), bool(cfg["output"][0].get("label_filename"))
+    image, labelled = takes_image_arrays(cfg) and task_of(cfg).tops_k, bool(cfg["output"][0].get("label_filename"))
 
     def one(feeds, stream=None):
         top = client.classify(model, feeds, ns.top_k, ns.version, stream) if image or labelled else None

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from torchship import detection_parity
 from torchship.errors import ClientError, ParityError, ShapeError
 from torchship.manifest import RAW_SET, Export, raw_files, reference_inputs, runs_tf32
 from torchship.markdown import table
 from torchship.names import format_of, models_of
-from torchship.parity import check_float_sets, check_quantized, check_quantized_sets
+from torchship.parity import check_quantized, check_quantized_sets
+from torchship.tasks import task_of
 
 from .client import TritonClient
 from .entries import Entry, entry_of, entry_target
@@ -75,11 +74,7 @@ def check_served(
             def got(key: str, o: str, answers: dict = answers):
                 return answers[key].get(o)
 
-            check = (
-                partial(check_float_sets, tf32=tf32)
-                if "detection" not in manifest
-                else detection_parity.check_sets  # detections matched, not elements
-            )
+            check = task_of(manifest).check_sets(tf32)
             for key, o, row, failure in check(manifest, ref, got, tol, model, sets=answered):
                 rows[key if len(outputs) == 1 else f"{key}/{o}"] = row
                 if failure:
@@ -137,36 +132,18 @@ def check_entry(
     answers = {o: np.concatenate([g[o] for g in got]) for o in outputs}
     if quantized:  # a reduced precision: against its own answers on training's tensors, under its gate's floors
         return check_against_target(client, entry, target, export, answers, quantized["gate"], version, rows)
-    if "detection" in manifest:
-        return check_entry_detections(entry, export, raw, answers, tol, rows)
-    failures = []
+    failures, task = [], task_of(manifest)
     trained = raw_entry.kind == "image" and manifest["source"].get("kind") == "checkpoint"
-    for _, o, row, failure in check_float_sets(
-        manifest, ref, lambda key, o: answers.get(o), tol, entry, runs_tf32(manifest, fmt), {RAW_SET: len(raw)}
-    ):
-        rows[RAW_SET if len(outputs) == 1 else f"{RAW_SET}/{o}"] = row
+    files = [data for _, data in raw]
+    for o, row, failure in task.check_files(manifest, ref, answers, files, tol, entry, runs_tf32(manifest, fmt)):
+        rows[RAW_SET if o is None or len(outputs) == 1 else f"{RAW_SET}/{o}"] = row
         if failure:
             failures.append(
                 failure + f" (from the files in {export.dir / RAW_SET}, through the server's "
-                f"{'tokenizer' if raw_entry.kind == 'text' else 'preprocessing'}, against "
+                f"{'tokenizer' if raw_entry.kind == 'text' else task.entry_step}, against "
                 f"{'training' if trained else 'the export'}'s)"
             )
     return failures
-
-
-def check_entry_detections(entry: str, export: Export, raw, answers, tol: dict[str, Any], rows) -> list[str]:
-    """A detector's image entry: its detections on each held-out file, in the picture's pixels, matched to eager's
-    on training's tensors of the same files mapped back by the same letterbox, under the box bound stretched by
-    that mapping; and their mAP against eager's."""
-    manifest, ref = export.manifest, export.reference()
-    want = {o: ref[f"expected/{RAW_SET}/{o}"] for o in detection_parity.OUTPUTS}
-    size = manifest["detection"]["letterbox"]["size"]
-    want, bound = detection_parity.for_picture_files(want, [data for _, data in raw], tol, size)
-    what = f"{entry}: {RAW_SET}"
-    row, failures = detection_parity.check_set(answers, want, bound, manifest["detection"], what, len(raw), True)
-    rows[RAW_SET] = row
-    where = f" (from the files in {export.dir / RAW_SET}, through the server's letterbox, against eager's)"
-    return [f + where for f in failures[:1]] + failures[1:]
 
 
 def check_against_target(

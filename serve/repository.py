@@ -31,6 +31,7 @@ from torchship.io import check_out_dir, staging_dir
 from torchship.manifest import Export, artifact, file_problem, passed_formats, reference_inputs, runs_tf32
 from torchship.names import FORMATS, model_names
 from torchship.runtime import ONNX_FORMATS, PROVENANCE
+from torchship.tasks import task_of
 
 from .config import (
     TRT_CACHE,
@@ -94,16 +95,17 @@ def build_config(
         )
         if image:  # Triton's image clients read the layout from here (dims must be [C, H, W])
             inp.format = mc.ModelInput.FORMAT_NCHW
+    task = task_of(manifest)
     for i, spec in enumerate(manifest["outputs"]):
         out = c.output.add(
             name=rename.get(spec["name"], spec["name"]), data_type=DTYPES[spec["dtype"]], dims=served_dims(spec)
         )
         if not config_dims(spec):  # one value per request (a detector's count): the model makes [batch]
             out.reshape.SetInParent()
-        if manifest.get("classes") and i == 0 and "detection" not in manifest:  # the classification extension
+        if manifest.get("classes") and i == 0 and task.labels_file:  # the classification extension
             out.label_filename = "labels.txt"
-    if "detection" in manifest and manifest.get("classes"):  # what torchship infer names the labels by
-        _param(c, "classes", json.dumps(manifest["classes"]))
+    for key, value in task.label_parameters(manifest).items():  # what torchship infer names the labels by
+        _param(c, key, value)
     if runs_tf32(manifest, fmt):
         _param(c, "tf32", "true")  # the stand-in backends run it with TF32 allowed, as it was compiled and verified
     if manifest.get("dims"):  # the stand-in backends refuse a dynamic dim outside its range

@@ -5,46 +5,16 @@ artifacts from it; the bench rebuilds it from an export's manifest to time eager
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .checkpoint import load_into, load_meta, load_weights
 from .errors import CheckpointError, first_line
-from .models import WithPreprocessing, make_model, model_from_meta
+from .models import make_model, named
+from .tasks import task_of
 
 PREFIXES = ("module.", "_orig_mod.")  # DDP's wrapper and torch.compile's
-
-
-class Flat(torch.nn.Module):
-    """Calls ``inner`` with its positional inputs and returns its outputs as one tensor or a flat tuple:
-    dict outputs (and dict subclasses) in the order of ``keys`` (else their own), tuples and lists as they are."""
-
-    def __init__(self, inner: torch.nn.Module, keys: Optional[list] = None):
-        super().__init__()
-        self.inner = inner
-        self.keys = keys
-
-    def flat(self, out):
-        if isinstance(out, dict):
-            out = tuple(out[k] for k in (self.keys or out))
-        if isinstance(out, (list, tuple)):
-            return out[0] if len(out) == 1 else tuple(out)
-        return out
-
-
-def named(
-    inner: torch.nn.Module, input_names: list[str], keys: Optional[list] = None, by_keyword: bool = False
-) -> torch.nn.Module:
-    """``inner`` behind a forward whose parameters carry the input names, so that every exporter names
-    the graph inputs after them (TorchScript's schema, ExportedProgram's signature, ONNX's inputs).
-    ``by_keyword``: pass them on as keyword arguments (a model trained on dict samples), else in order."""
-    args = ", ".join(input_names)
-    call = ", ".join(f"{n}={n}" for n in input_names) if by_keyword else args
-    ns: dict[str, Any] = {}
-    exec(f"def forward(self, {args}):\n    return self.flat(self.inner({call}))\n", ns)  # names checked by the parser
-    cls = type("Deployable", (Flat,), {"forward": ns["forward"]})
-    return cls(inner, keys).eval()
 
 
 def strip_prefixes(sd: dict[str, torch.Tensor], log=print) -> dict[str, torch.Tensor]:
@@ -93,12 +63,7 @@ def load_weights_file(path: str | Path, log=print) -> dict[str, torch.Tensor]:
 def checkpoint_model(ckdir: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The plain eval-mode model of a checkpoint directory with its weights loaded, and its metadata."""
     meta = load_meta(ckdir)
-    if meta.get("task") == "detection":
-        from .detectors import build_detector
-
-        model = build_detector(meta["arch"], meta["num_classes"], meta["input_shape"][-1], meta.get("model_args"))
-    else:
-        model = model_from_meta(meta)
+    model = task_of(meta).build(meta)
     load_into(model, load_weights(ckdir), f"checkpoint {ckdir}")
     return model.eval(), meta
 
@@ -109,13 +74,7 @@ def eager_from_manifest(manifest: dict[str, Any]) -> torch.nn.Module:
     names = [t["name"] for t in manifest["inputs"]]
     if src.get("kind") == "checkpoint":
         model, meta = checkpoint_model(Path(src["path"]))
-        if meta.get("task") == "detection":
-            from .detectors import deployable
-
-            return deployable(model, meta)
-        if "signature" in meta:
-            return named(model, names, src.get("output_keys"), meta.get("inputs_by") == "keyword")
-        return WithPreprocessing(model, meta["preprocessing"]["mean"], meta["preprocessing"]["std"]).eval()
+        return task_of(meta).eager(model, meta, names, src)
     if src.get("kind") == "weights":
         model = make_model(src["model"], "the manifest's model", src.get("model_args", {}))
         load_into(model, load_weights_file(src["weights"], lambda *a: None), f"weights {src['weights']}")

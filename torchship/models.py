@@ -6,7 +6,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -60,6 +60,35 @@ class WithPreprocessing(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(self.normalize(images))
+
+
+class Flat(nn.Module):
+    """Calls ``inner`` with its positional inputs and returns its outputs as one tensor or a flat tuple:
+    dict outputs (and dict subclasses) in the order of ``keys`` (else their own), tuples and lists as they are."""
+
+    def __init__(self, inner: nn.Module, keys: Optional[list] = None):
+        super().__init__()
+        self.inner = inner
+        self.keys = keys
+
+    def flat(self, out):
+        if isinstance(out, dict):
+            out = tuple(out[k] for k in (self.keys or out))
+        if isinstance(out, (list, tuple)):
+            return out[0] if len(out) == 1 else tuple(out)
+        return out
+
+
+def named(inner: nn.Module, input_names: list[str], keys: Optional[list] = None, by_keyword: bool = False) -> nn.Module:
+    """``inner`` behind a forward whose parameters carry the input names, so that every exporter names
+    the graph inputs after them (TorchScript's schema, ExportedProgram's signature, ONNX's inputs).
+    ``by_keyword``: pass them on as keyword arguments (a model trained on dict samples), else in order."""
+    args = ", ".join(input_names)
+    call = ", ".join(f"{n}={n}" for n in input_names) if by_keyword else args
+    ns: dict[str, Any] = {}
+    exec(f"def forward(self, {args}):\n    return self.flat(self.inner({call}))\n", ns)  # names checked by the parser
+    cls = type("Deployable", (Flat,), {"forward": ns["forward"]})
+    return cls(inner, keys).eval()
 
 
 def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:

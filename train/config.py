@@ -8,12 +8,7 @@ from typing import Literal, Optional
 
 from torchship.config import opt
 from torchship.errors import ConfigError
-
-# the options whose default depends on the task: a detector learns from fewer, larger pictures per step
-TASK_DEFAULTS = {
-    "classify": {"epochs": 3, "batch_size": 64, "lr": 2e-3},
-    "detect": {"epochs": 10, "batch_size": 16, "lr": 3e-3},
-}
+from torchship.tasks import Task, task_named
 
 
 @dataclass
@@ -90,7 +85,7 @@ class TrainConfig:
     progress: bool = opt(True, "show a progress bar on rank 0")
 
     def __post_init__(self) -> None:
-        for key, value in TASK_DEFAULTS["detect" if self.detection else "classify"].items():
+        for key, value in self.resolved_task().defaults.items():  # a detector learns from fewer, larger pictures
             if getattr(self, key) is None:
                 setattr(self, key, value)
         if self.epochs < 1:
@@ -116,12 +111,9 @@ class TrainConfig:
         if self.pictures < 4:
             raise ConfigError("--pictures must be at least 4")
 
-    @property
-    def detection(self) -> bool:
-        """Whether this run trains a detector (--task, or for auto the --arch)."""
-        from torchship.detectors import is_detector
-
-        return self.task == "detect" or (self.task == "auto" and is_detector(self.arch))
+    def resolved_task(self) -> Task:
+        """The task this run trains (--task, or for auto the one --arch belongs to)."""
+        return task_named(self.task, self.arch)
 
     def resolved_resume(self) -> Optional[str]:
         """--resume with 'auto' resolved: OUT when it already holds a checkpoint, else None."""

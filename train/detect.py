@@ -1,15 +1,13 @@
-"""Training a detector: ``train_detector(cfg)``, alone or as one torchrun rank. Pictures are letterboxed to
---image-size squares (torchship.boxes), the model's own losses are summed, and every epoch ends with the mAP of
-the detector's deployable form (torchship.detectors.TopK) on the validation pictures, computed by pycocotools
-over all ranks. Checkpoints have the classification run's layout, with the detection meta export needs."""
+"""Training a detector, the parts the loop asks of its task: pictures letterboxed to --image-size squares
+(torchship.boxes), the model's own losses summed, and every epoch ending with the mAP of the detector's
+deployable form (torchship.detectors.TopK) on the validation pictures, computed by pycocotools over all ranks.
+Checkpoints have the classification run's layout, with the detection meta export needs."""
 
 from __future__ import annotations
 
 import io
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,21 +16,19 @@ from torch import nn
 from torchship.boxes import letterbox, letterbox_meta
 from torchship.coco import coco_map
 from torchship.detectors import OwnPostprocessing, TopK, build_detector, detections, has_topk
-from torchship.device import resolve_amp
 from torchship.errors import ConfigError, DataError
 from torchship.imageio import decode_picture
 from torchship.images import RAW_COUNT, RawSamples
+from torchship.models import parse_model_args
+from torchship.tasks import DETECTION
 
-from . import checkpoint as ck
 from .config import TrainConfig
+from .data import DataSplit
 from .detection_data import DetectionSet, builtin_detection, read_coco
 from .distributed import Dist, rank_batches
-from .result import TrainResult
-from .setup import _lr_lambda, run_record
 
 DETECTION_SIZE = 128  # --image-size's default for detection: the built-in pictures' side
 HELDOUT_PICTURES = 32  # validation pictures every checkpoint keeps, with their boxes, for export checks
-UNSUPPORTED = ("resume", "compile", "profile", "channels_last", "save_every")
 
 
 @dataclass
@@ -51,9 +47,28 @@ class Pictures:
         return [{"boxes": self.boxes[i].to(device), "labels": self.labels[i].to(device)} for i in idx]
 
 
+class PictureSet(torch.utils.data.Dataset):
+    """Letterboxed pictures as the loop's dataset: item i is (picture, its boxes and labels); ``source`` is the
+    DetectionSet they were letterboxed from (the held-out files are made from it)."""
+
+    def __init__(self, pictures: Pictures, source: DetectionSet):
+        self.pictures, self.source = pictures, source
+
+    def __len__(self) -> int:
+        return len(self.pictures)
+
+    def __getitem__(self, i: int):
+        p = self.pictures
+        return p.images[i], {"boxes": p.boxes[i], "labels": p.labels[i]}
+
+
+def collate_pictures(items: list) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    return torch.stack([x for x, _ in items]), [t for _, t in items]
+
+
 def check_detection(cfg: TrainConfig) -> int:
     """The square side pictures are letterboxed to; ConfigError for options detection does not take."""
-    given = [f"--{name.replace('_', '-')}" for name in UNSUPPORTED if getattr(cfg, name)]
+    given = [f"--{name.replace('_', '-')}" for name in DETECTION.options_unsupported if getattr(cfg, name)]
     if given:
         raise ConfigError(f"{', '.join(given)}: not supported for detection; train without")
     size = cfg.image_size or DETECTION_SIZE
@@ -141,156 +156,85 @@ def raw_pictures(data: DetectionSet, picked: np.ndarray, size: int) -> RawSample
     return RawSamples(names, files, np.stack(tensors), None)
 
 
-def train_detector(cfg: TrainConfig, d: Dist, device: str, out: Path, log, on_step: Optional[Callable] = None):
-    """Train ``cfg.arch`` as a detector on ``cfg.data``; checkpoints under ``out``. Returns the TrainResult
-    (its val_acc fields hold the mAP@50). ConfigError or DataError for what does not fit."""
-    t_start = time.perf_counter()
-    size = check_detection(cfg)
-    data, train_set, val = load_pictures(cfg, size)
-    per_rank = cfg.batch_size // d.world
-    plain = build_detector(cfg.arch, len(data.classes) + 1, size, _model_args(cfg)).to(device)
-    # what export will deploy, scored as it will run; a detector TopK cannot carry is scored as in eager
-    deployable = (TopK(plain, size) if has_topk(plain) else OwnPostprocessing(plain)).to(device)
-    model = plain
-    if d.initialized:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if device == "cuda" else None)
-    opt = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps_per_epoch = len(rank_batches(len(train_set), d, per_rank, 0, cfg.seed, True))
-    total = steps_per_epoch * cfg.epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, max(1, min(100, total // 10))))
-    amp, amp_reason = resolve_amp(cfg.amp, device)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
-    scaler = torch.amp.GradScaler("cuda", enabled=amp == "fp16")
+class DetectTraining:
+    """A detector's training: the sum of the model's own losses, judged by the validation mAP@50 (map50) of what
+    export will deploy, scored as it will run (a detector TopK cannot carry: as in eager)."""
 
-    def autocast():
-        return torch.autocast(device_type=device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+    task = DETECTION
 
-    meta = {
-        "task": "detection",
-        "arch": cfg.arch,
-        "num_classes": len(data.classes) + 1,
-        "model_args": _model_args(cfg),
-        "classes": data.classes,
-        "input_shape": [3, size, size],
-        "letterbox": letterbox_meta(size),
-        "detections": {
-            "k": deployable.k,
-            "candidates": deployable.candidates,
-            "score_thresh": deployable.score_thresh,
-            "iou_thresh": deployable.iou_thresh,
-        }
-        if isinstance(deployable, TopK)
-        else None,
-        "data": {"source": data.source, "train_pictures": len(train_set), "val_pictures": len(val), "seed": cfg.seed},
-        **run_record(cfg, d, device, amp, amp_reason),
-    }
-    heldout = _heldout(val, data) if d.main else {}
-    log(f"amp {amp}: {amp_reason}")
-    log(
-        f"training detector {cfg.arch} on {data.source}: {len(train_set)} train / {len(val)} val pictures of "
-        f"{size} x {size}, {len(data.classes)} classes, world size {d.world}, device {device}, "
-        f"{steps_per_epoch} steps/epoch"
-    )
-    step, best, last, pictures, t_loop = 0, -1.0, {"map50": 0.0}, 0, time.perf_counter()
-    model.train()
-    for epoch in range(cfg.epochs):
-        batches = rank_batches(len(train_set), d, per_rank, epoch, cfg.seed, True)
-        bar = _bar(cfg, d, len(batches), epoch)
-        loss_sum = 0.0
-        for idx in batches:
-            with autocast():
-                losses = model(list(train_set.images[idx].to(device)), train_set.targets(idx, device))
-            loss = sum(losses.values())
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.grad_clip)
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            step += 1
-            pictures += len(idx) * d.world
-            loss_sum += loss.item()
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
-                bar.update(1)
-            if on_step is not None:
-                on_step({"rank": d.rank, "epoch": epoch, "step": step, "indices": idx, "model": plain})
-            if cfg.max_steps is not None and step >= cfg.max_steps:
-                break
-        if bar is not None:
-            bar.close()
-        last = evaluate(deployable, val, d, max(1, per_rank), device, autocast)
-        elapsed = time.perf_counter() - t_loop
-        record = {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(1, len(batches)), **last}
-        record.update(lr=sched.get_last_lr()[0], pictures_per_s=pictures / max(elapsed, 1e-9), elapsed_s=elapsed)
-        log.metrics(out, record)
-        log(
-            f"epoch {epoch + 1}/{cfg.epochs}  step {step}  train_loss {record['train_loss']:.4f}  mAP "
-            f"{100 * last['map']:.1f}%  mAP@50 {100 * last['map50']:.1f}%  {record['pictures_per_s']:.0f} pictures/s"
-        )
-        best = max(best, last["map50"])
-        _save(out, plain, dict(meta, epoch=epoch + 1, step=step, metrics=last), heldout, last["map50"], cfg, d)
-        if cfg.max_steps is not None and step >= cfg.max_steps:
-            break
-    wall = time.perf_counter() - t_start
-    weights = _index_path(out, "best") / "model.pt"
-    log(f"done in {wall:.1f}s: best mAP@50 {100 * max(best, 0.0):.1f}%; weights: {weights}")
-    return TrainResult(
-        best=_index_path(out, "best"),
-        latest=_index_path(out, "latest"),
-        val_acc=last["map50"],
-        best_val_acc=max(best, 0.0),
-        steps=step,
-        wall_s=wall,
-        images_per_s=pictures / max(time.perf_counter() - t_loop, 1e-9),
-        world_size=d.world,
-    )
+    def check(self, cfg: TrainConfig, scan: bool = False) -> None:
+        check_detection(cfg)
 
-
-def _model_args(cfg: TrainConfig) -> dict[str, Any]:
-    from torchship.models import parse_model_args
-
-    return parse_model_args(cfg.model_arg)
-
-
-def _bar(cfg: TrainConfig, d: Dist, total: int, epoch: int):
-    if not (d.main and cfg.progress):
-        return None
-    import sys
-
-    from tqdm import tqdm
-
-    desc = f"epoch {epoch + 1}/{cfg.epochs}"
-    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
-
-
-def _save(out: Path, plain: nn.Module, meta: dict, heldout: dict, metric: float, cfg: TrainConfig, d: Dist) -> None:
-    """A checkpoint (rank 0 writes; the others wait): weights, meta and the held-out pictures with their boxes."""
-    if d.main:
-
-        def write_heldout(p: Path) -> None:
-            with open(p, "wb") as f:
-                np.savez(f, **heldout)
-
-        ck.save_checkpoint(
-            out / "checkpoints",
-            f"step-{meta['step']:07d}",
-            ck.clean_state_dict(plain),
-            meta,
+    def load(self, cfg: TrainConfig) -> DataSplit:
+        data, train_set, val = load_pictures(cfg, check_detection(cfg))
+        return DataSplit(
+            PictureSet(train_set, data),
+            PictureSet(val, data),
+            data.classes,
             None,
-            write_heldout,
-            metric,
-            cfg.keep_last,
+            data.source,
+            collate=collate_pictures,
         )
-    if d.initialized:
-        import torch.distributed as dist
 
-        dist.barrier()
+    def build(self, cfg: TrainConfig, data: DataSplit) -> nn.Module:
+        size = data.val.pictures.images.shape[-1]
+        return build_detector(cfg.arch, len(data.classes) + 1, size, parse_model_args(cfg.model_arg))
 
+    def norm(self, data: DataSplit, device: str) -> nn.Module:
+        return nn.Identity()  # the detector normalizes inside
 
-def _index_path(out: Path, which: str) -> Path:
-    from torchship.checkpoint import read_index
+    def scored(self, plain: nn.Module, data: DataSplit) -> nn.Module:
+        size = data.val.pictures.images.shape[-1]
+        return TopK(plain, size) if has_topk(plain) else OwnPostprocessing(plain)
 
-    return out / "checkpoints" / read_index(out / "checkpoints").get(which, "")
+    def meta(self, cfg: TrainConfig, data: DataSplit, scored: nn.Module) -> dict[str, Any]:
+        size = data.val.pictures.images.shape[-1]
+        return {
+            "task": DETECTION.name,
+            "arch": cfg.arch,
+            "num_classes": len(data.classes) + 1,
+            "model_args": parse_model_args(cfg.model_arg),
+            "classes": data.classes,
+            "input_shape": [3, size, size],
+            "letterbox": letterbox_meta(size),
+            "detections": {
+                "k": scored.k,
+                "candidates": scored.candidates,
+                "score_thresh": scored.score_thresh,
+                "iou_thresh": scored.iou_thresh,
+            }
+            if isinstance(scored, TopK)
+            else None,
+            "data": {
+                "source": data.source,
+                "train_pictures": len(data.train),
+                "val_pictures": len(data.val),
+                "seed": cfg.seed,
+            },
+        }
+
+    def heldout(self, data: DataSplit) -> dict[str, np.ndarray]:
+        return _heldout(data.val.pictures, data.val.source)
+
+    def batch(self, batch, device: str, channels_last: bool):
+        images, targets = batch
+        return images.to(device), [{k: v.to(device) for k, v in t.items()} for t in targets]
+
+    def loss(self, run, x, y) -> torch.Tensor:
+        return sum(run.model(list(x), y).values())
+
+    def evaluate(self, run) -> dict[str, float]:
+        return evaluate(run.scored, run.data.val.pictures, run.d, max(1, run.per_rank), run.device, run.autocast)
+
+    def describe(self, run) -> str:
+        size = run.meta["input_shape"][-1]
+        return f"pictures of {size} x {size}, {len(run.data.classes)} classes"
+
+    def epoch_text(self, record: dict[str, Any], data: DataSplit) -> str:
+        return f"mAP {100 * record['map']:.1f}%  mAP@50 {100 * record['map50']:.1f}%"
+
+    def rate_unit(self, data: DataSplit) -> str:
+        return "pictures"
+
+    def best_text(self, best: float) -> str:
+        return f"best mAP@50 {100 * best:.1f}%"

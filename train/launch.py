@@ -19,9 +19,8 @@ from torchship.errors import ConfigError, TorchshipError
 
 from . import checkpoint as ck
 from .config import TrainConfig
-from .data import BUILTIN_DATA, check_data_source, is_factory, scan_image_folder
-from .detect import check_detection
 from .loop import TrainResult, prepare_out, resolve_device, train
+from .tasks import training_for
 
 ERROR_FILE_ENV = "TORCHSHIP_ERROR_FILE"
 
@@ -53,12 +52,7 @@ def preflight(cfg: TrainConfig, world: int) -> None:
         d = resolve_checkpoint(resume, which="latest")
         load_meta(d)
         ck.load_train_state(d)
-    if cfg.detection:
-        check_detection(cfg)
-    else:
-        check_data_source(cfg.data)
-        if cfg.data not in BUILTIN_DATA and not is_factory(cfg.data):
-            scan_image_folder(cfg.data)
+    training_for(cfg).check(cfg, scan=True)
     cpus = usable_cpus()
     if device == "cpu" and world > cpus:
         print(

@@ -1,4 +1,6 @@
-"""The training loop: one function, ``train(cfg)``, that runs alone or as one torchrun rank."""
+"""The training loop: one function, ``train(cfg)``, that runs alone or as one torchrun rank, for every task: DDP,
+AMP, checkpoints and resume are the loop's; the data, the step's loss, the evaluation and the log's words are
+the task's training (torchship.train.tasks)."""
 
 from __future__ import annotations
 
@@ -11,22 +13,19 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from torchship.checkpoint import INDEX, WEIGHTS, read_index, resolve_checkpoint
 from torchship.device import check_amp
 from torchship.device import resolve_device as _resolve_device
-from torchship.errors import ConfigError, DataError
-from torchship.models import check_arch
+from torchship.errors import ConfigError
 
 from . import checkpoint as ck
 from .config import TrainConfig
-from .data import DataSplit, check_data_source, collate_inputs, is_factory, load_data
-from .detect import check_detection, train_detector
+from .data import DataSplit
 from .distributed import Dist, init_distributed, rank_batches, rank_loader
 from .result import TrainResult
 from .setup import Run, set_up
-from .userdata import load_user_data
+from .tasks import training_for
 
 
 def resolve_device(cfg: TrainConfig) -> str:
@@ -53,51 +52,6 @@ class _Log:
                 f.write(json.dumps(record) + "\n")
 
 
-def _to(x, device: str):
-    """A batch's inputs (a tensor, or a dict of them) on ``device``."""
-    if isinstance(x, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
-    return x.to(device, non_blocking=True)
-
-
-def _logits(model: nn.Module, norm: nn.Module, x) -> torch.Tensor:
-    """The class scores the loss is taken on: dict inputs go to forward by keyword; of a tuple or list of
-    outputs the first, of a dict its 'logits' entry (else its first)."""
-    out = model(**x) if isinstance(x, dict) else model(norm(x))
-    if isinstance(out, dict):
-        out = out["logits"] if "logits" in out else next(iter(out.values()))
-    elif isinstance(out, (tuple, list)):
-        out = out[0]
-    if not isinstance(out, torch.Tensor) or out.dim() != 2:
-        raise DataError(
-            f"the model's output for the loss must be [batch, classes] scores, got "
-            f"{list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
-        )
-    return out
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, norm: nn.Module, ds, d: Dist, per_rank: int, device: str, autocast, collate=None
-) -> tuple[float, float]:
-    """Validation loss and accuracy, summed over all ranks (each sample counted once)."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for batch in rank_loader(ds, rank_batches(len(ds), d, per_rank, 0, 0, shuffle=False), 0, 0, collate):
-        x, y = collate_inputs(batch)
-        x, y = _to(x, device), y.to(device)
-        with autocast():
-            logits = _logits(model, norm, x)
-        totals[0] += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
-        totals[1] += (logits.argmax(1) == y).sum()
-        totals[2] += y.numel()
-    if d.initialized:
-        dist.all_reduce(totals)
-    model.train()
-    n = max(1.0, totals[2].item())
-    return totals[0].item() / n, totals[1].item() / n
-
-
 def prepare_out(cfg: TrainConfig) -> Path:
     """Refuse to mix a new run into an existing one unless --overwrite or --resume says so."""
     out = Path(cfg.out)
@@ -120,16 +74,13 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
     """
     t_start = time.perf_counter()
     device = resolve_device(cfg)
-    if cfg.detection:
-        check_detection(cfg)  # before the run's folder and log exist
-    else:
-        check_data_source(cfg.data)
-        check_arch(cfg.arch)
+    training = training_for(cfg)
+    training.check(cfg)  # before the run's folder and log exist
     out = prepare_out(cfg)
     resume = cfg.resolved_resume()  # before this run writes a checkpoint of its own
     resume_dir = resolve_checkpoint(resume, which="latest") if resume else None
     ck.seed_everything(cfg.seed)
-    data = None if cfg.detection else load_split(cfg)  # a factory's mistakes surface before anything is written
+    data = training.load(cfg)  # a factory's mistakes surface before anything is written
     joining = not dist.is_initialized()
     d = init_distributed(device)
     log = None
@@ -143,9 +94,7 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
         if d.initialized:
             dist.barrier()
         log = _Log(out, d.main)
-        if cfg.detection:
-            return train_detector(cfg, d, device, out, log, on_step)
-        return _train(cfg, data, d, device, out, resume_dir, log, on_step, t_start)
+        return _train(cfg, training, data, d, device, out, resume_dir, log, on_step, t_start)
     finally:
         if log is not None and log.file:
             log.file.close()
@@ -153,13 +102,6 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[dict[str, Any]], None]] 
         # interpreter shutdown can abort a rank that has finished its work, and torchrun fails the job.
         if joining and d.initialized:
             dist.destroy_process_group()
-
-
-def load_split(cfg: TrainConfig) -> DataSplit:
-    """--data as training and validation datasets: your own factory's, or a built-in or folder split."""
-    if is_factory(cfg.data):
-        return load_user_data(cfg.data)
-    return load_data(cfg.data, cfg.image_size, cfg.val_fraction, cfg.seed, cfg.synthetic_samples, cfg.num_classes)
 
 
 def _save(run: Run, epoch: int, step_in_epoch: int, metrics: dict[str, Any], is_eval: bool) -> Path | None:
@@ -181,8 +123,8 @@ def _save(run: Run, epoch: int, step_in_epoch: int, metrics: dict[str, Any], is_
             "global_step": run.global_step,
             "rng": rngs,
             "world_size": d.world,
-            "best_acc": run.best_acc,
-            "val_acc": run.val_acc,
+            "best": run.best,
+            "last": run.last,
         }
 
         def write_heldout(p: Path) -> None:
@@ -194,9 +136,9 @@ def _save(run: Run, epoch: int, step_in_epoch: int, metrics: dict[str, Any], is_
             f"step-{run.global_step:07d}",
             ck.clean_state_dict(run.plain),
             dict(run.meta, epoch=epoch, step=run.global_step, metrics=metrics),
-            state,
+            None if "resume" in run.training.task.options_unsupported else state,
             write_heldout,
-            metrics.get("val_acc") if is_eval else None,
+            metrics.get(run.training.task.metric) if is_eval else None,
             run.cfg.keep_last,
         )
     if d.initialized:
@@ -244,12 +186,9 @@ def _epoch(run: Run, epoch: int, on_step, prof) -> tuple[float, float, bool, int
     for idx, batch in zip(
         batches[skip:], rank_loader(run.data.train, batches[skip:], cfg.workers, cfg.seed + epoch, run.data.collate)
     ):
-        x, y = collate_inputs(batch)
-        x, y = _to(x, run.device), y.to(run.device, non_blocking=True)
-        if cfg.channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x, y = run.training.batch(batch, run.device, cfg.channels_last)
         with run.autocast():
-            loss = nn.functional.cross_entropy(_logits(run.model, run.norm, x), y)
+            loss = run.training.loss(run, x, y)
         run.opt.zero_grad(set_to_none=True)
         run.scaler.scale(loss).backward()
         run.scaler.unscale_(run.opt)  # so the norm (and the clip) see true gradients
@@ -259,7 +198,7 @@ def _epoch(run: Run, epoch: int, on_step, prof) -> tuple[float, float, bool, int
         run.sched.step()
         run.global_step += 1
         run.step_in_epoch += 1
-        run.images_done += y.shape[0] * d.world
+        run.images_done += len(y) * d.world
         loss_sum += loss.item()
         loss_n += 1
         if prof is not None:
@@ -283,32 +222,29 @@ def _end_of_epoch(
     run: Run, epoch: int, train_loss: float, gnorm: float, stopped: bool, n_batches: int, steps_rate: float
 ) -> None:
     """Evaluate, log the epoch's metrics and save a checkpoint: mid-epoch when --max-steps stopped it there.
-    ``steps_rate``: this epoch's images/s over its training steps alone (no evaluation, no checkpoint)."""
-    val_loss, run.val_acc = evaluate(
-        run.model, run.norm, run.data.val, run.d, max(1, run.per_rank), run.device, run.autocast, run.data.collate
-    )
-    run.best_acc = max(run.best_acc, run.val_acc)
+    ``steps_rate``: this epoch's samples/s over its training steps alone (no evaluation, no checkpoint)."""
+    task = run.training.task
+    metrics = run.training.evaluate(run)
+    run.last = metrics[task.metric]
+    run.best = max(run.best, run.last)
     elapsed = time.perf_counter() - run.t_loop
     record = {
         "epoch": epoch + 1,
         "step": run.global_step,
         "train_loss": train_loss,
-        "val_loss": val_loss,
-        "val_acc": run.val_acc,
+        **metrics,
         "lr": run.sched.get_last_lr()[0],
         "grad_norm": gnorm,
-        "images_per_s": run.images_done / max(elapsed, 1e-9),
-        "epoch_images_per_s": steps_rate,
+        f"{task.unit}_per_s": run.images_done / max(elapsed, 1e-9),
+        f"epoch_{task.unit}_per_s": steps_rate,
         "elapsed_s": elapsed,
     }
     run.log.metrics(run.out, record)
-    unit = "img" if run.data.signature is None else "samples"
     run.log(
         f"epoch {epoch + 1}/{run.cfg.epochs}  step {run.global_step}  train_loss {train_loss:.4f}  "
-        f"val_loss {val_loss:.4f}  val_acc {100 * run.val_acc:.2f}%  grad_norm {gnorm:.3f}  "
-        f"{record['images_per_s']:.0f} {unit}/s"
+        f"{run.training.epoch_text(record, run.data)}  grad_norm {gnorm:.3f}  "
+        f"{record[f'{task.unit}_per_s']:.0f} {run.training.rate_unit(run.data)}/s"
     )
-    metrics = {"val_loss": val_loss, "val_acc": run.val_acc}
     if stopped and run.step_in_epoch < n_batches:
         _save(run, epoch, run.step_in_epoch, metrics, True)
     else:
@@ -316,19 +252,15 @@ def _end_of_epoch(
 
 
 def _train(
-    cfg, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log: _Log, on_step, t_start
-) -> TrainResult:
-    run = set_up(cfg, data, d, device, out, resume_dir, log)
+    cfg, training, data: DataSplit, d: Dist, device: str, out: Path, resume_dir: Optional[Path], log: _Log, on_step,
+    t_start,
+) -> TrainResult:  # fmt: skip
+    run = set_up(cfg, training, data, d, device, out, resume_dir, log)
     if d.main:
-        what = (
-            f"{run.meta['num_classes']} classes, input {'x'.join(map(str, run.meta['input_shape']))}"
-            if data.signature is None
-            else f"inputs {data.signature.to_flags()}"
-        )
         log(
             f"training {cfg.arch} on {data.source}: {len(data.train)} train / {len(data.val)} val "
-            f"{'images' if data.signature is None else 'samples'}, {what}, world size {d.world}, device {device}, "
-            f"amp {run.amp}, {run.steps_per_epoch} steps/epoch"
+            f"{training.describe(run)}, world size {d.world}, device {device}, amp {run.amp}, "
+            f"{run.steps_per_epoch} steps/epoch"
         )
     prof = _profiler(run)
     run.t_loop = time.perf_counter()
@@ -349,13 +281,14 @@ def _train(
     result = TrainResult(
         best=out / "checkpoints" / index.get("best", ""),
         latest=out / "checkpoints" / index.get("latest", ""),
-        val_acc=run.val_acc,
-        best_val_acc=max(run.best_acc, 0.0),
+        metric=training.task.metric,
+        value=run.last,
+        best_value=max(run.best, 0.0),
         steps=run.global_step,
         wall_s=wall,
         images_per_s=run.images_done / max(time.perf_counter() - run.t_loop, 1e-9),
         world_size=d.world,
     )
     if d.main:
-        log(f"done in {wall:.1f}s: best val_acc {100 * result.best_val_acc:.2f}%; weights: {result.best / WEIGHTS}")
+        log(f"done in {wall:.1f}s: {training.best_text(result.best_value)}; weights: {result.best / WEIGHTS}")
     return result

@@ -15,13 +15,12 @@ from torch import nn
 from torchship.checkpoint import load_into, load_meta, load_weights
 from torchship.config import as_dict
 from torchship.device import resolve_amp
-from torchship.errors import CheckpointError, DataError
+from torchship.errors import CheckpointError
 from torchship.io import git_revision
-from torchship.models import Normalize, build_model, parse_model_args
 
 from . import checkpoint as ck
 from .config import TrainConfig
-from .data import DataSplit, heldout_batch
+from .data import DataSplit
 from .distributed import Dist, rank_batches
 
 
@@ -31,6 +30,7 @@ class Run:
     it stands."""
 
     cfg: TrainConfig
+    training: Any  # the task's training (torchship.train.tasks): its data, step, evaluation and log lines
     data: DataSplit
     d: Dist
     device: str
@@ -41,6 +41,7 @@ class Run:
     model: nn.Module  # what the steps call: the plain model, wrapped by DDP and torch.compile when asked
     plain: nn.Module  # the model whose weights are saved
     norm: nn.Module
+    scored: Optional[nn.Module]  # what validation runs, where not the model itself (a detector's deployable form)
     opt: torch.optim.Optimizer
     sched: Any
     scaler: Any
@@ -51,8 +52,8 @@ class Run:
     epoch: int = 0
     step_in_epoch: int = 0
     global_step: int = 0
-    best_acc: float = -1.0
-    val_acc: float = 0.0
+    best: float = -1.0  # the best value of the task's metric so far (validation accuracy, mAP@50)
+    last: float = 0.0  # its value at the last evaluation
     images_done: int = 0
     t_loop: float = 0.0
 
@@ -64,6 +65,7 @@ class Run:
 
 def set_up(
     cfg: TrainConfig,
+    training,
     data: DataSplit,
     d: Dist,
     device: str,
@@ -71,22 +73,14 @@ def set_up(
     resume_dir: Optional[Path],
     log: Callable[[str], None],
 ) -> Run:
-    """The model (resumed from ``resume_dir`` if given), its DDP and compile wrappers, optimizer, schedule,
+    """The task's model (resumed from ``resume_dir`` if given), its DDP and compile wrappers, optimizer, schedule,
     AMP and the checkpoints' metadata; DataError/CheckpointError for data or a checkpoint that do not fit."""
     per_rank = cfg.batch_size // d.world
-    n_classes = len(data.classes) if data.classes else None
-    if len(data.train) < cfg.batch_size:
-        raise DataError(
-            f"the training split has {len(data.train)} samples, fewer than --batch-size {cfg.batch_size}; "
-            "lower --batch-size, or add images (or lower --val-fraction)"
-        )
     steps_per_epoch = len(rank_batches(len(data.train), d, per_rank, 0, cfg.seed, True))
-    in_ch = data.preprocessing.channels if data.preprocessing else None
-    model_args = parse_model_args(cfg.model_arg)
-    # your own data: the factory is called with the --model-arg values alone
-    plain = build_model(cfg.arch, n_classes if data.signature is None else None, in_ch, model_args)
+    plain = training.build(cfg, data)
     if resume_dir is not None:
         meta = load_meta(resume_dir)
+        n_classes = len(data.classes) if data.classes else None
         if meta.get("arch") != cfg.arch or meta.get("num_classes") != n_classes:
             raise CheckpointError(
                 f"--resume {resume_dir} holds {meta.get('arch')} with {meta.get('num_classes')} classes, "
@@ -96,6 +90,9 @@ def set_up(
     plain.to(device)
     if cfg.channels_last:
         plain = plain.to(memory_format=torch.channels_last)
+    scored = training.scored(plain, data)
+    if scored is not None:
+        scored.to(device)
     model = plain
     if d.initialized:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if device == "cuda" else None)
@@ -107,38 +104,10 @@ def set_up(
     amp, amp_reason = resolve_amp(cfg.amp, device)
     if d.main:
         log(f"amp {amp}" + ("" if cfg.amp == amp else f" (--amp {cfg.amp})") + f": {amp_reason}")
-    meta = {
-        "arch": cfg.arch,
-        "num_classes": n_classes,
-        "model_args": model_args,
-        "classes": data.classes,
-        "data": {
-            "source": data.source,
-            "train_samples": len(data.train),
-            "val_samples": len(data.val),
-            "val_fraction": cfg.val_fraction,
-            "seed": cfg.seed,
-        },
-        **run_record(cfg, d, device, amp, amp_reason),
-    }
-    heldout: dict[str, np.ndarray] = {}
-    if data.signature is None:
-        meta.update(input_shape=[in_ch, *data.preprocessing.image_size], preprocessing=data.preprocessing.to_dict())
-        if d.main:
-            images, labels = heldout_batch(data.val)
-            heldout = {"images": images.numpy().astype(np.float32), "labels": labels.numpy()}
-            if data.raw is not None:
-                heldout.update(data.raw().arrays())
-    else:  # the signature read from the samples, and how forward takes them; export needs nothing else
-        meta.update(signature=data.signature.to_manifest(), inputs_by="keyword" if data.by_keyword else "position")
-        meta["data"].update(factory=cfg.data, val_fraction=None)
-        feeds, labels = data.heldout
-        heldout = {**{f"input/{k}": v for k, v in feeds.items()}, "labels": labels}
-    norm = (
-        Normalize(data.preprocessing.mean, data.preprocessing.std).to(device) if data.preprocessing else nn.Identity()
-    )
+    meta = {**training.meta(cfg, data, scored), **run_record(cfg, d, device, amp, amp_reason)}
     run = Run(
         cfg,
+        training,
         data,
         d,
         device,
@@ -148,14 +117,15 @@ def set_up(
         steps_per_epoch,
         model,
         plain,
-        norm,
+        training.norm(data, device),
+        scored,
         opt,
         sched,
         torch.amp.GradScaler("cuda", enabled=amp == "fp16"),
         amp,
         {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp),
         meta,
-        heldout,
+        training.heldout(data) if d.main else {},
     )
     if resume_dir is not None:
         restore(run, ck.load_train_state(resume_dir), resume_dir)
@@ -186,8 +156,8 @@ def restore(run: Run, state: dict[str, Any], resume_dir: Path) -> None:
     run.sched.load_state_dict(state["scheduler"])
     run.scaler.load_state_dict(state["scaler"])
     run.epoch, run.step_in_epoch, run.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
-    run.best_acc = state.get("best_acc", -1.0)
-    run.val_acc = state.get("val_acc", 0.0)
+    run.best = state.get("best", state.get("best_acc", -1.0))  # older checkpoints: best_acc and val_acc
+    run.last = state.get("last", state.get("val_acc", 0.0))
     rngs = state["rng"]
     ck.set_rng_state(rngs[run.d.rank % len(rngs)])
     run.log(f"resumed from {resume_dir} at epoch {run.epoch + 1}, step {run.global_step}")

@@ -14,6 +14,7 @@ from torchship import detection_parity, parity
 from torchship.errors import ParityError
 from torchship.manifest import artifact_of, runs_tf32
 from torchship.names import format_of
+from torchship.tasks import task_of
 
 from ..client import decode_all
 
@@ -32,15 +33,15 @@ class ResponseCheck:
     bounds: dict[str, dict[str, float]] = field(default_factory=dict)
     min_sqnr_db: Optional[float] = None
     names: dict[str, str] = field(default_factory=dict)  # served output name -> the manifest's, where they differ
-    detection: Optional[dict[str, Any]] = None  # a detector's: its detections matched to the expected ones instead
+    rule: Optional[dict[str, Any]] = None  # a task's matching rule (a detector's: detections matched by label and IoU)
 
     def judge(self, i: int, response) -> Optional[str]:
         """Why the response to request ``i`` is wrong, or None."""
         got = {self.names.get(k, k): v for k, v in decode_all(response).items()}
         rows = len(next(iter(self.expected.values())))
-        if self.detection is not None:
+        if self.rule is not None:
             want = {o: v[i % rows][None] for o, v in self.expected.items()}
-            tol, det = self.detection["tolerances"], self.detection["rule"]
+            tol, det = self.rule["tolerances"], self.rule["rule"]
             _, failures = detection_parity.check_set(got, want, tol, det, "the response", 1, real=False)
             return failures[0] if failures else None
         for o, want in self.expected.items():
@@ -101,6 +102,7 @@ def response_check(
     expected: Optional[dict[str, np.ndarray]],
     singles: list[dict[str, np.ndarray]],
     rows: int,
+    tol: Optional[dict[str, Any]] = None,
 ) -> ResponseCheck:
     """The check of ``model``'s responses. An fp32 model is held to the bound its export recorded (its TF32
     bound where it was compiled so) against the reference outputs of the bench's inputs (``expected``, by
@@ -110,16 +112,18 @@ def response_check(
     pool they were drawn from. Where the bench's inputs have no reference (--shape at a size no reference set has),
     an fp32 model too is held to its idle answers, within twice its bound (two runs each within it). A detector's
     responses are matched to the expected detections by label and IoU (torchship.detection_parity), as infer
-    --check matches them."""
+    --check matches them. ``tol``: the bounds, where they differ from the manifest's (an image entry's answers in
+    each picture's own pixels)."""
     art = artifact_of(manifest, fmt) or {}
     tf32 = runs_tf32(manifest, fmt)
     outputs = [o["name"] for o in manifest["outputs"]]
-    tol = manifest["tolerances"]
+    tol = tol or manifest["tolerances"]
+    task = task_of(manifest)
     names = {w: m for m, w in client.wire_names(model).items()}
     if not art.get("gate") and expected is not None:
-        if "detection" in manifest:  # matched as verify and infer --check match them: by label and IoU
-            det = {"tolerances": tol, "rule": manifest["detection"]}
-            return ResponseCheck(model, {o: expected[o] for o in outputs}, "the reference", names=names, detection=det)
+        rule = task.response_rule(manifest, tol)  # a detector's: matched by label and IoU, as infer --check does
+        if rule is not None:
+            return ResponseCheck(model, {o: expected[o] for o in outputs}, "the reference", names=names, rule=rule)
         bounds = {o: parity.bound(tol, o, tf32) for o in outputs}
         return ResponseCheck(model, {o: expected[o] for o in outputs}, "the reference", bounds, names=names)
     idle = [client.infer_all(model, singles[i]) for i in range(min(rows, len(singles)))]
@@ -127,10 +131,10 @@ def response_check(
     against = "its own answers on the idle server"
     if art.get("gate"):
         return ResponseCheck(model, own, against, names=names, min_sqnr_db=parity.sqnr_floor(art["gate"]))
-    if "detection" in manifest:  # two runs, each within the bounds of the reference: twice the bounds apart
-        doubled = {o: {**b, "atol": 2 * b["atol"]} for o, b in tol["outputs"].items()}
-        det = {"tolerances": {**tol, "outputs": doubled}, "rule": manifest["detection"]}
-        return ResponseCheck(model, own, against, names=names, detection=det)
+    doubled = {o: {**b, "atol": 2 * b["atol"]} for o, b in tol["outputs"].items()}
+    rule = task.response_rule(manifest, {**tol, "outputs": doubled})  # two runs, each within the bounds of the
+    if rule is not None:  # reference: twice the bounds apart
+        return ResponseCheck(model, own, against, names=names, rule=rule)
     bounds = {o: {k: 2 * v for k, v in parity.bound(tol, o, tf32).items() if k in ("atol", "rtol")} for o in outputs}
     return ResponseCheck(model, own, against, bounds, names=names)
 

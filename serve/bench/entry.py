@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from torchship import detection_parity
 from torchship.manifest import raw_files
 from torchship.markdown import cell, table
 from torchship.names import format_of
+from torchship.tasks import task_of
 
 from ..client import request_feeds
 from ..entries import entry_of, entry_target
@@ -52,13 +52,10 @@ class EntryRun:
         feeds = [{entry.input: np.frombuffer(data, np.uint8)[None]} for data in files]
         target = entry_target(client.config(entry.name))
         fmt = format_of(target, manifest, client.config(target))
-        expected, bound = inputs.raw_expected, None
-        if "detection" in manifest and expected is not None:  # the entry answers in each picture's own pixels
-            size = manifest["detection"]["letterbox"]["size"]
-            expected, bound = detection_parity.for_picture_files(expected, files, manifest["tolerances"], size)
-        check = response_check(client, entry.name, manifest, fmt, expected, feeds, len(feeds))
-        if check.detection is not None and bound is not None:
-            check.detection["tolerances"] = bound
+        expected, tol = inputs.raw_expected, manifest["tolerances"]
+        if expected is not None:  # what the entry answers for the files (a detector: in each picture's own pixels)
+            expected, tol = task_of(manifest).for_picture_files(manifest, expected, files, tol)
+        check = response_check(client, entry.name, manifest, fmt, expected, feeds, len(feeds), tol)
         run = cls(entry.name, entry.kind, entry.pre, target, fmt, feeds, files, check, stats_of(client, entry.pre))
         if entry.kind == "text":
             run.tensor_feeds = [tokens_of(manifest, inputs.raw_inputs, i) for i in range(len(files))]

@@ -57,11 +57,11 @@ def test_a_bf16_artifact_is_gated_and_its_planted_faults_are_refused(tmp_path):
     """Each artifact below is the model computing in bfloat16 behind float32 inputs and outputs (an ExportedProgram,
     as a faulty exporter could have written it), listed under the gate a bf16 artifact carries: the faithful one
     passes on the real samples, each planted fault is refused."""
-    from torchship.eager import named
     from torchship.errors import ParityError
     from torchship.export.exporters import example, exported_program
     from torchship.export.source import CastWrapper
     from torchship.export.verify import verify_export
+    from torchship.models import named
     from torchship.signature import parse_signature
 
     torch.save(color_cnn().state_dict(), tmp_path / "w.pt")

@@ -15,6 +15,7 @@ from ..config import build, flag_name, opt
 from ..errors import ConfigError, GateError, Interrupted
 from ..io import atomic_write_json, atomic_write_text, read_json
 from ..procfs import RssSampler
+from ..tasks import task_of
 from .summary import outcome_line, summarize
 
 ALIASES = {"serve": "check", "verify": "export"}
@@ -158,15 +159,10 @@ def stage_train(run: Run, t0: float) -> None:
     run_train(dataclasses.replace(run.cfg["train"], overwrite=True))
     meta = ck.load_meta(ck.resolve_checkpoint(run.dirs["train"], "best"))
     about = {"arch": meta["arch"], "world_size": meta["world_size"], "amp": meta["amp"]}
-    if meta.get("task") == "detection":
-        got, floor = float(meta.get("metrics", {}).get("map50", 0.0)), run.cfg["run"].min_map50
-        run.done("train", t0, map50=got, **about)
-        detail = f"mAP@50 {100 * got:.1f}% on the validation pictures (gate: >= {100 * floor:.0f}%)"
-        run.gate("train", got >= floor, detail)
-        return
-    acc, min_acc = float(meta.get("metrics", {}).get("val_acc", 0.0)), run.cfg["run"].min_accuracy
-    run.done("train", t0, val_acc=acc, **about)
-    run.gate("train", acc >= min_acc, f"validation accuracy {100 * acc:.2f}% (gate: >= {100 * min_acc:.0f}%)")
+    task = task_of(meta)
+    got, floor = float(meta.get("metrics", {}).get(task.metric, 0.0)), getattr(run.cfg["run"], task.gate_setting)
+    run.done("train", t0, **{task.metric: got}, **about)
+    run.gate("train", got >= floor, task.gate_line(got, floor))
 
 
 def stage_export(run: Run, t0: float) -> None:

@@ -6,11 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import detection_parity
 from ..errors import TorchshipError
 from ..manifest import MANIFEST, read_manifest
 from ..markdown import table
-from ..parity import artifact_summary
+from ..tasks import task_of
 
 
 def outcome_line(run_dir: Path, outcome: dict[str, Any], markdown: bool = True) -> str:
@@ -58,40 +57,8 @@ def summarize(run_dir: Path, record: dict[str, Any], manifest: dict[str, Any] | 
     # the summary is written after a failure too: a file that cannot be read is named, not raised
     manifest = manifest or _readable(lines, run_dir / "export" / MANIFEST, read_manifest, run_dir / "export")
     v = manifest.get("verification")
-    if v and "detection" in manifest:
-        header, rows = detection_parity.summary_rows(v["artifacts"])
-        lines += ["", "## Detections against eager's (worst case over held-out and random batches)", ""]
-        lines += table(header, rows)
-    elif v:
-        rows, gated = [], []
-        for name, e in v["artifacts"].items():
-            if e.get("quantized"):
-                gated.append([name, gate_line(e, manifest), "pass" if e["pass"] else "FAIL"])
-                continue
-            worst, limit, multiple, top = artifact_summary(e, v["tolerances"])
-            rows.append(
-                [
-                    name,
-                    f"{worst:.2e}",
-                    f"{limit:.2e}",
-                    "-" if multiple is None else f"{multiple:.2f}",
-                    top,
-                    "pass" if e["pass"] else "FAIL",
-                ]
-            )
-        lines += [
-            "",
-            "## Parity against the float64 reference (worst case over held-out and random batches)",
-            "",
-            *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], rows),
-        ]
-        if gated:
-            lines += [
-                "",
-                "Reduced precisions, held to the accuracy gate on the real samples instead:",
-                "",
-                *table(["artifact", "on the real samples", "result"], gated),
-            ]
+    if v:
+        lines += task_of(manifest).summary_lines(manifest) or []
     entry = record["stages"].get("repo", {}).get("image_entry")
     if entry:
         lines += ["", entry_line(entry, record["stages"].get("bench", {}).get("winner"))]
@@ -143,19 +110,6 @@ def entry_line(entry: dict[str, Any], winner: dict[str, Any] | None) -> str:
         f"Image entry: `{entry['model']}` takes an image file as it is and prepares it in the server as "
         f"training did, then runs {behind}{size}."
     )
-
-
-def gate_line(entry: dict[str, Any], manifest: dict[str, Any]) -> str:
-    """A gated artifact's figures on the real samples, in words."""
-    row = entry["sets"].get((manifest.get("reference") or {}).get("samples") or "heldout", {})
-    parts = []
-    if "accuracy" in row:
-        parts.append(f"accuracy {row['accuracy']:.2f} % beside eager's {row['eager_accuracy']:.2f} %")
-    if "top1_agreement" in row:
-        parts.append(f"top-1 agreement {100 * row['top1_agreement']:.1f} %")
-    if row.get("sqnr_db"):
-        parts.append(f"SQNR {min(row['sqnr_db'].values()):.1f} dB")
-    return ", ".join(parts) or "-"
 
 
 def _readable(lines: list[str], path: Path, read, *args) -> dict[str, Any]:
