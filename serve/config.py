@@ -249,6 +249,11 @@ class ServeConfig:
         metavar="PEM",
     )
     tls_own_key: Optional[str] = opt(None, "the private key of --tls-own-cert (PEM)", metavar="PEM")
+    key_on_command_line: bool = opt(
+        False,
+        "start even where no C compiler can build the helper that keeps the control key off tritonserver's "
+        "command line: every user of this machine can then read the key in /proc (docs/serving.md)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port", "metrics_port"):

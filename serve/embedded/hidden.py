@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from torchship.errors import ServerError
+
 SOURCE = Path(__file__).with_name("hidden_args.c")
 ARGS_ENV = "TORCHSHIP_HIDDEN_ARGS"  # read by hidden_args.c
 USER_PRELOAD_ENV = "TORCHSHIP_USER_PRELOAD"  # the user's own LD_PRELOAD, put back by hidden_args.c for the children
@@ -42,18 +44,27 @@ def shim(folder: Path) -> tuple[Optional[Path], str]:
         Path(tmp).unlink(missing_ok=True)
 
 
-def hide(args: list[str], folder: Path, env: dict[str, str]) -> tuple[list[str], Optional[Path]]:
+def hide(
+    args: list[str], folder: Path, env: dict[str, str], exposed_ok: bool = False
+) -> tuple[list[str], Optional[Path]]:
     """Arrange for tritonserver to receive ``args`` without them showing in its command line: they go into a
     file only this user can read (removed by the server once read), and ``env`` gets the preloaded library
-    that hands them over. Returns (what is still to be added to the command line, the file); where no C
-    compiler can build the library, ``args`` themselves, with one line on stderr saying why and what that exposes.
+    that hands them over. Returns (what is still to be added to the command line, the file). Where no C
+    compiler can build the library, ServerError saying what fixes it; with ``exposed_ok`` (the user's
+    --key-on-command-line), ``args`` themselves instead, with one line on stderr saying what that exposes.
     The user's own LD_PRELOAD reaches the server's children as it was."""
     lib, why = shim(folder)
     if lib is None:
+        if not exposed_ok:
+            raise ServerError(
+                f"{why} the helper that keeps the control key out of the process list, where every user of this "
+                "machine can read it; install a C compiler (apt-get install gcc), or pass --key-on-command-line "
+                "to start with the key readable there (on a machine no one else uses)"
+            )
         print(
-            f"torchship serve: {why} the helper that keeps the control key out of the process list, so "
-            "tritonserver's command line carries it and other users of this machine can read it there; install a "
-            "working C compiler (apt-get install gcc) to keep it private",
+            f"torchship serve: {why} the helper that keeps the control key out of the process list; "
+            "--key-on-command-line: tritonserver's command line carries it, and other users of this machine can "
+            "read it there",
             file=sys.stderr,
             flush=True,
         )
@@ -72,7 +83,7 @@ def check_restricted(client) -> None:
     key: the restriction did not take effect (the preloaded helper skipped, say), and the server must not serve."""
     from dataclasses import replace
 
-    from torchship.errors import AccessError, ServerError
+    from torchship.errors import AccessError
 
     from ..client import TritonClient
 

@@ -225,7 +225,7 @@ class TritonServer:
         if self.log_path is None:
             self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
         self.key = secrets.token_urlsafe(32)
-        shown, self._hidden_args = hide(restricted_flags(self.key), private_dir(), env)
+        shown, self._hidden_args = hide(restricted_flags(self.key), private_dir(), env, self.cfg.key_on_command_line)
         self.key_file = write_key(self.url, self.key)
         remember(self.url, self.access)
         log = open(self.log_path, "ab")

@@ -236,9 +236,11 @@ def test_tls_options_are_checked_at_the_boundary(tmp_path):
     assert ServeConfig().tls_flags() == []
 
 
-def test_without_a_working_compiler_the_key_goes_on_the_command_line_with_a_warning(tmp_path, monkeypatch, capsys):
+def test_without_a_working_compiler_the_server_refuses_unless_told_the_key_may_show(tmp_path, monkeypatch, capsys):
     """The branches of hide(): the helper built by cc takes the arguments off the command line; where no
-    compiler is found, or the one found fails, they stay on it, and one line says which and what that exposes."""
+    compiler is found, or the one found fails, the start is refused, naming the fix; with --key-on-command-line
+    they stay on it, and one line says what that exposes."""
+    from torchship.errors import ServerError
     from torchship.serve.embedded import hidden
 
     env: dict[str, str] = {}
@@ -248,15 +250,28 @@ def test_without_a_working_compiler_the_key_goes_on_the_command_line_with_a_warn
     monkeypatch.setenv("CC", "false")  # a compiler that exists but cannot build (gcc without libc headers, say)
     (tmp_path / "bad-cc").mkdir()
     env = {}
-    shown, path = hidden.hide(["--secret=1"], tmp_path / "bad-cc", env)
+    with pytest.raises(ServerError, match="failed to build .* the helper .* --key-on-command-line") as e:
+        hidden.hide(["--secret=1"], tmp_path / "bad-cc", env)
+    assert "no C compiler" not in str(e.value) and "apt-get install gcc" in str(e.value) and env == {}
+    shown, path = hidden.hide(["--secret=1"], tmp_path / "bad-cc", env, exposed_ok=True)
     assert shown == ["--secret=1"] and path is None and env == {}
-    err = capsys.readouterr().err
-    assert "failed to build" in err and "no C compiler" not in err and "other users of this machine can" in err, err
+    assert "other users of this machine can read it" in capsys.readouterr().err
     monkeypatch.setattr(hidden.shutil, "which", lambda name: None)
     (tmp_path / "no-cc").mkdir()
-    shown, path = hidden.hide(["--secret=1"], tmp_path / "no-cc", env)
+    with pytest.raises(ServerError, match="no C compiler"):
+        hidden.hide(["--secret=1"], tmp_path / "no-cc", env)
+    shown, path = hidden.hide(["--secret=1"], tmp_path / "no-cc", env, exposed_ok=True)
     assert shown == ["--secret=1"] and path is None and env == {}
-    assert "no C compiler (cc)" in capsys.readouterr().err
+
+
+def test_torchship_serve_without_a_compiler_exits_with_one_line_and_starts_no_server(repo, monkeypatch, capsys):
+    """Fail closed at the command: no tritonserver is started with the key on its command line unless asked."""
+    from torchship.serve.embedded import hidden
+
+    monkeypatch.setattr(hidden, "shim", lambda folder: (None, "no C compiler (cc) is here to build"))
+    assert run_cli("serve", repo) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--key-on-command-line" in err[0], err
 
 
 def test_a_backend_folder_others_can_open_is_refused(tmp_path, monkeypatch):
