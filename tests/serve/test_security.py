@@ -73,8 +73,8 @@ def test_a_server_that_answers_control_without_the_key_does_not_start(repo, faul
     else:
         real = embedded.hide
 
-        def skipped(args, folder, env):
-            out = real(args, folder, env)
+        def skipped(args, folder, env, exposed_ok=False):
+            out = real(args, folder, env, exposed_ok)
             env.pop("LD_PRELOAD", None)  # as a loader that ignores the preload would leave it
             return out
 
