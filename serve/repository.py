@@ -19,6 +19,7 @@ import dataclasses
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -250,14 +251,14 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
             (mdir / "warmup").mkdir()
             for name, x in warm.items():
                 (mdir / "warmup" / name).write_bytes(x.tobytes())
+            m = ModelFolder(d, manifest, cfg, max_batch, kind, warm, mdir, vdir)
             if fmt == "aoti":
-                files = _write_aoti(d, manifest, cfg, max_batch, kind, mdir, vdir, warm, have)
+                files = _write_aoti(m, have)
             elif fmt in ("aoti_int8", "aoti_bf16"):
-                files = _write_aoti_package(d, manifest, fmt, cfg, max_batch, kind, mdir, vdir, warm)
+                files = _write_aoti_package(m, fmt)
             else:
-                a = artifact(manifest, fmt)
-                files = copy_artifact(d, a, vdir, FORMATS[fmt].file)
-                (mdir / CONFIG).write_text(config_text(build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)))
+                files = m.copy(fmt, FORMATS[fmt].file)
+                (mdir / CONFIG).write_text(config_text(m.config(fmt)))
             # where the version came from (torchship repo REPO --history) and the sha256 of each of its files,
             # which the embedded server's backends and torchship serve check before loading them
             (vdir / PROVENANCE).write_text(json.dumps({**origin, "files": files}, indent=2) + "\n")
@@ -291,74 +292,71 @@ def _sources(fmt: str, have: set[str]) -> set[str]:
 BUCKETS_FILE = "buckets.pt2"
 
 
-def _embedded(manifest, fmt: str, cfg: RepoConfig, max_batch: int, kind: int, warm) -> mc.ModelConfig:
-    """The config the embedded server loads an AOTInductor model with: the stand-in pytorch backend, batched."""
-    emb = build_config(manifest, fmt, cfg, max_batch, kind, warmup=warm)
-    emb.platform = ""
-    emb.backend = "pytorch"
-    return emb
+@dataclass(frozen=True)
+class ModelFolder:
+    """What one served model's folder is written from: the export (``d``, its manifest), the repository's
+    settings, its batch limit, the instance kind, its warm-up sample, and the folder and version folder."""
+
+    d: Path
+    manifest: dict[str, Any]
+    cfg: RepoConfig
+    max_batch: int
+    kind: int
+    warm: dict[str, np.ndarray]
+    mdir: Path
+    vdir: Path
+
+    def config(self, fmt: str, **kw) -> mc.ModelConfig:
+        return build_config(self.manifest, fmt, self.cfg, self.max_batch, self.kind, warmup=self.warm, **kw)
+
+    def embedded(self, fmt: str) -> mc.ModelConfig:
+        """The config the embedded server loads an AOTInductor model with: the stand-in pytorch backend,
+        batched."""
+        emb = self.config(fmt)
+        emb.platform = ""
+        emb.backend = "pytorch"
+        return emb
+
+    def copy(self, fmt: str, filename: str) -> dict[str, str]:
+        return copy_artifact(self.d, artifact(self.manifest, fmt), self.vdir, filename)
 
 
-def _write_aoti_package(
-    d: Path,
-    manifest,
-    fmt: str,
-    cfg: RepoConfig,
-    max_batch: int,
-    kind: int,
-    mdir: Path,
-    vdir: Path,
-    warm: dict[str, np.ndarray],
-) -> dict[str, str]:
-    """model.pt2, a dynamic-batch reduced-precision package (aoti_int8, aoti_bf16), batched up to ``max_batch``
+def _write_aoti_package(m: ModelFolder, fmt: str) -> dict[str, str]:
+    """model.pt2, a dynamic-batch reduced-precision package (aoti_int8, aoti_bf16), batched up to the max batch
     in the official container (as _aoti) and by the embedded server (embedded.pbtxt), which runs each batch as
     it comes, without padding."""
-    files = copy_artifact(d, artifact(manifest, fmt), vdir, "model.pt2")
-    (mdir / CONFIG).write_text(
-        config_text(build_config(manifest, fmt, cfg, max_batch, kind, container_aoti=True, warmup=warm))
-    )
-    (mdir / EMBEDDED_CONFIG).write_text(config_text(_embedded(manifest, fmt, cfg, max_batch, kind, warm)))
+    files = m.copy(fmt, "model.pt2")
+    (m.mdir / CONFIG).write_text(config_text(m.config(fmt, container_aoti=True)))
+    (m.mdir / EMBEDDED_CONFIG).write_text(config_text(m.embedded(fmt)))
     return files
 
 
-def _write_aoti(
-    d: Path,
-    manifest,
-    cfg: RepoConfig,
-    max_batch: int,
-    kind: int,
-    mdir: Path,
-    vdir: Path,
-    warm: dict[str, np.ndarray],
-    have: set[str],
-) -> dict[str, str]:
+def _write_aoti(m: ModelFolder, have: set[str]) -> dict[str, str]:
     """model.pt2 (the dynamic-batch package, for the official container) and, for the embedded server,
-    buckets.pt2 with embedded.pbtxt batching over its static-batch models up to ``max_batch``."""
-    emb = _embedded(manifest, "aoti", cfg, max_batch, kind, warm)
+    buckets.pt2 with embedded.pbtxt batching over its static-batch models up to the max batch."""
+    emb = m.embedded("aoti")
     files: dict[str, str] = {}
     if "aoti" in have:
-        files.update(copy_artifact(d, artifact(manifest, "aoti"), vdir, "model.pt2"))
-        (mdir / CONFIG).write_text(
-            config_text(build_config(manifest, "aoti", cfg, max_batch, kind, container_aoti=True, warmup=warm))
-        )
+        files.update(m.copy("aoti", "model.pt2"))
+        (m.mdir / CONFIG).write_text(config_text(m.config("aoti", container_aoti=True)))
     if "aoti_buckets" in have:
-        b = artifact(manifest, "aoti_buckets")
-        sizes = sorted(int(s) for s in b["buckets"] if int(s) <= max_batch)
+        b = artifact(m.manifest, "aoti_buckets")
+        sizes = sorted(int(s) for s in b["buckets"] if int(s) <= m.max_batch)
         if 1 not in sizes:
             raise ArtifactError(
-                f"{d}: aoti_buckets has no batch-1 bucket (it has {b['buckets']}); export it with --buckets 1,..."
+                f"{m.d}: aoti_buckets has no batch-1 bucket (it has {b['buckets']}); export it with --buckets 1,..."
             )
-        files.update(copy_artifact(d, b, vdir, BUCKETS_FILE))
+        files.update(m.copy("aoti_buckets", BUCKETS_FILE))
         emb.default_model_filename = BUCKETS_FILE
         emb.max_batch_size = max(sizes)
         # no preferred batch sizes: with them the batcher cut what had queued down to the largest preferred size
         # that fit, and served fewer, smaller batches (measured in the commit that made this choice)
         _param(emb, "buckets", ",".join(map(str, sizes)))
-        warm_batches(emb, manifest, warm, sizes)  # each bucket is a model of its own, cold until it first runs
+        warm_batches(emb, m.manifest, m.warm, sizes)  # each bucket is a model of its own, cold until it first runs
     if "aoti" not in have:  # the embedded server only: the container's torch_aoti cannot read a bucket archive
-        (mdir / CONFIG).write_text(config_text(emb))
+        (m.mdir / CONFIG).write_text(config_text(emb))
     else:
-        (mdir / EMBEDDED_CONFIG).write_text(config_text(emb))
+        (m.mdir / EMBEDDED_CONFIG).write_text(config_text(emb))
     return files
 
 

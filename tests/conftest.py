@@ -110,31 +110,23 @@ def python() -> str:
     return sys.executable
 
 
-@pytest.fixture(scope="session")
-def exported(trained, tmp_path_factory) -> Path:
-    """Every fp32 format exported (example batch 2, max batch 8, buckets 1/8) and verified."""
+def export_quietly(checkpoint: Path, folder: Path, settings: dict) -> None:
+    """run_export of ``checkpoint`` into folder/export at max batch 8, with ``settings`` on top, saying nothing."""
     from torchship.config import build
     from torchship.export.config import ExportConfig
     from torchship.export.pipeline import run_export
+
+    cfg = {"checkpoint": str(checkpoint), "out": str(folder / "export"), "max_batch": 8, **settings}
+    run_export(build(ExportConfig, cfg), log=lambda *a: None)
+
+
+@pytest.fixture(scope="session")
+def exported(trained, tmp_path_factory) -> Path:
+    """Every fp32 format exported (example batch 2, max batch 8, buckets 1/8) and verified."""
     from torchship.runtime import FP32_FORMATS
 
-    def make(d):
-        run_export(
-            build(
-                ExportConfig,
-                {
-                    "checkpoint": str(trained),
-                    "out": str(d / "export"),
-                    "max_batch": 8,
-                    "buckets": [1, 8],
-                    "odd_batch": 5,
-                    "formats": list(FP32_FORMATS),
-                },
-            ),
-            log=lambda *a: None,
-        )
-
-    return once(tmp_path_factory, "exported", make) / "export"
+    settings = {"buckets": [1, 8], "odd_batch": 5, "formats": list(FP32_FORMATS)}
+    return once(tmp_path_factory, "exported", lambda d: export_quietly(trained, d, settings)) / "export"
 
 
 @pytest.fixture(scope="session")
@@ -142,26 +134,8 @@ def int8_export(trained, tmp_path_factory) -> Path:
     """The tiny CNN as fp32 ONNX, INT8 ONNX and INT8 AOTInductor (calibrated on its held-out samples), verified.
     The gate allows a 2-point drop: the tiny CNN (85 %) has near-ties, and one of its 64 held-out samples is 1.6
     points."""
-    from torchship.config import build
-    from torchship.export.config import ExportConfig
-    from torchship.export.pipeline import run_export
-
-    def make(d):
-        run_export(
-            build(
-                ExportConfig,
-                {
-                    "checkpoint": str(trained),
-                    "out": str(d / "export"),
-                    "max_batch": 8,
-                    "formats": ["onnx", "onnx_int8", "aoti_int8"],
-                    "max_accuracy_drop": 2.0,
-                },
-            ),
-            log=lambda *a: None,
-        )
-
-    return once(tmp_path_factory, "int8", make) / "export"
+    settings = {"formats": ["onnx", "onnx_int8", "aoti_int8"], "max_accuracy_drop": 2.0}
+    return once(tmp_path_factory, "int8", lambda d: export_quietly(trained, d, settings)) / "export"
 
 
 @pytest.fixture(scope="session")

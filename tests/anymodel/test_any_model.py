@@ -19,19 +19,19 @@ from torchship.errors import ClientError, ParityError
 from torchship.manifest import read_manifest
 
 MODELS = "tests.anymodel.models"
-TEXT_FLAGS = [
-    "--input",
-    "input_ids:int64:B,S",
-    "--input",
-    "attention_mask:int64:B,S",
-    "--dim",
-    "S=1..64",
-    "--input-range",
-    "input_ids=0..49",
-    "--input-range",
-    "attention_mask=0..1",
-]
+TEXT_FLAGS = (
+    "--input input_ids:int64:B,S --input attention_mask:int64:B,S --dim S=1..64 "
+    "--input-range input_ids=0..49 --input-range attention_mask=0..1"
+).split()
 SMALL = ["--max-batch", "8", "--buckets", "1", "8"]
+
+
+def export_mlp(weights, out, *extra) -> int:
+    """torchship export of the MLP from its plain weights file, as a user's --model/--weights/--input line."""
+    mlp = ["--model", f"{MODELS}:mlp", "--weights", weights / "mlp.pt", "--input", "features:float32:B,20"]
+    return run_cli("export", *mlp, "--out", out, *SMALL, *extra)
+
+
 TEXT_FORMATS = ["torchscript", "exported_program", "aoti", "onnx"]
 
 DDP_SAVE = """
@@ -62,21 +62,7 @@ def weights(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mlp_export(weights, tmp_path_factory):
     out = tmp_path_factory.mktemp("mlp") / "export"
-    assert (
-        run_cli(
-            "export",
-            "--model",
-            f"{MODELS}:mlp",
-            "--weights",
-            weights / "mlp.pt",
-            "--input",
-            "features:float32:B,20",
-            "--out",
-            out,
-            *SMALL,
-        )
-        == 0
-    )
+    assert export_mlp(weights, out) == 0
     return out
 
 
@@ -149,24 +135,7 @@ def test_a_transformer_gets_int8_gated_on_its_accuracy(text_checkpoint, tmp_path
 
 def test_ddp_prefixed_weights_export_to_every_format(weights, tmp_path, capsys):
     out = tmp_path / "export"
-    assert (
-        run_cli(
-            "export",
-            "--model",
-            f"{MODELS}:mlp",
-            "--weights",
-            weights / "mlp.pt",
-            "--input",
-            "features:float32:B,20",
-            "--out",
-            out,
-            *SMALL,
-            "--formats",
-            "onnx",
-            "torchscript",
-        )
-        == 0
-    )
+    assert export_mlp(weights, out, "--formats", "onnx", "torchscript") == 0
     assert "stripped the prefix module." in capsys.readouterr().out
     m = read_manifest(out)
     assert m["inputs"] == [{"name": "features", "dtype": "float32", "shape": ["batch", 20]}]

@@ -15,6 +15,19 @@ from torchship.manifest import read_manifest
 pytest.importorskip("transformers")
 
 
+def export_bert(folder, flags: list[str], *extra, out=None) -> int:
+    """torchship export of a seeded Hugging Face BERT from its plain weights file (written into ``folder``) with
+    the signature ``flags``, as a user's --model/--weights line, into ``out`` (default: folder/export)."""
+    import torch
+
+    from tests.anymodel.models import hf_bert
+
+    torch.manual_seed(0)
+    torch.save(hf_bert().state_dict(), folder / "bert.pt")
+    model = ["--model", "tests.anymodel.models:hf_bert", "--weights", folder / "bert.pt"]
+    return run_cli("export", *model, *flags, *extra, "--max-batch", "8", "--out", out or folder / "export")
+
+
 def readme_text_flags() -> list[str]:
     """The signature flags (--input, --dim, --input-range) of the README's text-model export command."""
     lines = (ROOT / "README.md").read_text().splitlines()
@@ -37,9 +50,7 @@ def readme_text_flags() -> list[str]:
 
 @pytest.mark.slow
 def test_the_readme_text_command_exports_serves_and_checks_hf_bert(tmp_path):
-    import torch
 
-    from tests.anymodel.models import hf_bert
     from torchship.serve.config import RepoConfig, ServeConfig
     from torchship.serve.embedded import TritonServer
     from torchship.serve.parity import check_served
@@ -47,28 +58,8 @@ def test_the_readme_text_command_exports_serves_and_checks_hf_bert(tmp_path):
 
     flags = readme_text_flags()
     assert "--input-range" in flags and "attention_mask=mask" in flags, flags
-    torch.manual_seed(0)
-    torch.save(hf_bert().state_dict(), tmp_path / "bert.pt")
     out = tmp_path / "export"
-    assert (
-        run_cli(
-            "export",
-            "--model",
-            "tests.anymodel.models:hf_bert",
-            "--weights",
-            tmp_path / "bert.pt",
-            *flags,
-            "--formats",
-            "torchscript",
-            "exported_program",
-            "onnx",
-            "--max-batch",
-            "8",
-            "--out",
-            out,
-        )
-        == 0
-    )
+    assert export_bert(tmp_path, flags, "--formats", "torchscript", "exported_program", "onnx") == 0
     m = read_manifest(out)
     v = m["verification"]
     assert v["pass"] and all(e["pass"] for e in v["artifacts"].values()) and len(v["artifacts"]) == 3
@@ -83,31 +74,9 @@ def test_the_readme_text_command_exports_serves_and_checks_hf_bert(tmp_path):
 def test_uniform_masks_fail_onnx_only_on_rows_without_a_token_and_the_error_says_so(tmp_path, capsys):
     """The hole the mask kind closes, kept visible: independent 0/1 masks draw rows with no token at S=1, on which
     the ONNX graph and eager disagree; the refusal names those rows and the flag that draws real masks."""
-    import torch
-
-    from tests.anymodel.models import hf_bert
 
     flags = [f.replace("attention_mask=mask", "attention_mask=uniform:0..1") for f in readme_text_flags()]
-    torch.manual_seed(0)
-    torch.save(hf_bert().state_dict(), tmp_path / "bert.pt")
-    assert (
-        run_cli(
-            "export",
-            "--model",
-            "tests.anymodel.models:hf_bert",
-            "--weights",
-            tmp_path / "bert.pt",
-            *flags,
-            "--formats",
-            "onnx",
-            "torchscript",
-            "--max-batch",
-            "8",
-            "--out",
-            tmp_path / "export",
-        )
-        == 3
-    )
+    assert export_bert(tmp_path, flags, "--formats", "onnx", "torchscript") == 3
     err = capsys.readouterr().err
     assert "onnx: random_b" in err and "torchscript:" not in err, err
     assert "only on rows whose attention_mask holds no 1" in err and "--input-range attention_mask=mask" in err, err

@@ -15,23 +15,8 @@ from torchship.serve.embedded.process import free_ports
 
 pytestmark = pytest.mark.slow  # real servers, compiles or processes: the full run, not the fast tier
 
-TRAIN = [
-    "-m",
-    "train",
-    "--arch",
-    "tiny_cnn",
-    "--data",
-    "synthetic",
-    "--synthetic-samples",
-    "96",
-    "--batch-size",
-    "16",
-    "--epochs",
-    "2",
-    "--seed",
-    "3",
-    "--no-progress",
-]
+TRAIN = "-m torchship.train --arch tiny_cnn --data synthetic --synthetic-samples 96 --batch-size 16 --epochs 2".split()
+TRAIN += ["--seed", "3", "--no-progress"]
 
 
 def torchrun(args, out, **kw):

@@ -121,11 +121,7 @@ def test_a_run_from_a_later_stage_reads_each_hand_over_once(run_dir, tmp_path, m
     )
     assert (
         run_cli(
-            "run",
-            "--out",
-            d,
-            "--config",
-            CONFIG,
+            *("run", "--out", d, "--config", CONFIG),
             "--from",
             "repo",
             "--set",
@@ -258,11 +254,7 @@ def test_run_trains_and_serves_a_text_model_from_your_own_factories(tmp_path):
     d = tmp_path / "run"
     assert (
         run_cli(
-            "run",
-            "--out",
-            d,
-            "--config",
-            CONFIG,
+            *("run", "--out", d, "--config", CONFIG),
             "--arch",
             "tests.anymodel.models:text_classifier",
             "--data",

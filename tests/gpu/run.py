@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TS = [sys.executable, "-m", "torchship.pipeline.cli"]
 FP32_FORMATS = ("torchscript", "exported_program", "aoti", "aoti_buckets", "onnx")
 BF16_FORMATS = ("torchscript", "exported_program", "aoti")
+TIMED = ("--iters", "20", "--blocks", "2", "--warmup", "3")  # the in-process timing every bench here asks for
 
 
 class Run:
@@ -323,12 +324,7 @@ def serve_and_sweep(run: Run, export: Path, fmt: str) -> dict[str, Any]:
                 fmt,
                 "--batch-sizes",
                 *run.batches,
-                "--iters",
-                "20",
-                "--blocks",
-                "2",
-                "--warmup",
-                "3",
+                *TIMED,
                 "--window-s",
                 "0.5",
                 "--max-windows",
@@ -549,12 +545,7 @@ def bench(run: Run, which: str) -> dict[str, Any]:
             *variants,
             "--batch-sizes",
             *run.batches,
-            "--iters",
-            "20",
-            "--blocks",
-            "2",
-            "--warmup",
-            "3",
+            *TIMED,
             "--no-plots",
             "--no-progress",
             "--out",

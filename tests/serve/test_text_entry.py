@@ -79,35 +79,12 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tokenizer):
 def text_served(tokenizer, tmp_path_factory):
     """A Hugging Face BERT exported with the README's text flags, its tokenizer and sample texts, served with its
     text entry: (server, export directory, repository)."""
-    import torch
 
-    from tests.anymodel.models import hf_bert
-    from tests.anymodel.test_hf_bert import readme_text_flags
+    from tests.anymodel.test_hf_bert import export_bert, readme_text_flags
 
     tmp = tmp_path_factory.mktemp("text")
-    torch.manual_seed(0)
-    torch.save(hf_bert().state_dict(), tmp / "bert.pt")
-    assert (
-        run_cli(
-            "export",
-            "--model",
-            "tests.anymodel.models:hf_bert",
-            "--weights",
-            tmp / "bert.pt",
-            *readme_text_flags(),
-            "--tokenizer",
-            tokenizer,
-            "--text-samples",
-            sample_texts(tmp / "texts.txt"),
-            "--formats",
-            "onnx",
-            "--max-batch",
-            "8",
-            "--out",
-            tmp / "export",
-        )
-        == 0
-    )
+    texts = ["--tokenizer", tokenizer, "--text-samples", sample_texts(tmp / "texts.txt"), "--formats", "onnx"]
+    assert export_bert(tmp, readme_text_flags(), *texts) == 0
     build_repository(tmp / "export", RepoConfig(out=str(tmp / "repo"), formats=("onnx",), cores=1))
     with TritonServer(ServeConfig(repo=str(tmp / "repo"))).start() as s:
         yield s, tmp / "export", tmp / "repo"

@@ -64,28 +64,10 @@ def test_the_sharding_check_catches_ranks_that_share_a_shard(tmp_path):
 @pytest.mark.slow
 def test_torchship_train_nproc_2_launches_ranks(tmp_path):
     """The CLI's --nproc path (in-process torchrun launch), end to end."""
+    flags = "--arch tiny_cnn --data synthetic --synthetic-samples 64 --epochs 1 --batch-size 16 --nproc 2".split()
+    flags += ["--out", str(tmp_path / "o"), "--no-progress"]
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchship.pipeline.cli",
-            "train",
-            "--arch",
-            "tiny_cnn",
-            "--data",
-            "synthetic",
-            "--synthetic-samples",
-            "64",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "16",
-            "--nproc",
-            "2",
-            "--out",
-            str(tmp_path / "o"),
-            "--no-progress",
-        ],
+        [sys.executable, "-m", "torchship.pipeline.cli", "train", *flags],
         capture_output=True,
         text=True,
         timeout=240,

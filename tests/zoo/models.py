@@ -53,17 +53,9 @@ TEXT_BERT = (
     "--input-range",
     "token_type_ids=0..1",
 )
-TEXT_GPT2 = (
-    "--input",
-    "input_ids:int64:B,S",
-    "--input",
-    "attention_mask:int64:B,S",
-    "--dim",
-    "S=1..64",
-    "--input-range",
-    "input_ids=0..50256",
-    "--input-range",
-    "attention_mask=mask",
+TEXT_GPT2 = tuple(
+    "--input input_ids:int64:B,S --input attention_mask:int64:B,S --dim S=1..64 "
+    "--input-range input_ids=0..50256 --input-range attention_mask=mask".split()
 )
 GPT2_BATCHES = ("--max-batch", "4", "--odd-batch", "3", "--buckets", "1", "4")
 
