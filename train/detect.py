@@ -43,9 +43,6 @@ class Pictures:
     def __len__(self) -> int:
         return len(self.images)
 
-    def targets(self, idx: list[int], device: str) -> list[dict[str, torch.Tensor]]:
-        return [{"boxes": self.boxes[i].to(device), "labels": self.labels[i].to(device)} for i in idx]
-
 
 class PictureSet(torch.utils.data.Dataset):
     """Letterboxed pictures as the loop's dataset: item i is (picture, its boxes and labels); ``source`` is the
