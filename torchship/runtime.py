@@ -355,24 +355,11 @@ def _bucket_parts(path: str) -> dict:
     }
 
 
-def load_artifact(
-    export_dir: str,
-    artifact: dict,
-    inputs: Sequence[str],
-    outputs: Sequence[str],
-    device: str = "cpu",
-    threads: int = 1,
-) -> Runner:
-    """Load one manifest artifact entry (its file) from ``export_dir``."""
-    return load(
-        artifact["format"],
-        os.path.join(export_dir, artifact["file"]),
-        inputs,
-        outputs,
-        device=device,
-        threads=threads,
-        tf32=bool(artifact.get("tf32")),
-    )
+def load_artifact(export_dir: str, artifact: dict, inputs: Sequence[str], outputs: Sequence[str], **kw) -> Runner:
+    """Load one manifest artifact entry (its file) from ``export_dir``, compiled with TF32 where it records so;
+    ``kw`` as load takes them (device, threads)."""
+    path = os.path.join(export_dir, artifact["file"])
+    return load(artifact["format"], path, inputs, outputs, tf32=bool(artifact.get("tf32")), **kw)
 
 
 PROVENANCE = "provenance.json"  # in each version folder of a repository: where it came from, each file's sha256

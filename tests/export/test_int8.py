@@ -77,13 +77,18 @@ def test_random_inputs_are_only_checked_for_shape_and_finiteness():
     assert failures == ["m: random_b8 output 'logits': not finite"] and "shape [8, 3], eager [8, 10]" in wrong[0]
 
 
+def quantized(export, fmt: str) -> tuple[dict, dict, dict]:
+    """(the export's manifest, its ``fmt`` artifact, how that artifact was quantized)."""
+    m = json.loads((export / "manifest.json").read_text())
+    a = next(a for a in m["artifacts"] if a["format"] == fmt)
+    return m, a, a["quantization"]
+
+
 @pytest.mark.slow
 def test_an_onnx_int8_export_is_calibrated_and_passes_the_gate(int8_export):
     import onnx
 
-    m = json.loads((int8_export / "manifest.json").read_text())
-    a = next(a for a in m["artifacts"] if a["format"] == "onnx_int8")
-    q = a["quantization"]
+    m, a, q = quantized(int8_export, "onnx_int8")
     assert (
         q["method"] == "static"
         and q["calibration"]["samples"] == 64
@@ -102,9 +107,7 @@ def test_an_onnx_int8_export_is_calibrated_and_passes_the_gate(int8_export):
 
 @pytest.mark.slow
 def test_an_aoti_int8_export_calls_int8_kernels_and_passes_the_gate(int8_export):
-    m = json.loads((int8_export / "manifest.json").read_text())
-    a = next(a for a in m["artifacts"] if a["format"] == "aoti_int8")
-    q = a["quantization"]
+    m, a, q = quantized(int8_export, "aoti_int8")
     assert (
         q["method"] == "static" and q["quantizer"] == "torchao X86InductorQuantizer" and q["narrowed"] == "activations"
     )
