@@ -65,7 +65,7 @@ def add_image_files(src, folder: str, log=print) -> None:
     RAW_BYTES in all), and, where --example-inputs gave no real samples, the tensors of up to SAMPLE_FILES of
     them as its samples."""
     # a detector's pictures are letterboxed, as its served image entry does
-    pre = src.task.picture_preprocessing({"detection": src.detection}) or image_preprocessing(src.signature)
+    pre = src.task.picture_preprocessing(src.detection) or image_preprocessing(src.signature)
     files = image_files(folder)
     root = Path(folder)
 

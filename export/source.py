@@ -21,6 +21,7 @@ from torchship.models import WithPreprocessing, make_model, named, parse_model_a
 from torchship.names import export_name
 from torchship.signature import BATCH, DYNAMIC, Signature, TensorSpec, dtype_name, parse_dims, parse_signature
 from torchship.tasks import DETECTION, Task, task_of
+from torchship.tasks.detection import letterbox_preprocessing
 
 from .detection_source import own_topk, topk_outputs, wrap_torchvision
 
@@ -106,7 +107,7 @@ def _from_detection_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.n
         export_name(meta["arch"]),
         _description(ckdir, meta),
         classes=meta["classes"],
-        preprocessing=DETECTION.picture_preprocessing({"detection": meta}),
+        preprocessing=letterbox_preprocessing(meta["letterbox"]["size"]),
         detection={**meta["detections"], "letterbox": meta["letterbox"]},
     )
     if (ckdir / ck.HELDOUT).exists():

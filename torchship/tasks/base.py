@@ -86,8 +86,9 @@ class Task:
         bounds."""
         return None
 
-    def picture_preprocessing(self, manifest: dict[str, Any]) -> Optional[dict[str, Any]]:
-        """What its image entry does to a picture file, where it differs from training's preprocessing."""
+    def picture_preprocessing(self, block: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        """What its image entry does to a picture file, where it differs from training's preprocessing; ``block``:
+        what the manifest records of the task's outputs."""
         return None
 
     def for_picture_files(self, manifest, outs, files: list[bytes], tol):

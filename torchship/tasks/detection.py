@@ -86,8 +86,8 @@ class Detection(Task):
     def response_rule(self, manifest: dict[str, Any], tol: dict[str, Any]) -> Optional[dict[str, Any]]:
         return {"tolerances": tol, "rule": manifest["detection"]}
 
-    def picture_preprocessing(self, manifest: dict[str, Any]) -> Optional[dict[str, Any]]:
-        return letterbox_preprocessing(manifest["detection"]["letterbox"]["size"])
+    def picture_preprocessing(self, block: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        return letterbox_preprocessing(block["letterbox"]["size"])
 
     def for_picture_files(self, manifest, outs, files: list[bytes], tol):
         return detection_parity.for_picture_files(outs, files, tol, manifest["detection"]["letterbox"]["size"])
