@@ -74,10 +74,29 @@ def own_topk(model: torch.nn.Module, sig: Signature) -> Optional[dict[str, Any]]
             + ", ".join(f"{n} {d} {s}" for n, d, s in got)
         )
 
+    holder = thresholds_of(model)
+
     def attr(*names: str) -> Optional[float]:
-        return next((float(getattr(model, n)) for n in names if hasattr(model, n)), None)
+        return next((float(getattr(holder, n)) for n in names if hasattr(holder, n)), None)
 
     return detection_block(k, attr("score_thresh"), attr("iou_thresh", "nms_thresh"), size)
+
+
+def thresholds_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose ``score_thresh`` and ``iou_thresh`` (or ``nms_thresh``) are the final detections':
+    ``model`` itself where it has them, else the first module inside it that keeps ``detections_per_img``
+    beside them (a torchvision SSD, RetinaNet or FCOS, or a two-stage detector's RoI heads, not its region
+    proposals' thresholds); ``model`` where none has."""
+    if hasattr(model, "score_thresh"):
+        return model
+    return next(
+        (
+            m
+            for m in model.modules()
+            if all(hasattr(m, a) for a in ("score_thresh", "nms_thresh", "detections_per_img"))
+        ),
+        model,
+    )
 
 
 def detection_block(k: int, score_thresh, iou_thresh, size: int, candidates: Optional[int] = None) -> dict[str, Any]:

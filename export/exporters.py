@@ -13,8 +13,11 @@ import numpy as np
 import torch
 
 from torchship.device import torch_threads
+from torchship.errors import root_cause
 from torchship.runtime import BUCKET_PREFIX, tf32_allowed
 from torchship.signature import BATCH, Signature
+
+from . import tracing
 
 
 @contextlib.contextmanager
@@ -56,10 +59,23 @@ def torchscript(model: torch.nn.Module, ex: tuple, path: Path) -> dict[str, Any]
     aten::_convolution), and torch allows TF32 by default: traced so, the file would compute in TF32 on any
     GPU whatever the loading process sets. Traced with TF32 off, it computes IEEE float32 as verified."""
     with tf32_allowed(False), quiet(), torch.no_grad():
-        traced = torch.jit.trace(model, ex, check_trace=False)
-        frozen = torch.jit.freeze(traced.eval())
+        graph, per_picture = tracing.trace(model, ex)
+        frozen = torch.jit.freeze(graph.eval())
         frozen.save(str(path))
-    return {}
+    called = torchvision_ops(frozen.graph)
+    return {**({"per_picture": True} if per_picture else {}), **({"torchvision_ops": called} if called else {})}
+
+
+def torchvision_ops(graph) -> list[str]:
+    """The torchvision operators (``torchvision::nms``, ``roi_align``, ...) a TorchScript graph calls, loops'
+    bodies included: what a server must have loaded to run it."""
+    found, todo = set(), [graph]
+    while todo:
+        for node in todo.pop().nodes():
+            if node.kind().startswith("torchvision::"):
+                found.add(node.kind())
+            todo.extend(node.blocks())
+    return sorted(found)
 
 
 def exported_program(model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int) -> dict[str, Any]:
@@ -177,33 +193,81 @@ def onnx(
     model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int, opset: int | None
 ) -> dict[str, Any]:
     """One self-contained ``path`` below protobuf's 2 GB limit; above it the weights go to external data
-    files beside it (named in the extra's ``external_data``), which must travel with it under their names."""
+    files beside it (named in the extra's ``external_data``), which must travel with it under their names.
+    Made by torch.export's exporter, or where torch.export cannot capture the model (a torchvision detector's
+    postprocessing branches on its data), by the TorchScript-based one (onnx_from_trace); the extra says which
+    made it and why."""
     import onnx as onnx_lib
 
     kwargs: dict[str, Any] = {"opset_version": opset} if opset else {}
     nbytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     external = nbytes >= ONNX_EXTERNAL_BYTES
-    with quiet():
-        prog = torch.onnx.export(
-            model,
-            ex,
-            dynamo=True,
-            input_names=[t.name for t in sig.inputs],
-            output_names=[t.name for t in sig.outputs],
-            dynamic_shapes=dynamic_shapes(sig, max_batch),
-            **kwargs,
-        )
-        prog.optimize()
-        prog.save(str(path), external_data=external)
-    del prog
+    how: dict[str, Any] = {"exporter": "dynamo"}
+    try:
+        with quiet():
+            prog = torch.onnx.export(
+                model,
+                ex,
+                dynamo=True,
+                input_names=[t.name for t in sig.inputs],
+                output_names=[t.name for t in sig.outputs],
+                dynamic_shapes=dynamic_shapes(sig, max_batch),
+                **kwargs,
+            )
+            prog.optimize()
+            prog.save(str(path), external_data=external)
+        del prog
+    except Exception as e:
+        for f in path.parent.iterdir():  # whatever the failed exporter left
+            if f.is_file():
+                f.unlink()
+        how = onnx_from_trace(model, ex, path, sig, max_batch, opset, root_cause(e))
     onnx_lib.checker.check_model(str(path), full_check=True)
     m = onnx_lib.load(str(path), load_external_data=False)
     opset_used = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
     batch = m.graph.input[0].type.tensor_type.shape.dim[0]
     data = sorted({e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"})
     return {
+        **how,
         "opset": opset_used,
         "ir_version": m.ir_version,
         "batch_dim_param": batch.dim_param or None,
         "external_data": data,
+    }
+
+
+TRACE_OPSET = 17  # the least opset the TorchScript-based exporter is asked for: torchvision's NMS and RoIAlign need 11+
+
+
+def onnx_from_trace(
+    model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int, opset: int | None, why: str
+) -> dict[str, Any]:
+    """``path`` written by the TorchScript-based exporter (dynamo=False) from the graph tracing.trace makes (a
+    per-picture loop becomes an ONNX Loop), the batch and every named dim dynamic; the manifest fields saying so."""
+    axes = {
+        t.name: {
+            i: d if d in sig.dims or d == BATCH else f"{t.name}_{i}"
+            for i, d in enumerate(t.shape)
+            if isinstance(d, str)
+        }
+        for t in (*sig.inputs, *sig.outputs)
+    }
+    if not max_batch:
+        axes = {n: {i: d for i, d in a.items() if i} for n, a in axes.items()}
+    with tf32_allowed(False), quiet(), torch.no_grad():
+        graph, per_picture = tracing.trace(model, ex)
+        torch.onnx.export(
+            graph,
+            ex,
+            str(path),
+            dynamo=False,
+            opset_version=max(opset or TRACE_OPSET, TRACE_OPSET),
+            input_names=[t.name for t in sig.inputs],
+            output_names=[t.name for t in sig.outputs],
+            dynamic_axes={n: a for n, a in axes.items() if a},
+        )
+    return {
+        "exporter": "torchscript",
+        "exporter_why": f"torch.export cannot capture the model: {why}",
+        **({"per_picture": True} if per_picture else {}),
     }

@@ -103,7 +103,7 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             src.sample_set,
             tf32="tf32" in tf32_field(cfg, device),
             pace=pace,
-            derive=src.task.derive(src.detection),
+            derive=src.task.derive(src.detection, list(inputs)),
         )
         ref.degenerate = src.task.blind(ref.degenerate)
         _check_degenerate(ref.degenerate, cfg.allow_degenerate, log)

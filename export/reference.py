@@ -12,6 +12,7 @@ import torch
 
 from torchship import parity, runtime
 from torchship.errors import first_line
+from torchship.manifest import RANDOM_SETS
 from torchship.signature import Signature
 
 FP64_CHUNK = 8  # rows per float64 call
@@ -37,7 +38,7 @@ def input_sets(
     g = np.random.default_rng(seed)
     for values in sig.dim_cases():
         for b in sorted({1, odd_batch, max_batch}):
-            key = f"random_b{b}" + "".join(f"_{k}={v}" for k, v in values.items())
+            key = f"{RANDOM_SETS}b{b}" + "".join(f"_{k}={v}" for k, v in values.items())
             sets[key] = sig.random_inputs(g, b, values)
             info[key] = {"batch": b, "dims": values}
     return sets, info

@@ -324,6 +324,7 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts),
     ]
     lines += [line for note in tf32_notes for line in ("", note)]
+    lines += [line for a in manifest["artifacts"] for line in ("", made_by(a)) if made_by(a)]
     lines += task_of(manifest).report_lines(v["artifacts"])
     lines += [
         "",
@@ -429,3 +430,16 @@ def quantized_row(name: str, a: dict[str, Any], entry: dict[str, Any], real: str
         sqnr,
         "pass" if entry["pass"] else "FAIL",
     ]
+
+
+def made_by(artifact: dict[str, Any]) -> str:
+    """A line saying how ``artifact`` was made where it was not made the usual way, else ''."""
+    notes = []
+    if artifact.get("exporter") == "torchscript":
+        notes.append(f"by the TorchScript-based ONNX exporter (dynamo=False), since {artifact['exporter_why']}")
+    if artifact.get("per_picture"):
+        notes.append(
+            "as a loop over the batch's pictures around the model traced at one picture: traced at a batch of 2, "
+            "its graph held at that size alone (the model loops over its pictures in Python)"
+        )
+    return f"`{artifact['name']}` was made " + "; and ".join(notes) + "." if notes else ""

@@ -8,6 +8,17 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
 
 
+def root_cause(e: BaseException, limit: int = 300) -> str:
+    """first_line of the innermost error ``e`` was raised from (a wrapper's own message often says only that
+    something failed), without terminal colour codes."""
+    import re
+
+    inner = e.__cause__ or e.__context__
+    while inner is not None and str(inner).strip():
+        e, inner = inner, inner.__cause__ or inner.__context__
+    return re.sub(r"\x1b\[[0-9;]*m", "", first_line(e, limit))
+
+
 class TorchshipError(Exception):
     """A problem the user can act on. ``str(err)`` is the one line the CLI prints."""
 

@@ -17,6 +17,7 @@ MANIFEST = "manifest.json"
 REFERENCE = "reference.npz"
 TOKENIZER = "tokenizer/tokenizer.json"  # a text model's tokenizer (export --tokenizer), which its text entry runs
 RAW_SET = "raw"  # the held-out files as a client sends them (export/raw/), and training's tensors of them
+RANDOM_SETS = "random_"  # the reference's sets of random inputs: random_b<batch>[_<dim>=<size>...]
 PARITY_MD = "parity.md"
 FORMAT = "torchship.export/2"  # 2: a float64 reference and a bound per output
 
@@ -222,7 +223,7 @@ def sample_set(manifest: dict[str, Any]) -> str:
     """The reference set to draw real samples from: the held-out images or the example inputs where the
     export has them, else its largest random batch."""
     sets = manifest["reference"]["sets"]
-    return manifest["reference"].get("samples") or max(sets, key=lambda k: (sets[k], k == f"random_b{sets[k]}"))
+    return manifest["reference"].get("samples") or max(sets, key=lambda k: (sets[k], k == f"{RANDOM_SETS}b{sets[k]}"))
 
 
 def reference_inputs(

@@ -223,12 +223,12 @@ def load(
         torch.zeros(1, device=device)  # the CUDA context exists before any loader runs (AOTInductor's needs it)
         set_tf32(tf32)  # for the life of this process, which loads this one artifact
     if fmt == "torchscript":
-        m = torch.jit.load(path, map_location=device).eval()
+        m = with_torchvision(lambda: torch.jit.load(path, map_location=device)).eval()
         r = Runner(torch_fn(m, device, threads), inputs, outputs)
         r.input_names = [a.name for a in m.forward.schema.arguments[1:]]
         return r
     if fmt == "exported_program":
-        ep = torch.export.load(path)
+        ep = with_torchvision(lambda: torch.export.load(path))
         m = ep.module().to(device)
         r = Runner(torch_fn(m, device, threads), inputs, outputs)
         r.input_names = list(ep.graph_signature.user_inputs)
@@ -245,6 +245,22 @@ def load(
         fns = {b: torch_fn(r, device, threads) for b, r in runners.items() if not buckets or b in buckets}
         return Runner(lambda xs: padded_call(fns, xs), inputs, outputs)
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(ARTIFACT_FORMATS)}")
+
+
+def with_torchvision(load: Callable[[], Any]) -> Any:
+    """``load()``, and where it fails for want of torchvision's operators (a detector's ``torchvision::nms``,
+    ``roi_align``: registered when torchvision is imported), again with torchvision imported. Importing it costs
+    a second of CPU, so only the artifacts that call its operators pay it."""
+    try:
+        return load()
+    except Exception as e:
+        if "torchvision" not in str(e):
+            raise
+        try:
+            import torchvision  # noqa: F401  (registers its operators)
+        except ImportError:
+            raise e from None
+        return load()
 
 
 def threads_in_use(runner: Runner) -> dict[str, Any]:

@@ -52,3 +52,64 @@ class FastNMSTopK(nn.Module):
         boxes = boxes.gather(1, order[..., None].expand(-1, -1, 4)) * present[..., None]
         labels = labels.gather(1, order) * present
         return {"boxes": boxes, "scores": kept * present, "labels": labels.long(), "count": present.sum(1)}
+
+
+class TorchvisionTopK(nn.Module):
+    """A torchvision detector behind the top-K form as users write it: the detector's own transform, decoding and
+    postprocessing (torchvision's batched_nms) run as in eager, one picture at a time, and each picture's first K
+    detections padded with zeros. images [B, 3, S, S] in [0, 1] -> boxes [B, K, 4], scores [B, K], labels [B, K],
+    count [B]."""
+
+    def __init__(self, model: nn.Module, k: int = 100):
+        super().__init__()
+        self.model, self.k = model, k
+
+    def forward(self, images: torch.Tensor):
+        found = self.model(list(images))
+        boxes, scores, labels = [], [], []
+        for d in found:
+            b, s, lab = d["boxes"][: self.k], d["scores"][: self.k], d["labels"][: self.k]
+            pad = self.k - s.shape[0]
+            boxes.append(nn.functional.pad(b, (0, 0, 0, pad)))
+            scores.append(nn.functional.pad(s, (0, pad)))
+            labels.append(nn.functional.pad(lab, (0, pad)))
+        scores = torch.stack(scores)
+        return {
+            "boxes": torch.stack(boxes),
+            "scores": scores,
+            "labels": torch.stack(labels),
+            "count": (scores > 0).sum(1),
+        }
+
+
+def ssdlite(num_classes: int = 11, k: int = 100, **kw) -> TorchvisionTopK:
+    """torchvision's SSDlite320-MobileNetV3 (pictures 320 x 320) behind TorchvisionTopK."""
+    from torchvision.models.detection import ssdlite320_mobilenet_v3_large
+
+    return TorchvisionTopK(
+        ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=num_classes, **kw), k
+    )
+
+
+def fasterrcnn(num_classes: int = 11, k: int = 100, **kw) -> TorchvisionTopK:
+    """torchvision's Faster R-CNN MobileNetV3-Large 320 FPN behind TorchvisionTopK."""
+    from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
+
+    model = fasterrcnn_mobilenet_v3_large_320_fpn(weights=None, weights_backbone=None, num_classes=num_classes, **kw)
+    return TorchvisionTopK(model, k)
+
+
+@torch.no_grad()
+def recalibrated(model: nn.Module, pictures: torch.Tensor, batch: int = 8) -> dict[str, torch.Tensor]:
+    """``model``'s weights (fresh ones) with every BatchNorm's statistics measured on ``pictures``: with its
+    initial statistics a fresh network's activations do not depend on the picture, and it detects nothing."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    model.eval()
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average over every batch
+        m.train()
+    for i in range(0, len(pictures), batch):
+        model(pictures[i : i + batch])
+    model.eval()
+    return model.state_dict()

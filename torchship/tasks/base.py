@@ -49,9 +49,10 @@ class Task:
     def check_formats(self, formats, dtype: str) -> None:
         """ConfigError for an export format or --dtype this task's models are not exported to."""
 
-    def derive(self, block: Optional[dict[str, Any]]) -> Callable:
+    def derive(self, block: Optional[dict[str, Any]], sets: list[str]) -> Callable:
         """How the reference derives the bounds from eager's outputs (torchship.parity.derive's signature);
-        ``block``: what the manifest records of the task's outputs."""
+        ``block``: what the manifest records of the task's outputs; ``sets``: the input sets' names, in the
+        order of the lists it is given."""
         from .. import parity
 
         return parity.derive

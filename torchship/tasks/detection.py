@@ -62,8 +62,8 @@ class Detection(Task):
         if dtype != "float32":
             raise ConfigError(f"--dtype {dtype}: a detector exports in float32")
 
-    def derive(self, block: Optional[dict[str, Any]]):
-        return partial(detection_parity.derive, k=block["k"])
+    def derive(self, block: Optional[dict[str, Any]], sets: list[str]):
+        return partial(detection_parity.derive, k=block["k"], sets=sets)
 
     def check_sets(self, tf32: bool):
         return detection_parity.check_sets

@@ -1,0 +1,54 @@
+"""The traced graph holds at every batch size: a model that loops over its batch in Python is traced per picture
+where it has the top-K form, and refused in one line otherwise; a batch-free model is traced as it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchship.errors import ArtifactError
+from torchship.export.tracing import trace
+
+
+class PerRow(nn.Module):
+    """Four outputs computed one picture at a time in a Python loop, with a data-dependent count: what a wrapper
+    around torchvision's postprocessing does."""
+
+    def forward(self, images):
+        rows = []
+        for x in images:
+            kept = x.flatten()[x.flatten() > 0.5][:5]
+            rows.append(nn.functional.pad(kept, (0, 5 - kept.shape[0])))
+        scores = torch.stack(rows)
+        return scores[..., None].repeat(1, 1, 4), scores, (scores > 0).long(), (scores > 0).sum(1)
+
+
+class Batched(nn.Module):
+    def forward(self, images):
+        return images.mean((2, 3))
+
+
+class LoopedLogits(nn.Module):
+    def forward(self, images):
+        return torch.stack([x.mean((1, 2)) for x in images])
+
+
+def test_a_model_that_loops_over_its_pictures_is_traced_per_picture():
+    ex = (torch.rand(2, 3, 4, 4),)
+    graph, per_picture = trace(PerRow(), ex)
+    assert per_picture
+    x = torch.rand(5, 3, 4, 4)
+    x[2] = 0  # nothing above the threshold: its row all padding, between full ones
+    for got, want in zip(graph(x), PerRow()(x)):
+        assert torch.equal(got, want)
+    plain = torch.jit.trace(PerRow(), ex, check_trace=False)  # the fault it mends: a plain trace holds at 2 only
+    with pytest.raises(RuntimeError, match="Expected 2 elements"):
+        plain(x)
+
+
+def test_a_batched_model_is_traced_as_it_is_and_any_other_loop_refused():
+    graph, per_picture = trace(Batched(), (torch.rand(2, 3, 4, 4),))
+    assert not per_picture and graph(torch.rand(3, 3, 4, 4)).shape == (3, 3)
+    with pytest.raises(ArtifactError, match="fixed at the example's batch size of 2"):
+        trace(LoopedLogits(), (torch.rand(2, 3, 4, 4),))
