@@ -247,3 +247,81 @@ def test_the_served_detector_batches_answers_picture_files_and_fails_each_plante
     assert np.abs(mapped - boxes).max() < 0.5
     assert "tiny_fcos_image: raw" in resize and "through the server's letterbox" in resize, resize[-2000:]
     assert "tiny_fcos_torchscript" in labels and "has no match" in labels, labels[-2000:]
+
+
+def test_a_blank_picture_inside_a_batch_is_answered_right_by_every_format_and_the_image_entry(detector, tmp_path):
+    """A blank picture among full ones, in one batch of every artifact (TorchScript, ExportedProgram, AOTInductor,
+    ONNX) and at 16 in flight through the server's batcher, for every served model and the image entry: it finds
+    nothing, and each full picture beside it finds what it finds alone (matched as verification matches)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from torchship import detection_parity, runtime
+    from torchship.imageio import decode_picture
+    from torchship.serve.client import TritonClient
+    from torchship.serve.config import RepoConfig, ServeConfig
+    from torchship.serve.embedded import TritonServer
+    from torchship.serve.repository import build_repository
+
+    export = tmp_path / "export"
+    assert run_cli("export", detector / "train", "--formats", *BLANK_FORMATS, "--max-batch", "8", "--out", export) == 0
+    manifest = json.loads((export / "manifest.json").read_text())
+    tol, det = manifest["tolerances"], manifest["detection"]
+    files = sorted((export / "raw").iterdir())[:3]
+    pictures = np.stack([decode_picture(f.read_bytes(), 128)[0] for f in files])
+    blank = np.full((1, 3, 128, 128), 0.5, np.float32)
+    batch = np.concatenate([pictures[:1], blank, pictures[1:]])  # full, blank, full, full
+    names = [o["name"] for o in manifest["outputs"]]
+    runners = {
+        a["format"]: runtime.load(a["format"], str(export / a["file"]), ["images"], names)
+        for a in manifest["artifacts"]
+    }
+    ordered = [pictures[0], blank[0], pictures[1], pictures[2]]
+    alone = [runners["torchscript"].run({"images": x[None]}) for x in ordered]  # each picture by itself
+    want = {o: np.concatenate([a[o] for a in alone]) for o in names}
+    assert want["count"][1] == 0 and min(want["count"][[0, 2, 3]]) > 3, want["count"]
+
+    def agrees(got, want, what):
+        row, failures = detection_parity.check_set(got, want, tol, det, what, len(want["count"]), False)
+        assert not failures, failures
+
+    for fmt, runner in runners.items():
+        agrees(runner.run({"images": batch}), want, f"{fmt} at a batch of 4")
+        agrees(runner.run({"images": batch[:2]}), {o: want[o][:2] for o in names}, f"{fmt} at a batch of 2")
+
+    repo = tmp_path / "repo"
+    build_repository(export, RepoConfig(out=str(repo), cores=1))
+    server = TritonServer(ServeConfig(repo=str(repo)))
+    server.start()
+    try:
+        with TritonClient(server.url) as client:
+            entry = "tiny_fcos_image"
+            models = [m for m in client.ready_models() if not m.startswith(entry)]
+            assert sorted(models) == [f"tiny_fcos_{f}" for f in ("aoti", "onnx", "torchscript")]  # every served format
+            feed = client.config(entry)["input"][0]["name"]
+            blank_file = tmp_path / "blank.png"
+            from PIL import Image
+
+            Image.new("RGB", (150, 100), (128, 128, 128)).save(blank_file)
+            datas = [files[0].read_bytes(), blank_file.read_bytes(), *(f.read_bytes() for f in files[1:])]
+
+            def one(i):  # 16 in flight: single pictures that the batcher stacks, the blank among them
+                model = (models + [entry])[i % (len(models) + 1)]
+                p = i % 4
+                if model == entry:
+                    return model, p, client.infer_all(model, {feed: np.frombuffer(datas[p], np.uint8)[None]})
+                return model, p, client.infer_all(model, {"images": batch[p : p + 1]})
+
+            with ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(one, range(16 * (len(models) + 1))))
+    finally:
+        server.stop()
+    for model, p, got in answers:
+        if model == entry:  # in the picture's pixels: the blank finds nothing, the others what they find alone
+            assert (int(got["count"].reshape(-1)[0]) == 0) == (p == 1), (model, p, got["count"])
+        else:
+            agrees(got, {o: want[o][p : p + 1] for o in names}, f"{model} picture {p} at 16 in flight")
+
+
+BLANK_FORMATS = ("torchscript", "exported_program", "aoti", "onnx")
