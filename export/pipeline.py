@@ -15,6 +15,7 @@ import torch
 
 import torchship
 from torchship import parity
+from torchship.detection_parity import TRUTH
 from torchship.device import resolve_device, torch_threads, usable_cpus
 from torchship.errors import OPTIONAL_HINT, ArtifactError, ConfigError, DegenerateError, ParityError, first_line
 from torchship.io import check_out_dir, sha256_file, staging_dir
@@ -56,7 +57,9 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
     text = load_text(sig, cfg.tokenizer, cfg.text_samples, log) if cfg.tokenizer else None
     device = resolve_device(cfg.device)
     if not cfg.formats:
-        cfg, why = cfg.for_device(device, real_samples=bool(src.samples), no_reduced=src.task.no_reduced)
+        no_truth = src.task.needs_truth and src.truth is None
+        no_reduced = "no ground truth for the samples to gate them on (a checkpoint's held-out split has it)"
+        cfg, why = cfg.for_device(device, real_samples=bool(src.samples), no_reduced=no_reduced if no_truth else "")
         log(f"formats: {', '.join(cfg.formats)} (the default here: {why}; --formats chooses)")
     src.task.check_formats(cfg.formats, cfg.dtype)
     eager = src.model.to(device)
@@ -76,6 +79,7 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
         for fmt in cfg.formats:
             (tmp / fmt).mkdir()
         arts = Artifacts(tmp, cfg, device, log)
+        gate = src.task.reduced_gate(cfg.max_accuracy_drop)  # what a reduced precision is verified under
         background = _start_compiles(compiler, cfg, tmp, log)  # they run while the reference is computed
 
         def pace() -> None:  # a running compile holds a core: this process takes what is left (OpenMP slows badly
@@ -117,6 +121,8 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             f"reference: {len(inputs)} input sets, eager in "
             f"{'float64' if fp64 else 'float32 (' + ref.tolerances['why'] + ')'} ({time.perf_counter() - t0:.1f}s)"
         )
+        for o, a in (src.truth or {}).items():  # what reduced precisions are gated on
+            ref.arrays[f"{TRUTH}/{src.sample_set}/{o}"] = a
         if raw is not None:
             if raw.labels is not None:
                 ref.arrays[f"labels/{RAW_SET}"] = raw.labels
@@ -130,7 +136,7 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             t0 = time.perf_counter()
             log(f"export {fmt} ...")
             try:
-                files, extra = _export_one(fmt, model, ex, tmp, cfg, sig, src.samples, log)
+                files, extra = _export_one(fmt, model, ex, tmp, cfg, sig, src.samples, gate, log)
             except Exception as e:  # one format failing must not lose the others
                 arts.fail(fmt, first_line(e))
                 continue
@@ -145,7 +151,7 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             arts.record(
                 fmt,
                 [f"{fmt}/model.pt2"],
-                _compiled(fmt, results, tmp, cfg, device),
+                _compiled(fmt, results, tmp, cfg, device, gate),
                 sum(r["seconds"] for r in results.values()),
             )
             if fmt == "aoti_int8":
@@ -322,13 +328,13 @@ def _start_compiles(compiler: Compiler, cfg: ExportConfig, tmp: Path, log) -> di
 
 
 def _compiled(
-    fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: ExportConfig, device: str
+    fmt: str, results: dict[int, dict[str, Any]], tmp: Path, cfg: ExportConfig, device: str, gate: dict[str, Any]
 ) -> dict[str, Any]:
     """The manifest's extra fields of a compiled format; packages the aoti_buckets archive first."""
     if fmt == "aoti":
         return {**results[0]["extra"], "batch": {"min": 1, "max": cfg.max_batch}}
     if fmt in ("aoti_int8", "aoti_bf16"):
-        return {**results[0]["extra"], **_gated(cfg, "int8" if fmt == "aoti_int8" else "bfloat16")}
+        return {**results[0]["extra"], **_gated(cfg, "int8" if fmt == "aoti_int8" else "bfloat16", gate)}
     shared = exporters.package_buckets({b: bucket_files(r) for b, r in results.items()}, tmp / fmt / "model.pt2")
     return {
         "freezing": True,
@@ -342,7 +348,15 @@ def _compiled(
 
 
 def _export_one(
-    fmt: str, model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray], log=print
+    fmt: str,
+    model,
+    ex,
+    tmp: Path,
+    cfg: ExportConfig,
+    sig: Signature,
+    samples: dict[str, np.ndarray],
+    gate: dict[str, Any],
+    log=print,
 ) -> tuple[list[str], dict[str, Any]]:
     if fmt == "torchscript":
         return [f"{fmt}/model.pt"], exporters.torchscript(model, ex, tmp / fmt / "model.pt")
@@ -355,12 +369,12 @@ def _export_one(
             "batch": {"min": 1, "max": cfg.max_batch},
         }
     if fmt == "onnx_int8":
-        return _onnx_int8(model, ex, tmp, cfg, sig, samples, log)
+        return _onnx_int8(model, ex, tmp, cfg, sig, samples, gate, log)
     raise ConfigError(f"unknown format {fmt}")
 
 
 def _onnx_int8(
-    model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray], log
+    model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray], gate, log
 ) -> tuple[list[str], dict[str, Any]]:
     """onnx_int8/model.onnx: the fp32 ONNX model (the onnx artifact's file where it was exported already)
     quantized for this CPU; the gate it will be verified under goes into its manifest entry."""
@@ -382,14 +396,14 @@ def _onnx_int8(
         "onnx_int8/model.onnx",
         *(f"onnx_int8/{f.name}" for f in (tmp / "onnx_int8").iterdir() if f.name != "model.onnx"),
     ]
-    return files, {**extra, **_gated(cfg, "int8")}
+    return files, {**extra, **_gated(cfg, "int8", gate)}
 
 
-def _gated(cfg: ExportConfig, dtype: str) -> dict[str, Any]:
+def _gated(cfg: ExportConfig, dtype: str, gate: dict[str, Any]) -> dict[str, Any]:
     """The manifest fields every reduced-precision artifact (INT8, bf16) carries: what it computes in, the gate it is
-    verified under instead of a rounding bound, and its batch range."""
+    verified under instead of a rounding bound (its task's), and its batch range."""
     return {
         "dtype": dtype,
-        "gate": {**parity.GATE, "max_accuracy_drop": cfg.max_accuracy_drop},
+        "gate": gate,
         "batch": {"min": 1, "max": cfg.max_batch},
     }

@@ -39,6 +39,7 @@ class Source:
     sample_set: str = "heldout"
     raw: Optional[RawSamples] = None  # held-out files as a client sends them, and training's tensors of them
     detection: Optional[dict[str, Any]] = None  # a detector's: what its fixed-shape outputs keep, and its letterbox
+    truth: Optional[dict[str, np.ndarray]] = None  # the samples' ground truth where a task gates on it (boxes)
 
     @property
     def task(self) -> Task:
@@ -113,6 +114,7 @@ def _from_detection_checkpoint(ckdir: Path, meta: dict[str, Any], model: torch.n
     if (ckdir / ck.HELDOUT).exists():
         with np.load(ckdir / ck.HELDOUT) as held:
             src.samples = {"images": held["images"].astype(np.float32)}
+            src.truth = {o: held[o] for o in ("boxes", "labels", "count")}  # what a reduced precision is gated on
             src.raw = RawSamples.from_arrays(held)  # pictures as files, for the served image entry's check
     return src
 

@@ -8,10 +8,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from torchship.errors import ClientError, ParityError, ShapeError
-from torchship.manifest import RAW_SET, Export, raw_files, reference_inputs, runs_tf32
+from torchship.manifest import RAW_SET, Export, gate_row, raw_files, reference_inputs, runs_tf32
 from torchship.markdown import table
 from torchship.names import format_of, models_of
-from torchship.parity import check_quantized, check_quantized_sets
 from torchship.tasks import task_of
 
 from .client import TritonClient
@@ -80,7 +79,7 @@ def check_served(
                 if failure:
                     failures.append(failure)
         if quantized and len(answers) == len(manifest["reference"]["sets"]):  # the gate export verification applied
-            failures += check_quantized_sets(
+            failures += task_of(manifest).check_reduced_sets(
                 manifest, ref, lambda key, o, answers=answers: answers[key].get(o), quantized["gate"], model, rows
             )
         results[model] = rows
@@ -131,7 +130,8 @@ def check_entry(
         return [f"{entry}: {RAW_SET}: {e}"]
     answers = {o: np.concatenate([g[o] for g in got]) for o in outputs}
     if quantized:  # a reduced precision: against its own answers on training's tensors, under its gate's floors
-        return check_against_target(client, entry, target, export, answers, quantized["gate"], version, rows)
+        files = [data for _, data in raw]
+        return check_against_target(client, entry, target, export, answers, quantized, files, version, rows)
     failures, task = [], task_of(manifest)
     trained = raw_entry.kind == "image" and manifest["source"].get("kind") == "checkpoint"
     files = [data for _, data in raw]
@@ -152,26 +152,20 @@ def check_against_target(
     target: str,
     export: Export,
     answers: dict[str, np.ndarray],
-    gate: dict[str, Any],
+    artifact: dict[str, Any],
+    files: list[bytes],
     version: str,
     rows: dict[str, Any],
 ) -> list[str]:
     """A reduced-precision model behind the entry: the entry's answers on the files against the model's own on
     the tensors training made of them (the gate held it to eager already), under the same gate, with every top-1
-    the same (parity.check_quantized)."""
-    ref = export.reference()
-    mine = client.infer_batches(target, reference_inputs(ref, export.manifest, RAW_SET), version)
-    first = export.manifest["outputs"][0]["name"]
+    the same (a detector's: matched within twice what its gate measured against float32's)."""
+    ref, manifest = export.reference(), export.manifest
+    mine = client.infer_batches(target, reference_inputs(ref, manifest, RAW_SET), version)
+    first = manifest["outputs"][0]["name"]
     against = f"{target}'s answers on training's tensors of the same files"
-    row, failures = check_quantized(
-        answers,
-        mine,
-        None,
-        {**gate, "min_top1_agreement": 1.0},
-        f"{entry}: {RAW_SET}",
-        len(answers[first]),
-        True,
-        against,
+    row, failures = task_of(manifest).check_own_files(
+        manifest, answers, mine, files, gate_row(manifest, artifact), f"{entry}: {RAW_SET}", against
     )
     rows[RAW_SET] = {**row, "output": first}
     return failures

@@ -18,6 +18,7 @@ import numpy as np
 from .boxes import Letterbox, iou
 from .manifest import RANDOM_SETS
 from .parity import EPS, FLOOR_EPS, MULTIPLE
+from .parity import gate_words as parity_gate_words
 
 OUTPUTS = ("boxes", "scores", "labels", "count")
 PASS_RULE = (
@@ -205,11 +206,12 @@ def check_set(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol, det,
     return row, failures[:5] + ([f"... and {len(failures) - 5} more"] if len(failures) > 5 else [])
 
 
-def mean_ap(refs, gots) -> float:
-    """COCO mAP (IoU 0.5 to 0.95) of ``gots`` against ``refs`` taken as the truth (torchship.coco)."""
+def mean_ap(refs, gots, key: str = "map") -> float:
+    """COCO mAP (IoU 0.5 to 0.95; ``key`` "map50": at 0.5) of ``gots`` against ``refs`` taken as the truth
+    (torchship.coco)."""
     from .coco import coco_map
 
-    got = coco_map([(solid(b), lab) for b, _, lab in refs], [(solid(b), s, lab) for b, s, lab in gots])["map"]
+    got = coco_map([(solid(b), lab) for b, _, lab in refs], [(solid(b), s, lab) for b, s, lab in gots])[key]
     return 1.0 if got < 0 and not any(len(r[0]) for r in refs) else got  # -1: no detection to find at all
 
 
@@ -300,3 +302,113 @@ def report_lines(entries: dict[str, Any]) -> list[str]:
             [f"  - ... {len(excepted) - 20} more"] if len(excepted) > 20 else []
         )
     return lines
+
+
+# A detector's reduced precisions (INT8, bf16) are gated on its held-out pictures, float32's detections (eager's,
+# the reference's) beside them: the mAP@50 against the ground truth may fall by at most max_map50_drop from
+# float32's (Ultralytics' figure between its formats is 0.001); the mAP@50 against float32's detections, taken as
+# the truth, must reach min_map50_vs_float32; and the mean score change of the detections paired with float32's
+# must stay within max_score_shift (quantization moves scores both ways; a wrong scale moves them all one way).
+REDUCED_GATE = {"max_map50_drop": 0.01, "min_map50_vs_float32": 0.95, "max_score_shift": 0.01}
+TRUTH = "truth"  # the reference's ground truth of the real pictures: truth/<set>/boxes, labels, count
+
+
+def truths(ref, real: str) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Each real picture's ground-truth (boxes, labels), from the reference, or None where it records none."""
+    if f"{TRUTH}/{real}/count" not in ref:
+        return None
+    boxes, labels = ref[f"{TRUTH}/{real}/boxes"], ref[f"{TRUTH}/{real}/labels"]
+    return [(boxes[i, :n], labels[i, :n]) for i, n in enumerate(ref[f"{TRUTH}/{real}/count"].astype(int))]
+
+
+def reduced_row(got: dict[str, np.ndarray], want: dict[str, np.ndarray], truth) -> dict[str, Any]:
+    """The gate's figures of a reduced precision's detections ``got`` against float32's ``want`` on the real
+    pictures, whose ground truth is ``truth``; with the largest box and score changes of the paired detections."""
+    from .coco import coco_map
+
+    gots, refs = pictures(got), pictures(want)
+    mine = coco_map([(solid(b), lab) for b, lab in truth], [(solid(b), s, lab) for b, s, lab in gots])["map50"]
+    eager = coco_map([(solid(b), lab) for b, lab in truth], [(solid(b), s, lab) for b, s, lab in refs])["map50"]
+    agree = mean_ap(refs, gots, "map50")
+    shifts, boxes = [], []
+    for r, g in zip(refs, gots):
+        for i, j in match(r, g):
+            shifts.append(float(g[1][j]) - float(r[1][i]))
+            boxes.append(float(np.abs(g[0][j].astype(np.float64) - r[0][i]).max()))
+    return {
+        "map50": round(mine, 4),
+        "eager_map50": round(eager, 4),
+        "map50_drop": round(eager - mine, 4),
+        "map50_vs_float32": round(agree, 4),
+        "score_shift": round(float(np.mean(np.abs(shifts))) if shifts else 0.0, 4),
+        "max_score_change": max(np.abs(shifts), default=0.0),
+        "max_box_change": max(boxes, default=0.0),
+        "paired": len(shifts),
+    }
+
+
+def check_reduced_sets(manifest: dict[str, Any], ref, got, gate: dict[str, float], name: str, rows) -> list[str]:
+    """parity.check_quantized_sets' counterpart for a detector: every set's outputs of float32's shapes and
+    finite; on the real pictures the gate (REDUCED_GATE's figures, ``gate``'s where it names them). Fills ``rows``
+    by set; returns the failures."""
+    real = manifest["reference"].get("samples")
+    truth = truths(ref, real) if real else None
+    failures = (
+        []
+        if truth is not None
+        else [
+            f"{name}: a reduced-precision detector is gated on pictures with their ground-truth boxes, and this export "
+            "has none (export a detection checkpoint: its held-out pictures carry them)"
+        ]
+    )
+    for key, batch in manifest["reference"]["sets"].items():
+        have = {o: got(key, o) for o in OUTPUTS}
+        want = {o: ref[f"expected/{key}/{o}"] for o in OUTPUTS}
+        what = f"{name}: {key}"
+        problems = [
+            f"{what} output {o!r}: "
+            + ("no such output" if have[o] is None else f"shape {list(have[o].shape)}, eager {list(want[o].shape)}")
+            for o in OUTPUTS
+            if have[o] is None or have[o].size != want[o].size
+        ]
+        problems += [
+            f"{what} output {o!r}: not finite"
+            for o in ("boxes", "scores")
+            if not problems and not np.all(np.isfinite(have[o]))
+        ]
+        row: dict[str, Any] = {"batch": batch, "gate": {**REDUCED_GATE, **gate}}
+        if not problems and key == real and truth is not None:
+            have["count"] = have["count"].reshape(want["count"].shape)
+            row.update(reduced_row(have, want, truth))
+            problems += reduced_failures(row, row["gate"], what)
+        row["pass"] = not problems
+        rows[key] = row
+        failures += problems
+    return failures
+
+
+def reduced_failures(row: dict[str, Any], gate: dict[str, float], what: str) -> list[str]:
+    """Where the figures of reduced_row break the gate, in words."""
+    out = []
+    if round(row["map50_drop"], 6) > gate["max_map50_drop"]:
+        out.append(
+            f"{what}: mAP@50 {row['map50']:.4f} against the ground truth, float32's {row['eager_map50']:.4f}: a "
+            f"drop beyond {gate['max_map50_drop']:g}"
+        )
+    if row["map50_vs_float32"] < gate["min_map50_vs_float32"]:
+        out.append(
+            f"{what}: mAP@50 {row['map50_vs_float32']:.4f} against float32's detections, below "
+            f"{gate['min_map50_vs_float32']:g}"
+        )
+    if row["score_shift"] > gate["max_score_shift"]:
+        out.append(
+            f"{what}: the {row['paired']} detections paired with float32's moved their scores by "
+            f"{row['score_shift']:.4f} on average, beyond {gate['max_score_shift']:g}"
+        )
+    return out
+
+
+def gate_words(row: dict[str, Any]) -> str:
+    """A detector's reduced-precision gate figures in a few words (``row``: check_reduced_sets' on the real
+    pictures, its gate in it or beside its figures)."""
+    return parity_gate_words({**REDUCED_GATE, **row.get("gate", {}), **row})

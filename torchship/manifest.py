@@ -291,6 +291,13 @@ def verdicts(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return dict((manifest.get("verification") or {}).get("artifacts", {}))
 
 
+def gate_row(manifest: dict[str, Any], artifact: dict[str, Any]) -> dict[str, Any]:
+    """A reduced-precision artifact's verification row on the real samples (its gate's figures), with its gate;
+    the gate alone where it has no verdict."""
+    real = manifest["reference"].get("samples") or ""
+    return {"gate": artifact["gate"], **verdicts(manifest).get(artifact["name"], {}).get("sets", {}).get(real, {})}
+
+
 PASSED, FAILED, UNVERIFIED, STALE = (
     "passed verification",
     "failed verification",

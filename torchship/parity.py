@@ -357,6 +357,12 @@ def empty_mask_hint(manifest: dict[str, Any], ref, key: str, got, want, tol: dic
 
 def gate_words(gate: dict[str, Any]) -> str:
     """The accuracy gate's figures in a few words."""
+    if "map50" in gate:  # a detector's (torchship.detection_parity's gate)
+        return (
+            f"mAP@50 {gate['map50']:.4f} beside float32's {gate['eager_map50']:.4f} (allowed drop "
+            f"{gate['max_map50_drop']:g}), {gate['map50_vs_float32']:.4f} against float32's detections, mean score "
+            f"change {gate['score_shift']:.4f}"
+        )
     if "accuracy_drop" in gate:
         return (
             f"accuracy {gate['accuracy']:.2f} % beside float32's {gate['eager_accuracy']:.2f} % "

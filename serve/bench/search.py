@@ -123,7 +123,7 @@ def sweep_points(results: dict[str, Any], manifest: dict[str, Any]) -> list[Poin
 def precision_of(manifest: dict[str, Any], fmt: str | None) -> tuple[str, dict[str, Any] | None]:
     """(what the served model of ``fmt`` computes in, its accuracy gate's figures on the real samples or None
     for a float32 artifact held to the rounding bound)."""
-    from torchship.manifest import verdicts
+    from torchship.manifest import gate_row
 
     arts = [a for a in manifest.get("artifacts", []) if a["format"] in sources(fmt)]
     if not arts:
@@ -132,9 +132,10 @@ def precision_of(manifest: dict[str, Any], fmt: str | None) -> tuple[str, dict[s
     precision = a.get("dtype", manifest.get("dtype", "float32"))
     if not a.get("gate"):
         return precision, None
-    row = verdicts(manifest).get(a["name"], {}).get("sets", {}).get(manifest["reference"].get("samples") or "", {})
+    row = gate_row(manifest, a)
     keys = ("accuracy", "eager_accuracy", "accuracy_drop", "top1_agreement", "sqnr_db")
-    return precision, {"max_accuracy_drop": a["gate"]["max_accuracy_drop"], **{k: row[k] for k in keys if k in row}}
+    keys += ("map50", "eager_map50", "map50_drop", "map50_vs_float32", "score_shift")  # a detector's
+    return precision, {**a["gate"], **{k: row[k] for k in keys if k in row}}
 
 
 def search_levels(kind: str, swept: tuple[int, ...], deep: int) -> tuple[int, ...]:

@@ -41,3 +41,44 @@ def test_a_box_with_no_area_moved_is_unpaired_and_not_excused_as_an_nms_tie():
     row, failures = dp.check_set({**REF, "boxes": boxes}, REF, TOL, DET, "art: random", 1, real=False)
     assert len(failures) == 2 and all("has no match" in f for f in failures), (failures, row["exceptions"])
     assert "box [0.0, 40.0, 0.0, 90.0]" in failures[0] and "box [5.0, 40.0, 5.0, 90.0]" in failures[1]
+
+
+def reduced(scores_up=0.0, drop_last=False):
+    """The gate's verdict on four pictures, one digit each, found by float32 exactly: the reduced precision's
+    detections are float32's with every score raised by ``scores_up``, and the last picture's missed with
+    ``drop_last``."""
+    truth_boxes = np.array([[[10 + 20 * i, 10, 50 + 20 * i, 60]] for i in range(4)], np.float32)
+    ref = {
+        "expected/heldout/boxes": np.pad(truth_boxes, ((0, 0), (0, 5), (0, 0))),
+        "expected/heldout/scores": np.pad(np.full((4, 1), 0.8, np.float32), ((0, 0), (0, 5))),
+        "expected/heldout/labels": np.pad(np.full((4, 1), 3, np.int64), ((0, 0), (0, 5))),
+        "expected/heldout/count": np.ones(4, np.int64),
+        f"{dp.TRUTH}/heldout/boxes": truth_boxes,
+        f"{dp.TRUTH}/heldout/labels": np.full((4, 1), 3, np.int64),
+        f"{dp.TRUTH}/heldout/count": np.ones(4, np.int64),
+    }
+    got = {o: ref[f"expected/heldout/{o}"].copy() for o in dp.OUTPUTS}
+    got["scores"][:, 0] += scores_up
+    if drop_last:
+        got["count"][-1], got["scores"][-1], got["boxes"][-1], got["labels"][-1] = 0, 0, 0, 0
+    manifest = {"reference": {"samples": "heldout", "sets": {"heldout": 4}}}
+    rows = {}
+    failures = dp.check_reduced_sets(manifest, ref, lambda key, o: got[o], {}, "int8", rows)
+    return rows["heldout"], failures
+
+
+def test_the_reduced_precision_gate_passes_float32s_detections_and_refuses_a_drop_or_a_shift():
+    row, failures = reduced()
+    assert failures == [] and row["map50"] == row["eager_map50"] == 1.0 and row["map50_vs_float32"] == 1.0
+    row, failures = reduced(scores_up=0.02)  # every score moved one way: a wrong scale, not rounding
+    assert row["map50_drop"] == 0 and len(failures) == 1 and "moved their scores by 0.0200" in failures[0]
+    row, failures = reduced(drop_last=True)  # a picture's detection lost
+    assert row["map50_drop"] > 0.2 and any("a drop beyond 0.01" in f for f in failures), failures
+    assert any("against float32's detections, below 0.95" in f for f in failures), failures
+
+
+def test_a_reduced_detector_without_ground_truth_is_refused():
+    manifest = {"reference": {"samples": "examples", "sets": {"examples": 1}}}
+    ref = {f"expected/examples/{o}": REF[o] for o in dp.OUTPUTS}
+    failures = dp.check_reduced_sets(manifest, ref, lambda key, o: REF[o], {}, "int8", {})
+    assert failures and "gated on pictures with their ground-truth boxes" in failures[0]

@@ -44,7 +44,27 @@ class Task:
         raise NotImplementedError
 
     # export
-    no_reduced = ""  # why its reduced precisions are left out of the default formats ("": they are not)
+    needs_truth = False  # its reduced precisions are gated on the real samples' ground truth, which must be there
+
+    def reduced_gate(self, max_accuracy_drop: float) -> dict[str, Any]:
+        """The gate a reduced-precision artifact (INT8, bf16) is verified under, written into its manifest entry."""
+        from .. import parity
+
+        return {**parity.GATE, "max_accuracy_drop": max_accuracy_drop}
+
+    def check_reduced_sets(self, manifest, ref, got, gate: dict[str, Any], name: str, rows) -> list[str]:
+        """A reduced-precision artifact's (or served model's) outputs, ``got(set, output)``, on every reference set
+        under its gate: the real samples gated, the others checked for shape and finiteness. Fills ``rows`` by
+        set; returns the failures."""
+        from .. import parity
+
+        return parity.check_quantized_sets(manifest, ref, got, gate, name, rows)
+
+    def gate_words(self, row: dict[str, Any]) -> str:
+        """A reduced precision's gate figures on the real samples (its row of check_reduced_sets), in words."""
+        from .. import parity
+
+        return parity.gate_words(row)
 
     def check_formats(self, formats, dtype: str) -> None:
         """ConfigError for an export format or --dtype this task's models are not exported to."""
@@ -107,6 +127,22 @@ class Task:
         check = self.check_sets(tf32)
         got = check(manifest, ref, lambda key, o: answers.get(o), tol, what, sets={RAW_SET: len(files)})
         return [(o, row, failure) for _, o, row, failure in got]
+
+    def check_own_files(self, manifest, answers, mine, files: list[bytes], row, what: str, against: str):
+        """(row, failures) of a raw entry's ``answers`` on ``files`` against ``mine``, the answers of the
+        reduced-precision model behind it on training's tensors of the same files (its gate held it to eager
+        already; ``row``: its gate's row on the real samples, the gate in it): within its gate's floors, with
+        every top-1 the same."""
+        from .. import parity
+
+        first = manifest["outputs"][0]["name"]
+        gate = {**row["gate"], "min_top1_agreement": 1.0}
+        return parity.check_quantized(answers, mine, None, gate, what, len(answers[first]), True, against)
+
+    def reduced_response_rule(self, manifest: dict[str, Any], row: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """How the bench matches a reduced-precision model's responses to its own idle answers, from its gate row
+        on the real samples (``row``); None: the gate's SQNR floor."""
+        return None
 
     def decode_file(self, data: bytes, chw) -> np.ndarray:
         """A picture file as a [C, H, W] float32 tensor of the size ``chw`` a served model takes."""

@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..markdown import table
 from .base import Task
 
-FORMATS = ("torchscript", "exported_program", "aoti", "onnx")  # the float32 formats that carry TopK
+FORMATS = ("torchscript", "exported_program", "aoti", "onnx", "onnx_int8", "aoti_int8", "aoti_bf16")  # carry TopK
 SHOWN_BOXES = 10  # detections torchship infer prints a picture (--json gives them all)
 
 
@@ -50,14 +50,14 @@ class Detection(Task):
     def gate_line(self, value: float, floor: float) -> str:
         return f"mAP@50 {100 * value:.1f}% on the validation pictures (gate: >= {100 * floor:.0f}%)"
 
-    no_reduced = "a detector's reduced precisions have no gate yet"
+    needs_truth = True
 
     def check_formats(self, formats, dtype: str) -> None:
         other = [f for f in formats if f not in FORMATS]
         if other:
             raise ConfigError(
-                f"--formats {' '.join(other)}: a detector exports to {', '.join(FORMATS)} (its reduced "
-                "precisions have no detection gate yet, and aoti_buckets no batching of its fixed-size outputs)"
+                f"--formats {' '.join(other)}: a detector exports to {', '.join(FORMATS)} (aoti_buckets has no "
+                "batching of its fixed-size outputs)"
             )
         if dtype != "float32":
             raise ConfigError(f"--dtype {dtype}: a detector exports in float32")
@@ -85,6 +85,31 @@ class Detection(Task):
 
     def response_rule(self, manifest: dict[str, Any], tol: dict[str, Any]) -> Optional[dict[str, Any]]:
         return {"tolerances": tol, "rule": manifest["detection"]}
+
+    def reduced_gate(self, max_accuracy_drop: float) -> dict[str, Any]:
+        return dict(detection_parity.REDUCED_GATE)
+
+    def check_reduced_sets(self, manifest, ref, got, gate: dict[str, Any], name: str, rows) -> list[str]:
+        return detection_parity.check_reduced_sets(manifest, ref, got, gate, name, rows)
+
+    def gate_words(self, row: dict[str, Any]) -> str:
+        return detection_parity.gate_words(row)
+
+    def check_own_files(self, manifest, answers, mine, files: list[bytes], row, what: str, against: str):
+        """The entry's detections, in each picture's pixels, against the model's own on training's tensors of the
+        same files mapped back by the same letterbox, within twice the largest changes its gate measured against
+        float32's (two answers, each within them of float32's)."""
+        rule = self.reduced_response_rule(manifest, row)
+        mapped, tol = self.for_picture_files(manifest, mine, files, rule["tolerances"])
+        return detection_parity.check_set(answers, mapped, tol, manifest["detection"], what, len(files), False)
+
+    def reduced_response_rule(self, manifest: dict[str, Any], row: dict[str, Any]) -> Optional[dict[str, Any]]:
+        tol = manifest["tolerances"]
+        changes = {"boxes": row.get("max_box_change", 0.0), "scores": row.get("max_score_change", 0.0)}
+        outputs = {
+            o: {**t, "atol": 2 * max(changes[o], t["atol"])} if o in changes else t for o, t in tol["outputs"].items()
+        }
+        return self.response_rule(manifest, {**tol, "outputs": outputs})
 
     def picture_preprocessing(self, block: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         return letterbox_preprocessing(block["letterbox"]["size"])
