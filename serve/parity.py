@@ -191,7 +191,10 @@ def served_markdown(report: dict[str, Any]) -> str:
 
 
 def gate_text(r: dict[str, Any]) -> str:
-    """A quantized model's gate figures on the real samples, for the top-1 column: accuracy against eager's."""
+    """A quantized model's gate figures on the real samples, for the top-1 column: accuracy against eager's (a
+    detector's mAP@50)."""
+    if "map50" in r:
+        return f"mAP@50 {r['map50']:.4f} (float32 {r['eager_map50']:.4f})"
     if "accuracy" in r:
         return f"accuracy {r['accuracy']:.2f} % (eager {r['eager_accuracy']:.2f} %)"
     return f"{100 * r['top1_agreement']:.1f} % agree" if "top1_agreement" in r else ""

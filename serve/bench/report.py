@@ -72,7 +72,8 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
         "(the embedded server; - for one at --url), over the requests Triton counted. Measured/sent: requests in "
         "the last three windows, and in all of the level's windows. Checked: responses compared with the "
         "reference outputs of their inputs under the model's bound (a reduced-precision model: with its own "
-        "answers on the idle server, under its gate's SQNR floor); one wrong response fails the bench."
+        "answers on the idle server, under its gate's SQNR floor; a detector's matched within twice what its gate "
+        "measured); one wrong response fails the bench."
         + (
             " perf_analyzer's percentiles are the mean of its three windows' own."
             if gen["name"] == "perf_analyzer"
