@@ -42,9 +42,9 @@ def exports(tmp_path_factory):
     data = builtin_detection(40, 256, seed=0)  # pictures of 192 to 384 pixels a side, letterboxed into 320
     pictures = torch.from_numpy(np.stack([letterbox(im, SIZE)[0] for im in data.images]))
     blank = np.full((1, 3, SIZE, SIZE), 0.5, np.float32)
-    np.savez(root / "pictures.npz", images=np.concatenate([pictures[32:].numpy(), blank]))
+    np.savez(root / "pictures.npz", images=np.concatenate([pictures[34:].numpy(), blank]))
     (root / "files").mkdir()
-    for i, im in enumerate(data.images[:6]):
+    for i, im in enumerate(data.images[:4]):
         Image.fromarray(im).save(root / "files" / f"picture-{i}.png")
     Image.new("RGB", (300, 200), (128, 128, 128)).save(root / "files" / "blank.png")
     out = {}
@@ -53,7 +53,8 @@ def exports(tmp_path_factory):
         torch.save(user_detectors.recalibrated(getattr(user_detectors, name)(), pictures[:32]), root / f"{name}.pt")
         flags = ["--model", f"tests.export.user_detectors:{name}", "--model-arg", arg, "--weights", root / f"{name}.pt",
                  "--input", f"images:float32:B,3,{SIZE},{SIZE}", "--example-inputs", root / "pictures.npz",
-                 "--image-files", root / "files", "--max-batch", "8", "--formats", "torchscript", "onnx"]  # fmt: skip
+                 "--image-files", root / "files", "--max-batch", "4", "--odd-batch", "3",
+                 "--formats", "torchscript", "onnx"]  # fmt: skip
         assert run_cli("export", *flags, "--out", root / name) == 0
         out[name] = root / name
     return out
@@ -72,7 +73,7 @@ def test_each_exports_to_torchscript_and_onnx_with_its_own_postprocessing(export
         assert (det["score_thresh"], det["iou_thresh"]) == (score, iou), det  # the final detections', read from it
         ref = np.load(export / "reference.npz")
         count = ref["expected/examples/count"]
-        assert count[-1] == 0 and count[:-1].sum() > 50, count  # the blank picture finds nothing, in its batch
+        assert count[-1] == 0 and count[:-1].sum() > 30, count  # the blank picture finds nothing, in its batch
         for fmt in ("torchscript", "onnx"):
             held = m["verification"]["artifacts"][fmt]["sets"]["examples/boxes"]
             assert held["map"] == 1.0 and held["pass"], (name, fmt, held)
@@ -101,7 +102,7 @@ def test_each_serves_and_passes_infer_check_over_grpc_the_image_entry_included(e
         for name, export in exports.items():
             assert run_cli("infer", "--url", server.url, "--check", export) == 0, name
             checked = capsys.readouterr().out
-            assert f"| {name}_image | raw | 7 |" in checked and "served parity: PASS (3 models" in checked, checked[
+            assert f"| {name}_image | raw | 5 |" in checked and "served parity: PASS (3 models" in checked, checked[
                 -2000:
             ]
             files = sorted((export / "raw").iterdir())
