@@ -57,9 +57,8 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
     text = load_text(sig, cfg.tokenizer, cfg.text_samples, log) if cfg.tokenizer else None
     device = resolve_device(cfg.device)
     if not cfg.formats:
-        no_truth = src.task.needs_truth and src.truth is None
-        no_reduced = "no ground truth for the samples to gate them on (a checkpoint's held-out split has it)"
-        cfg, why = cfg.for_device(device, real_samples=bool(src.samples), no_reduced=no_reduced if no_truth else "")
+        no_reduced = src.task.reduced_left_out(src.truth is not None)
+        cfg, why = cfg.for_device(device, real_samples=bool(src.samples), no_reduced=no_reduced)
         log(f"formats: {', '.join(cfg.formats)} (the default here: {why}; --formats chooses)")
     src.task.check_formats(cfg.formats, cfg.dtype)
     eager = src.model.to(device)

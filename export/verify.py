@@ -329,7 +329,7 @@ def parity_markdown(manifest: dict[str, Any]) -> str:
         *table(["artifact", "largest error", "its bound", "x eager's error", "top-1 agree", "result"], artifacts),
     ]
     lines += [line for note in tf32_notes for line in ("", note)]
-    lines += [line for a in manifest["artifacts"] for line in ("", made_by(a)) if made_by(a)]
+    lines += [line for note in filter(None, map(made_by, manifest["artifacts"])) for line in ("", note)]
     lines += task_of(manifest).report_lines(v["artifacts"])
     lines += [
         "",

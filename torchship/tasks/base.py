@@ -46,6 +46,13 @@ class Task:
     # export
     needs_truth = False  # its reduced precisions are gated on the real samples' ground truth, which must be there
 
+    def reduced_left_out(self, has_truth: bool) -> str:
+        """Why the default formats leave its reduced precisions out of an export (``has_truth``: whether the
+        samples come with their ground truth); "" where they are not left out."""
+        if self.needs_truth and not has_truth:
+            return "no ground truth for the samples to gate them on (a checkpoint's held-out split has it)"
+        return ""
+
     def reduced_gate(self, max_accuracy_drop: float) -> dict[str, Any]:
         """The gate a reduced-precision artifact (INT8, bf16) is verified under, written into its manifest entry."""
         from .. import parity
