@@ -257,16 +257,30 @@ EVERY_FORMAT = ("torchscript", "exported_program", "aoti", "onnx", *REDUCED)
 @pytest.fixture(scope="module")
 def every_format(detector, tmp_path_factory):
     """The shared detector exported to every format a detector takes, the reduced precisions optional (each
-    served where it passes its gate), from a copy of its checkpoint whose deployable keeps 32 detections of 48
+    served where it passes its gate), from a copy of its checkpoint whose deployable keeps 24 detections of 32
     candidates."""
     root = tmp_path_factory.mktemp("every_format")
     ckpt = shutil.copytree(resolve_checkpoint(detector / "train"), root / "checkpoint")
     meta = json.loads((ckpt / "meta.json").read_text())  # a smaller pool: the NMS is one graph step a candidate,
-    meta["detections"].update(k=32, candidates=48)  # so every format exports and compiles several times faster
+    meta["detections"].update(k=24, candidates=32)  # so every format exports and compiles several times faster
     (ckpt / "meta.json").write_text(json.dumps(meta))
     flags = ["--formats", *EVERY_FORMAT, "--optional", *REDUCED, "--max-batch", "8", "--out", root / "export"]
     assert run_cli("export", ckpt, *flags) == 0
     return root / "export"
+
+
+@pytest.fixture(scope="module")
+def every_format_served(every_format, tmp_path_factory):
+    """One server over every_format's repository (each format that passed, and the image entry), for the tests
+    that send it requests: its gRPC url."""
+    from torchship.serve.config import RepoConfig, ServeConfig
+    from torchship.serve.embedded import TritonServer
+    from torchship.serve.repository import build_repository
+
+    repo = tmp_path_factory.mktemp("every_format_repo") / "repo"
+    build_repository(every_format, RepoConfig(out=str(repo), cores=1))
+    with TritonServer(ServeConfig(repo=str(repo))) as server:
+        yield server.url
 
 
 def own_rule(manifest, fmt):
@@ -282,7 +296,9 @@ def own_rule(manifest, fmt):
     return rule["tolerances"], rule["rule"]
 
 
-def test_a_blank_picture_inside_a_batch_is_answered_right_by_every_format_and_the_image_entry(every_format, tmp_path):
+def test_a_blank_picture_inside_a_batch_is_answered_right_by_every_format_and_the_image_entry(
+    every_format, every_format_served, tmp_path
+):
     """A blank picture among full ones, in one batch of every artifact (TorchScript, ExportedProgram, AOTInductor,
     ONNX, and the reduced precisions) and at 16 in flight through the server's batcher, for every served model and
     the image entry: it finds nothing, and each full picture beside it finds what that format finds for it alone
@@ -296,9 +312,6 @@ def test_a_blank_picture_inside_a_batch_is_answered_right_by_every_format_and_th
     from torchship.imageio import decode_picture
     from torchship.manifest import verdicts
     from torchship.serve.client import TritonClient
-    from torchship.serve.config import RepoConfig, ServeConfig
-    from torchship.serve.embedded import TritonServer
-    from torchship.serve.repository import build_repository
 
     export = every_format
     manifest = json.loads((export / "manifest.json").read_text())
@@ -328,30 +341,23 @@ def test_a_blank_picture_inside_a_batch_is_answered_right_by_every_format_and_th
         agrees(runner.run({"images": batch}), fmt, slice(0, 4), f"{fmt} at a batch of 4")
         agrees(runner.run({"images": batch[:2]}), fmt, slice(0, 2), f"{fmt} at a batch of 2")
 
-    repo = tmp_path / "repo"
-    build_repository(export, RepoConfig(out=str(repo), cores=1))
     Image.new("RGB", (150, 100), (128, 128, 128)).save(tmp_path / "blank.png")
     datas = [files[0].read_bytes(), (tmp_path / "blank.png").read_bytes(), *(f.read_bytes() for f in files[1:])]
     served = {f"tiny_fcos_{f}": f for f in runners if f != "exported_program" and verdicts(manifest)[f]["pass"]}
-    server = TritonServer(ServeConfig(repo=str(repo)))
-    server.start()
-    try:
-        with TritonClient(server.url) as client:
-            entry = "tiny_fcos_image"
-            assert sorted(m for m in client.ready_models() if not m.startswith(entry)) == sorted(served)
-            feed = client.config(entry)["input"][0]["name"]
-            models = [*served, entry]
+    with TritonClient(every_format_served) as client:
+        entry = "tiny_fcos_image"
+        assert sorted(m for m in client.ready_models() if not m.startswith(entry)) == sorted(served)
+        feed = client.config(entry)["input"][0]["name"]
+        models = [*served, entry]
 
-            def one(i):  # 16 in flight: single pictures that the batcher stacks, the blank among them
-                model, p = models[i % len(models)], i % 4
-                if model == entry:
-                    return model, p, client.infer_all(model, {feed: np.frombuffer(datas[p], np.uint8)[None]})
-                return model, p, client.infer_all(model, {"images": batch[p : p + 1]})
+        def one(i):  # 16 in flight: single pictures that the batcher stacks, the blank among them
+            model, p = models[i % len(models)], i % 4
+            if model == entry:
+                return model, p, client.infer_all(model, {feed: np.frombuffer(datas[p], np.uint8)[None]})
+            return model, p, client.infer_all(model, {"images": batch[p : p + 1]})
 
-            with ThreadPoolExecutor(16) as pool:
-                answers = list(pool.map(one, range(8 * len(models))))
-    finally:
-        server.stop()
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(one, range(8 * len(models))))
     for model, p, got in answers:
         if model == entry:  # in the picture's pixels: the blank finds nothing, the others something
             assert (int(got["count"].reshape(-1)[0]) == 0) == (p == 1), (model, p, got["count"])
@@ -371,7 +377,9 @@ class ScaledLogits(TopK):
             self.detector.head.classification_head.cls_logits.weight.mul_(1.05)
 
 
-def test_a_detectors_reduced_precisions_are_gated_on_map50_and_a_scaled_weight_is_refused(every_format, tmp_path):
+def test_a_detectors_reduced_precisions_are_gated_on_map50_and_a_scaled_weight_is_refused(
+    every_format, every_format_served, tmp_path
+):
     """Each reduced precision this CPU computes natively is verified under the detection gate on the held-out
     pictures (mAP@50 against the ground truth within 0.01 of float32's, against float32's detections at least 0.95,
     mean score change at most 0.01), served where it passes and checked over gRPC. Beside them, bf16 artifacts as
@@ -383,9 +391,6 @@ def test_a_detectors_reduced_precisions_are_gated_on_map50_and_a_scaled_weight_i
     from torchship.export.verify import verify_export
     from torchship.manifest import read_manifest, write_manifest
     from torchship.models import named
-    from torchship.serve.config import RepoConfig, ServeConfig
-    from torchship.serve.embedded import TritonServer
-    from torchship.serve.repository import build_repository
     from torchship.signature import Signature
 
     m = read_manifest(every_format)
@@ -421,11 +426,4 @@ def test_a_detectors_reduced_precisions_are_gated_on_map50_and_a_scaled_weight_i
     assert not v["bf16_scaled_logits"]["pass"] and "moved their scores" in str(e.value), str(e.value)[-1500:]
     assert "gate figures on the held-out pictures" in (export / "parity.md").read_text()
 
-    repo = tmp_path / "repo"
-    build_repository(every_format, RepoConfig(out=str(repo), cores=1))
-    server = TritonServer(ServeConfig(repo=str(repo)))
-    server.start()
-    try:
-        assert run_cli("infer", "--url", server.url, "--check", every_format) == 0
-    finally:
-        server.stop()
+    assert run_cli("infer", "--url", every_format_served, "--check", every_format) == 0

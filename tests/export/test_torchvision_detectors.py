@@ -42,7 +42,7 @@ def exports(tmp_path_factory):
     data = builtin_detection(40, 256, seed=0)  # pictures of 192 to 384 pixels a side, letterboxed into 320
     pictures = torch.from_numpy(np.stack([letterbox(im, SIZE)[0] for im in data.images]))
     blank = np.full((1, 3, SIZE, SIZE), 0.5, np.float32)
-    np.savez(root / "pictures.npz", images=np.concatenate([pictures[34:].numpy(), blank]))
+    np.savez(root / "pictures.npz", images=np.concatenate([pictures[37:].numpy(), blank]))  # three and a blank
     (root / "files").mkdir()
     for i, im in enumerate(data.images[:4]):
         Image.fromarray(im).save(root / "files" / f"picture-{i}.png")
@@ -132,8 +132,8 @@ def test_a_graph_traced_at_one_batch_size_fails_verification(exports, tmp_path):
     entry = {**m["artifacts"][0], "name": "torchscript_fixed", "file": rel, "files": {rel: sha256_file(export / rel)}}
     m["artifacts"].append(entry)
     write_manifest(export, m)
-    with pytest.raises(ParityError) as e:
-        verify_export(export, log=lambda *a: None)
+    with pytest.raises(ParityError) as e:  # the faithful artifacts' verdicts, kept, are the first test's
+        verify_export(export, only=["torchscript_fixed"], log=lambda *a: None)
     v = read_manifest(export)["verification"]["artifacts"]
     assert v["torchscript"]["pass"] and not v["torchscript_fixed"]["pass"]
     assert "torchscript_fixed" in str(e.value), str(e.value)[-2000:]
