@@ -39,6 +39,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def main_bench(ns: argparse.Namespace) -> int:
     from .compare import comparable, compare, load_results
+    from .machine import machine_ratio
     from .run import run_bench
 
     if ns.compare:
@@ -49,16 +50,28 @@ def main_bench(ns: argparse.Namespace) -> int:
         if not rows:
             print("no figures in common between the two results files")
             return 1
+        machine = machine_ratio(old, new)
+        if machine is not None:
+            print(
+                f"the machine's own speed (the probe both benches read between rounds), new/old: {machine:.2f}; "
+                "a served figure that it explains is not counted as a regression"
+            )
         width = max(len(r["key"]) for r in rows)
         print(f"{'figure':<{width}}  {'old':>10}  {'new':>10}  {'new/old':>8}  {'noise':>6}")
         for r in rows:
             flag = "  REGRESSION" if r["regression"] else ""
+            if r.get("explained"):
+                flag = f"  the machine moved {100 * (r['machine'] - 1):+.0f}%: not counted"
             print(
                 f"{r['key']:<{width}}  {r['old']:>10.3f}  {r['new']:>10.3f}  {r['ratio']:>8.2f}  "
                 f"{'±' + format(100 * (r['band'] - 1), '.0f') + '%':>6}{flag}"
             )
         how = f"{ns.threshold:g}x" if ns.threshold is not None else "each figure's measured spread"
-        print(f"{len(regressions)} regression(s) beyond {how} out of {len(rows)} figures")
+        explained = sum(bool(r.get("explained")) for r in rows)
+        print(
+            f"{len(regressions)} regression(s) beyond {how} out of {len(rows)} figures"
+            + (f"; {explained} more that the machine's own move explains" if explained else "")
+        )
         return 1 if regressions else 0
     serve = {k: v for k, v in namespace_overrides(ns, ServeConfig).items() if k in SERVE_OPTIONS}
     cfg = build(BenchConfig, namespace_overrides(ns, BenchConfig), {"export_dir": ns.export_dir, "serve": serve})

@@ -7,6 +7,8 @@ from pathlib import Path
 from torchship.errors import BenchError
 from torchship.io import read_json
 
+from .machine import machine_ratio
+
 RESULTS_FORMAT = "torchship.bench/1"  # the "format" tag of results.json
 
 
@@ -33,9 +35,13 @@ def flatten(results: dict) -> dict[str, tuple[float, float | None]]:
 
 def compare(old: dict, new: dict, threshold: float | None = None) -> tuple[list[dict], list[dict]]:
     """Ratios new/old for every shared figure. A change is noise while it stays within the larger of the
-    two runs' measured spreads for that figure; beyond it, a worse figure is a regression. ``threshold``
-    (a ratio, e.g. 1.2) replaces the spreads; figures measured without a spread use FALLBACK."""
+    two runs' measured spreads for that figure; beyond it, a worse figure is a regression, unless the machine's
+    own speed (machine.machine_ratio: the probe both benches read between their rounds) moved enough to explain
+    it: the figure scaled by the machine's ratio is within the band. Such a row is marked ``explained``, with the
+    ratio as ``machine``. ``threshold`` (a ratio, e.g. 1.2) replaces the spreads; figures measured without a
+    spread use FALLBACK."""
     a, b = flatten(old), flatten(new)
+    machine = machine_ratio(old, new)
     rows, regressions = [], []
     for key in sorted(set(a) & set(b)):
         (va, sa), (vb, sb) = a[key], b[key]
@@ -44,10 +50,15 @@ def compare(old: dict, new: dict, threshold: float | None = None) -> tuple[list[
         spreads = [x for x in (sa, sb) if x is not None]
         band = threshold if threshold is not None else (1 + max(spreads) if spreads else FALLBACK)
         ratio = vb / va
-        worse = ratio > band if key.endswith("_ms") else ratio < 1 / band
+        latency = key.endswith("_ms")
+        worse = ratio > band if latency else ratio < 1 / band
         row = {"key": key, "old": va, "new": vb, "ratio": ratio, "band": band, "regression": worse}
+        if worse and machine and key.startswith("served/"):
+            on_same = ratio * machine if latency else ratio / machine  # as if the machine had not moved
+            if (on_same <= band) if latency else (on_same >= 1 / band):
+                row.update(regression=False, explained=True, machine=machine)
         rows.append(row)
-        if worse:
+        if row["regression"]:
             regressions.append(row)
     return rows, regressions
 

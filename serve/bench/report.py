@@ -22,15 +22,45 @@ def moved(r: dict[str, Any], stability: float) -> bool:
     return bool(r.get("stable")) and r.get("drift", 0.0) * 100 > stability
 
 
+def machine_moved(r: dict[str, Any], stability: float) -> bool:
+    """Whether the machine's own speed (machine.MachineProbe) moved further than ``stability`` (%) while the
+    level was measured: its figures are the machine's as much as the model's."""
+    return r.get("machine_moved", 0.0) * 100 > stability
+
+
 def spread_text(r: dict[str, Any], stability: float = float("inf")) -> str:
-    """A row's spread across its last three windows ("±3%"), marked where the windows never agreed, or where
-    they agreed only at the end (see moved)."""
+    """A row's spread across its last three windows ("±3%") and, where measured, the 95 % confidence interval of
+    their mean ("CI ±5%"); marked where the windows never agreed (with the cause where the probe measured one: the
+    machine moved, or the level itself is rough), where they agreed only at the end (see moved), and where the
+    machine moved while they agreed."""
     if "spread" not in r:
         return "-"
+    text = f"±{100 * r['spread']:.0f}%" + (f", CI ±{100 * r['interval']:.0f}%" if "interval" in r else "")
+    machine = f"the machine moved ±{100 * r.get('machine_moved', 0.0):.0f}%"
     if not r.get("stable"):
-        return f"±{100 * r['spread']:.0f}% UNSTABLE after {r['windows']} windows"
-    return f"±{100 * r['spread']:.0f}%" + (
-        f" MOVED ±{100 * r['drift']:.0f}% over {r['windows']} windows" if moved(r, stability) else ""
+        cause = machine if machine_moved(r, stability) else "rough" if "machine_moved" in r else ""
+        return f"{text} UNSTABLE after {r['windows']} windows" + (f": {cause}" if cause else "")
+    return (
+        text
+        + (f" MOVED ±{100 * r['drift']:.0f}% over {r['windows']} windows" if moved(r, stability) else "")
+        + (f"; {machine}" if machine_moved(r, stability) else "")
+    )
+
+
+def probe_line(probe: dict[str, Any] | None, stability: float) -> str:
+    """The machine's own speed over the bench, in a sentence ("" without a probe)."""
+    if not probe or not probe.get("readings"):
+        return ""
+    speeds = [s for _, s in probe["readings"]]
+    return (
+        f" The machine's own speed, a fixed probe between rounds ({probe['probe']}), read {len(speeds)} times: "
+        f"{min(speeds):,.0f} to {max(speeds):,.0f} a second, a spread of ±{100 * probe['spread']:.0f}%"
+        + (
+            "; a level measured while it moved further than the stability is marked so, and its spread is the "
+            "machine's as much as the model's."
+            if probe["spread"] * 100 > stability
+            else "."
+        )
     )
 
 
@@ -57,6 +87,7 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     every = [r for mm in served.get("models", {}).values() for r in mm["rows"]]
     unstable = sum(not r.get("stable", True) for r in every)
     shifted = sum(moved(r, stability) for r in every)
+    on_machine = sum(machine_moved(r, stability) for r in every)
     gen = served.get("load_generator", {"name": "python"})
     lines = [
         "## Served over gRPC",
@@ -67,7 +98,9 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
         f"in rounds, one window of at least {cfg.get('window_s', 0):g} s per level per round, until a level's "
         f"last three windows agree within {cfg.get('stability', 0):g} % (throughput and mean latency); its "
         "figures come from those three. A level's windows are a round apart, so the machine's drift over "
-        "the sweep shows in its spread: how far apart the three windows' throughputs and mean latencies are. "
+        "the sweep shows in its spread: how far apart the three windows' throughputs and mean latencies are, "
+        "beside the 95 % confidence interval of their mean (CI; Student's t over three windows, the wider of the "
+        "two figures'). "
         "Client CPU: the load generator's own CPU time per request; server CPU: tritonserver's and its backends' "
         "(the embedded server; - for one at --url), over the requests Triton counted. Measured/sent: requests in "
         "the last three windows, and in all of the level's windows. Checked: responses compared with the "
@@ -79,7 +112,9 @@ def served_lines(served: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
             if gen["name"] == "perf_analyzer"
             else ""
         )
+        + probe_line(served.get("machine_probe"), stability)
         + (f" **{unstable} level(s) never settled**: read them as rough." if unstable else "")
+        + (f" **{on_machine} level(s) measured while the machine moved**: marked with how far." if on_machine else "")
         + (
             f" **{shifted} level(s) MOVED**: their three last windows agree, but all their windows lie further "
             f"apart than {stability:g} %; the level ran in two states over the sweep, and another run may read "

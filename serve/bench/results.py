@@ -22,6 +22,8 @@ class LevelRow(TypedDict, total=False):
     spread: float  # of its last three windows
     drift: float  # of all its windows after the first
     stable: bool
+    interval: float  # the 95 % confidence interval's half-width of its last three windows' mean, a fraction
+    machine_moved: float  # the spread of the machine's own speed (machine.MachineProbe) over its windows
     windows: int
     checked: int
     wrong: int

@@ -166,6 +166,7 @@ def search(
     from .checks import check_of
     from .config import SHORT_BENCH, BenchConfig
     from .inputs import load_inputs
+    from .machine import MachineProbe
     from .served_as import copy_as
     from .sweep import Sweeper, load_generators
     from .windows import LAST
@@ -201,7 +202,8 @@ def search(
     live = None
     try:
         gen, _, _ = load_generators(cfg, inputs.pool, data)
-        sweeper = Sweeper(server.url, client, cfg, gen, bar, server.proc.pid if server.proc is not None else None)
+        pid = server.proc.pid if server.proc is not None else None
+        sweeper = Sweeper(server.url, client, cfg, gen, bar, pid, MachineProbe())
 
         def measure(served: str, point: Point, todo: tuple[int, ...]) -> None:
             """``todo``'s levels of ``point``, sent to the model ``served``; its rows join the point's."""
@@ -238,6 +240,7 @@ def search(
                 points.append(point)
                 measure(name, point, levels)
         record["load_generator"] = gen.name
+        record["machine_probe"] = sweeper.probe.as_json()
     finally:
         client.close()
         shutil.rmtree(data.parent, ignore_errors=True)

@@ -24,6 +24,7 @@ from .config import BenchConfig
 from .entry import EntryRun
 from .inputs import BenchInputs
 from .load import open_loop
+from .machine import MachineProbe
 from .noop import NOOP_MODEL, noop_repo
 from .placement import placement_of
 from .results import timed
@@ -183,7 +184,7 @@ def bench_served(
     gen, other, why = load_generators(cfg, inputs.pool, data)
     served["load_generator"] = {"name": gen.name, "why": why}
     pid = server.proc.pid if server is not None and server.proc is not None else None
-    sweeper = Sweeper(url, client, cfg, gen, bar, pid)
+    sweeper = Sweeper(url, client, cfg, gen, bar, pid, MachineProbe())
     with timed(results, "checks"):  # a quantized model's: its answers on the idle server
         checks = {m: check_of(client, m, inputs) for m in models}
     for model in models:
@@ -219,6 +220,7 @@ def bench_served(
                         for model, rss in server.instance_memory().items():
                             if model in served["models"]:
                                 served["models"][model]["instance_rss_bytes"] = rss
+            served["machine_probe"] = sweeper.probe.as_json()
             save()
         for model in reconfigured:
             server.load(model, override=config(model))

@@ -15,6 +15,7 @@ from torchship.procfs import cpu_used, tree_cpu
 from .checks import ResponseCheck, keeper, tally
 from .config import BenchConfig
 from .load import closed_loop, level_row, paced
+from .machine import MachineProbe
 from .perf_analyzer import python_window, window_row
 from .results import LevelRow
 from .stats import merge_deltas, served_count, settled_stats, stats_delta, stats_of
@@ -89,7 +90,7 @@ class Cell:
 class Sweeper:
     """What every sweep of one bench shares: the server at ``url`` (``server_pid``: the embedded one's process,
     whose CPU time each window reads), the client asking it for statistics, the settings, the load generator and
-    the progress bar."""
+    the progress bar, and the probe of the machine's own speed."""
 
     url: str
     client: Any  # a TritonClient
@@ -97,6 +98,7 @@ class Sweeper:
     gen: LoadGenerator = PYTHON
     bar: Any = None
     server_pid: Optional[int] = None
+    probe: Optional[MachineProbe] = None  # the machine's own speed, read between rounds
 
     def run(
         self,
@@ -135,7 +137,13 @@ class Sweeper:
         }
         cfg = self.cfg
         settled = settle_rounds(
-            windows, window_figures, cfg.stability / 100, LAST, cfg.max_windows, ticker(self.bar, LAST, 1)
+            windows,
+            window_figures,
+            cfg.stability / 100,
+            LAST,
+            cfg.max_windows,
+            ticker(self.bar, LAST, 1),
+            self.probe.read if self.probe else None,
         )
         batch = len(next(iter(feeds[0].values())))
         rows: dict[str, list[LevelRow]] = {m: [] for m in models}
@@ -214,6 +222,8 @@ class Sweeper:
             spread=how["spread"],
             drift=how["drift"],
             stable=how["stable"],
+            interval=how["interval"],
+            **({"machine_moved": how["machine"]} if "machine" in how else {}),
             load_generator=gen.name,
             window_requests_per_s=[round(window_figures(w)[0], 2) for w in windows],
             client_cpu_us=1e6 * sum(w["cpu_s"] for w in last) / max(1, measured),

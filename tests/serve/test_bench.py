@@ -326,6 +326,41 @@ def test_compare_detects_a_planted_2x_slowdown(bench_run, exported, tmp_path, ca
         assert len(err) == 1 and str(bad) in err[0] and says in err[0], err
 
 
+def test_compare_discounts_a_served_slowdown_that_the_machines_own_move_explains(bench_run, tmp_path, capsys):
+    """The probe of the machine's own speed, read between the bench's rounds, is in results.json and the report.
+    Planted: every served figure 1.5 times slower, beyond its spread; with the probe reading the machine 1.5
+    times slower too, --compare does not count them and says why; with the probe steady, they are regressions."""
+    results, out = bench_run
+    probe = results["served"]["machine_probe"]
+    assert len(probe["readings"]) >= 4 and probe["median"] > 0 and "on one core" in probe["probe"]
+    rows = [r for mm in results["served"]["models"].values() for r in mm["rows"]]
+    assert all(r["machine_moved"] >= 0 for r in rows)
+    assert "The machine's own speed, a fixed probe between rounds" in (out / "report.md").read_text()
+
+    slow = json.loads(json.dumps(results))
+    for mm in slow["served"]["models"].values():
+        for r in mm["rows"]:
+            f = 1.5 * (1 + r.get("spread", 0))
+            r["p50_ms"] *= f
+            r["p99_ms"] *= f
+            r["requests_per_s"] /= f
+    steady = tmp_path / "steady.json"
+    steady.write_text(json.dumps(slow))
+    slow["served"]["machine_probe"]["median"] /= 1.5 * (1 + max(r.get("spread", 0) for r in rows))
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps(slow))
+    _, regressions = compare(results, json.loads(steady.read_text()))
+    assert regressions and all(r["key"].startswith("served/models/") for r in regressions)
+    rows, none = compare(results, slow)
+    assert not none and {r["key"] for r in rows if r.get("explained")} == {r["key"] for r in regressions}
+    capsys.readouterr()
+    assert run_cli("bench", "--compare", out / "results.json", steady) == 1
+    assert run_cli("bench", "--compare", out / "results.json", moved) == 0
+    said = capsys.readouterr().out
+    assert "the machine's own speed (the probe both benches read between rounds), new/old: 0." in said
+    assert "the machine moved -" in said and "more that the machine's own move explains" in said, said[-1500:]
+
+
 def test_no_variant_reads_above_its_roof_and_the_report_says_what_set_it():
     from torchship.serve.bench.report import probe_share, roofs
 

@@ -4,7 +4,7 @@ settles stops at the cap and is marked unstable."""
 import pytest
 
 from torchship.serve.bench.stats import merge_deltas
-from torchship.serve.bench.windows import settle, settle_rounds, spread
+from torchship.serve.bench.windows import interval, settle, settle_rounds, spread
 
 
 def source(values):
@@ -16,6 +16,14 @@ def source(values):
 def test_spread_is_the_range_over_the_mean():
     assert spread([90.0, 100.0, 110.0]) == pytest.approx(0.2)
     assert spread([5.0]) == 0.0 and spread([0.0, 0.0]) == 0.0
+
+
+def test_the_confidence_interval_is_students_t_over_the_windows():
+    assert interval([90.0, 100.0, 110.0]) == pytest.approx(4.303 * 10 / 3**0.5 / 100, rel=1e-3)
+    assert interval([100.0] * 3) == 0.0 and interval([5.0]) == 0.0 and interval([0.0, 0.0]) == 0.0
+    assert interval([99.0, 101.0] * 20) == pytest.approx(1.96 * 1.0127 / 40**0.5 / 100, rel=1e-3)  # past the table
+    _, how = settle(source([50, 150, 90, 100, 110]), lambda w: [w["rate"]], 0.25, max_windows=10)
+    assert how["stable"] and how["interval"] == pytest.approx(interval([90.0, 100.0, 110.0]))  # the last three
 
 
 def test_a_source_that_settles_after_some_windows_is_stable_there():
@@ -148,3 +156,44 @@ def test_window_statistics_merge_weighted_by_requests():
     assert m["requests"] == 40 and m["executions"] == 20 and m["avg_batch"] == pytest.approx(2.0)
     assert m["compute_infer_us"] == pytest.approx((100 * 10 + 400 * 30) / 40) and m["server_us"] == pytest.approx(357.5)
     assert m["batch_executions"] == {"1": 10, "2": 5, "4": 5}
+
+
+def test_a_level_is_marked_with_the_machines_own_move_or_as_rough():
+    """The probe read between rounds: a level whose windows spread while the probe moved as much is marked
+    "the machine moved"; the same spread beside a steady probe is the level's own, marked rough. A level that
+    settled while the machine moved is marked too, never silently settled. (Planted: a probe that reads what the
+    windows did.)"""
+    from torchship.serve.bench.report import spread_text
+
+    def run(rates, speeds):
+        it, probe = iter(rates), iter(speeds)
+        return settle(lambda: {"rate": next(it)}, lambda w: [w["rate"]], 0.10, max_windows=4, probe=lambda: next(probe))
+
+    swinging = [100, 130, 100, 130]
+    _, with_machine = run(swinging, [1.0, 1.0, 1.3, 1.0, 1.3])  # before the first round and after each
+    _, steady = run(swinging, [1.0, 1.01, 1.0, 1.01, 1.0])
+    assert not with_machine["stable"] and with_machine["machine"] == pytest.approx(0.3 / 1.12, rel=1e-3)
+    assert not steady["stable"] and steady["machine"] < 0.02
+    row = {"windows": 4}
+    moved_text = spread_text({**row, **with_machine, "machine_moved": with_machine["machine"]}, 10)
+    assert moved_text.endswith("UNSTABLE after 4 windows: the machine moved ±27%"), moved_text
+    rough = spread_text({**row, **steady, "machine_moved": steady["machine"]}, 10)
+    assert rough.endswith("UNSTABLE after 4 windows: rough"), rough
+    _, settled = run([100, 101, 100], [1.0, 1.0, 0.8, 1.0])
+    assert settled["stable"] and spread_text({**settled, "machine_moved": settled["machine"]}, 10).endswith(
+        "; the machine moved ±21%"
+    )
+    assert spread_text({**settled, "machine_moved": 0.05}, 10) == "±1%, CI ±1%"  # within the stability: no mark
+
+
+def test_each_cell_reads_the_probe_over_its_own_rounds():
+    # a settles in rounds 1-3 while the machine holds still; the machine drops after round 4, while b goes on
+    readings = iter([1.0, 1.0, 1.0, 1.0, 0.7, 0.7, 0.7])
+    out = settle_rounds(
+        {"a": source([100] * 9), "b": source([50, 150, 80, 100, 100, 100])},
+        lambda w: [w["rate"]],
+        0.10,
+        max_windows=9,
+        probe=lambda: next(readings),
+    )
+    assert out["a"][1]["machine"] == 0.0 and out["b"][1]["machine"] == pytest.approx(0.3 / (6.1 / 7), rel=1e-3)
