@@ -23,6 +23,15 @@ def spread(values: Sequence[float]) -> float:
     return (max(values) - min(values)) / mean if mean else 0.0
 
 
+def sustained(readings: Sequence[float]) -> float:
+    """The spread of ``readings`` (the machine probe's, in order) that lasted: of the medians of each three in a
+    row, so that one reading taken while a neighbour burst on the other core does not count as the machine
+    moving; the plain spread of fewer than three."""
+    if len(readings) < 3:
+        return spread(readings)
+    return spread([sorted(readings[i : i + 3])[1] for i in range(len(readings) - 2)])
+
+
 def interval(values: Sequence[float]) -> float:
     """The half-width of the 95 % confidence interval of ``values``' mean (Student's t, the windows taken as
     independent draws), as a fraction of the mean; 0 for fewer than two values or a zero mean."""
@@ -76,7 +85,8 @@ def settle_rounds(
     (a fraction). A cell stops at ``max_windows`` regardless. Because a cell's windows are a round apart,
     its spread also covers the machine drifting over the rounds, not only over a few seconds.
     ``probe``, where given, reads the machine's own speed before the first round and after each: a cell's
-    ``machine`` is the spread of the readings from just before its first window to just after its last.
+    ``machine`` is the sustained spread of the readings from just before its first window to just after its
+    last.
     Returns, per cell, its windows and {"windows": n, "spreads": each figure's spread over the last LAST,
     "spread": the largest, "drift": the largest spread over all its windows after the first, "stable": bool,
     "interval": the widest 95 % confidence interval of a figure's mean over the last LAST (a fraction), and
@@ -116,7 +126,7 @@ def settle_rounds(
             speeds.append(probe())
             for key, (_, how) in done.items():
                 if "machine" not in how:  # settled in this round: the readings around its windows
-                    how["machine"] = spread(speeds[began[key] :])
+                    how["machine"] = sustained(speeds[began[key] :])
     return {k: done[k] for k in cells}
 
 
