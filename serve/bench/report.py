@@ -54,7 +54,8 @@ def probe_line(probe: dict[str, Any] | None, stability: float) -> str:
     speeds = [s for _, s in probe["readings"]]
     return (
         f" The machine's own speed, a fixed probe between rounds ({probe['probe']}), read {len(speeds)} times: "
-        f"{min(speeds):,.0f} to {max(speeds):,.0f} a second, a spread of ±{100 * probe['spread']:.0f}%"
+        f"{min(speeds):,.0f} to {max(speeds):,.0f} a second; what lasted (the medians of each three in a row) spread "
+        f"±{100 * probe['spread']:.0f}%"
         + (
             "; a level measured while it moved further than the stability is marked so, and its spread is the "
             "machine's as much as the model's."
