@@ -12,7 +12,7 @@ from torchship.parity import gate_words
 from ..config import ServeConfig, parse_strategy
 from ..model_config import read_config, served_config_path
 from .recommend import recommend
-from .search import TIE_RULE, Choice, contenders_of, decide, figure, precision_of, search, sweep_points
+from .search import MIDDLE, TIE_RULE, Choice, contenders_of, decide, figure, precision_of, search, sweep_points
 from .served_as import serve_winner
 
 GOALS = {
@@ -27,10 +27,18 @@ def pick(results: dict[str, Any], strategy: str, manifest: dict[str, Any], stabi
     this export, each at the placement the bench measured it at (search.choose: within ``stability`` or a row's
     own spread of the best, search.TIE_RULE decides), with the figures it won on, the runner-up and why, in
     words. ConfigError where no model qualifies."""
+    strategy = judged_as(strategy, results)
     kind, budget = parse_strategy(strategy)
     return winner_of(
         decide(sweep_points(results, manifest), kind, budget, stability, manifest, results), strategy, manifest
     )
+
+
+def judged_as(strategy: str, results: dict[str, Any]) -> str:
+    """The strategy as ``results`` (a bench's results.json) are judged by: max-throughput under the bench's own p99
+    budget (--p99-budget-ms) is the highest throughput within that budget, p99-budget=MS; else ``strategy``."""
+    budget = results.get("config", {}).get("p99_budget_ms")
+    return f"p99-budget={budget:g}" if budget and parse_strategy(strategy)[0] == "max-throughput" else strategy
 
 
 def winner_of(choice: Choice, strategy: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -55,6 +63,10 @@ def winner_of(choice: Choice, strategy: str, manifest: dict[str, Any]) -> dict[s
         "why": f"{strategy}: {GOALS[kind].format(budget=budget or 0)}: {p.model} ({words}){placed}, {figure(row)}",
         **({"gate": gate} if gate else {}),
     }
+    middle = next((r for r in p.rows if r["concurrency"] == MIDDLE and r.get("n")), None)
+    if middle is not None and middle is not row:  # the p99 a queue of MIDDLE gives, beside the chosen level's
+        out["at_middle"] = {k: middle[k] for k in ("concurrency", "requests_per_s", "p50_ms", "p99_ms")}
+        out["why"] += f" (at {MIDDLE} in flight: {figure(middle)})"
     if kind != "min-latency":
         placement = {"instances": p.instances or 1, "threads": p.threads or 1}
         rec = recommend({"served": {"models": {p.model: {"rows": p.rows, **placement}}}}, budget, manifest["max_batch"])
@@ -77,8 +89,19 @@ def winner_of(choice: Choice, strategy: str, manifest: dict[str, Any]) -> dict[s
         )
     rivals = sorted((q for q in choice.points if q.model != p.model), key=choice.score, reverse=True)
     if rivals:
-        out["runner_up"] = {"model": rivals[0].model, "figures": figure(choice.row(rivals[0]))}
-        out["why"] += f"; runner-up {rivals[0].model}, {figure(choice.row(rivals[0]))}"
+        r = rivals[0]
+        gap = (choice.score(p) - choice.score(r)) / abs(choice.score(p))  # its score's shortfall, a fraction
+        out["runner_up"] = {"model": r.model, "figures": figure(choice.row(r)), "gap": gap}
+        out["why"] += f"; runner-up {r.model}, {figure(choice.row(r))}"
+        # how far the machine's own speed moved while either was measured: a gap within it may not repeat
+        moved = max(choice.row(q).get("machine_moved", 0.0) for q in (p, r))
+        if gap <= max(choice.noise, moved) and not any(r is q for q in choice.near):  # near: named above
+            out["runner_up"]["within_noise"] = True
+            out["why"] += (
+                f", {100 * abs(gap):.0f} % {'below' if gap >= 0 else 'above'} the winner, within the noise "
+                f"({100 * choice.noise:.0f} %; the machine's own speed moved {100 * moved:.0f} % while they were "
+                "measured): a rerun may serve either"
+            )
     return out
 
 
@@ -130,6 +153,9 @@ def serve_by_strategy(
         out = Path(repo).with_name(Path(repo).name + "-bench")
         log(f"--strategy {strategy} without --bench: a short served bench of {repo} first (results in {out})")
         results = short_bench(export_dir, repo, out, log=log)
+    if (judged := judged_as(strategy, results)) != strategy:
+        log(f"{strategy} under the bench's p99 budget (--p99-budget-ms): judged as {judged}")
+        strategy = judged
     stability = (bench.stability if bench is not None else 10.0) / 100
     winner = pick(results, strategy, manifest, stability)
     live = None  # the config the plain name was last loaded with on ``server``

@@ -81,6 +81,54 @@ def test_max_throughput_is_read_where_the_server_saturates_not_deeper_in_the_que
     assert recommend(int8_only(deeper), None, 32)["at_concurrency"] == 64
 
 
+def test_the_benchs_p99_budget_holds_max_throughput_within_it():
+    """A bench run with --p99-budget-ms keeps that budget in its results: max-throughput judged on them is the
+    highest throughput within it, so the choice moves where the fastest point's p99 is over the budget, and the
+    winner's p99 at the level it was chosen at stands beside that at MIDDLE in flight."""
+    queue = results(
+        [row(1, 400, 2.0, 3.0), row(16, 700, 20.0, 35.0)],
+        [row(1, 300, 3.0, 5.0), row(16, 800, 17.0, 30.0), row(64, 1000, 60.0, 120.0)],
+    )
+    w = pick(queue, "max-throughput", MANIFEST)
+    assert (w["model"], w["row"]["concurrency"], w["strategy"]) == ("tiny_cnn_onnx_int8", 64, "max-throughput")
+    assert w["at_middle"]["p99_ms"] == 30.0 and "(at 16 in flight: 800 req/s at p99 30.00 ms" in w["why"]
+    budget = {**queue, "config": {"p99_budget_ms": 50.0}}
+    w = pick(budget, "max-throughput", MANIFEST)  # int8 at 16 within it, beyond the noise of onnx's 700
+    assert (w["model"], w["row"]["concurrency"], w["strategy"]) == ("tiny_cnn_onnx_int8", 16, "p99-budget=50")
+    assert "at_middle" not in w and w["why"].startswith("p99-budget=50: the highest throughput with p99 <= 50 ms")
+    tight = {**queue, "config": {"p99_budget_ms": 32.0}}
+    assert pick(tight, "max-throughput", MANIFEST)["model"] == "tiny_cnn_onnx_int8"  # 30 ms: still within
+    tighter = {**queue, "config": {"p99_budget_ms": 10.0}}
+    w = pick(tighter, "max-throughput", MANIFEST)  # only the one-request rows: onnx's 400 against int8's 300
+    assert (w["model"], w["row"]["concurrency"]) == ("tiny_cnn_onnx", 1)
+    assert pick(budget, "min-latency", MANIFEST)["strategy"] == "min-latency"  # a budget leaves min-latency as it is
+    assert search_levels("p99-budget", (1, 64), 64) == (1, 16, 64)  # under a budget the middle level is searched
+
+
+def test_a_runner_up_within_the_noise_is_said_to_be():
+    """The search serves a point it measured; a model the sweep alone measured is a runner-up at most, and where
+    its figures lie within the noise of the winner's, the winner's words say that a rerun may serve either. Where
+    the gap is wider they say nothing of the kind."""
+    from torchship.serve.bench.search import settle
+    from torchship.serve.bench.strategy import winner_of
+
+    searched = [Point("tiny_cnn_onnx", "float32", 1, 2, [row(16, 950, 20.0, 35.0)])]
+    swept = Point("tiny_cnn_onnx_int8", "int8", 1, 2, [row(16, 900, 17.0, 30.0)])
+    w = winner_of(settle(searched, [swept], "max-throughput", None, 0.10, MANIFEST, {}), "max-throughput", MANIFEST)
+    assert (w["model"], w["runner_up"]["model"], w["runner_up"]["within_noise"]) == (
+        "tiny_cnn_onnx",
+        "tiny_cnn_onnx_int8",
+        True,
+    )
+    assert "tiny_cnn_onnx_int8, 900 req/s at p99 30.00 ms, p50 17.00 ms, 16 in flight, 5 % below the winner" in w["why"]
+    assert "within the noise (10 %; the machine's own speed moved 0 % while they were measured): a rerun" in w["why"]
+    w = pick(FAST_INT8, "max-throughput", MANIFEST)  # 900 against 600: a third below
+    assert "within_noise" not in w["runner_up"] and "a rerun may serve" not in w["why"]
+    moved = results([row(16, 600, 25.0, 40.0)], [{**row(16, 900, 17.0, 30.0), "machine_moved": 0.4}])
+    w = pick(moved, "max-throughput", MANIFEST)  # a third below, while the machine's speed moved 40 %
+    assert w["runner_up"]["within_noise"] and "the machine's own speed moved 40 % while" in w["why"]
+
+
 def test_within_the_noise_the_stated_rule_chooses_and_beyond_it_the_figures_do():
     """The choice repeats from run to run: points whose scores lie within the noise (the windows' agreement, or a
     row's own spread where it is wider) are ordered by the higher precision, then the lower p99, then the fewer
@@ -189,8 +237,12 @@ def test_the_winner_answers_under_the_plain_name_and_is_held_to_its_gate(int8_ex
 @pytest.mark.slow
 def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_path, capsys, monkeypatch):
     import torchship.serve.bench.config
+    import torchship.serve.bench.search
+    import torchship.serve.bench.strategy
 
     monkeypatch.setitem(torchship.serve.bench.config.SHORT_BENCH, "window_s", 0.1)  # the same bench, in shorter windows
+    for module in (torchship.serve.bench.search, torchship.serve.bench.strategy):  # the middle level below the deep
+        monkeypatch.setattr(module, "MIDDLE", 4)  # one, 16 here (max batch 8 on two instances)
     repo = tmp_path / "repo"
     assert (
         run_cli("repo", int8_export, "--out", repo, "--formats", "onnx", "onnx_int8", "--strategy", "max-throughput")
@@ -222,6 +274,13 @@ def test_without_a_bench_file_a_short_bench_picks_the_winner(int8_export, tmp_pa
     again = choose(points, "max-throughput", None, 0.10).chosen  # the stated rule over the figures it recorded
     assert (again.model, again.instances, again.threads) == (winner["model"], winner["instances"], winner["threads"])
     assert {placement_of(read_config(p)) for p in (repo / "tiny_cnn").glob("*.pbtxt")} == {again.placement}
+    won = next(
+        g
+        for g in placement["grid"]
+        if (g["model"], g["instances"], g["threads"]) == (winner["model"], *again.placement)
+    )
+    assert 4 in {r["concurrency"] for r in won["rows"]}  # the winner measured at the middle level too
+    assert 4 in (winner["row"]["concurrency"], winner.get("at_middle", {}).get("concurrency"))
     assert "The models that could win, at each instances x intra-op threads on" in (repo / "README.md").read_text()
 
 
