@@ -34,7 +34,8 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
     point = as_served(winner)
     if point and winner["model"] in served:
         measured.append((f"{winner['served_as']} (as served)", served[winner["model"]], *point))
-    rows = []
+    ip_threads = results.get("in_process", {}).get("threads")
+    rows, costs = [], []
     for model, mm, levels, instances, threads in measured:
         variant = served_artifact_of(model, mm)
         mine = [r for r in ip if r["variant"] == variant and r.get("n")]
@@ -45,6 +46,7 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
         best_ip = max(mine, key=lambda r: r["images_per_s"])  # samples/s; the key keeps its first name
         best_sv = max(levels, key=lambda r: r["requests_per_s"])
         placed = f", {instances} x {threads}" if instances else ""
+        bound = same_cores(best_ip["images_per_s"], ip_threads, instances, threads)
         rows.append(
             [
                 model,
@@ -53,18 +55,19 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
                 _f(c1.get("p50_ms")),
                 f"{best_ip['images_per_s']:.0f} (batch {best_ip['batch']})",
                 f"{best_sv['requests_per_s']:.0f} (concurrency {best_sv['concurrency']}{placed})",
-                f"{100 * best_sv['requests_per_s'] / best_ip['images_per_s']:.0f} %",
+                f"{100 * best_sv['requests_per_s'] / bound:.0f} %",
             ]
         )
+        costs += cost_line(model, best_sv, best_ip, ip_threads, instances, threads, bound)
     if not rows:
         return []
-    threads = results.get("in_process", {}).get("threads")
     lines = [
         "## In-process beside served",
         "",
-        f"In-process on {threads} intra-op thread(s), one served instance's; served by each model's instances x "
+        f"In-process on {ip_threads} intra-op thread(s), one served instance's; served by each model's instances x "
         f"intra-op threads on the machine's {results.get('machine', {}).get('cores', '?')} core(s), the load "
-        "generator on the same cores.",
+        "generator on the same cores. Served / in-process is on the same cores: the in-process samples/s times the "
+        "cores the served model uses over the in-process threads, the most those cores would give in-process.",
         "",
     ] + table(
         [
@@ -78,6 +81,13 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
         ],
         rows,
     )
+    if costs:
+        lines += [
+            "",
+            "Where a served request's CPU went, at each model's best level (the server's and the client's "
+            "CPU a request, measured over the level's windows; the model's own, in-process at its best batch):",
+            "",
+        ] + costs
     if point and any(r[0].endswith("(as served)") for r in rows):
         lines += [
             "",
@@ -94,6 +104,31 @@ def side_by_side(results: dict[str, Any], winner: dict[str, Any] | None = None) 
             "round trip, not by its own speed.",
         ]
     return lines + [""]
+
+
+def same_cores(rate: float, ip_threads: int | None, instances: int | None, threads: int | None) -> float:
+    """In-process samples/s ``rate`` (on ``ip_threads`` threads) on the cores a served model of ``instances`` x
+    ``threads`` uses: scaled by their ratio, as if the model scaled with its cores (the most they would give)."""
+    if not (ip_threads and instances and threads):
+        return rate
+    return rate * instances * threads / ip_threads
+
+
+def cost_line(model, sv, ip, ip_threads, instances, threads, bound) -> list[str]:
+    """One served model's CPU a request, split: the model's own (its in-process CPU a sample), the rest of the
+    server (Triton, gRPC, the backend and its copies), the client; [] where the bench did not read the server's."""
+    if not sv.get("server_cpu_us") or not sv.get("client_cpu_us") or not ip_threads:
+        return []
+    own = 1e6 * ip_threads / ip["images_per_s"]
+    server, client = sv["server_cpu_us"], sv["client_cpu_us"]
+    total = server + client
+    placed = f"{instances} x {threads}, " if instances else ""
+    return [
+        f"- {model}, {placed}{sv['concurrency']} in flight: {total:.0f} µs of CPU a request: the model's own "
+        f"{own:.0f} ({100 * own / total:.0f} %), the rest of the server {max(0.0, server - own):.0f} "
+        f"({100 * max(0.0, server - own) / total:.0f} %), the client {client:.0f} ({100 * client / total:.0f} %); "
+        f"served {sv['requests_per_s']:.0f} a second where in-process on the same cores would give {bound:.0f}"
+    ]
 
 
 def as_served(winner: dict[str, Any] | None) -> tuple[list[dict[str, Any]], int, int] | None:

@@ -181,7 +181,15 @@ def test_the_winner_as_served_is_set_beside_in_process_at_the_point_the_search_c
     best_ip = max(r["images_per_s"] for r in results["in_process"]["rows"] if r["variant"] == "onnx")
     top = max(faster, key=lambda r: r["requests_per_s"])
     assert row[1] == "onnx" and row[5] == f"{top['requests_per_s']:.0f} (concurrency {top['concurrency']}, 2 x 1)"
-    assert row[6].rstrip(" |") == f"{100 * top['requests_per_s'] / best_ip:.0f} %"
+    # against in-process on the same cores: two instances of one thread against the in-process threads
+    same = best_ip * 2 / results["in_process"]["threads"]
+    assert row[6].rstrip(" |") == f"{100 * top['requests_per_s'] / same:.0f} %"
+    # and where a served request's CPU went: the model's own (in-process), the rest of the server, the client
+    cost = next(line for line in lines if line.startswith("- tiny_cnn (as served), 2 x 1, "))
+    own = 1e6 * results["in_process"]["threads"] / best_ip
+    total = top["server_cpu_us"] + top["client_cpu_us"]
+    assert f"{total:.0f} µs of CPU a request: the model's own {own:.0f} (" in cost, cost
+    assert f"the client {top['client_cpu_us']:.0f} (" in cost and f"on the same cores would give {same:.0f}" in cost
     assert not any("(as served)" in line for line in side_by_side(results))  # no search, no such row
     assert not any("(as served)" in line for line in side_by_side(results, {**winner, "placement": {}}))
 
