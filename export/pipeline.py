@@ -161,6 +161,9 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
                 "no format could be exported: " + "; ".join(f"{f['format']}: {f['error']}" for f in arts.failures)
             )
         manifest = build_manifest(name, cfg, device, src, tolerances, ref, info, arts, sha256_file(tmp / REFERENCE))
+        cost = model_cost(eager, ex)
+        if cost:  # what the repository's default placement weighs against a request's round trip
+            manifest["flops_per_sample"] = cost
         if raw is not None or (text is not None and text.texts):
             manifest["reference"][RAW_SET] = {"batch": len(raw_files), "files": raw_files}
         if text is not None:
@@ -269,6 +272,17 @@ def build_manifest(
             ),
         }
     return manifest
+
+
+def model_cost(eager, ex) -> float | None:
+    """FLOPs a sample of ``eager`` on the example inputs, or None where they cannot be counted (the count is
+    advice for the repository's placement: nothing fails for want of it)."""
+    from torchship.eager import flops_per_sample
+
+    try:
+        return flops_per_sample(eager, ex) or None
+    except Exception:
+        return None
 
 
 def _raw_set(src, sig, log):

@@ -161,16 +161,23 @@ class RepoConfig:
 
 # the default's instances of a CPU model stop here: each is a process with its own runtime and weights
 MAX_INSTANCES = 4
+# a model of this many FLOPs a sample or more is compute-bound: tens of milliseconds of a core a sample (resnet50 at
+# 224 costs 8.2 GFLOP), against about a millisecond of CPU a request's round trip costs the server and client
+COMPUTE_BOUND_FLOPS = 1e9
 
 
-def default_placement(cores: int) -> tuple[int, int]:
+def default_placement(cores: int, flops: float | None = None) -> tuple[int, int]:
     """(instances, intra-op threads per instance) a CPU model gets on ``cores`` cores unless told otherwise: one
     core left to the server's own threads and a client beside it (none on a single core), the rest to instances of
     one thread each, up to MAX_INSTANCES instances, which share out any more cores. An instance of one thread has no
     intra-op pool whose idle threads spin. Measured on 2 cores with the load generator on them (docs/benchmarks.md,
     "The default placement"): 1 x 1 spent the least server CPU a request and its levels settled, where 1 x 2's second
     thread spun against the client and the server; 2 x 1 served more at 64 in flight, which the search
-    (serve/bench/search.py) gives the model that serves."""
+    (serve/bench/search.py) gives the model that serves. A model of ``flops`` a sample at or above
+    COMPUTE_BOUND_FLOPS gets every core as one instance: its own compute dwarfs the round trip, and the spare core
+    cost resnet50 at 224 about 40 % of what the machine served."""
+    if flops is not None and flops >= COMPUTE_BOUND_FLOPS:
+        return 1, cores
     spare = max(1, cores - 1)
     instances = min(spare, MAX_INSTANCES)
     return instances, max(1, spare // instances)
@@ -181,12 +188,14 @@ def placement(
     instances: Optional[int] = None,
     threads: Optional[int] = None,
     flags: str = "--instance-count and --threads",
+    flops: float | None = None,
 ) -> tuple[int, int]:
     """(instances, intra-op threads per instance) for CPU instances on ``cores`` cores: what is given, the rest
-    filled in so that together they use every core (default_placement when neither is given).
-    ConfigError where the instances' threads together exceed the cores: they would take turns on them."""
+    filled in so that together they use every core (default_placement, for a model of ``flops`` a sample, when
+    neither is given). ConfigError where the instances' threads together exceed the cores: they would take turns
+    on them."""
     if instances is None and threads is None:
-        return default_placement(cores)
+        return default_placement(cores, flops)
     if instances is None:
         instances = max(1, cores // threads)
     if threads is None:

@@ -43,6 +43,19 @@ KEY_LINE = (
 )
 
 
+def compute_bound_note(manifest: dict[str, Any]) -> str:
+    """For a model of COMPUTE_BOUND_FLOPS a sample or more, a sentence saying why its default is every core."""
+    from .config import COMPUTE_BOUND_FLOPS
+
+    flops = manifest.get("flops_per_sample") or 0
+    if flops < COMPUTE_BOUND_FLOPS:
+        return ""
+    return (
+        f" The model costs {flops / 1e9:.1f} GFLOP a sample, at or above {COMPUTE_BOUND_FLOPS / 1e9:g}: "
+        "compute-bound, so unless told otherwise one instance gets every core."
+    )
+
+
 def render_readme(
     manifest, names, formats, cfg: RepoConfig, gpu: bool, container_aoti: bool = True, raw: Entry | None = None
 ) -> str:
@@ -90,7 +103,7 @@ def render_readme(
         "instance(s) "
         f"of {cfg.threads} intra-op thread(s) each, {cfg.instance_count * cfg.threads} core(s) in all (`torchship "
         "repo --cores N` builds it for a machine of N cores). `torchship repo --instance-kind gpu` builds the same "
-        "repository with the models on GPU 0."
+        "repository with the models on GPU 0." + compute_bound_note(manifest)
     )
     flags = " ".join(f.replace(KEY_PLACEHOLDER, "$K") for f in restricted_flags(KEY_PLACEHOLDER))
     image, build, entry_note = TRITON_IMAGE, "", ""

@@ -236,7 +236,9 @@ def build_repository(export_dir: "str | Path | Export", cfg: RepoConfig) -> dict
         raise ArtifactError(f"--max-batch {max_batch} exceeds the export's max batch {manifest['max_batch']}")
     # a GPU model: one instance per GPU unless told, the cores its threads for the operators left on the CPU
     count = cfg.instance_count or 1 if kind == mc.ModelInstanceGroup.KIND_GPU else cfg.instance_count
-    instances, threads = placement(cfg.cores or usable_cpus(), count, cfg.threads)
+    instances, threads = placement(
+        cfg.cores or usable_cpus(), count, cfg.threads, flops=manifest.get("flops_per_sample")
+    )
     cfg = dataclasses.replace(cfg, instance_count=instances, threads=threads)  # a copy: the caller's is left as it was
     warm = warmup_sample(manifest, export.reference())
     origin = provenance(d, manifest)

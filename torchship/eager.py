@@ -85,3 +85,13 @@ def eager_from_manifest(manifest: dict[str, Any]) -> torch.nn.Module:
             model = TopK(model.eval(), det["letterbox"]["size"], det["k"], det["candidates"])
         return named(model.eval(), names, src.get("output_keys"))
     raise CheckpointError("the manifest records no model source (export again)")
+
+
+def flops_per_sample(model: torch.nn.Module, inputs: tuple | list) -> float:
+    """FLOPs of one forward pass per sample on ``inputs`` (tensors of equal batch), counted by torch's
+    FlopCounterMode (2 per multiply-add; operators it does not know, such as torchvision's NMS, count 0)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(*inputs)
+    return fc.get_total_flops() / len(inputs[0])

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torchship.eager import flops_per_sample
 from torchship.errors import BenchError, TorchshipError
 from torchship.io import atomic_write_json
 from torchship.manifest import Export, check_shape
@@ -18,7 +19,7 @@ from .in_process import bench_in_process, in_process_runs, load_variants
 from .inputs import BenchInputs, load_inputs, real_inputs
 from .recommend import recommend, write_recommendation
 from .results import timed
-from .stats import device_peak, flops_per_sample, machine_info
+from .stats import device_peak, machine_info
 
 
 def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = None) -> dict[str, Any]:
@@ -153,9 +154,11 @@ def limits(inputs: BenchInputs, device: str, threads: int) -> dict[str, Any]:
     """FLOPs per sample (eager on two real samples) and the measured device peak."""
     if inputs.eager is None:
         return {"error": inputs.eager_error}
+    import torch
+
     try:
         feeds = real_inputs(inputs.pool, 2)
-        flops = flops_per_sample(inputs.eager, [feeds[t["name"]] for t in inputs.manifest["inputs"]])
+        flops = flops_per_sample(inputs.eager, [torch.from_numpy(feeds[t["name"]]) for t in inputs.manifest["inputs"]])
         return {"flops_per_sample": flops, **device_peak(device, threads)}
     except TorchshipError as e:
         return {"error": str(e)}

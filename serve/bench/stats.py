@@ -92,17 +92,6 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def flops_per_sample(model, inputs: list) -> float:
-    """FLOPs of one forward pass per sample on ``inputs`` (numpy arrays of equal batch), counted by torch's
-    FlopCounterMode (2 per multiply-add)."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with torch.no_grad(), FlopCounterMode(display=False) as fc:
-        model(*[torch.from_numpy(x) for x in inputs])
-    return fc.get_total_flops() / len(inputs[0])
-
-
 def device_peak(device: str, threads: int, seconds: float = 0.2) -> dict[str, Any]:
     """The roofline each precision's results are read against: per precision, the fastest of the matrix-multiply
     kernels at hand on this device (``fp32_flops``, ``bf16_flops``, and on a CPU ``int8_flops`` in ops/s), and

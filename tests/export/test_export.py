@@ -22,6 +22,7 @@ from torchship import runtime
 from torchship.errors import ArtifactError, ParityError
 from torchship.io import sha256_file
 from torchship.manifest import read_manifest, write_manifest
+from torchship.serve.config import COMPUTE_BOUND_FLOPS
 
 
 def test_every_format_exported_and_verified(exported):
@@ -30,6 +31,7 @@ def test_every_format_exported_and_verified(exported):
     assert m["verification"]["pass"], m["verification"]["failures"]
     assert (exported / "parity.md").read_text().count("| pass |") >= 5 * 4
     assert m["inputs"] == [{"name": "images", "dtype": "float32", "shape": ["batch", 3, 32, 32]}]
+    assert 0 < m["flops_per_sample"] < COMPUTE_BOUND_FLOPS  # the model's cost, for the repository's placement
     for a in m["artifacts"]:
         for rel, sha in a["files"].items():
             assert sha256_file(exported / rel) == sha

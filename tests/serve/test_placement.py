@@ -61,6 +61,37 @@ def test_the_default_configs_share_out_the_cores_given(exported, tmp_path, given
     assert f"{expected[0]} instance(s) of {expected[1]} intra-op thread(s) each" in readme
 
 
+def test_a_compute_bound_model_gets_every_core_as_one_instance(exported, tmp_path):
+    """A model whose own compute dwarfs a request's round trip (resnet50 at 224, as torchvision builds it: 8.2
+    GFLOP a sample) gets every core as one instance by default; a small one keeps a core for the server and
+    client; what is given is kept either way. The export's count of the model's cost is what decides."""
+    import shutil
+
+    import torch
+    import torchvision
+
+    from torchship.eager import flops_per_sample
+    from torchship.manifest import read_manifest, write_manifest
+    from torchship.serve.config import COMPUTE_BOUND_FLOPS
+
+    flops = flops_per_sample(torchvision.models.resnet50().eval(), (torch.rand(1, 3, 224, 224),))
+    assert 8.1e9 < flops < 8.3e9 and flops >= COMPUTE_BOUND_FLOPS
+    assert default_placement(2, flops) == (1, 2) and default_placement(8, flops) == (1, 8)
+    small = read_manifest(exported)["flops_per_sample"]
+    assert default_placement(2, small) == default_placement(2) == (1, 1)
+    costly = tmp_path / "export"
+    shutil.copytree(exported, costly)
+    m = read_manifest(costly)
+    m["flops_per_sample"] = flops
+    write_manifest(costly, m)
+    build_repository(costly, RepoConfig(out=str(tmp_path / "repo"), cores=2))
+    assert set(placements(tmp_path / "repo").values()) == {(1, 2)}
+    readme = (tmp_path / "repo" / "README.md").read_text()
+    assert "The model costs 8.2 GFLOP a sample, at or above 1: compute-bound" in readme
+    build_repository(costly, RepoConfig(out=str(tmp_path / "given"), cores=2, instance_count=2))
+    assert set(placements(tmp_path / "given").values()) == {(2, 1)}
+
+
 def test_more_threads_than_cores_are_refused_before_anything_is_written(exported, tmp_path):
     with pytest.raises(
         ConfigError, match=r"2 instance\(s\) x 2 thread\(s\) = 4 threads on 2 core\(s\) would take turns"
