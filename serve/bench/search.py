@@ -24,10 +24,10 @@ from .results import LevelRow, served_models
 # the order among points within the noise of the best: what is known to be better without a faster window
 TIE_RULE = "the higher precision, then the lower p99, then the fewer instances"
 PRECISION_RANK = {"float32": 0, "float64": 0, "bfloat16": 1, "float16": 1, "int8": 2}
-# what the search takes from a bench's settings: who sends, and how long and how often it measures
 # the level between one request and a deep queue: a p99 budget's search measures it for every point, and
 # max-throughput's for the point it chooses, so that the winner's p99 at the level it was chosen at stands beside it
 MIDDLE = 16
+# what the search takes from a bench's settings: who sends, and how long and how often it measures
 MEASURED_AS = ("load_generator", "perf_analyzer", "window_s", "requests", "stability", "max_windows")
 
 
@@ -163,7 +163,8 @@ def search(
     levels that decide the strategy at each instances x threads within ``cores`` the sweep did not measure them at,
     sent and checked as the bench's sweep does. Each is measured under the export's plain name, the folder that will
     serve the winner (strategy.copy_as), so that the per-format models serve on untouched and the winner's final
-    load is the search's last where it can be. ``bench`` (a BenchConfig), where given, sets the load generator and
+    load is the search's last where it can be; for max-throughput the chosen point is then measured at MIDDLE too.
+    ``bench`` (a BenchConfig), where given, sets the load generator and
     the windows. Returns (the choice, the search's record, the config the plain name was last loaded with, or None).
     A GPU model is not searched (one instance per GPU). ConfigError where no model qualifies; ParityError if a
     response was wrong."""
