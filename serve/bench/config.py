@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from torchship.config import opt
 from torchship.device import usable_cpus
@@ -58,7 +59,7 @@ class BenchConfig:
     threads: Optional[int] = opt(
         None,
         "intra-op threads for in-process runs (default: one served instance's, as the repository's default "
-        "placement gives it: 1 on up to 4 cores)",
+        "placement gives it: 1 on up to 4 cores, every core for a model of 1 GFLOP a sample or more)",
     )
     models: tuple[str, ...] = opt((), "served models to sweep (default: every served model of the export)")
     concurrency: tuple[int, ...] = opt((1, 4, 16), "closed-loop concurrency levels (batch-1 requests in flight)")
@@ -157,9 +158,16 @@ class BenchConfig:
                 raise ConfigError("--soak measures the served models; drop --skip-served")
         if any(v is not None and v < 1 for v in (self.cores, self.threads)):
             raise ConfigError("--cores and --threads must be at least 1")
-        if self.threads is None:  # in-process as one served instance runs: no pool spinning against another runtime's
-            self.threads = default_placement(self.cores or usable_cpus())[1]
         self.shape_values()
+
+    def for_model(self, manifest: dict[str, Any]) -> "BenchConfig":
+        """This config with its in-process threads filled in where --threads was not given: one served instance's,
+        as the repository's default placement gives the model (its cost from the manifest), so that no pool spins
+        against another runtime's."""
+        if self.threads is not None:
+            return self
+        cores = self.cores or usable_cpus()
+        return dataclasses.replace(self, threads=default_placement(cores, manifest.get("flops_per_sample"))[1])
 
     def shape_values(self) -> dict[str, int]:
         """--shape as {dim name: size}; ConfigError for a value not of the form NAME=SIZE."""

@@ -36,6 +36,7 @@ def run_bench(cfg: BenchConfig, log=print, server=None, export: Export | None = 
         raise BenchError("give an EXPORT_DIR (its manifest names the model, inputs and reference data)")
     export = export or Export(cfg.export_dir)
     export_dir, manifest = export.dir, export.manifest
+    cfg = cfg.for_model(manifest)
     check_shape(manifest, cfg.shape_values())
     device = manifest.get("device", "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

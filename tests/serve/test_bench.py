@@ -392,6 +392,10 @@ def test_no_variant_reads_above_its_roof_and_the_report_says_what_set_it():
 
 def test_in_process_runs_as_one_served_instance_unless_told():
     """One runtime's idle threads spinning against the next one's in the same process made the in-process figures
-    drift: in-process runs take the threads of one instance of the default placement."""
-    assert BenchConfig().threads == default_placement(len(os.sched_getaffinity(0)))[1]
-    assert BenchConfig(cores=10).threads == 2 and BenchConfig(cores=2, threads=2).threads == 2
+    drift: in-process runs take the threads of one instance of the default placement, for the model at hand (a
+    compute-bound one gets every core as one instance)."""
+    small, costly = {"flops_per_sample": 7.4e7}, {"flops_per_sample": 8.2e9}
+    assert BenchConfig().for_model(small).threads == default_placement(len(os.sched_getaffinity(0)))[1]
+    assert BenchConfig(cores=10).for_model(small).threads == 2 and BenchConfig(cores=10).for_model({}).threads == 2
+    assert BenchConfig(cores=2).for_model(costly).threads == 2 and BenchConfig(cores=4).for_model(costly).threads == 4
+    assert BenchConfig(cores=2, threads=1).for_model(costly).threads == 1  # as given
