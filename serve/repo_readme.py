@@ -11,7 +11,14 @@ from torchship.names import FORMATS
 from torchship.parity import gate_words
 
 from .access import restricted_flags
-from .config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, TRITON_IMAGE, RepoConfig
+from .config import (
+    COMPUTE_BOUND_FLOPS,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_METRICS_PORT,
+    TRITON_IMAGE,
+    RepoConfig,
+)
 from .entries import Entry
 from .model_config import TENSOR_NAMES, aoti_tensor_names
 
@@ -45,8 +52,6 @@ KEY_LINE = (
 
 def compute_bound_note(manifest: dict[str, Any]) -> str:
     """For a model of COMPUTE_BOUND_FLOPS a sample or more, a sentence saying why its default is every core."""
-    from .config import COMPUTE_BOUND_FLOPS
-
     flops = manifest.get("flops_per_sample") or 0
     if flops < COMPUTE_BOUND_FLOPS:
         return ""
