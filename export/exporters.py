@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from torchship.device import torch_threads
-from torchship.errors import root_cause
+from torchship.errors import ArtifactError, root_cause
 from torchship.runtime import BUCKET_PREFIX, tf32_allowed
 from torchship.signature import BATCH, Signature
 
@@ -189,39 +189,39 @@ def _share_constants(compiled: dict[int, list]) -> int:
 ONNX_EXTERNAL_BYTES = (2 << 30) - (64 << 20)  # weights from this size on go to external data (protobuf's limit: 2 GiB)
 
 
+PER_PICTURE_WHY = "it loops over its batch's pictures in Python, so torch.export would fix the batch size"
+
+
 def onnx(
-    model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int, opset: int | None
+    model: torch.nn.Module,
+    ex: tuple,
+    path: Path,
+    sig: Signature,
+    max_batch: int,
+    opset: int | None,
+    per_picture: bool = False,
 ) -> dict[str, Any]:
     """One self-contained ``path`` below protobuf's 2 GB limit; above it the weights go to external data
     files beside it (named in the extra's ``external_data``), which must travel with it under their names.
     Made by torch.export's exporter, or where torch.export cannot capture the model (a torchvision detector's
     postprocessing branches on its data), by the TorchScript-based one (onnx_from_trace); the extra says which
-    made it and why."""
+    made it and why. ``per_picture``: the model's TorchScript export found that it loops over its pictures, so
+    torch.export is not tried (on torchvision's detectors it spends several seconds before it fails)."""
     import onnx as onnx_lib
 
-    kwargs: dict[str, Any] = {"opset_version": opset} if opset else {}
     nbytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     external = nbytes >= ONNX_EXTERNAL_BYTES
     how: dict[str, Any] = {"exporter": "dynamo"}
-    try:
-        with quiet():
-            prog = torch.onnx.export(
-                model,
-                ex,
-                dynamo=True,
-                input_names=[t.name for t in sig.inputs],
-                output_names=[t.name for t in sig.outputs],
-                dynamic_shapes=dynamic_shapes(sig, max_batch),
-                **kwargs,
-            )
-            prog.optimize()
-            prog.save(str(path), external_data=external)
-        del prog
-    except Exception as e:
-        for f in path.parent.iterdir():  # whatever the failed exporter left
-            if f.is_file():
-                f.unlink()
-        how = onnx_from_trace(model, ex, path, sig, max_batch, opset, root_cause(e))
+    if per_picture:
+        how = onnx_from_trace(model, ex, path, sig, max_batch, opset, PER_PICTURE_WHY)
+    else:
+        try:
+            _onnx_dynamo(model, ex, path, sig, max_batch, opset, external)
+        except Exception as e:
+            for f in path.parent.iterdir():  # whatever the failed exporter left
+                if f.is_file():
+                    f.unlink()
+            how = onnx_from_trace(model, ex, path, sig, max_batch, opset, root_cause(e))
     onnx_lib.checker.check_model(str(path), full_check=True)
     m = onnx_lib.load(str(path), load_external_data=False)
     opset_used = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
@@ -234,6 +234,37 @@ def onnx(
         "batch_dim_param": batch.dim_param or None,
         "external_data": data,
     }
+
+
+def _onnx_dynamo(
+    model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int, opset: int | None, external: bool
+) -> None:
+    """``path`` written by torch.export's ONNX exporter, optimized, the weights external where ``external``."""
+    kwargs: dict[str, Any] = {"opset_version": opset} if opset else {}
+    with quiet():
+        prog = torch.onnx.export(
+            model,
+            ex,
+            dynamo=True,
+            input_names=[t.name for t in sig.inputs],
+            output_names=[t.name for t in sig.outputs],
+            dynamic_shapes=dynamic_shapes(sig, max_batch),
+            **kwargs,
+        )
+        prog.optimize()
+        prog.save(str(path), external_data=external)
+    if max_batch and not _batch_dim(path).dim_param:  # captured, but at the example's batch size alone
+        raise ArtifactError(
+            f"its graph came out fixed at the example's batch size of {ex[0].shape[0]} (the model loops over its "
+            "batch in Python, or reads the batch size as a number)"
+        )
+
+
+def _batch_dim(path: Path):
+    """The first input's batch dim of the ONNX file at ``path`` (its weights not loaded)."""
+    import onnx as onnx_lib
+
+    return onnx_lib.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[0]
 
 
 TRACE_OPSET = 17  # the least opset the TorchScript-based exporter is asked for: torchvision's NMS and RoIAlign need 11+

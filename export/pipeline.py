@@ -135,7 +135,8 @@ def export_model(cfg: ExportConfig, log=print) -> Export:
             t0 = time.perf_counter()
             log(f"export {fmt} ...")
             try:
-                files, extra = _export_one(fmt, model, ex, tmp, cfg, sig, src.samples, gate, log)
+                loops = any(a.get("per_picture") for a in arts.artifacts)  # found by the TorchScript export
+                files, extra = _export_one(fmt, model, ex, tmp, cfg, sig, src.samples, gate, loops, log)
             except Exception as e:  # one format failing must not lose the others
                 arts.fail(fmt, first_line(e))
                 continue
@@ -369,25 +370,28 @@ def _export_one(
     sig: Signature,
     samples: dict[str, np.ndarray],
     gate: dict[str, Any],
+    per_picture: bool,
     log=print,
 ) -> tuple[list[str], dict[str, Any]]:
+    """``fmt``'s files under ``tmp`` and its manifest fields. ``per_picture``: an earlier format's trace found that
+    the model loops over its pictures (the ONNX formats then skip torch.export)."""
     if fmt == "torchscript":
         return [f"{fmt}/model.pt"], exporters.torchscript(model, ex, tmp / fmt / "model.pt")
     if fmt == "exported_program":
         return [f"{fmt}/model.pt2"], exporters.exported_program(model, ex, tmp / fmt / "model.pt2", sig, cfg.max_batch)
     if fmt == "onnx":
-        extra = exporters.onnx(model, ex, tmp / fmt / "model.onnx", sig, cfg.max_batch, cfg.opset)
+        extra = exporters.onnx(model, ex, tmp / fmt / "model.onnx", sig, cfg.max_batch, cfg.opset, per_picture)
         return [f"{fmt}/model.onnx", *(f"{fmt}/{f}" for f in extra["external_data"])], {
             **extra,
             "batch": {"min": 1, "max": cfg.max_batch},
         }
     if fmt == "onnx_int8":
-        return _onnx_int8(model, ex, tmp, cfg, sig, samples, gate, log)
+        return _onnx_int8(model, ex, tmp, cfg, sig, samples, gate, per_picture, log)
     raise ConfigError(f"unknown format {fmt}")
 
 
 def _onnx_int8(
-    model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray], gate, log
+    model, ex, tmp: Path, cfg: ExportConfig, sig: Signature, samples: dict[str, np.ndarray], gate, per_picture, log
 ) -> tuple[list[str], dict[str, Any]]:
     """onnx_int8/model.onnx: the fp32 ONNX model (the onnx artifact's file where it was exported already)
     quantized for this CPU; the gate it will be verified under goes into its manifest entry."""
@@ -398,7 +402,7 @@ def _onnx_int8(
     if not fp32.exists():
         fp32 = tmp / "onnx_int8" / "fp32" / "model.onnx"
         fp32.parent.mkdir()
-        exporters.onnx(model, ex, fp32, sig, cfg.max_batch, cfg.opset)
+        exporters.onnx(model, ex, fp32, sig, cfg.max_batch, cfg.opset, per_picture)
     external = _nbytes(model) >= exporters.ONNX_EXTERNAL_BYTES
     try:
         extra = quantize.onnx_int8(fp32, tmp / "onnx_int8" / "model.onnx", calibration, source, scheme, external)

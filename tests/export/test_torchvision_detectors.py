@@ -68,7 +68,7 @@ def test_each_exports_to_torchscript_and_onnx_with_its_own_postprocessing(export
         by = {a["format"]: a for a in m["artifacts"]}
         assert by["torchscript"]["per_picture"] and "torchvision::nms" in by["torchscript"]["torchvision_ops"]
         assert by["onnx"]["exporter"] == "torchscript" and by["onnx"]["per_picture"]
-        assert by["onnx"]["exporter_why"].startswith("torch.export cannot capture the model")
+        assert by["onnx"]["exporter_why"].startswith("torch.export cannot capture the model: it loops over")
         det = m["detection"]
         assert (det["score_thresh"], det["iou_thresh"]) == (score, iou), det  # the final detections', read from it
         ref = np.load(export / "reference.npz")

@@ -52,3 +52,31 @@ def test_a_batched_model_is_traced_as_it_is_and_any_other_loop_refused():
     assert not per_picture and graph(torch.rand(3, 3, 4, 4)).shape == (3, 3)
     with pytest.raises(ArtifactError, match="fixed at the example's batch size of 2"):
         trace(LoopedLogits(), (torch.rand(2, 3, 4, 4),))
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["capture-fails", "told-it-loops"])
+def test_a_model_that_loops_over_its_pictures_gets_onnx_from_the_per_picture_trace(told, tmp_path):
+    """Whether torch.export is tried (its exporter captures the loop at the example's batch size alone: refused),
+    or skipped because the TorchScript export found the loop first (the pipeline passes per_picture), the ONNX file
+    comes from the TorchScript-based exporter, runs at every batch size as eager does, and says why it was made
+    so."""
+    import onnxruntime as ort
+
+    from torchship.export.exporters import PER_PICTURE_WHY, onnx
+    from torchship.signature import Signature, TensorSpec
+
+    outs = [TensorSpec("boxes", "float32", ["B", 5, 4]), TensorSpec("scores", "float32", ["B", 5]),
+            TensorSpec("labels", "int64", ["B", 5]), TensorSpec("count", "int64", ["B"])]  # fmt: skip
+    sig = Signature([TensorSpec("images", "float32", ["B", 3, 4, 4])], outs)
+    path = tmp_path / "model.onnx"
+    with torch.no_grad():
+        extra = onnx(PerRow(), (torch.rand(2, 3, 4, 4),), path, sig, 8, None, per_picture=told)
+    assert extra["exporter"] == "torchscript" and extra["per_picture"]
+    why = extra["exporter_why"]
+    assert why.endswith(PER_PICTURE_WHY if told else "the batch size as a number)"), why
+    assert extra["batch_dim_param"]
+    x = torch.rand(5, 3, 4, 4)
+    x[2] = 0
+    got = ort.InferenceSession(str(path)).run(None, {"images": x.numpy()})
+    for g, want in zip(got, PerRow()(x)):
+        assert (g == want.numpy()).all()
