@@ -252,19 +252,12 @@ def _onnx_dynamo(
             **kwargs,
         )
         prog.optimize()
+        if max_batch and isinstance(prog.model.graph.inputs[0].shape[0], int):  # captured at the example's batch
+            raise ArtifactError(
+                f"its graph came out fixed at the example's batch size of {ex[0].shape[0]} (the model loops over "
+                "its batch in Python, or reads the batch size as a number)"
+            )
         prog.save(str(path), external_data=external)
-    if max_batch and not _batch_dim(path).dim_param:  # captured, but at the example's batch size alone
-        raise ArtifactError(
-            f"its graph came out fixed at the example's batch size of {ex[0].shape[0]} (the model loops over its "
-            "batch in Python, or reads the batch size as a number)"
-        )
-
-
-def _batch_dim(path: Path):
-    """The first input's batch dim of the ONNX file at ``path`` (its weights not loaded)."""
-    import onnx as onnx_lib
-
-    return onnx_lib.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[0]
 
 
 TRACE_OPSET = 17  # the least opset the TorchScript-based exporter is asked for: torchvision's NMS and RoIAlign need 11+
