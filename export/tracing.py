@@ -6,6 +6,7 @@ graph once per picture of the batch (PerPicture): its answers do not depend on t
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Tuple
 
 import torch
@@ -48,11 +49,27 @@ def batch_free(graph, ex: tuple) -> bool:
     return all(isinstance(o, Tensor) and o.dim() > 0 and o.shape[0] == 1 for o in outs)
 
 
+# model -> (the example it was traced on, trace's answer): the TorchScript export and the TorchScript-based ONNX
+# export of one model trace it on the same example, and tracing a detector takes seconds (twice, and a run, for
+# one that loops per picture). Held no longer than the model.
+_traced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def trace(model: torch.nn.Module, ex: tuple) -> tuple[torch.jit.ScriptModule, bool]:
     """(``model`` as a TorchScript graph that runs at every batch size, whether it loops per picture): traced
     on ``ex``, or where that graph is fixed at ``ex``'s batch size, a per-picture loop (PerPicture) around the
     model traced at one picture. ArtifactError where neither can be had. The caller holds no_grad and the TF32
-    setting the trace records."""
+    setting the trace records. The same model traced again on the very same example tensors gets the same graph
+    (callers only read it: torch.jit.freeze and the ONNX exporter work on copies)."""
+    seen = _traced.get(model)
+    if seen is not None and len(seen[0]) == len(ex) and all(a is b for a, b in zip(seen[0], ex)):
+        return seen[1]
+    answer = _trace(model, ex)
+    _traced[model] = (tuple(ex), answer)
+    return answer
+
+
+def _trace(model: torch.nn.Module, ex: tuple) -> tuple[torch.jit.ScriptModule, bool]:
     graph = torch.jit.trace(model, ex, check_trace=False)
     if batch_free(graph, ex):
         return graph, False

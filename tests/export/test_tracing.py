@@ -80,3 +80,34 @@ def test_a_model_that_loops_over_its_pictures_gets_onnx_from_the_per_picture_tra
     got = ort.InferenceSession(str(path)).run(None, {"images": x.numpy()})
     for g, want in zip(got, PerRow()(x)):
         assert (g == want.numpy()).all()
+
+
+def test_one_models_torchscript_and_onnx_exports_trace_it_once_and_each_runs_as_eager(tmp_path, monkeypatch):
+    """The TorchScript export and then the TorchScript-based ONNX export of one model on one example share its
+    trace (for a model that loops per picture: the batch trace, the one-picture trace and the run between, seconds
+    for a detector); each file still answers as eager at another batch size. Other example tensors trace anew."""
+    import onnxruntime as ort
+
+    from torchship.export import exporters
+    from torchship.signature import Signature, TensorSpec
+
+    calls = []
+    real = torch.jit.trace
+    monkeypatch.setattr(torch.jit, "trace", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = [TensorSpec("boxes", "float32", ["B", 5, 4]), TensorSpec("scores", "float32", ["B", 5]),
+            TensorSpec("labels", "int64", ["B", 5]), TensorSpec("count", "int64", ["B"])]  # fmt: skip
+    sig = Signature([TensorSpec("images", "float32", ["B", 3, 4, 4])], outs)
+    model, ex = PerRow(), (torch.rand(2, 3, 4, 4),)
+    with torch.no_grad():
+        exporters.torchscript(model, ex, tmp_path / "model.pt")
+        exporters.onnx(model, ex, tmp_path / "model.onnx", sig, 8, None, per_picture=True)
+    assert len(calls) == 2, calls  # at the example's batch, then at one picture: once for both formats
+    x = torch.rand(5, 3, 4, 4)
+    x[2] = 0
+    want = PerRow()(x)
+    got_ts = torch.jit.load(str(tmp_path / "model.pt"))(x)
+    got_onnx = ort.InferenceSession(str(tmp_path / "model.onnx")).run(None, {"images": x.numpy()})
+    for ts, ox, w in zip(got_ts, got_onnx, want):
+        assert torch.equal(ts, w) and (ox == w.numpy()).all()
+    trace(model, (ex[0].clone(),))
+    assert len(calls) == 4  # the same values in other tensors: traced again
