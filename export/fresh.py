@@ -4,9 +4,11 @@ artifact does not pay the import; one that ONNX Runtime runs starts its own inte
 and its memory figure then holds none).
 
 A host serves one request at a time; the verifier's threads each take a free host or start one. Each child
-runs under the environment of its request. A host is reused only from the same working folder and with
-the same variables that an import can read (IMPORT_ENV), and exits by itself after IDLE_S seconds without
-a request, or when ``close_all`` (run at this process's exit) closes its stdin."""
+runs under the environment of its request. A host is reused only from the same working folder, with the same
+variables that an import can read (IMPORT_ENV) and the same modules imported beside torch (what the artifact's
+loader imports: runtime.LOADER_MODULES, so that each child does not import it again while the others' children
+hold none of it), and exits by itself after IDLE_S seconds without a request, or when ``close_all`` (run at this
+process's exit) closes its stdin."""
 
 from __future__ import annotations
 
@@ -34,10 +36,10 @@ class HostError(RuntimeError):
 
 
 class _Host:
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchship.export.runner", "--host", str(IDLE_S)],
+            [sys.executable, "-m", "torchship.export.runner", "--host", str(IDLE_S), *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -105,19 +107,21 @@ def _take(key: tuple) -> _Host | None:
     return None
 
 
-def run_fresh(spec_path: Path, env: dict[str, str], torch_runs_it: bool = True) -> tuple[int, str]:
+def run_fresh(
+    spec_path: Path, env: dict[str, str], torch_runs_it: bool = True, preload: tuple[str, ...] = ()
+) -> tuple[int, str]:
     """Run ``torchship.export.runner``'s ``main(spec_path)`` in a fresh process under ``env`` (forked from a host when
-    ``torch_runs_it``); return its exit code (negative: the signal that killed it) and its output (stdout and
-    stderr together). Raises HostError if the host ends without answering."""
+    ``torch_runs_it``, one that imported ``preload`` beside torch); return its exit code (negative: the signal that
+    killed it) and its output (stdout and stderr together). Raises HostError if the host ends without answering."""
     if not torch_runs_it:
         proc = subprocess.run(
             [sys.executable, "-m", "torchship.export.runner", str(spec_path)], capture_output=True, text=True, env=env
         )
         return proc.returncode, proc.stdout + proc.stderr
-    key = (tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV))), os.getcwd())
+    key = (tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV))), os.getcwd(), tuple(preload))
     for host in (_take(key), None):  # a pooled host may have exited, idle, just before this request: start one
         fresh = host is None
-        host = host or _Host(env)
+        host = host or _Host(env, tuple(preload))
         try:
             code = host.run(spec_path, env)
         except HostError:

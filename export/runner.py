@@ -1,11 +1,11 @@
 """Fresh-process artifact runner: ``python -m torchship.export.runner SPEC.json`` loads one artifact the way a
 deployment would and writes its outputs on the reference inputs (the verifier compares them).
 
-``python -m torchship.export.runner --host IDLE_S`` imports torch once, then runs each request read from stdin (one
-JSON line: the spec path and the environment) in a child forked for it, and answers each with the child's
-exit code (negative: the signal that killed it). The child is a process of its own that holds nothing of
-the export; only the import is shared. The host exits at the end of its input, or after IDLE_S seconds
-without a request."""
+``python -m torchship.export.runner --host IDLE_S [MODULE ...]`` imports torch and each MODULE once, then runs
+each request read from stdin (one JSON line: the spec path and the environment) in a child forked for it, and
+answers each with the child's exit code (negative: the signal that killed it). The child is a process of its own
+that holds nothing of the export; only the imports are shared. The host exits at the end of its input, or after
+IDLE_S seconds without a request."""
 
 from __future__ import annotations
 
@@ -79,9 +79,17 @@ def _child(spec_path: str, env: dict[str, str]) -> int:
         sys.stderr.flush()
 
 
-def host(idle_s: float) -> int:
+def host(idle_s: float, preload: list[str]) -> int:
     """Answer each spec path on stdin with the exit code of a child forked to run it; see the module's doc."""
+    import importlib
+
     import torch  # noqa: F401  (the import every child shares; AOTInductor's loader needs no more: runtime.load_aoti)
+
+    for name in preload:  # what the children's loader imports (runtime.LOADER_MODULES)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another torch: each child imports what its loader needs, as without a preload
+            pass
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the verifier, and its end ends this host
     stdin = sys.stdin.buffer.raw
@@ -100,4 +108,4 @@ def host(idle_s: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(host(float(sys.argv[2])) if sys.argv[1] == "--host" else main(sys.argv[1]))
+    sys.exit(host(float(sys.argv[2]), sys.argv[3:]) if sys.argv[1] == "--host" else main(sys.argv[1]))

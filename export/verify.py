@@ -29,7 +29,7 @@ from torchship.manifest import (
     write_manifest,
 )
 from torchship.markdown import size, table
-from torchship.runtime import ONNX_FORMATS
+from torchship.runtime import LOADER_MODULES, ONNX_FORMATS
 from torchship.tasks import task_of
 
 
@@ -52,7 +52,8 @@ def _run_artifact(export_dir: Path, manifest: dict, a: dict, device: str, thread
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     try:
-        code, output = run_fresh(spec_path, env, torch_runs_it=a["format"] not in ONNX_FORMATS)
+        torch_runs_it, preload = a["format"] not in ONNX_FORMATS, LOADER_MODULES.get(a["format"], ())
+        code, output = run_fresh(spec_path, env, torch_runs_it, preload)
     except HostError as e:
         code, output = None, str(e)
     res = (

@@ -167,6 +167,9 @@ def padded_call(
 
 
 ONNX_FORMATS = ("onnx", "onnx_int8")  # the formats ONNX Runtime runs; torch runs every other
+# what loading a format imports beyond torch (torch.export.load: the archive reader and dynamo, about 1.2 s of CPU):
+# a process that runs many such artifacts, each in a child of its own, imports it once before forking them
+LOADER_MODULES = {"exported_program": ("torch.export.pt2_archive._package",)}
 
 
 def load(

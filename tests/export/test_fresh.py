@@ -119,3 +119,41 @@ def test_an_artifacts_memory_figure_is_its_own_process_not_the_verifiers(exporte
     del ballast
     peaks = {n: e["peak_rss_bytes"] for n, e in read_manifest(d)["verification"]["artifacts"].items()}
     assert 0 < peaks["onnx"] < 1 << 30 and 0 < peaks["torchscript"] < 1 << 30, peaks
+
+
+def test_an_exported_programs_loader_is_imported_by_its_host_and_only_there(exported, tmp_path):
+    """The modules torch.export.load imports beyond torch are imported once, by the host, before it forks a child
+    per ExportedProgram; a TorchScript artifact's host does not hold them (its children's memory figure stays its
+    own). A host imports what it is started with, in itself, not in each child."""
+    from torchship.procfs import cmdline
+    from torchship.runtime import LOADER_MODULES
+
+    d = tmp_path / "export"
+    shutil.copytree(exported, d)
+    fresh.close_all()  # hosts of earlier tests
+    verify_export(d, only=["exported_program", "torchscript"], log=lambda *a: None)
+    assert all(e["pass"] for e in read_manifest(d)["verification"]["artifacts"].values())
+    argv = {key[-1]: cmdline(h.proc.pid) for key, pool in fresh._free.items() for h in pool}
+    loader = LOADER_MODULES["exported_program"]
+    assert argv[loader][-len(loader) :] == list(loader) and argv[()][-2:] == ["--host", str(fresh.IDLE_S)], argv
+
+    (tmp_path / "marks_its_import.py").write_text(
+        "import os\nopen(os.environ['MARK'], 'a').write(f'{os.getpid()}\\n')\n"
+    )
+    mark, spec = tmp_path / "mark", tmp_path / "missing.json"
+    env = dict(os.environ, MARK=str(mark), PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    host = subprocess.Popen(
+        [sys.executable, "-m", "torchship.export.runner", "--host", "3", "marks_its_import"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+    )  # fmt: skip
+    try:
+        for _ in range(2):  # two children: each fails, on a spec that is not there, after the fork
+            host.stdin.write(json.dumps({"spec": str(spec), "env": env}) + "\n")
+            host.stdin.flush()
+            assert host.stdout.readline().strip() == "1"
+        host.stdin.close()
+        assert host.wait(timeout=60) == 0
+    finally:
+        if host.poll() is None:
+            host.kill()
+    assert mark.read_text().split() == [str(host.pid)]  # imported once, by the host
