@@ -3,13 +3,18 @@ other and beside the other formats' exports. Each compile gets a fresh process (
 oneDNN prepacking, once made in a process, holds for every later compile in it; see exporters.FREEZE),
 which rebuilds the model from the export's own inputs (the checkpoint, or the factory and weights file),
 as the parent did. On a CPU the workers are forked from a fork server that imported what a compile imports
-(PRELOAD) and compiled nothing, so each starts fresh without paying the import again."""
+(PRELOAD) and compiled nothing, so each starts fresh without paying the import again. The fork server outlives
+its export by IDLE_S, for the next export of this process (one started under other variables, in another
+folder or with another sys.path, is replaced); each job runs under the environment of the export that asked."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing as mp
+import os
 import shutil
+import sys
 import threading
 import time
 import traceback
@@ -57,11 +62,13 @@ def workers_for(model_bytes: int) -> int:
     return max(1, min(2, usable_cpus(), by_memory))
 
 
-def _job(cfg, device: str, kind: str, batch: int, out: str) -> dict[str, Any]:
+def _job(cfg, device: str, kind: str, batch: int, out: str, env: dict[str, str]) -> dict[str, Any]:
     """In a worker: compile ``kind`` ("aoti": the dynamic-batch package at ``out``; "aoti_int8": the same,
     quantized; "aoti_bf16": the same, computing in bfloat16; "bucket": the static ``batch`` model, its weights
-    saved to ``out``). Returns {"seconds", ...} or {"error", "traceback"}."""
+    saved to ``out``), under ``env``. Returns {"seconds", ...} or {"error", "traceback"}."""
     t0 = time.perf_counter()
+    os.environ.clear()  # the export's, which may have changed since the fork server started
+    os.environ.update(env)
     stack = contextlib.ExitStack()
     try:
         import torch
@@ -135,8 +142,8 @@ def start_method(device: str) -> str:
 class Compiler:
     """A pool of compile workers for one export, used as a context manager: on an error or Ctrl-C the workers
     are ended at once, not awaited. ``submit`` returns a Future of _job's result. The pool starts in a thread of
-    its own on the first submit, so that the export goes on while the fork server imports; it and its fork
-    server end with the export."""
+    its own on the first submit, so that the export goes on while the fork server imports; it ends with the
+    export, and the fork server IDLE_S later (at once on an error)."""
 
     def __init__(self, cfg, device: str, workers: int, work: Path):
         self.cfg, self.device, self.work, self.workers = cfg, device, work, workers
@@ -147,23 +154,25 @@ class Compiler:
         self._lock = threading.Lock()
         self._starter: threading.Thread | None = None
         self._failed: str | None = None  # why the pool could not start: every job, later ones too, reports it
+        self._holds_server = False
 
     def submit(self, kind: str, batch: int = 0, out: Path | None = None) -> Future:
         out = out or self.work / f"bs{batch}.weights.pt"
         job: Future = Future()
         self.jobs.append(job)
+        args = (self.cfg, self.device, kind, batch, str(out), dict(os.environ))
         with self._lock:
             if self._failed is not None:
                 job.set_result({"error": self._failed})
                 return job
             if self.pool is None:
-                self._queue.append(((self.cfg, self.device, kind, batch, str(out)), job))
+                self._queue.append((args, job))
                 if self._starter is None:
                     self.work.mkdir(parents=True, exist_ok=True)
                     self._starter = threading.Thread(target=self._start, name="compile-pool", daemon=True)
                     self._starter.start()
                 return job
-        self._apply((self.cfg, self.device, kind, batch, str(out)), job)
+        self._apply(args, job)
         return job
 
     def _start(self) -> None:
@@ -171,6 +180,8 @@ class Compiler:
             ctx = mp.get_context(self.method)
             if self.method == "forkserver":
                 ctx.set_forkserver_preload(list(PRELOAD))
+                _take_fork_server()
+                self._holds_server = True
             pool = ctx.Pool(processes=self.workers, maxtasksperchild=1)
         except Exception as e:  # every job waiting on the pool reports it as its format's failure
             with self._lock:
@@ -203,14 +214,71 @@ class Compiler:
             else:
                 self.pool.terminate()
             self.pool.join()
-            if self.method == "forkserver":
-                _stop_fork_server()
+        if self._holds_server:
+            _give_fork_server(now=exc_type is not None)
         shutil.rmtree(self.work, ignore_errors=True)
 
 
+IDLE_S = 120.0  # a fork server this long without an export's compiles ends; the next export starts another
+_server: dict[str, Any] = {"key": None, "exports": 0, "timer": None}  # the fork server's key, its holders, its end
+_server_lock = threading.Lock()
+
+
+def _server_key() -> tuple:
+    """What the fork server's workers keep from the moment it started, which a job cannot set for itself: the
+    variables read while importing (fresh.IMPORT_ENV), the working folder and sys.path."""
+    from .fresh import IMPORT_ENV
+
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(IMPORT_ENV)))
+    return env, os.getcwd(), tuple(sys.path)
+
+
+def _take_fork_server() -> None:
+    """One more export holds the fork server: the one running, where it started as this process is now, else a
+    new one (stopped here; the pool's start starts the next)."""
+    with _server_lock:
+        if _server["timer"] is not None:
+            _server["timer"].cancel()
+            _server["timer"] = None
+        key = _server_key()
+        if _server["exports"] == 0 and _server["key"] != key:
+            _stop_fork_server()
+            _server["key"] = key
+        _server["exports"] += 1
+
+
+def _give_fork_server(now: bool) -> None:
+    """An export is done with the fork server: the last one ends it ``now``, or IDLE_S later unless another
+    export takes it first."""
+    with _server_lock:
+        _server["exports"] -= 1
+        if _server["exports"] == 0:
+            if now:
+                _stop_fork_server()
+                _server["key"] = None
+            else:
+                _server["timer"] = threading.Timer(IDLE_S, stop_fork_server)
+                _server["timer"].daemon = True
+                _server["timer"].start()
+
+
+@atexit.register
+def stop_fork_server() -> None:
+    """End this process's fork server (it holds torch and inductor in memory, about 0.9 GB resident) unless an
+    export is using it: when the process's exports are done (``torchship run``, before it serves), IDLE_S after
+    the last one, and at exit."""
+    with _server_lock:
+        if _server["exports"]:
+            return
+        if _server["timer"] is not None:
+            _server["timer"].cancel()
+            _server["timer"] = None
+        _stop_fork_server()
+        _server["key"] = None
+
+
 def _stop_fork_server() -> None:
-    """End this process's fork server (it holds torch and inductor in memory) once the export's compiles are done;
-    the next export starts another."""
+    """End multiprocessing's fork server of this process, if one runs, and reap it."""
     from multiprocessing import forkserver
 
     stop = getattr(forkserver._forkserver, "_stop", None)

@@ -208,13 +208,17 @@ print(json.dumps([imported, "torch._inductor" in sys.modules, float(np.abs(direc
 """
 
 
-def test_cpu_compiles_fork_from_a_server_that_imported_them_and_it_ends_with_the_export(trained, tmp_path):
+def test_cpu_compiles_fork_from_a_server_that_imported_them_kept_for_the_next_export_while_idle(
+    trained, tmp_path, monkeypatch
+):
     """A CPU export's compile workers are forked from a fork server that imported what a compile imports
-    (export/preload.py), each worker a fresh process of its own; the server ends when the export does. A CUDA
-    export's workers are spawned."""
+    (export/preload.py), each worker a fresh process of its own. The server outlives the export: the next export
+    from the same state forks from it, one under another import variable gets a new one, and it ends IDLE_S after
+    the last export (or when stop_fork_server is called). A CUDA export's workers are spawned."""
     import dataclasses
 
     from torchship.config import build
+    from torchship.export import compile as compile_
     from torchship.export.compile import Compiler, start_method
     from torchship.export.config import ExportConfig
     from torchship.procfs import cmdline, processes
@@ -222,19 +226,55 @@ def test_cpu_compiles_fork_from_a_server_that_imported_them_and_it_ends_with_the
     assert start_method("cuda:0") == "spawn"
     cfg = build(ExportConfig, {"checkpoint": str(trained), "out": str(tmp_path / "out")})
     cfg = dataclasses.replace(cfg, checkpoint=str(tmp_path / "gone"))  # the job fails in the worker, at once
-    with Compiler(cfg, "cpu", 2, tmp_path / "work") as compiler:
-        assert "error" in compiler.submit("aoti").result(timeout=300)
-        for _ in range(100):  # the worker that ran the job is being replaced: until the pool holds two again
-            parents = {p.pid: p.ppid for p in processes()}
-            mine = [pid for pid, ppid in parents.items() if ppid == os.getpid()]
-            servers = [pid for pid in mine if "forkserver" in " ".join(cmdline(pid))]
-            workers = [w.pid for w in compiler.pool._pool if w.pid in parents]
-            if len(workers) == 2:
-                break
-            time.sleep(0.1)
-        assert len(servers) == 1 and "torchship.export.preload" in " ".join(cmdline(servers[0])), servers
-        assert len(workers) == 2 and all(parents[w] == servers[0] for w in workers), (workers, servers)
-    assert servers[0] not in {p.pid for p in processes()}  # ended and reaped with the export
+
+    def export_once() -> int:
+        """One export's compiles (a job that fails at once): the fork server's pid, checked to be its workers'."""
+        with Compiler(cfg, "cpu", 2, tmp_path / "work") as compiler:
+            assert "error" in compiler.submit("aoti").result(timeout=300)
+            for _ in range(100):  # the worker that ran the job is being replaced: until the pool holds two again
+                parents = {p.pid: p.ppid for p in processes()}
+                mine = [pid for pid, ppid in parents.items() if ppid == os.getpid()]
+                servers = [pid for pid in mine if "forkserver" in " ".join(cmdline(pid))]
+                workers = [w.pid for w in compiler.pool._pool if w.pid in parents]
+                if len(workers) == 2:
+                    break
+                time.sleep(0.1)
+            assert len(servers) == 1 and "torchship.export.preload" in " ".join(cmdline(servers[0])), servers
+            assert len(workers) == 2 and all(parents[w] == servers[0] for w in workers), (workers, servers)
+        return servers[0]
+
+    def alive(pid: int) -> bool:
+        return pid in {p.pid for p in processes()}
+
+    compile_.stop_fork_server()  # one an earlier test left
+    first = export_once()
+    assert alive(first) and export_once() == first  # kept, and the next export forks from it
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # read on import: the server started under 1 no longer fits
+    second = export_once()
+    assert second != first and not alive(first)
+    monkeypatch.setattr(compile_, "IDLE_S", 0.5)
+    third = export_once()
+    assert third == second
+    for _ in range(100):
+        if not alive(third):
+            break
+        time.sleep(0.1)
+    assert not alive(third)  # ended and reaped, idle
+    fourth = export_once()
+    compile_.stop_fork_server()
+    assert not alive(fourth)
+
+
+def test_a_compile_job_runs_under_its_exports_environment(monkeypatch):
+    """A job's worker is forked from a fork server that may have started under an earlier export's variables: the
+    job sets its export's before it builds anything."""
+    from torchship.export import compile as compile_
+
+    server_env = {"FROM_THE_FORK_SERVER": "1"}
+    monkeypatch.setattr(compile_.os, "environ", server_env)
+    result = compile_._job(None, "cpu", "aoti", 0, "unused", {"TORCHSHIP_EXPORT": "the export's"})
+    assert "error" in result  # no configuration: it fails, after setting the environment
+    assert server_env == {"TORCHSHIP_EXPORT": "the export's"}
 
 
 def test_compile_workers_that_cannot_start_fail_every_job_and_none_waits_forever(tmp_path):

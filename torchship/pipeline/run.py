@@ -167,6 +167,7 @@ def stage_train(run: Run, t0: float) -> None:
 
 def stage_export(run: Run, t0: float) -> None:
     from torchship.errors import ParityError
+    from torchship.export.compile import stop_fork_server
     from torchship.export.fresh import close_all
     from torchship.export.pipeline import export_model
 
@@ -183,7 +184,8 @@ def stage_export(run: Run, t0: float) -> None:
             run.done("export", t0, error=str(e))
             run.gate("export", False, str(e))
         finally:
-            close_all()  # the verifier's hosts are not needed by the stages that serve and measure
+            close_all()  # the verifier's hosts and the compiles' fork server are not needed by the stages that serve
+            stop_fork_server()  # and measure
     m = run._export.manifest
     failed = [n for n, e in m.get("verification", {}).get("artifacts", {}).items() if not e["pass"]]
     failed += [f["format"] for f in m["export_failures"]]
