@@ -130,7 +130,6 @@ def test_an_exported_programs_loader_is_imported_by_its_host_and_only_there(expo
 
     d = tmp_path / "export"
     shutil.copytree(exported, d)
-    fresh.close_all()  # hosts of earlier tests
     verify_export(d, only=["exported_program", "torchscript"], log=lambda *a: None)
     assert all(e["pass"] for e in read_manifest(d)["verification"]["artifacts"].values())
     argv = {key[-1]: cmdline(h.proc.pid) for key, pool in fresh._free.items() for h in pool}
