@@ -227,10 +227,9 @@ _server_lock = threading.Lock()
 def _server_key() -> tuple:
     """What the fork server's workers keep from the moment it started, which a job cannot set for itself: the
     variables read while importing (fresh.IMPORT_ENV), the working folder and sys.path."""
-    from .fresh import IMPORT_ENV
+    from .fresh import import_env
 
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(IMPORT_ENV)))
-    return env, os.getcwd(), tuple(sys.path)
+    return import_env(os.environ), os.getcwd(), tuple(sys.path)
 
 
 def _take_fork_server() -> None:

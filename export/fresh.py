@@ -27,6 +27,13 @@ IDLE_S = 120.0  # a host not asked for this long exits; the next artifact starts
 # the variables read while python, torch and their libraries are imported: a host started under others is not reused
 IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "KMP_", "MKL", "OPENBLAS", "TORCH", "PYTORCH", "CUDA", "NVIDIA", "PATH", "HOME")
 
+
+def import_env(env) -> tuple:
+    """``env``'s variables that an import can read (IMPORT_ENV), sorted: what a process that imported torch keeps of
+    the environment it started in."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV)))
+
+
 _free: dict[tuple, list[_Host]] = {}
 _lock = threading.Lock()
 
@@ -118,7 +125,7 @@ def run_fresh(
             [sys.executable, "-m", "torchship.export.runner", str(spec_path)], capture_output=True, text=True, env=env
         )
         return proc.returncode, proc.stdout + proc.stderr
-    key = (tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV))), os.getcwd(), tuple(preload))
+    key = (import_env(env), os.getcwd(), tuple(preload))
     for host in (_take(key), None):  # a pooled host may have exited, idle, just before this request: start one
         fresh = host is None
         host = host or _Host(env, tuple(preload))
