@@ -71,6 +71,19 @@ def once(tmp_path_factory, name: str, build) -> Path:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def helpers_kept_for_the_session():
+    """The verifier's hosts and the compile fork server idle 10 minutes before they end, not IDLE_S's 2: a
+    worker's exports are often minutes apart, and each new host or fork server imports torch again (2 to 6 CPU-s).
+    They still end at the worker's exit, and the fork server on a change of key (folder, variables). The tests of
+    their idle end set IDLE_S themselves; CLI subprocesses keep the default."""
+    from torchship.export import compile as compile_
+    from torchship.export import fresh
+
+    compile_.IDLE_S = fresh.IDLE_S = 600.0
+    yield
+
+
 def run_cli(*argv: str) -> int:
     from torchship.pipeline.cli import main
 
