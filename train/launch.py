@@ -95,6 +95,7 @@ def launch_torchrun(module_argv: list[str], nproc: int, extra: list[str] | None 
             [
                 "--standalone",
                 f"--nproc-per-node={nproc}",
+                f"--log-dir={Path(tmp) / 'logs'}",  # else the agent leaves a torchelastic_* folder in /tmp
                 *(extra or []),
                 "--no-python",
                 sys.executable,

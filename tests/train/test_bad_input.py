@@ -154,10 +154,15 @@ def test_existing_output_is_not_overwritten(trained, tmp_path, capsys):
         ("raise SystemExit(3)", r"rank \d failed with exit code 3; see its traceback above"),
     ],
 )
-def test_a_rank_that_dies_without_an_error_is_named(code, says, monkeypatch):
-    """A rank killed by the out-of-memory killer leaves no traceback: the launcher says what killed it."""
+def test_a_rank_that_dies_without_an_error_is_named(code, says, monkeypatch, tmp_path):
+    """A rank killed by the out-of-memory killer leaves no traceback: the launcher says what killed it, and leaves
+    nothing behind in the temporary folder (torchrun's agent writes its logs there unless told where)."""
+    import tempfile
+
     from torchship.train.launch import launch_torchrun
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # launch_torchrun sets it if unset; leave this process as it was
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(TorchshipError, match=says):
         launch_torchrun(["-c", code], 2)
+    assert not list(tmp_path.iterdir())
