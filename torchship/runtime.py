@@ -167,9 +167,10 @@ def padded_call(
 
 
 ONNX_FORMATS = ("onnx", "onnx_int8")  # the formats ONNX Runtime runs; torch runs every other
-# what loading a format imports beyond torch (torch.export.load: the archive reader and dynamo, about 1.2 s of CPU):
-# a process that runs many such artifacts, each in a child of its own, imports it once before forking them
-LOADER_MODULES = {"exported_program": ("torch.export.pt2_archive._package",)}
+# what loading a format imports beyond torch (torch.export.load: the archive reader and dynamo, about 1.2 s of CPU,
+# and on its first symbolic shape the export tracer, whose files its shape environment skips, 0.35 s more): a
+# process that runs many such artifacts, each in a child of its own, imports them once before forking them
+LOADER_MODULES = {"exported_program": ("torch.export.pt2_archive._package", "torch.export._trace")}
 
 
 def load(

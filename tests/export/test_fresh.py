@@ -156,3 +156,25 @@ def test_an_exported_programs_loader_is_imported_by_its_host_and_only_there(expo
         if host.poll() is None:
             host.kill()
     assert mark.read_text().split() == [str(host.pid)]  # imported once, by the host
+
+
+def test_an_exported_program_loads_and_runs_without_importing_what_its_host_did_not(exported):
+    """Past the modules its host imported (LOADER_MODULES), loading and running an ExportedProgram imports none of
+    torch's tracing machinery (torch.export, dynamo, functorch): each child would pay for it again."""
+    from torchship.manifest import read_manifest
+    from torchship.runtime import LOADER_MODULES
+
+    art = next(a for a in read_manifest(exported)["artifacts"] if a["format"] == "exported_program")
+    script = (
+        "import importlib, sys, numpy as np, torch\n"
+        f"for name in {LOADER_MODULES['exported_program']!r}: importlib.import_module(name)\n"
+        "before = set(sys.modules)\n"
+        f"program = torch.export.load({str(exported / art['file'])!r})\n"
+        f"images = np.load({str(exported / 'reference.npz')!r})['input/random_b5/images']\n"
+        "program.module()(torch.from_numpy(images))\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    new = eval(out.stdout.strip().splitlines()[-1])
+    assert not [m for m in new if m.startswith(("torch.export", "torch._dynamo", "torch._functorch"))], new
