@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -236,10 +237,38 @@ def onnx(
     }
 
 
+def torchlib_ops_once() -> None:
+    """Make torch.onnx's exporter read onnxscript's list of torchlib's ops once a process, not once an export.
+    Building it parses the source of each of some 500 functions (0.5 to 0.8 s of CPU an export); the list is
+    read, not changed, and its ops are all registered when onnxscript's torchlib is imported, before the first
+    build. Each export still makes its own registry from it. A torch laid out otherwise is left as it is."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+
+        apis = _registration.onnxscript_apis  # torch's own handle on onnxscript's API for it
+        build = apis.get_torchlib_ops
+    except (ImportError, AttributeError):
+        return
+    if getattr(build, "once", False):
+        return
+    ops: list = []
+    lock = threading.Lock()
+
+    def get_torchlib_ops() -> list:
+        with lock:
+            if not ops:
+                ops.extend(build())
+            return list(ops)
+
+    get_torchlib_ops.once = True  # type: ignore[attr-defined]
+    apis.get_torchlib_ops = get_torchlib_ops
+
+
 def _onnx_dynamo(
     model: torch.nn.Module, ex: tuple, path: Path, sig: Signature, max_batch: int, opset: int | None, external: bool
 ) -> None:
     """``path`` written by torch.export's ONNX exporter, optimized, the weights external where ``external``."""
+    torchlib_ops_once()
     kwargs: dict[str, Any] = {"opset_version": opset} if opset else {}
     with quiet():
         prog = torch.onnx.export(
