@@ -45,6 +45,15 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
+def state(pid: int) -> str:
+    """A process's state letter (R, S, D, Z: dead, not yet reaped, ...), or "" if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def resident_bytes(pid: int) -> int:
     """A process's resident memory in bytes (0 if it is gone)."""
     try:

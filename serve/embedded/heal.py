@@ -8,7 +8,8 @@ it saw before: a stub gone with no new one in its place, while Triton still call
 death. A model Triton logged loading or unloading in the last few seconds is being reloaded (its old stubs
 stop on their own), a version that still has a stub for each instance its config asks for is ending a reload
 (the old stubs can outlive the settling time on a busy machine), and a version Triton no longer calls ready was
-unloaded (a rollout): all are left alone."""
+unloaded (a rollout): all are left alone. Listing the server's processes reads every process on the machine, so
+between lifecycle lines and while every stub it knows of lives, the watcher lists them only every RESCAN_S."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from torchship.procfs import state
+
 from .process import stub_processes
 
 SETTLE_S = 3.0  # after Triton logs a (re)load or unload of a model, its stubs may come and go this long
+RESCAN_S = 5.0  # while nothing changes, how often the server's processes are listed anew (a stub that dies is seen
+# at the next tick: only new ones, which come with a lifecycle line, could otherwise wait this long)
 LIFECYCLE = re.compile(r'"(?:loading: ([^:"]+):\d+|successfully (?:un)?loaded \'([^\']+)\')')
 
 
@@ -37,6 +42,7 @@ class Healer(threading.Thread):
         self.heals: list[dict] = []
         self.halt = threading.Event()
         self.heals_file = Path(f"{server.log_path}.heals.json") if server.log_path else None
+        self.scanned: tuple[float, frozenset[str]] = (-RESCAN_S, frozenset())  # when the last listing was, of what
 
     def run(self) -> None:
         client = self.server.client()
@@ -62,10 +68,25 @@ class Healer(threading.Thread):
         for m in LIFECYCLE.finditer(text):
             self.busy[m.group(1) or m.group(2)] = time.monotonic()
 
+    def unchanged(self, loaded: frozenset[str]) -> bool:
+        """Whether this tick may skip listing the server's processes: the last listing is under RESCAN_S old and
+        was of the same loaded models, none of them is settling, and every stub it found is still alive."""
+        now = time.monotonic()
+        at, then = self.scanned
+        return (
+            now - at < RESCAN_S
+            and loaded == then
+            and all(now - t >= SETTLE_S for t in self.busy.values())
+            and all(state(pid) not in ("", "Z") for pids in self.known.values() for pid in pids)
+        )
+
     def tick(self, client) -> None:
         self.note_reloads()
+        loaded = frozenset(self.server.loaded)
+        if self.unchanged(loaded):
+            return
+        self.scanned = (time.monotonic(), loaded)
         live = stub_processes(self.server.proc.pid)
-        loaded = set(self.server.loaded)
         for key in sorted(set(live) | set(self.known)):
             model, version = key
             if model not in loaded:

@@ -24,7 +24,11 @@ UPSTREAM_ABORT = "boost::interprocess::lock_exception"
 
 
 @pytest.mark.slow
-def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
+def test_a_killed_backend_process_is_healed_under_load(repo, capfd, monkeypatch):
+    from torchship.serve.embedded import heal
+
+    listings = []  # the healer's listings of the server's processes, each of which reads all of /proc
+    monkeypatch.setattr(heal, "stub_processes", lambda pid: listings.append(1) or stub_processes(pid))
     x = np.random.default_rng(0).random((1, 3, 32, 32), dtype=np.float32)
     log, ready, stop, errors = [], [], threading.Event(), []
     with TritonServer(ServeConfig(repo=str(repo), models=(MODEL,))) as s:
@@ -52,31 +56,36 @@ def test_a_killed_backend_process_is_healed_under_load(repo, capfd):
         threads = [threading.Thread(target=flood) for _ in range(8)] + [threading.Thread(target=watch)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
-        off = read_config(repo / MODEL / "config.pbtxt")
-        off.ClearField("dynamic_batching")
-        s.load(MODEL, override=off)  # a reload replaces the stub, as bench's sweeps do: not a death
-        time.sleep(5.0)  # past the healer's settling time after Triton's reload lines
-        assert not s.healer.heals
-        # on a busy machine a reload's old stub can leave after the settling time: with a stub still there for
-        # each instance, that is not a death (a pid no process has stands for the late leaver)
-        s.healer.known[MODEL, "1"] = s.healer.known[MODEL, "1"] | {2**22 + 7}
-        time.sleep(1.0)
-        assert not s.healer.heals
-        settled = time.monotonic()
-        (stub,) = stub_processes(s.proc.pid)[MODEL, "1"]
-        killed = time.monotonic()
-        os.kill(stub, signal.SIGKILL)  # a stub of the server this test started
-        deadline = killed + 15
-        while time.monotonic() < deadline and not (
-            s.healer.heals
-            and any(ok for t, ok in log if t > killed + 0.2 and t > killed + s.healer.heals[0]["seconds"])
-        ):
-            time.sleep(0.1)
-        time.sleep(1.0)
-        stop.set()
-        for t in threads:
-            t.join()
+        try:  # a failed check ends the load too: threads left sending would outlive the test
+            time.sleep(1.0)
+            off = read_config(repo / MODEL / "config.pbtxt")
+            off.ClearField("dynamic_batching")
+            s.load(MODEL, override=off)  # a reload replaces the stub, as bench's sweeps do: not a death
+            time.sleep(5.0)  # past the healer's settling time after Triton's reload lines
+            assert not s.healer.heals
+            # on a busy machine a reload's old stub can leave after the settling time: with a stub still there for
+            # each instance, that is not a death (a pid no process has stands for the late leaver)
+            s.healer.known[MODEL, "1"] = s.healer.known[MODEL, "1"] | {2**22 + 7}
+            time.sleep(1.0)
+            assert not s.healer.heals
+            before = len(listings)
+            time.sleep(2.0)  # nothing changes: four ticks, at most one listing (every heal.RESCAN_S)
+            assert len(listings) - before <= 1, len(listings) - before
+            settled = time.monotonic()
+            (stub,) = stub_processes(s.proc.pid)[MODEL, "1"]
+            killed = time.monotonic()
+            os.kill(stub, signal.SIGKILL)  # a stub of the server this test started
+            deadline = killed + 15
+            while time.monotonic() < deadline and not (
+                s.healer.heals
+                and any(ok for t, ok in log if t > killed + 0.2 and t > killed + s.healer.heals[0]["seconds"])
+            ):
+                time.sleep(0.1)
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
         if s.proc.poll() is not None and UPSTREAM_ABORT in s.log_path.read_text(errors="replace"):
             pytest.xfail(f"Triton aborted on {UPSTREAM_ABORT} after the kill (server log: {s.log_path})")
         status = json.loads(s.healer.heals_file.read_text())
