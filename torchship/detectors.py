@@ -91,7 +91,13 @@ def nms_keep(boxes: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, iou
     over = over & (labels[:, :, None] == labels[:, None, :])
     over = over & torch.ones(n, n, dtype=torch.bool, device=boxes.device).triu(1)  # only later (lower) boxes
     keep = valid
-    for i in range(n):
+    steps = n
+    if type(valid) is torch.Tensor and not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+        # run eagerly (not traced, exported or compiled): a step whose box no row keeps changes nothing, and no row
+        # keeps a box past the last valid one
+        anywhere = valid.any(0).nonzero()
+        steps = int(anywhere.max()) + 1 if len(anywhere) else 0
+    for i in range(steps):
         keep = keep & ~(keep[:, i : i + 1] & over[:, i, :])
     return keep
 
