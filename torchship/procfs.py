@@ -27,13 +27,18 @@ def processes() -> Iterator[Proc]:
         if not d.isdigit():
             continue
         try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = _stat(int(d))
             yield Proc(
                 int(d), int(fields[1]), fields[0], int(fields[21]) * page, (int(fields[11]) + int(fields[12])) / tick
             )
         except (OSError, IndexError, ValueError):
             continue
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name: state, parent, ... (OSError if it is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
 
 
 def cmdline(pid: int) -> list[str]:
@@ -48,8 +53,7 @@ def cmdline(pid: int) -> list[str]:
 def state(pid: int) -> str:
     """A process's state letter (R, S, D, Z: dead, not yet reaped, ...), or "" if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+        return _stat(pid)[0]
     except (OSError, IndexError):
         return ""
 

@@ -166,15 +166,15 @@ def test_an_exported_program_loads_and_runs_without_importing_what_its_host_did_
 
     art = next(a for a in read_manifest(exported)["artifacts"] if a["format"] == "exported_program")
     script = (
-        "import importlib, sys, numpy as np, torch\n"
+        "import importlib, json, sys, numpy as np, torch\n"
         f"for name in {LOADER_MODULES['exported_program']!r}: importlib.import_module(name)\n"
         "before = set(sys.modules)\n"
         f"program = torch.export.load({str(exported / art['file'])!r})\n"
         f"images = np.load({str(exported / 'reference.npz')!r})['input/random_b5/images']\n"
         "program.module()(torch.from_numpy(images))\n"
-        "print(sorted(set(sys.modules) - before))\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    new = eval(out.stdout.strip().splitlines()[-1])
+    new = json.loads(out.stdout.strip().splitlines()[-1])
     assert not [m for m in new if m.startswith(("torch.export", "torch._dynamo", "torch._functorch"))], new
