@@ -6,12 +6,13 @@ import sys
 
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits, load_sample_images
 
 from torchship.train import bundled
 
 
 def same_as_sklearn():
+    from sklearn.datasets import load_digits, load_sample_images  # here: importing it costs every test worker 1 s
+
     images, target = bundled.digits()
     bunch = load_digits()
     assert images.dtype == bunch.images.dtype and np.array_equal(images, bunch.images)

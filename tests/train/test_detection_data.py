@@ -6,8 +6,6 @@ import json
 
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
-from sklearn.neighbors import KNeighborsClassifier
 
 from torchship.boxes import PAD_VALUE, iou, letterbox
 from torchship.errors import DataError
@@ -24,6 +22,9 @@ def test_each_box_holds_exactly_its_digits_ink_and_its_label_is_that_digit():
     """On a flat background, ink is what differs from it: each box's four edges touch ink, no strong ink lies
     outside every box, and the ink inside a box, shrunk to 8 x 8, is recognized as its label's digit by a
     nearest-neighbour classifier of scikit-learn's digits."""
+    from sklearn.datasets import load_digits  # here: importing it costs every test worker 1 s
+    from sklearn.neighbors import KNeighborsClassifier
+
     digits = load_digits()
     knn = KNeighborsClassifier(3).fit(digits.data, digits.target)
     rng = np.random.default_rng(0)
