@@ -161,17 +161,19 @@ def test_every_pixel_mode_users_send_becomes_the_rgb_the_model_takes(mode):
 
 
 @pytest.mark.parametrize(
-    "data, why",
-    [
-        (b"", "holds no bytes"),
-        (b"not an image at all", "not an image Pillow can read"),
-        (truncated(), "damaged or truncated"),
-        (png(np.zeros((300, 400))), "300 pixels, more than the 0.1 megapixels"),  # max_pixels 100,000 below
-        (bomb(), "200000000 pixels, more than the 0.1 megapixels"),  # past Pillow's own limit
-        (b"\x89PNG" + bytes(200_000), "200004 bytes, more than the 100000"),  # max_bytes below
+    "make, why",
+    [  # each file made when its case runs, not in every test worker as the tests are collected
+        (lambda: b"", "holds no bytes"),
+        (lambda: b"not an image at all", "not an image Pillow can read"),
+        (truncated, "damaged or truncated"),
+        (lambda: png(np.zeros((300, 400))), "300 pixels, more than the 0.1 megapixels"),  # max_pixels 100,000 below
+        (bomb, "200000000 pixels, more than the 0.1 megapixels"),  # past Pillow's own limit
+        (lambda: b"\x89PNG" + bytes(200_000), "200004 bytes, more than the 100000"),  # max_bytes below
     ],
+    ids=["empty", "not-an-image", "truncated", "too-many-pixels", "bomb", "too-many-bytes"],
 )
-def test_bad_files_are_refused_with_the_reason(data, why):
+def test_bad_files_are_refused_with_the_reason(make, why):
+    data = make()
     with pytest.raises(ValueError, match=why):
         pre = {"image_size": [32, 32], "source_scale": "pixel / 255"}
         decode_image(data, pre, max_pixels=100_000, max_bytes=100_000)
