@@ -1,6 +1,6 @@
 """torchship's COCO mAP (pycocotools' evaluator, called directly) is torchmetrics' MeanAveragePrecision, given
 COCO's own thresholds, on detections of every kind: near and far misses, wrong labels, empty pictures, classes
-found and never there."""
+found and never there; matched at IoU 0.50 alone, its mAP@50."""
 
 import numpy as np
 import pytest
@@ -56,7 +56,9 @@ def test_the_map_is_torchmetrics_on_detections_of_every_kind(seed):
     truths, found = case(seed)
     ours = coco_map(truths, found)
     assert 0.05 < ours["map"] < 0.95 and ours["map"] < ours["map50"]  # neither all nor nothing found
-    assert ours == pytest.approx(by_torchmetrics(truths, found), abs=1e-6)
+    theirs = by_torchmetrics(truths, found)
+    assert ours == pytest.approx(theirs, abs=1e-6)
+    assert coco_map(truths, found, at50_only=True) == pytest.approx({"map50": theirs["map50"]}, abs=1e-6)
 
 
 def test_exact_detections_score_one_and_no_truth_scores_minus_one():
@@ -65,5 +67,6 @@ def test_exact_detections_score_one_and_no_truth_scores_minus_one():
     assert coco_map(truths, found) == {"map": 1.0, "map50": 1.0, "mar100": 1.0}
     empty = [(np.zeros((0, 4)), np.zeros(0, np.int64))] * 2
     assert coco_map(empty, [(np.ones((1, 4)), np.ones(1), np.ones(1))] * 2)["map"] == -1.0
+    assert coco_map(empty, [(np.ones((1, 4)), np.ones(1), np.ones(1))] * 2, at50_only=True) == {"map50": -1.0}
     with pytest.raises(ValueError, match="2 pictures' detections against 12 pictures' truth"):
         coco_map(truths, found[:2])

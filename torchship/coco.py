@@ -35,10 +35,17 @@ def _dataset(pictures) -> dict:
     return {"info": {}, "images": [{"id": i} for i in range(len(pictures))], "annotations": annotations}
 
 
-def coco_map(truths: Sequence[Truth], found: Sequence[Found]) -> dict[str, float]:
+ALL_AREAS = [[0.0, 1e10]]  # COCO's "all" area range, the one these figures are of
+
+
+def coco_map(truths: Sequence[Truth], found: Sequence[Found], at50_only: bool = False) -> dict[str, float]:
     """{"map", "map50", "mar100"} of ``found`` against ``truths`` (one entry a picture, in the same order): COCO's
     mAP over IoU 0.50:0.95, its mAP at IoU 0.50 and its mean recall with up to 100 detections a picture. Each is
-    -1 where no picture has a true box."""
+    -1 where no picture has a true box. ``at50_only``: {"map50"} alone, matched at IoU 0.50 alone.
+
+    COCOeval matches every picture once per area range it is given, and once per IoU threshold within each: it
+    is given the "all" range alone (COCO's small, medium and large figures are not read here), and for
+    ``at50_only`` the 0.50 threshold alone. The figures are those of its default ranges and thresholds."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
@@ -46,7 +53,7 @@ def coco_map(truths: Sequence[Truth], found: Sequence[Found]) -> dict[str, float
         raise ValueError(f"{len(found)} pictures' detections against {len(truths)} pictures' truth")
     gt = _dataset([(boxes, labels, None) for boxes, labels in truths])
     if not gt["annotations"]:
-        return {"map": -1.0, "map50": -1.0, "mar100": -1.0}
+        return {"map50": -1.0} if at50_only else {"map": -1.0, "map50": -1.0, "mar100": -1.0}
     dt = _dataset([(boxes, labels, scores) for boxes, scores, labels in found])
     classes = sorted({a["category_id"] for a in gt["annotations"] + dt["annotations"]})
     gt["categories"] = dt["categories"] = [{"id": c, "name": str(c)} for c in classes]
@@ -56,7 +63,12 @@ def coco_map(truths: Sequence[Truth], found: Sequence[Found]) -> dict[str, float
         coco_gt.createIndex()
         coco_dt.createIndex()
         e = COCOeval(coco_gt, coco_dt, iouType="bbox")
+        e.params.areaRng, e.params.areaRngLbl = ALL_AREAS, ["all"]
+        if at50_only:
+            e.params.iouThrs = np.array([0.5])
         e.evaluate()
         e.accumulate()
         e.summarize()
+    if at50_only:
+        return {"map50": float(e.stats[1])}
     return {"map": float(e.stats[0]), "map50": float(e.stats[1]), "mar100": float(e.stats[8])}

@@ -211,7 +211,8 @@ def mean_ap(refs, gots, key: str = "map") -> float:
     (torchship.coco)."""
     from .coco import coco_map
 
-    got = coco_map([(solid(b), lab) for b, _, lab in refs], [(solid(b), s, lab) for b, s, lab in gots])[key]
+    truths, found = [(solid(b), lab) for b, _, lab in refs], [(solid(b), s, lab) for b, s, lab in gots]
+    got = coco_map(truths, found, at50_only=key == "map50")[key]
     return 1.0 if got < 0 and not any(len(r[0]) for r in refs) else got  # -1: no detection to find at all
 
 
@@ -332,8 +333,9 @@ def reduced_row(got: dict[str, np.ndarray], want: dict[str, np.ndarray], truth) 
     from .coco import coco_map
 
     gots, refs = pictures(got), pictures(want)
-    mine = coco_map([(solid(b), lab) for b, lab in truth], [(solid(b), s, lab) for b, s, lab in gots])["map50"]
-    eager = coco_map([(solid(b), lab) for b, lab in truth], [(solid(b), s, lab) for b, s, lab in refs])["map50"]
+    truths = [(solid(b), lab) for b, lab in truth]
+    mine = coco_map(truths, [(solid(b), s, lab) for b, s, lab in gots], at50_only=True)["map50"]
+    eager = coco_map(truths, [(solid(b), s, lab) for b, s, lab in refs], at50_only=True)["map50"]
     agree = mean_ap(refs, gots, "map50")
     shifts, boxes = [], []
     for r, g in zip(refs, gots):
