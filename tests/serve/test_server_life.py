@@ -33,6 +33,12 @@ def test_explicit_model_control_unload_and_load(server, exported):
         time.sleep(0.1)
     with pytest.raises(ClientError):
         client.infer("tiny_cnn_torchscript", np.zeros((1, 3, 32, 32), np.float32))
+    # the instance's stub ended in its finalize (without tearing torch down): an error raised there would be
+    # logged by the stub, with the frame it came from, before Triton says the model is unloaded
+    while "successfully unloaded 'tiny_cnn_torchscript'" not in server.log_path.read_text() and time.time() < deadline:
+        time.sleep(0.1)
+    log = server.log_path.read_text()
+    assert "successfully unloaded 'tiny_cnn_torchscript'" in log and "): finalize" not in log, server.log_tail()
     server.load("tiny_cnn_torchscript")
     x = np.random.default_rng(1).random((3, 3, 32, 32), dtype=np.float32)
     np.testing.assert_allclose(
