@@ -14,6 +14,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -277,12 +278,18 @@ def stop_fork_server() -> None:
 
 
 def _stop_fork_server() -> None:
-    """End multiprocessing's fork server of this process, if one runs, and reap it."""
+    """End multiprocessing's fork server of this process, if one runs, and reap it. It is sent SIGTERM first: it
+    holds nothing to save, and ending by itself it would tear down torch and inductor (about 1.5 s of CPU)."""
     from multiprocessing import forkserver
 
     stop = getattr(forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
+    if stop is None:
+        return
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None:  # not reaped before stop() reaps it, so the pid is still its own
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    stop()
 
 
 def bucket_files(result: dict[str, Any]) -> list:

@@ -66,12 +66,16 @@ class _Host:
             raise HostError(f"the runner's host {exit_text(self.proc.returncode)}: {lines[-1] if lines else ''}")
         return int(answer)
 
-    def close(self) -> str:
-        """End the host, wait for it, and return what it wrote to stderr."""
+    def end(self) -> None:
+        """Ask the host to end: it exits at the end of its input."""
         try:
             self.proc.stdin.close()
         except OSError:
             pass  # the host is gone already
+
+    def close(self) -> str:
+        """End the host, wait for it, and return what it wrote to stderr."""
+        self.end()
         self.proc.wait()
         if self.log.closed:  # closed before
             return ""
@@ -148,5 +152,7 @@ def close_all() -> None:
     with _lock:
         hosts = [h for pool in _free.values() for h in pool]
         _free.clear()
+    for h in hosts:  # all asked first, so that they end side by side
+        h.end()
     for h in hosts:
         h.close()
