@@ -9,18 +9,18 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from torchship.checkpoint import load_meta, resolve_checkpoint
 from torchship.config import add_dataclass_arguments, build, namespace_overrides, to_argv
 from torchship.device import usable_cpus
 from torchship.errors import ConfigError, TorchshipError
 
-from . import checkpoint as ck
 from .config import TrainConfig
-from .loop import TrainResult, prepare_out, resolve_device, train
-from .tasks import training_for
+
+if TYPE_CHECKING:
+    from .loop import TrainResult
+
+# torch, the training loop and the tasks' data are imported where training starts, so that --help answers at once
 
 ERROR_FILE_ENV = "TORCHSHIP_ERROR_FILE"
 
@@ -28,6 +28,8 @@ ERROR_FILE_ENV = "TORCHSHIP_ERROR_FILE"
 def auto_nproc(device: str) -> tuple[int, str]:
     """(ranks, why) for --nproc 0: one rank per GPU; on a CPU one process using every core it may use,
     which trained resnet18 1.4x faster on 2 cores than 2 DDP ranks (their gradient all-reduce takes a core)."""
+    import torch
+
     if device == "cuda":
         n = max(1, torch.cuda.device_count())
         return n, f"one rank per visible GPU ({n})"
@@ -39,6 +41,14 @@ def auto_nproc(device: str) -> tuple[int, str]:
 
 def preflight(cfg: TrainConfig, world: int) -> None:
     """Every check that needs no process group, so mistakes surface before ranks start."""
+    import torch
+
+    from torchship.checkpoint import load_meta, resolve_checkpoint
+
+    from . import checkpoint as ck
+    from .loop import prepare_out, resolve_device
+    from .tasks import training_for
+
     device = resolve_device(cfg)
     if device == "cuda" and world > (n := torch.cuda.device_count()):
         raise ConfigError(
@@ -69,6 +79,8 @@ def run_train(cfg: TrainConfig) -> TrainResult | None:
     Returns the TrainResult when training ran in this process, None after a torchrun launch
     (results are on disk under cfg.out). Raises TorchshipError subclasses for user mistakes.
     """
+    from .loop import resolve_device, train
+
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     nproc = cfg.nproc
     if not nproc and not under_torchrun:
@@ -159,6 +171,8 @@ def rank_main(argv: list[str] | None = None) -> int:
     add_dataclass_arguments(p, TrainConfig, exclude=("nproc",))
     try:
         cfg = build(TrainConfig, namespace_overrides(p.parse_args(argv), TrainConfig), {"nproc": 1})
+        from .loop import train
+
         train(cfg)
     except TorchshipError as e:
         rank = os.environ.get("RANK", "0")

@@ -157,3 +157,17 @@ def test_help_states_each_default_once(command, capsys):
     assert e.value.code == 0
     lines = capsys.readouterr().out.replace("\n                        ", " ").splitlines()
     assert lines and not [x for x in lines if x.count("(default") > 1 or "(default: None)" in x or "(default: )" in x]
+
+
+def test_every_commands_help_answers_without_importing_torch():
+    """`torchship COMMAND --help` builds only that command's parser: torch (about 2 s to import) and what trains,
+    exports or serves come in when the command runs."""
+    from torchship.pipeline.cli import COMMANDS
+
+    code = (
+        "import sys\nfrom torchship.pipeline.cli import build_parser\n"
+        f"for name in {sorted(COMMANDS)!r}:\n    build_parser(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout[:500] + r.stderr[-2000:]
