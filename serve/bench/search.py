@@ -157,15 +157,15 @@ def deep_level(max_batch: int, cores: int) -> int:
 
 def search(
     server, export, repo, results: dict[str, Any], strategy: str, cores: int, bench=None, log=print, bar=None
-) -> tuple[Choice, dict[str, Any], Any]:
+) -> tuple[Choice, dict[str, Any]]:
     """Choose what ``strategy`` serves from the bench ``results`` and measurements on ``server`` (an embedded
     TritonServer on ``repo``): the contenders (the sweep's points within the noise of the best) are measured at the
     levels that decide the strategy at each instances x threads within ``cores`` the sweep did not measure them at,
     sent and checked as the bench's sweep does. Each is measured under the export's plain name, the folder that will
-    serve the winner (strategy.copy_as), so that the per-format models serve on untouched and the winner's final
-    load is the search's last where it can be; for max-throughput the chosen point is then measured at MIDDLE too.
+    serve the winner (strategy.copy_as), so that the per-format models serve on untouched; for max-throughput the
+    chosen point is then measured at MIDDLE too.
     ``bench`` (a BenchConfig), where given, sets the load generator and
-    the windows. Returns (the choice, the search's record, the config the plain name was last loaded with, or None).
+    the windows. Returns (the choice, the search's record).
     A GPU model is not searched (one instance per GPU). ConfigError where no model qualifies; ParityError if a
     response was wrong."""
     from .checks import check_of
@@ -193,7 +193,7 @@ def search(
     }
     if on_gpu(read_config(served_config_path(repo / first.chosen.model))):
         record["skipped"].append("instances x threads: GPU instances, one per GPU")
-        return first, record, None
+        return first, record
     swept_levels = tuple(sorted({r["concurrency"] for p in swept for r in p.rows}))
     levels = search_levels(kind, swept_levels, deep_level(manifest["max_batch"], cores))
     grid = grid_of(cores)
@@ -272,7 +272,7 @@ def search(
         }
         for p in points
     ]
-    return final, record, live
+    return final, record
 
 
 def settle(

@@ -10,7 +10,6 @@ from torchship.names import format_of
 from torchship.parity import gate_words
 
 from ..config import ServeConfig, parse_strategy
-from ..model_config import read_config, served_config_path
 from .recommend import recommend
 from .search import MIDDLE, TIE_RULE, Choice, contenders_of, decide, figure, precision_of, search, sweep_points
 from .served_as import serve_winner
@@ -158,19 +157,18 @@ def serve_by_strategy(
         strategy = judged
     stability = (bench.stability if bench is not None else 10.0) / 100
     winner = pick(results, strategy, manifest, stability)
-    live = None  # the config the plain name was last loaded with on ``server``
     if cores:
         export = Export.of(export_dir)
         if server is not None:
-            choice, record, live = search(server, export, repo, results, strategy, cores, bench, log, bar)
+            choice, record = search(server, export, repo, results, strategy, cores, bench, log, bar)
         else:
             from ..embedded import TritonServer
 
             contenders = contenders_of(results, strategy, manifest, stability)
             with TritonServer(ServeConfig(repo=str(repo), models=tuple(contenders))).start() as own:
-                choice, record, _ = search(own, export, repo, results, strategy, cores, bench, log, bar)
+                choice, record = search(own, export, repo, results, strategy, cores, bench, log, bar)
         winner = {**winner_of(choice, strategy, manifest), "placement": record}
     dest = serve_winner(repo, winner, manifest, only_winner)
-    if server is not None and live != read_config(served_config_path(dest)):
-        server.load(dest.name)
+    if server is not None:  # loaded again even where the search left it so: its folder is new, and a later load
+        server.load(dest.name)  # that reads it (the entry in front of it) must find it loaded as written
     return winner, dest

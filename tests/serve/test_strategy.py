@@ -319,3 +319,46 @@ def test_a_smaller_max_batch_takes_the_warm_up_down_with_it(exported, tmp_path):
         ("real_sample_batch_4", 4),
     ]
     assert all(w.inputs["images"].input_data_file == "images" for w in c.model_warmup)
+
+
+@pytest.mark.slow
+def test_a_winner_the_search_left_loaded_is_loaded_again_as_written(int8_export, tmp_path, monkeypatch):
+    """The search can end with the winning placement loaded under the plain name (the last point it measured).
+    Its folder is written anew after that, so the winner is loaded again: else the entry in front of it, loaded
+    next, makes Triton read the folder itself, and an AOTInductor model's config.pbtxt is not the embedded
+    server's to load (its embedded.pbtxt is)."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import torchship.serve.bench.strategy as strategy
+    from torchship.manifest import read_manifest
+    from torchship.serve.bench.placement import placement_edit
+    from torchship.serve.bench.recommend import batching_edit
+    from torchship.serve.bench.search import Choice
+    from torchship.serve.bench.served_as import copy_as
+    from torchship.serve.config import RepoConfig
+    from torchship.serve.model_config import served_config_path
+    from torchship.serve.repository import build_repository
+
+    manifest, model = read_manifest(int8_export), "tiny_cnn_aoti_int8"
+    point = Point(model, "int8", 2, 1, [row(1, 300, 3.0, 5.0), row(16, 900, 17.0, 30.0)], source="search")
+    choice = Choice(point, point, [point], {id(point): (900.0, point.rows[1])}, 0.10, [point])
+
+    def search_ending_on_the_winner(server, export, repo, *a, **k):
+        """What the search does where its last point wins: that point loaded under the plain name, as it serves."""
+        winner = strategy.winner_of(choice, "max-throughput", manifest)
+        edits = [batching_edit(winner["batching"])] if winner.get("batching") else []
+        copy_as(Path(repo), model, "aoti_int8", "tiny_cnn", [*edits, placement_edit(2, 1)])
+        server.load("tiny_cnn", override=read_config(served_config_path(Path(repo) / "tiny_cnn")))
+        return choice, {"cores": 2, "grid": [{**asdict(point), "score": 900.0, "at": 16}]}
+
+    monkeypatch.setattr(strategy, "search", search_ending_on_the_winner)
+    repo = tmp_path / "repo"
+    build_repository(int8_export, RepoConfig(out=str(repo), cores=1))
+    with TritonServer(ServeConfig(repo=str(repo))) as server:
+        winner, dest = strategy.serve_by_strategy(
+            int8_export, repo, "max-throughput", manifest, FAST_INT8, cores=2, server=server, log=lambda *a: None
+        )
+        assert (winner["model"], winner["instances"], dest.name) == (model, 2, "tiny_cnn")
+        server.load("tiny_cnn_image")  # the entry in front of the winner, as torchship run reloads it
+        assert check_served(server.url, int8_export, models=["tiny_cnn", "tiny_cnn_image"])["pass"]
