@@ -289,7 +289,8 @@ def _stop_fork_server() -> None:
     if pid is not None:  # not reaped before stop() reaps it, so the pid is still its own
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-    stop()
+    with contextlib.suppress(FileNotFoundError):  # its socket's folder, where multiprocessing's exit removed it first
+        stop()
 
 
 def bucket_files(result: dict[str, Any]) -> list:
