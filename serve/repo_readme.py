@@ -142,7 +142,7 @@ def render_readme(
             f"\n\n{models} call{'s' if len(vision) == 1 else ''} torchvision's operators "
             f"({', '.join(f'`{op}`' for op in ops)}). In the container the PyTorch backend (`pytorch_libtorch`) runs "
             "them: the official image builds it with TorchVision's operators (`TRITON_PYTORCH_ENABLE_TORCHVISION`, "
-            "on by default). `torchship serve` imports torchvision where a file calls them."
+            "on by default). `torchship serve` loads torchvision's operator library where a file calls them."
         )
     return f"""# Triton model repository: {manifest["name"]}
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import os
 import threading
 import zipfile
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -232,15 +234,15 @@ def load(
         r.input_names = [a.name for a in m.forward.schema.arguments[1:]]
         return r
     if fmt == "exported_program":
-        ep = with_torchvision(lambda: torch.export.load(path))
+        ep = with_torchvision(lambda: torch.export.load(path), names_torchvision(path))
         m = ep.module().to(device)
         r = Runner(torch_fn(m, device, threads), inputs, outputs)
         r.input_names = list(ep.graph_signature.user_inputs)
         return r
     if fmt in ("aoti", "aoti_int8", "aoti_bf16"):
-        return Runner(torch_fn(load_aoti(path), device, threads), inputs, outputs)
+        return Runner(torch_fn(with_torchvision(lambda: load_aoti(path)), device, threads), inputs, outputs)
     if fmt == "aoti_buckets":
-        runners = load_buckets(path, device)
+        runners = with_torchvision(lambda: load_buckets(path, device))
         missing = sorted(set(buckets or ()) - set(runners))
         if missing:
             raise ValueError(
@@ -251,20 +253,64 @@ def load(
     raise ValueError(f"unknown artifact format {fmt!r}; known: {', '.join(ARTIFACT_FORMATS)}")
 
 
-def with_torchvision(load: Callable[[], Any]) -> Any:
-    """``load()``, and where it fails for want of torchvision's operators (a detector's ``torchvision::nms``,
-    ``roi_align``: registered when torchvision is imported), again with torchvision imported. Importing it costs
-    a second of CPU, so only the artifacts that call its operators pay it."""
-    try:
-        return load()
-    except Exception as e:
-        if "torchvision" not in str(e):
-            raise
+def with_torchvision(load: Callable[[], Any], needs: bool = False) -> Any:
+    """``load()``, with torchvision's operators (a detector's ``torchvision::nms``, ``roi_align``) registered
+    where it needs them: first where ``needs`` says so (an ExportedProgram's loader fails without naming them),
+    else once ``load()`` has failed for want of them. Registered by torchvision's extension library alone where
+    it loads (``torchvision_library``), else by importing torchvision; only the artifacts that call its operators
+    pay for them."""
+    missing = None
+    if not needs:
         try:
-            import torchvision  # noqa: F401  (registers its operators)
-        except ImportError:
-            raise e from None
+            return load()
+        except Exception as e:
+            if "torchvision" not in str(e):
+                raise
+            missing = e
+    for register in (torchvision_library, _import_torchvision):
+        if register():
+            try:
+                return load()
+            except Exception as e:
+                if not needs and "torchvision" not in str(e):
+                    raise
+                missing = e
+    if missing is None:  # torchvision is not installed: the loader's own error
         return load()
+    raise missing
+
+
+def names_torchvision(path: str) -> bool:
+    """Whether the graph an ExportedProgram archive holds (its JSON members) calls torchvision's operators."""
+    with zipfile.ZipFile(path) as z:
+        return any(b"torch.ops.torchvision." in z.read(n) for n in z.namelist() if n.endswith(".json"))
+
+
+def torchvision_library() -> bool:
+    """Registers torchvision's C++ operators by loading its extension library (``_C.so``, ``_C_stable.so``)
+    without importing the package: importing torchvision imports torch._dynamo through torchvision.ops, seconds
+    of CPU and a few hundred MB in every process that loads a detector. False where no library is found or
+    it does not load."""
+    import torch
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.origin:
+        return False
+    for lib in sorted(Path(spec.origin).parent.glob("_C*.so")):
+        try:
+            torch.ops.load_library(str(lib))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _import_torchvision() -> bool:
+    try:
+        import torchvision  # noqa: F401  (registers its operators)
+    except ImportError:
+        return False
+    return True
 
 
 def threads_in_use(runner: Runner) -> dict[str, Any]:

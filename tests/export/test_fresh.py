@@ -8,9 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 
 from torchship.export import fresh
 from torchship.export.verify import _runner_failure, verify_export
@@ -178,3 +181,76 @@ def test_an_exported_program_loads_and_runs_without_importing_what_its_host_did_
     assert out.returncode == 0, out.stderr[-2000:]
     new = json.loads(out.stdout.strip().splitlines()[-1])
     assert not [m for m in new if m.startswith(("torch.export", "torch._dynamo", "torch._functorch"))], new
+
+
+NMS_LOAD = """
+import json, sys
+import numpy as np
+from torchship import runtime
+if sys.argv[2] == "no-library":  # as where torchvision's extension library is not found
+    runtime.torchvision_library = lambda: False
+r = runtime.load(sys.argv[3], sys.argv[1], ["boxes", "scores"], ["keep"])
+with np.load(sys.argv[4]) as feed:
+    keep = r.run({"boxes": feed["boxes"], "scores": feed["scores"]})["keep"]
+print(json.dumps([keep.tolist(), "torchvision" in sys.modules, "torch._dynamo" in sys.modules]))
+"""
+
+
+class _NMS(torch.nn.Module):
+    """A model's own postprocessing: torchvision's NMS operator (what torchvision.ops.nms and batched_nms call)."""
+
+    def forward(self, boxes, scores):
+        return torch.ops.torchvision.nms(boxes, scores, 0.4)
+
+
+def nms_case(tmp_path):
+    """Boxes and scores saved as feed.npz, and the boxes eager keeps; the ExportedProgram of _NMS."""
+    import torchvision
+
+    g = torch.Generator().manual_seed(0)
+    corners = torch.rand(40, 2, generator=g) * 60
+    boxes, scores = torch.cat([corners, corners + 8 + 20 * torch.rand(40, 2, generator=g)], 1), torch.rand(40)
+    np.savez(tmp_path / "feed.npz", boxes=boxes.numpy(), scores=scores.numpy())
+    want = torchvision.ops.nms(boxes, scores, 0.4).tolist()
+    assert 5 < len(want) < 40  # boxes suppressed and boxes kept
+    return want, torch.export.export(_NMS(), (boxes, scores))
+
+
+def loads_as_eager(tmp_path, fmt, file, want):
+    """``file`` loaded and run in fresh processes, with torchvision's library found and without: it keeps
+    eager's boxes, and torchvision (and torch._dynamo, which it imports) is imported only without the library
+    (torch.export.load and inductor's loader import torch._dynamo themselves)."""
+    for how in ("library", "no-library"):
+        args = [sys.executable, "-c", NMS_LOAD, tmp_path / file, how, fmt, tmp_path / "feed.npz"]
+        done = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        keep, imported, dynamo = json.loads(done.stdout.splitlines()[-1])
+        assert keep == want, (fmt, how)
+        assert imported == (how == "no-library"), (fmt, how)
+        if fmt == "torchscript":
+            assert dynamo == (how == "no-library"), (fmt, how)
+
+
+def test_an_artifact_that_calls_torchvisions_operators_loads_them_from_its_library_alone(tmp_path):
+    """A TorchScript file and an ExportedProgram that call torchvision::nms load in a fresh process (the
+    verifier's, a served stand-in's) with torchvision's operators registered from its extension library, the
+    package itself not imported; where no library is found, importing torchvision registers them. (An
+    ExportedProgram's loader fails without naming the operator: its graph is read for them first.)"""
+    want, ep = nms_case(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script's deprecation
+        torch.jit.script(_NMS()).save(tmp_path / "nms.pt")
+    torch.export.save(ep, tmp_path / "nms.pt2")
+    loads_as_eager(tmp_path, "torchscript", "nms.pt", want)
+    loads_as_eager(tmp_path, "exported_program", "nms.pt2", want)
+
+
+@pytest.mark.slow  # an AOTInductor compile: about 30 s of CPU
+def test_an_aoti_package_that_calls_torchvisions_operators_loads_them(tmp_path):
+    """The same for an AOTInductor package, whose loader fails naming the operator it cannot find."""
+    from torchship.export.exporters import compile_package
+
+    want, ep = nms_case(tmp_path)
+    with torch.no_grad():
+        compile_package(ep, tmp_path / "nms_aoti.pt2")
+    loads_as_eager(tmp_path, "aoti", "nms_aoti.pt2", want)
