@@ -187,11 +187,10 @@ NMS_LOAD = """
 import json, sys
 import numpy as np
 from torchship import runtime
-if sys.argv[2] == "no-library":  # as where torchvision's extension library is not found
+if sys.argv[1] == "no-library":  # as where torchvision's extension library is not found
     runtime.torchvision_library = lambda: False
-r = runtime.load(sys.argv[3], sys.argv[1], ["boxes", "scores"], ["keep"])
-with np.load(sys.argv[4]) as feed:
-    keep = r.run({"boxes": feed["boxes"], "scores": feed["scores"]})["keep"]
+with np.load(sys.argv[2]) as feed:
+    keep = runtime.load(sys.argv[3], sys.argv[4], ["boxes", "scores"], ["keep"]).run(dict(feed))["keep"]
 print(json.dumps([keep.tolist(), "torchvision" in sys.modules, "torch._dynamo" in sys.modules]))
 """
 
@@ -204,7 +203,7 @@ class _NMS(torch.nn.Module):
 
 
 def nms_case(tmp_path):
-    """Boxes and scores saved as feed.npz, and the boxes eager keeps; the ExportedProgram of _NMS."""
+    """Boxes and scores saved as feed.npz, and the boxes eager keeps."""
     import torchvision
 
     g = torch.Generator().manual_seed(0)
@@ -213,16 +212,23 @@ def nms_case(tmp_path):
     np.savez(tmp_path / "feed.npz", boxes=boxes.numpy(), scores=scores.numpy())
     want = torchvision.ops.nms(boxes, scores, 0.4).tolist()
     assert 5 < len(want) < 40  # boxes suppressed and boxes kept
-    return want, torch.export.export(_NMS(), (boxes, scores))
+    return want, (boxes, scores)
 
 
-def loads_as_eager(tmp_path, fmt, file, want):
-    """``file`` loaded and run in fresh processes, with torchvision's library found and without: it keeps
-    eager's boxes, and torchvision (and torch._dynamo, which it imports) is imported only without the library
-    (torch.export.load and inductor's loader import torch._dynamo themselves)."""
-    for how in ("library", "no-library"):
-        args = [sys.executable, "-c", NMS_LOAD, tmp_path / file, how, fmt, tmp_path / "feed.npz"]
-        done = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path)
+def scripted_nms(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script's deprecation
+        torch.jit.script(_NMS()).save(tmp_path / "nms.pt")
+    return tmp_path / "nms.pt"
+
+
+def loads_as_eager(tmp_path, fmt, file, want, hows=("library", "no-library")):
+    """``file`` loaded and run in a fresh process for each of ``hows``, with torchvision's library found and
+    without: it keeps eager's boxes, and torchvision is imported only without the library (and with it
+    torch._dynamo, which loading a TorchScript file does not import otherwise)."""
+    for how in hows:
+        args = [sys.executable, "-c", NMS_LOAD, how, tmp_path / "feed.npz", fmt, file]
+        done = subprocess.run(args, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         keep, imported, dynamo = json.loads(done.stdout.splitlines()[-1])
         assert keep == want, (fmt, how)
@@ -231,26 +237,27 @@ def loads_as_eager(tmp_path, fmt, file, want):
             assert dynamo == (how == "no-library"), (fmt, how)
 
 
-def test_an_artifact_that_calls_torchvisions_operators_loads_them_from_its_library_alone(tmp_path):
-    """A TorchScript file and an ExportedProgram that call torchvision::nms load in a fresh process (the
-    verifier's, a served stand-in's) with torchvision's operators registered from its extension library, the
-    package itself not imported; where no library is found, importing torchvision registers them. (An
-    ExportedProgram's loader fails without naming the operator: its graph is read for them first.)"""
-    want, ep = nms_case(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.jit.script's deprecation
-        torch.jit.script(_NMS()).save(tmp_path / "nms.pt")
-    torch.export.save(ep, tmp_path / "nms.pt2")
-    loads_as_eager(tmp_path, "torchscript", "nms.pt", want)
-    loads_as_eager(tmp_path, "exported_program", "nms.pt2", want)
+def test_a_torchscript_file_that_calls_torchvisions_operators_loads_them_from_its_library_alone(tmp_path):
+    """A TorchScript file that calls torchvision::nms loads in a fresh process (the verifier's, a served
+    stand-in's) with torchvision's operators registered from its extension library, the package itself (and the
+    torch._dynamo it imports) not imported. (Where no library is found, importing torchvision registers them: the
+    next test, in the slow tier.)"""
+    want, _ = nms_case(tmp_path)
+    loads_as_eager(tmp_path, "torchscript", scripted_nms(tmp_path), want, hows=("library",))
 
 
 @pytest.mark.slow  # an AOTInductor compile: about 30 s of CPU
-def test_an_aoti_package_that_calls_torchvisions_operators_loads_them(tmp_path):
-    """The same for an AOTInductor package, whose loader fails naming the operator it cannot find."""
+def test_an_exported_program_and_an_aoti_package_that_call_torchvisions_operators_load_them(tmp_path):
+    """The same for an ExportedProgram (whose loader fails without naming the operator: its graph is read for
+    them first) and an AOTInductor package (whose loader fails naming it); and for each of the three formats,
+    where no library is found, importing torchvision registers them."""
     from torchship.export.exporters import compile_package
 
-    want, ep = nms_case(tmp_path)
+    want, example = nms_case(tmp_path)
+    ep = torch.export.export(_NMS(), example)
+    torch.export.save(ep, tmp_path / "nms.pt2")
     with torch.no_grad():
         compile_package(ep, tmp_path / "nms_aoti.pt2")
-    loads_as_eager(tmp_path, "aoti", "nms_aoti.pt2", want)
+    loads_as_eager(tmp_path, "torchscript", scripted_nms(tmp_path), want, hows=("no-library",))
+    for fmt, file in (("exported_program", "nms.pt2"), ("aoti", "nms_aoti.pt2")):  # each in processes of its own
+        loads_as_eager(tmp_path, fmt, tmp_path / file, want)
