@@ -289,7 +289,7 @@ def names_torchvision(path: str) -> bool:
 def torchvision_library() -> bool:
     """Registers torchvision's C++ operators by loading its extension library (``_C.so``, ``_C_stable.so``)
     without importing the package: importing torchvision imports torch._dynamo through torchvision.ops, seconds
-    of CPU and a few hundred MB in every process that loads a detector. False where no library is found or
+    of CPU and more memory in every process that loads a detector. False where no library is found or
     it does not load."""
     import torch
 
